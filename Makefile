@@ -1,0 +1,44 @@
+# pdserve: `make demo` and `make test` work on a fresh machine with Python 3.10+.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU build of torch is pinned first so the project install does not pull CUDA wheels.
+TORCH_PIN ?= torch==2.13.0
+TYPED := core transfer router
+
+.PHONY: demo test lint typecheck pytest venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pdserve demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy resolves `pdserve.<part>` through a tree of links that mirrors the
+# package mapping in pyproject.toml.
+typecheck: $(STAMP)
+	@rm -rf build/typecheck && mkdir -p build/typecheck/pdserve
+	@for d in core parallel prefill decode transfer router cluster deploy bench; do \
+		ln -s ../../../$$d build/typecheck/pdserve/$$d; done
+	@ln -s ../../../api/__init__.py build/typecheck/pdserve/__init__.py
+	@ln -s ../../../api/llm.py build/typecheck/pdserve/llm.py
+	cd build/typecheck && ../../$(BIN)/mypy $(foreach p,$(TYPED),-p pdserve.$(p))
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``pdserve bench``; clients of the public APIs only."""

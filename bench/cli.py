@@ -1,0 +1,13 @@
+"""``pdserve bench`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = sub.add_parser("bench", help="benchmarks (see bench/RESULTS.md)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    from pdserve.bench import offline
+
+    offline.add_parser(kinds)

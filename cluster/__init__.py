@@ -1,0 +1,1 @@
+"""The Ray side: controller, instances per region and role, planner, simulator."""

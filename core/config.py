@@ -1,0 +1,137 @@
+"""Frozen configuration of one engine: KV cache, scheduler, parallel layout.
+
+One dataclass per component; every tunable number lives here with a default and
+a doc line. ``__post_init__`` rejects bad values with an error naming the field.
+Derived values are properties, never stored copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.core.errors import InvalidArgumentError
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(name, f"must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block (page).
+        num_blocks: blocks in the pool; None sizes the pool from ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: memory for K and V of all layers on one rank; None
+            takes 256 MiB on CPU and 85% of the free memory on a GPU.
+        enable_prefix_caching: reuse full blocks whose chained token hash matches.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        if self.num_blocks is not None:
+            _positive("num_blocks", self.num_blocks)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching with chunked prefill.
+
+    Attributes:
+        max_num_seqs: most requests in the running batch.
+        max_num_batched_tokens: per-step token budget, shared by decode tokens and
+            prefill chunks; a prompt longer than what is left is split over steps.
+        max_prefill_chunk: most prompt tokens of one request in one step (0: no cap
+            beyond the budget), so one long prompt cannot take a whole step.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_prefill_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_prefill_chunk < 0:
+            raise InvalidArgumentError("max_prefill_chunk", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Layout of one instance: tensor x pipeline ranks; experts over ``ep`` ranks.
+
+    Attributes:
+        tensor_parallel_size: ranks that split each layer's heads and hidden units.
+        pipeline_parallel_size: stages that split the layers.
+        expert_parallel_size: ranks that split the MoE experts.
+        pipeline_layers: layers per stage (None: even split).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    pipeline_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _positive("expert_parallel_size", self.expert_parallel_size)
+        if self.pipeline_layers is not None:
+            if len(self.pipeline_layers) != self.pipeline_parallel_size:
+                raise InvalidArgumentError(
+                    "pipeline_layers",
+                    f"needs one entry per stage ({self.pipeline_parallel_size}), "
+                    f"got {len(self.pipeline_layers)}",
+                )
+            for n in self.pipeline_layers:
+                _positive("pipeline_layers", n)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance is built from.
+
+    Attributes:
+        model: checkpoint folder, or a built-in name such as ``builtin:tiny``.
+        dtype: weight and activation dtype; "auto" takes the checkpoint's.
+        max_model_len: longest prompt + output; None takes the model's limit.
+        seed: seed for requests sampled without their own seed.
+        attention_backend: attention implementation by registry name ("auto": the
+            device's default).
+        device: "cpu", "cuda" or "auto".
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: str = "auto"
+    device: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidArgumentError("model", "must be a non-empty path or name")
+        if self.dtype not in _DTYPES:
+            raise InvalidArgumentError("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise InvalidArgumentError("device", f"must be auto, cpu or cuda, got {self.device!r}")

@@ -1,0 +1,213 @@
+"""The engine core: scheduler + executor + detokenizer, one step at a time.
+
+    add_request ──> Scheduler.waiting ──schedule──> StepPlan ──Executor──> sampled tokens
+                                                                               │
+    RequestOutput <── detokenize, stop strings <── Scheduler.update <──────────┘
+
+It holds no threads, sockets or Ray handles: the offline API loops ``step()``
+until nothing is left; prefill and decode instances wrap the same object.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.core.config import EngineConfig
+from pdserve.core.detokenizer import IncrementalDetokenizer
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.executor import Executor
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.request import (
+    CompletionOutput,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+)
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.scheduler import Scheduler
+from pdserve.core.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: int) -> int:
+    """The context limit: the config's, else the model's, capped by what the pool holds."""
+    pool_tokens = num_blocks * config.cache.block_size
+    if config.max_model_len is not None:
+        if config.max_model_len > model.max_position_embeddings:
+            raise InvalidArgumentError(
+                "max_model_len",
+                f"{config.max_model_len} exceeds the model's max_position_embeddings "
+                f"({model.max_position_embeddings})",
+            )
+        if config.max_model_len > pool_tokens:
+            raise InvalidArgumentError(
+                "max_model_len",
+                f"{config.max_model_len} tokens do not fit the KV cache "
+                f"({num_blocks} blocks x {config.cache.block_size} = {pool_tokens} tokens); "
+                "raise cache.kv_cache_memory_bytes or lower max_model_len",
+            )
+        return config.max_model_len
+    if model.max_position_embeddings > pool_tokens:
+        logger.info(
+            "max_model_len capped at %d tokens by the KV cache size (model allows %d)",
+            pool_tokens,
+            model.max_position_embeddings,
+        )
+    return min(model.max_position_embeddings, pool_tokens)
+
+
+class EngineCore:
+    """Runs requests to completion over one executor."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: ModelConfig,
+        executor: Executor,
+        tokenizer: Tokenizer | None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.executor = executor
+        self.tokenizer = tokenizer
+        num_blocks = executor.num_kv_blocks
+        self.max_model_len = resolve_max_model_len(config, model, num_blocks)
+        self.kv = KVCacheManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self.eos_token_ids = model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
+
+    # -- requests in --------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue one request; raises InvalidArgumentError naming the field."""
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidArgumentError(
+                "prompt",
+                f"{len(token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}",
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError("stop", "stop strings need a model with a tokenizer")
+        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
+        self.scheduler.add_request(request)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgumentError(
+                    "prompt", "this model has no tokenizer.json: pass token ids instead of text"
+                )
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list | tuple):
+            token_ids = list(prompt)
+            for t in token_ids:
+                if (
+                    isinstance(t, bool)
+                    or not isinstance(t, int)
+                    or not 0 <= t < self.model.vocab_size
+                ):
+                    raise InvalidArgumentError(
+                        "prompt_token_ids",
+                        f"each id must be an integer in [0, {self.model.vocab_size}), got {t!r}",
+                    )
+        else:
+            raise InvalidArgumentError(
+                "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not token_ids:
+            raise InvalidArgumentError("prompt", "must not be empty")
+        return token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is and free its blocks; None if unknown."""
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            return None
+        return self._output(request, [])
+
+    # -- the step ------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and post-process one batch; outputs for requests that moved."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.executor.execute(plan)
+        outputs = []
+        for request in self.scheduler.update(plan, result.sampled):
+            detok = self._detok[request.request_id]
+            stop = detok.update(request.token_ids[-1:])
+            if stop is not None and not request.finished:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            outputs.append(self._output(request, request.token_ids[-1:]))
+        return outputs
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        rid = request.request_id
+        finished = request.finished
+        detok = self._detok[rid]
+        if finished:
+            detok.finish(request.output_token_ids)
+        new_text = detok.pop_new_text(finished)
+        out = RequestOutput(
+            request_id=rid,
+            prompt=self._prompts[rid],
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=detok.text,
+                    token_ids=request.output_token_ids,
+                    finish_reason=request.status.value if finished else None,
+                    stop_reason=request.stop_reason,
+                )
+            ],
+            finished=finished,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_token_time=request.first_token_time,
+                finished_time=time.monotonic() if finished else None,
+                num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+                num_preemptions=request.num_preemptions,
+            ),
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+        )
+        if finished:
+            del self._detok[rid]
+            del self._prompts[rid]
+        return out
+
+    def check_integrity(self) -> None:
+        """Scheduler queues, block tables and the block pool agree (AssertionError if not)."""
+        self.scheduler.check_integrity()
+        assert set(self._detok) == set(self.scheduler.requests)
+
+    def assert_idle(self) -> None:
+        """No request is left and every KV block is back in the pool."""
+        self.check_integrity()
+        assert not self.has_unfinished_requests()
+        self.kv.assert_empty()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,37 @@
+"""The seam between the engine core and whatever runs the model.
+
+The engine core knows nothing about ranks, devices or Ray: it hands a
+:class:`~pdserve.core.step.StepPlan` to an :class:`Executor` and gets the
+sampled tokens back. A one-rank executor runs the model in-process; a
+multi-rank executor broadcasts the plan to its ranks.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from pdserve.core.step import StepPlan, StepResult
+
+
+class Executor(abc.ABC):
+    """Runs step plans on every rank of one instance.
+
+    Contract:
+        ``num_kv_blocks`` is fixed once the executor exists (its ranks have
+        allocated their KV caches); the engine sizes its block pool from it.
+        ``execute`` is called once per step, from one thread, with a non-empty
+        plan; it blocks until the step is done and returns one token per
+        sampling row. It raises :class:`~pdserve.core.errors.InstanceFailedError`
+        if a rank died. ``shutdown`` releases ranks and memory; calling it twice
+        is harmless.
+    """
+
+    @property
+    @abc.abstractmethod
+    def num_kv_blocks(self) -> int: ...
+
+    @abc.abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...

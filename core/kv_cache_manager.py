@@ -1,0 +1,190 @@
+"""Block tables of running requests over one :class:`BlockPool`, with prefix caching.
+
+A request's block table covers its tokens in order; token ``i`` lives in slot
+``i % block_size`` of block ``table[i // block_size]``::
+
+    token_ids:  | prompt ...................................| output ...... |
+    blocks:     [ hit 0 ][ hit 1 ][ new 2 ][ new 3 ][ new 4 ][ new 5 ]
+                 ^ prefix-cache hits     ^ num_computed_tokens  ^ computed this step
+                 (shared, ref_cnt > 1)                          (allocated now)
+
+Full blocks are hashed by chaining: ``h_i = H(h_{i-1}, tokens of block i)``, so
+two requests share block ``i`` only when all tokens up to its end are equal.
+Hashes are stable across processes (blake2b), so a router can index them.
+
+Who frees what: the manager holds one reference per block per table; ``free``
+drops them when the request finishes, aborts or is preempted. A freed full
+block keeps its hash and stays reusable until the pool evicts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.core.block_pool import BlockPool, KVBlock
+from pdserve.core.request import Request
+
+
+def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: depends on every token up to its end."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        h.update(parent)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache, and how many were hits."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Owns the block table of every request that holds KV blocks on this instance."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._tables: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each table are indexed in the prefix cache.
+        self._num_cached: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` over every full block of its known tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.token_ids[i * bs : (i + 1) * bs]))
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Longest run of leading blocks already cached, leaving >= 1 token to compute.
+
+        The last token is always recomputed so the step that runs it yields logits.
+        Nothing is taken yet; pass the result to ``allocate_slots``.
+        """
+        if not self.pool.enable_caching or request.num_computed_tokens > 0:
+            return []
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()
+    ) -> bool:
+        return self._num_new_blocks_needed(request, num_new_tokens, cached_prefix) is not None
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()
+    ) -> bool:
+        """Make the table cover ``num_computed + len(cached_prefix)*bs + num_new_tokens``.
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        n_new = self._num_new_blocks_needed(request, num_new_tokens, cached_prefix)
+        if n_new is None:
+            return False
+        table = self._tables.setdefault(request.request_id, [])
+        if not table and request.num_computed_tokens == 0 and self.pool.enable_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += len(cached_prefix) * self.block_size
+        if cached_prefix:
+            assert not table, "a cached prefix can only start an empty block table"
+            self.pool.touch(cached_prefix)
+            table.extend(cached_prefix)
+            self._num_cached[request.request_id] = len(cached_prefix)
+            request.num_computed_tokens = len(cached_prefix) * self.block_size
+            request.num_cached_prompt_tokens = request.num_computed_tokens
+        table.extend(self.pool.allocate(n_new))
+        return True
+
+    def _num_new_blocks_needed(
+        self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock]
+    ) -> int | None:
+        table = self._tables.get(request.request_id, ())
+        covered = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        needed = self.blocks_for(covered + num_new_tokens) - len(table) - len(cached_prefix)
+        needed = max(needed, 0)
+        # Cached blocks nobody holds sit in the free queue; taking them shrinks it.
+        reclaimed = sum(1 for b in cached_prefix if b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - reclaimed:
+            return None
+        return needed
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Index the request's blocks that became full and computed this step."""
+        if not self.pool.enable_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        self.update_block_hashes(request)
+        start = self._num_cached.get(request.request_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            self.pool.cache(table[i], request.block_hashes[i])
+        self._num_cached[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request; tail blocks become evictable first."""
+        table = self._tables.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any reference count, queue or index disagrees."""
+        refs: dict[int, int] = {}
+        for rid, table in self._tables.items():
+            ids = [b.block_id for b in table]
+            assert len(ids) == len(set(ids)), f"request {rid} holds a block twice"
+            for block_id in ids:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        self.pool.check_integrity(refs)
+
+    def assert_empty(self) -> None:
+        """Every block is unreferenced: nothing leaked after all requests ended."""
+        self.check_integrity()
+        assert not self._tables, f"block tables still held by {sorted(self._tables)}"
+        assert self.pool.num_free_blocks == self.pool.num_blocks

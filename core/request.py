@@ -1,0 +1,144 @@
+"""A request as the engine sees it, and what the engine hands back.
+
+A request carries counters, not phase flags: ``num_computed_tokens`` says how
+many of its tokens already have KV in the cache. A prompt chunk, a prefix-cache
+hit, and KV that arrived from another instance all just advance that counter;
+the request needs a sampled token whenever the counter reaches ``num_tokens``.
+
+Lifecycle::
+
+    WAITING --schedule--> RUNNING --stop/length--> FINISHED_*
+       ^                     |
+       +----- PREEMPTED <----+  (blocks freed; recomputed from token 0 later)
+    any state --abort--> FINISHED_ABORTED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class Request:
+    """One sequence being generated. Mutated only by the scheduler that owns it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # prompt followed by generated tokens; KV exists for the first num_computed_tokens.
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Chained hashes of this request's full blocks, filled by the KV cache manager.
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0
+        self.first_token_time: float | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )
+
+
+@dataclass
+class CompletionOutput:
+    """The generated part of one request: cumulative, not a delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock marks of one request (``time.monotonic`` seconds)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for one request after a step.
+
+    ``outputs[0].token_ids`` and ``text`` are everything generated so far;
+    ``new_token_ids`` and ``new_text`` are what this step added (for streaming).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""

@@ -1,0 +1,107 @@
+"""Turn the last-position logits of a batch into one token per sequence.
+
+Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k
+and top-p, and sampled by the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
+which picks token ``i`` with probability ``p_i`` and never picks a token whose
+probability was cut to zero.
+
+A row with a seed draws its noise from a generator seeded by ``(seed, index of
+the token being sampled)``, so its output depends on nothing but its own seed
+and tokens: not on what it is batched with, not on preemption or migration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK = float("-inf")
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings of one row; ``output_index`` is the index of the new token."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    output_index: int = 0
+    banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+def _row_seed(seed: int, output_index: int) -> int:
+    return (seed * _GOLDEN + output_index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+class Sampler:
+    """Stateless but for the generator used by rows without a seed."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
+        # logits: [B, V] for the B rows, any float dtype.
+        assert logits.shape[0] == len(rows), (logits.shape, len(rows))
+        logits = logits.float()
+        if any(r.banned_token_ids for r in rows):
+            logits = logits.clone()
+            for i, r in enumerate(rows):
+                if r.banned_token_ids:
+                    logits[i, list(r.banned_token_ids)] = _MASK
+        if all(r.greedy for r in rows):
+            return logits.argmax(dim=-1).tolist()
+        greedy_tokens = logits.argmax(dim=-1)
+        probs = self._filtered_probs(logits, rows)
+        noise = self._noise(probs, rows)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
+        return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+
+    def _filtered_probs(self, logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+        temps = torch.tensor(
+            [r.temperature if not r.greedy else 1.0 for r in rows], device=logits.device
+        )
+        logits = logits / temps.unsqueeze(1)
+        vocab = logits.shape[1]
+        top_ks = [r.top_k if 0 < r.top_k < vocab else vocab for r in rows]
+        top_ps = [r.top_p for r in rows]
+        if all(k == vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
+            return logits.softmax(dim=-1)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        k = torch.tensor(top_ks, device=logits.device).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, _MASK)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the
+        # first token is never dropped.
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        p = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(before >= p, _MASK)
+        filtered = torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
+        return filtered.softmax(dim=-1)
+
+    def _noise(self, probs: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.seed is None]
+        if unseeded:
+            block = torch.empty(
+                (len(unseeded), probs.shape[1]), device=probs.device, dtype=probs.dtype
+            )
+            block.exponential_(generator=self._generator)
+            noise[unseeded] = block
+        for i, r in enumerate(rows):
+            if r.seed is not None:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(_row_seed(r.seed, r.output_index))
+                noise[i].exponential_(generator=gen)
+        # Exp(1) can round to 0; a floor keeps p / q finite and zero for cut tokens.
+        return noise.clamp_(min=1e-30)

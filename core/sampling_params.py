@@ -1,0 +1,116 @@
+"""Per-request sampling and stopping parameters.
+
+`SamplingParams` is frozen and validated on construction: a bad value raises
+:class:`~pdserve.core.errors.InvalidArgumentError` naming the field, so the same
+checks guard the offline API, the command line and the network front doors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.core.errors import InvalidArgumentError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        min_tokens: EOS and stop tokens are ignored until this many are generated.
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_k: keep only the k most likely tokens (0 or -1: off).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1: off).
+        seed: makes sampling reproducible for this request, whatever it is batched with.
+        stop: strings that end generation; by default they are cut from the text.
+        stop_token_ids: token ids that end generation (kept in ``token_ids``).
+        ignore_eos: keep generating past the model's EOS tokens.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        skip_special_tokens: leave special tokens out of the decoded text.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists and a lone string from callers; store tuples so the
+        # object stays hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise InvalidArgumentError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgumentError(
+                "min_tokens",
+                f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+            )
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidArgumentError("temperature", f"must be >= 0, got {self.temperature}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise InvalidArgumentError("top_k", f"must be -1, 0 (off) or >= 1, got {self.top_k}")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed < 2**63:
+                raise InvalidArgumentError("seed", f"must be in [0, 2**63), got {self.seed}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidArgumentError("stop", f"must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
+            if t < 0:
+                raise InvalidArgumentError("stop_token_ids", f"must be >= 0, got {t}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
+        """Build from a plain mapping (a wire message), rejecting unknown names."""
+        known = set(cls.__dataclass_fields__)
+        for name in values:
+            if name not in known:
+                raise InvalidArgumentError(name, "unknown sampling parameter")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(name, f"must be an integer, got {type(value).__name__}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgumentError(name, f"must be a number, got {type(value).__name__}")
+    if value != value:  # NaN
+        raise InvalidArgumentError(name, "must not be NaN")

@@ -1,0 +1,206 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step shares a token budget (``max_num_batched_tokens``) among requests:
+
+1. running requests that are decoding (one token each), oldest first;
+2. running requests partway through their prompt (the next chunk);
+3. waiting requests, first come first served, each starting from its longest
+   prefix-cache hit; a prompt longer than the budget left is split.
+
+When the pool has no block for a running request, the newest running request
+is preempted: its blocks are freed and it goes back to the front of the queue,
+to be recomputed from token 0 (prefix caching usually makes that cheap).
+Waiting requests are not admitted in a step that preempted.
+
+Queues: ``waiting`` is fed by ``add_request`` and drained by ``schedule``;
+``running`` is filled by ``schedule`` and emptied by ``update``/``finish``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.core.config import SchedulerConfig
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.sampler import RowSampling
+from pdserve.core.step import ScheduledSeq, StepPlan
+
+
+class Scheduler:
+    """Owns the waiting and running queues of one engine and their KV blocks."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> StepPlan:
+        """Pick this step's batch and reserve its KV slots."""
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted = False
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk(request, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                for i, (r, n) in enumerate(chosen):
+                    if r is victim:  # already picked this step: give its tokens back
+                        del chosen[i]
+                        budget += n
+                        break
+                if victim is request:
+                    break
+            else:
+                chosen.append((request, num_new))
+                budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(budget, chosen)
+        self._step_id += 1
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        return StepPlan(self._step_id, [self._scheduled(r, n) for r, n in chosen], finished)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        cap = self.config.max_prefill_chunk or remaining
+        return min(remaining, budget, cap)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        # Ranks may hold per-request state (e.g. sampling); tell them to drop it.
+        self._finished_since_last_step.append(request.request_id)
+
+    def _admit_waiting(self, budget: int, chosen: list[tuple[Request, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv.find_cached_prefix(request)
+            computed = len(prefix) * self.kv.block_size
+            num_new = min(request.num_tokens - computed, budget)
+            if self.config.max_prefill_chunk:
+                num_new = min(num_new, self.config.max_prefill_chunk)
+            if not self.kv.allocate_slots(request, num_new, prefix):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chosen.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        sampling = None
+        if start + num_new == request.num_tokens:
+            p = request.sampling_params
+            banned: tuple[int, ...] = ()
+            if request.num_output_tokens < p.min_tokens:
+                banned = request.eos_token_ids + p.stop_token_ids
+            sampling = RowSampling(
+                p.temperature, p.top_k, p.top_p, p.seed, request.num_output_tokens, banned
+            )
+        return ScheduledSeq(
+            request.request_id,
+            request.token_ids[start : start + num_new],
+            start,
+            self.kv.block_table(request.request_id),
+            sampling,
+        )
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters after a step; return the requests that got a token.
+
+        Requests that hit a token-level stop (EOS, stop token, max_tokens, the
+        context limit) are finished here and their blocks freed.
+        """
+        out = []
+        for seq in plan.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += seq.num_tokens
+            self.kv.cache_computed_blocks(request)
+            if seq.sampling is None:
+                continue
+            token = sampled[seq.request_id]
+            request.append_token(token)
+            out.append(request)
+            reason = self._token_stop(request, token)
+            if reason is not None:
+                status, stop_reason = reason
+                self.finish(request.request_id, status, stop_reason)
+        return out
+
+    def _token_stop(self, request: Request, token: int) -> tuple[RequestStatus, int | None] | None:
+        p = request.sampling_params
+        if request.num_output_tokens >= p.min_tokens:
+            if token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
+
+    def finish(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> Request | None:
+        """End a request in any state and free its blocks (idempotent)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self._finished_since_last_step.append(request_id)
+        return request
+
+    def check_integrity(self) -> None:
+        """Queues and block tables agree; raises AssertionError otherwise."""
+        self.kv.check_integrity()
+        queued = {r.request_id for r in self.waiting} | {r.request_id for r in self.running}
+        assert queued == set(self.requests), "a request is lost or in no queue"
+        assert len(self.waiting) + len(self.running) == len(self.requests), (
+            "a request is queued twice"
+        )
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING, r
+            assert self.kv.holds(r.request_id) or r.num_computed_tokens == 0
+            assert (
+                len(self.kv.block_table(r.request_id)) * self.kv.block_size >= r.num_computed_tokens
+            )
+        for r in self.waiting:
+            assert not self.kv.holds(r.request_id), f"waiting {r} holds blocks"

@@ -1,0 +1,1 @@
+"""The decode instance: receives KV pages and generates in a continuous batch."""

@@ -1,0 +1,156 @@
+"""The ``pdserve`` command line.
+
+    pdserve generate --model builtin:tiny --prompt "Hello" --max-tokens 16
+    pdserve demo
+    pdserve bench offline --model builtin:small
+
+Errors a user can cause (a bad flag value, a missing model) print one line
+naming the field and exit with status 2; nothing prints a traceback for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from pdserve.core.errors import PdserveError
+
+logger = logging.getLogger("pdserve")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="builtin:tiny", help="checkpoint folder or builtin:<name>")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: by memory)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
+    p.add_argument("--expert-parallel-size", "--ep", type=int, default=1)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "num_blocks": args.num_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "attention_backend": args.attention_backend,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "expert_parallel_size": args.expert_parallel_size,
+    }
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pdserve.core.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.llm import LLM
+
+    params = _sampling(args)
+    prompts = args.prompt or ["Hello"]
+    llm = LLM(args.model, **engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = 0
+    for out in outputs:
+        comp = out.outputs[0]
+        generated += len(comp.token_ids)
+        print(f"--- prompt: {out.prompt!r}")
+        print(f"    output: {comp.text!r}")
+        ttft = out.metrics.ttft
+        ttft_text = f", ttft: {ttft * 1e3:.1f} ms" if ttft is not None else ""
+        print(f"    tokens: {len(comp.token_ids)}, finish: {comp.finish_reason}{ttft_text}")
+    print(
+        f"{len(outputs)} prompts, {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s)"
+    )
+    return 0
+
+
+DEMO_PROMPTS = [
+    "The router sees the whole cluster.",
+    "What is a block table?",
+    "Once upon a time there was a small server",
+    "Prefill is heavy on arithmetic and short.",
+]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    print("pdserve demo: builtin:tiny (random weights: the generated text is meaningless)")
+    args.prompt = DEMO_PROMPTS
+    return cmd_generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate offline for one or more prompts")
+    _add_engine_flags(gen)
+    _add_sampling_flags(gen)
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="generate with the built-in model and print timings")
+    _add_engine_flags(demo)
+    _add_sampling_flags(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    from pdserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except PdserveError as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

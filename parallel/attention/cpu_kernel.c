@@ -1,0 +1,183 @@
+/*
+ * Paged decode attention for CPUs: one query token per sequence, keys and
+ * values read once, straight from the paged cache through the block table.
+ *
+ * Layouts (row-major, contiguous):
+ *   q, out        [num_seqs, num_heads, head_dim]
+ *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables  [num_seqs, max_blocks] int32
+ *   seq_lens      [num_seqs] int32 (context length, the new token included)
+ * dtype: 0 = float32, 1 = bfloat16 (accumulation is always float32).
+ *
+ * Work is split over (sequence, KV head); the query heads of a GQA group
+ * share each key/value row they read.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Eight floats; the compiler maps it to one AVX register, or two NEON ones. */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf8u __attribute__((vector_size(32), aligned(4))); /* unaligned access */
+#define MAX_HEADS 64 /* most query heads one work item handles */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float hsum8(vf8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+#define LOAD8(p) (*(const vf8u *)(p))
+
+/* scores[i] = dot(q_i, k_{i / group}) for the nq query heads. Heads go four at
+ * a time with four accumulators held in registers, so four independent FMA
+ * chains overlap instead of one chain waiting on each FMA's latency. */
+static inline void dots8(float *scores, const float *qv, const float *k, int64_t nq, int64_t group,
+                         int64_t head_dim) {
+    int64_t i = 0;
+    for (; i + 4 <= nq; i += 4) {
+        const float *q0 = qv + i * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim, *q3 = q2 + head_dim;
+        const float *k0 = k + (i / group) * head_dim, *k1 = k + ((i + 1) / group) * head_dim;
+        const float *k2 = k + ((i + 2) / group) * head_dim, *k3 = k + ((i + 3) / group) * head_dim;
+        vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            a0 += LOAD8(q0 + d) * LOAD8(k0 + d);
+            a1 += LOAD8(q1 + d) * LOAD8(k1 + d);
+            a2 += LOAD8(q2 + d) * LOAD8(k2 + d);
+            a3 += LOAD8(q3 + d) * LOAD8(k3 + d);
+        }
+        scores[i] = hsum8(a0);
+        scores[i + 1] = hsum8(a1);
+        scores[i + 2] = hsum8(a2);
+        scores[i + 3] = hsum8(a3);
+    }
+    for (; i < nq; i++) {
+        const float *qi = qv + i * head_dim, *kh = k + (i / group) * head_dim;
+        vf8 a = {0};
+        for (int64_t d = 0; d < head_dim; d += 8) a += LOAD8(qi + d) * LOAD8(kh + d);
+        scores[i] = hsum8(a);
+    }
+}
+
+/* Row `index` (in elements) of a cache or query tensor, as float32. fp32 data is
+ * returned in place; bf16 data is converted into `tmp`. */
+static inline const float *row_f32(const void *base, int64_t index, int64_t n, int dtype, float *tmp) {
+    if (dtype == 0) return (const float *)base + index;
+    const uint16_t *src = (const uint16_t *)base + index;
+    for (int64_t i = 0; i < n; i++) tmp[i] = bf16_to_f32(src[i]);
+    return tmp;
+}
+
+/* Attention of query heads [h0 * group, h1 * group) of sequence s. */
+static int attend(void *out, const void *q, const void *k_cache, const void *v_cache,
+                  const int32_t *table, int64_t len, int64_t s, int64_t h0, int64_t h1,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                  int64_t group, float scale, int dtype) {
+    const int64_t nq = (h1 - h0) * group;  /* query heads handled here */
+    const int vector_path = head_dim % 8 == 0;
+    const int64_t width = (h1 - h0) * head_dim; /* K/V elements of one token used here */
+    float *scratch = malloc((size_t)(nq * len + 2 * nq * head_dim + width + nq) * sizeof(float));
+    if (scratch == NULL) return 1;
+    float *scores = scratch;          /* [nq, len] */
+    float *qv = scores + nq * len;    /* [nq, head_dim] */
+    float *acc = qv + nq * head_dim;  /* [nq, head_dim] */
+    float *tmp = acc + nq * head_dim; /* [width] */
+    float *maxs = tmp + width;        /* [nq] */
+    for (int64_t i = 0; i < nq; i++) {
+        const float *qi = row_f32(q, (s * num_heads + h0 * group + i) * head_dim, head_dim, dtype, tmp);
+        memcpy(qv + i * head_dim, qi, (size_t)head_dim * sizeof(float));
+        maxs[i] = -INFINITY;
+    }
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const float *k = row_f32(k_cache, (slot * num_kv_heads + h0) * head_dim, width, dtype, tmp);
+        float dots[MAX_HEADS];
+        if (vector_path) {
+            dots8(dots, qv, k, nq, group, head_dim);
+        } else {
+            for (int64_t i = 0; i < nq; i++) {
+                const float *qi = qv + i * head_dim;
+                const float *kh = k + (i / group) * head_dim;
+                float dot = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++) dot += qi[d] * kh[d];
+                dots[i] = dot;
+            }
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            const float dot = dots[i] * scale;
+            scores[i * len + t] = dot;
+            if (dot > maxs[i]) maxs[i] = dot;
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        float sum = 0.0f;
+        float *si = scores + i * len;
+        for (int64_t t = 0; t < len; t++) {
+            si[t] = expf(si[t] - maxs[i]);
+            sum += si[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; t++) si[t] *= inv;
+    }
+    memset(acc, 0, (size_t)(nq * head_dim) * sizeof(float));
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const float *v = row_f32(v_cache, (slot * num_kv_heads + h0) * head_dim, width, dtype, tmp);
+        for (int64_t i = 0; i < nq; i++) {
+            const float w = scores[i * len + t];
+            const float *vh = v + (i / group) * head_dim;
+            float *ai = acc + i * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) ai[d] += w * vh[d];
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t o = (s * num_heads + h0 * group + i) * head_dim;
+        if (dtype == 0) {
+            memcpy((float *)out + o, acc + i * head_dim, (size_t)head_dim * sizeof(float));
+        } else {
+            uint16_t *dst = (uint16_t *)out + o;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(acc[i * head_dim + d]);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t max_blocks, float scale, int dtype,
+                           int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    /* Whole rows per sequence read best; split heads only when sequences are
+     * too few to keep every thread busy. */
+    int64_t splits = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
+    while (num_heads / splits > MAX_HEADS) splits *= 2; /* keep work items within MAX_HEADS */
+    if (splits > num_kv_heads || num_kv_heads % splits) splits = num_kv_heads;
+    const int64_t per_split = num_kv_heads / splits;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
+    for (int64_t item = 0; item < num_seqs * splits; item++) {
+        const int64_t s = item / splits;
+        const int64_t h0 = (item % splits) * per_split;
+        failed |= attend(out, q, k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s], s, h0,
+                         h0 + per_split, num_heads, num_kv_heads, head_dim, block_size, group, scale,
+                         dtype);
+    }
+    return failed;
+}

@@ -1,0 +1,61 @@
+"""Where one rank sits in its instance, and the collectives its layers call.
+
+Layers never look up global state: each is built with a :class:`ParallelContext`
+that says its tensor-, pipeline- and expert-parallel rank and size and holds the
+process groups. On one rank every collective is a no-op, so the same layer code
+runs with and without ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's coordinates; groups are None when that dimension has size 1."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    tp_group: Any = None
+    ep_group: Any = None
+    pp_group: Any = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def tp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each TP rank's ``x`` along the last dimension."""
+        if self.tp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE_RANK = ParallelContext()
+
+
+def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, end)`` of part ``index`` when ``total`` items are split in ``parts``."""
+    size = -(-total // parts)
+    start = min(index * size, total)
+    return start, min(start + size, total)

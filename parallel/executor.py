@@ -1,0 +1,30 @@
+"""Executors that run step plans on the ranks of one instance.
+
+:class:`LocalExecutor` runs one rank in the calling process: the offline API on
+one device, and each decode or prefill instance whose layout is a single rank.
+"""
+
+from __future__ import annotations
+
+from pdserve.core.config import EngineConfig
+from pdserve.core.executor import Executor
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.step import StepPlan, StepResult
+from pdserve.parallel.model_runner import ModelRunner
+
+
+class LocalExecutor(Executor):
+    """One rank, in-process."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig) -> None:
+        self.runner = ModelRunner(model_config, config)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,137 @@
+"""One rank's model shard, its KV cache, and the forward pass of a step.
+
+The runner builds its stage of the model on its device, loads its slice of the
+checkpoint, sizes and allocates the paged KV cache, and executes step plans.
+The KV cache is one tensor per rank::
+
+    kv_cache: [num_local_layers, 2 (K, V), num_blocks, block_size, Hkv_local, head_dim]
+
+so one page of one layer is ``kv_cache[layer, :, block]`` and the transfer layer
+can address pages without knowing the model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.core.config import EngineConfig
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.sampler import Sampler
+from pdserve.core.step import StepPlan, StepResult
+from pdserve.parallel.attention.backend import select_backend
+from pdserve.parallel.batch import PreparedBatch, prepare_batch
+from pdserve.parallel.context import SINGLE_RANK, ParallelContext
+from pdserve.parallel.cpu_linear import pack_linears, packing_available
+from pdserve.parallel.loader import load_checkpoint
+from pdserve.parallel.models import build_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_BYTES = 256 << 20
+_CUDA_KV_FRACTION = 0.85
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model: ModelConfig) -> torch.dtype:
+    return _DTYPES[model.dtype if name == "auto" else name]
+
+
+class ModelRunner:
+    """Executes step plans on one rank."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        ctx: ParallelContext = SINGLE_RANK,
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.ctx = ctx
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config)
+        self.block_size = config.cache.block_size
+        backend_cls = select_backend(config.attention_backend, self.device)
+        self.layer_range = layer_range or (0, model_config.num_layers)
+        with torch.device(self.device):
+            self.model = build_model(model_config, ctx, self.dtype, self.layer_range, backend_cls)
+        load_checkpoint(self.model, model_config.path)
+        self.model.eval()
+        if packing_available(self.device, self.dtype):
+            pack_linears(self.model)
+        self.num_blocks = self._num_blocks()
+        kv_heads = max(1, model_config.num_kv_heads // ctx.tp_size)
+        self.kv_cache = torch.zeros(
+            (
+                len(self.model.layers),
+                2,
+                self.num_blocks,
+                self.block_size,
+                kv_heads,
+                model_config.head_dim,
+            ),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.caches = [
+            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(len(self.model.layers))
+        ]
+        self.sampler = Sampler(config.seed, self.device)
+        logger.info(
+            "rank tp=%d/%d pp=%d/%d: layers %s, %d KV blocks of %d tokens, %s on %s",
+            ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.pp_size, self.layer_range,
+            self.num_blocks, self.block_size, self.dtype, self.device,
+        )  # fmt: skip
+
+    def bytes_per_block(self) -> int:
+        local_layers = self.layer_range[1] - self.layer_range[0]
+        tp = self.ctx.tp_size
+        kv_heads = max(1, self.model_config.num_kv_heads // tp)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return (
+            2
+            * max(local_layers, 1)
+            * self.block_size
+            * kv_heads
+            * self.model_config.head_dim
+            * elem
+        )
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * _CUDA_KV_FRACTION)
+            else:
+                budget = _CPU_KV_BYTES
+        return max(1, budget // self.bytes_per_block())
+
+    def prepare(self, plan: StepPlan) -> PreparedBatch:
+        return prepare_batch(plan, self.block_size, self.device)
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the whole model (one stage, one rank) on a plan and sample."""
+        batch = self.prepare(plan)
+        hidden, _ = self.model(batch.input_ids, batch.positions, self.caches, batch.meta)
+        return self.sample(plan, batch, hidden)
+
+    def sample(self, plan: StepPlan, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
+        if not batch.sample_ids:
+            return StepResult(plan.step_id, {})
+        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        tokens = self.sampler(logits, batch.sample_rows)
+        return StepResult(plan.step_id, dict(zip(batch.sample_ids, tokens, strict=True)))

@@ -1,0 +1,31 @@
+"""Model families, by the family name :class:`~pdserve.core.model_config.ModelConfig` reads."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.core.model_config import ModelConfig
+from pdserve.parallel.attention.backend import AttentionBackend
+from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.models.transformer import CausalLM
+
+# Every supported family is the same decoder with family-specific options
+# (q/k/v bias for Qwen2, sparse MoE for Mixtral) read from the config.
+MODEL_FAMILIES: dict[str, type[CausalLM]] = {
+    "llama": CausalLM,
+    "qwen2": CausalLM,
+    "mixtral": CausalLM,
+}
+
+
+def build_model(
+    config: ModelConfig,
+    ctx: ParallelContext,
+    dtype: torch.dtype,
+    layer_range: tuple[int, int],
+    backend_cls: type[AttentionBackend],
+) -> CausalLM:
+    return MODEL_FAMILIES[config.family](config, ctx, dtype, layer_range, backend_cls)
+
+
+__all__ = ["MODEL_FAMILIES", "CausalLM", "build_model"]

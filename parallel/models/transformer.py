@@ -1,0 +1,255 @@
+"""The decoder-only transformer behind every supported family.
+
+Llama, Mistral and Qwen2 differ only in q/k/v bias; Mixtral swaps the dense MLP
+for :class:`~pdserve.parallel.moe.SparseMoE`. One pipeline stage holds layers
+``[layer_start, layer_end)``, the embedding if it is the first stage, and the
+final norm and LM head if it is the last.
+
+Tensors cross this module flat over the step's tokens: ``input_ids [T]``,
+``positions [T]``, hidden states ``[T, hidden]``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from pdserve.core.model_config import ModelConfig
+from pdserve.parallel.attention.backend import AttentionBackend, AttentionMetadata
+from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    silu_and_mul,
+)
+from pdserve.parallel.moe import SparseMoE
+from pdserve.parallel.rotary import RotaryEmbedding
+
+# (cache_k, cache_v) of one layer, each [num_blocks, block_size, Hkv_local, D].
+LayerCache = tuple[torch.Tensor, torch.Tensor]
+# RoPE (cos, sin) at the step's positions, each [T, 1, D / 2]; shared by all layers.
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        backend_cls: type[AttentionBackend],
+    ) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.qkv = QKVParallelLinear(
+            config.hidden_size,
+            d,
+            config.num_heads,
+            config.num_kv_heads,
+            config.attention_bias,
+            ctx,
+            dtype,
+        )
+        self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, False, ctx, dtype)
+        self.backend = backend_cls(self.qkv.num_heads, self.qkv.num_kv_heads, d, d**-0.5)
+
+    def forward(
+        self, rope: RopeTables, x: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        nq, nkv, d = self.qkv.num_heads, self.qkv.num_kv_heads, self.qkv.head_dim
+        qkv = self.qkv(x).view(t, nq + 2 * nkv, d)
+        # q and k sit side by side in the fused output: rotate both in one go.
+        qk = RotaryEmbedding.rotate(qkv[:, : nq + nkv], *rope)
+        q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
+        o = self.backend.forward(q, k, v, cache[0], cache[1], meta)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up = ColumnParallelLinear(config.hidden_size, [inter, inter], False, ctx, dtype)
+        self.down = RowParallelLinear(inter, config.hidden_size, False, ctx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_and_mul(self.gate_up(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        backend_cls: type[AttentionBackend],
+    ) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = Attention(config, ctx, dtype, backend_cls)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp: nn.Module
+        if config.is_moe:
+            self.mlp = SparseMoE(
+                config.hidden_size,
+                config.intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                ctx,
+                dtype,
+            )
+        else:
+            self.mlp = DenseMLP(config, ctx, dtype)
+
+    def forward(
+        self,
+        rope: RopeTables,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_norm(hidden, residual)
+        h = self.attn(rope, h, cache, meta)
+        h, residual = self.post_attn_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    """One pipeline stage of a causal language model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        layer_range: tuple[int, int],
+        backend_cls: type[AttentionBackend],
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.ctx = ctx
+        self.layer_start, self.layer_end = layer_range
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.embed = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype)
+            if ctx.is_first_stage
+            else None
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ctx, dtype, backend_cls)
+            for _ in range(self.layer_start, self.layer_end)
+        )
+        self.norm: RMSNorm | None = None
+        self.lm_head: ParallelLMHead | None = None
+        if ctx.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[LayerCache],
+        meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """First stage embeds ``input_ids``; later stages continue from ``hidden``.
+
+        Returns ``(hidden, residual)`` to send to the next stage, or on the last
+        stage ``(normed hidden, None)``.
+        """
+        if self.embed is not None:
+            hidden, residual = self.embed(input_ids), None
+        assert hidden is not None
+        rope = self.rotary.tables(positions, hidden.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            hidden, residual = layer(rope, hidden, residual, cache, meta)
+        if self.norm is not None:
+            hidden, _ = self.norm(hidden, residual)
+            return hidden, None
+        assert residual is not None
+        return hidden, residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] -> [S, vocab] float32
+        assert self.lm_head is not None, "logits are computed on the last pipeline stage"
+        return self.lm_head.compute_logits(hidden).float()
+
+    # -- checkpoint names -> (module, shard) ----------------------------------
+
+    _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+    _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+
+    def weight_targets(self, name: str) -> list[tuple[nn.Module, object, bool]]:
+        """Where checkpoint tensor ``name`` goes on this rank: (module, shard, is_bias)."""
+        if name == "model.embed_tokens.weight":
+            targets: list[tuple[nn.Module, object, bool]] = []
+            if self.embed is not None:
+                targets.append((self.embed, 0, False))
+            if self.lm_head is not None and self.config.tie_word_embeddings:
+                targets.append((self.lm_head, 0, False))
+            return targets
+        if name == "lm_head.weight":
+            if self.lm_head is None or self.config.tie_word_embeddings:
+                return []
+            return [(self.lm_head, 0, False)]
+        if name == "model.norm.weight":
+            return [] if self.norm is None else [(self.norm, 0, False)]
+        m = self._LAYER.fullmatch(name)
+        if m is None:
+            return []
+        index = int(m.group(1))
+        if not self.layer_start <= index < self.layer_end:
+            return []
+        layer = self.layers[index - self.layer_start]
+        assert isinstance(layer, DecoderLayer)
+        return _layer_target(layer, m.group(2))
+
+
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+
+
+def _layer_target(layer: DecoderLayer, rest: str) -> list[tuple[nn.Module, object, bool]]:
+    parts = rest.split(".")
+    kind = parts[-1]
+    is_bias = kind == "bias"
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        norm = layer.input_norm if rest.startswith("input") else layer.post_attn_norm
+        return [(norm, 0, False)]
+    if parts[0] == "self_attn":
+        if parts[1] in _QKV:
+            return [(layer.attn.qkv, _QKV[parts[1]], is_bias)]
+        if parts[1] == "o_proj":
+            return [(layer.attn.o_proj, 0, is_bias)]
+    mlp = layer.mlp
+    if isinstance(mlp, DenseMLP) and parts[0] == "mlp":
+        if parts[1] in ("gate_proj", "up_proj"):
+            return [(mlp.gate_up, 0 if parts[1] == "gate_proj" else 1, is_bias)]
+        if parts[1] == "down_proj":
+            return [(mlp.down, 0, is_bias)]
+    if isinstance(mlp, SparseMoE):
+        return _moe_target(mlp, rest)
+    return []
+
+
+def _moe_target(moe: SparseMoE, rest: str) -> list[tuple[nn.Module, object, bool]]:
+    if rest in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
+        return [(moe, ("router",), False)]
+    m = CausalLM._EXPERT.fullmatch(rest)
+    if m is not None:
+        expert = int(m.group(1))
+        return [(moe, ("expert", expert, m.group(2)), False)] if moe.owns(expert) else []
+    if rest == "mlp.experts.gate_up_proj":
+        return [(moe, ("fused", "w13"), False)]
+    if rest == "mlp.experts.down_proj":
+        return [(moe, ("fused", "w2"), False)]
+    return []

@@ -1,0 +1,1 @@
+"""The prefill instance: runs prompts and hands their KV pages to decode."""

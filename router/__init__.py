@@ -1,0 +1,1 @@
+"""The global router and the front doors (gRPC, OpenAI-compatible HTTP)."""

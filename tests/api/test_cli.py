@@ -1,0 +1,38 @@
+"""The pdserve command line, run as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.deploy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
+
+
+def test_generate_prints_text_and_timings() -> None:
+    proc = run("generate", "--prompt", "Hello", "--prompt", "The router", "--max-tokens", "6")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("--- prompt:") == 2
+    assert "tokens: 6, finish: length" in proc.stdout
+    assert "tok/s" in proc.stdout
+
+
+def test_bad_flag_value_names_the_field() -> None:
+    proc = run("generate", "--prompt", "Hello", "--top-p", "1.5")
+    assert proc.returncode == 2
+    assert "top_p" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_model_is_one_clear_line(tmp_path) -> None:
+    proc = run("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
+    assert proc.returncode == 2
+    assert "model:" in proc.stderr and "config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,37 @@
+"""Shared fixtures: a private model cache, reference models built with transformers."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Built-in models are generated into a cache private to this test session.
+os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    from pdserve.core.builtin_models import resolve_model
+
+    return resolve_model("builtin:tiny")
+
+
+@pytest.fixture(scope="session")
+def reference_models(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: ``reference_models(name)`` -> folder of a tiny transformers checkpoint."""
+    from tests.reference import REFERENCE_SPECS, build_reference_model
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            folder = tmp_path_factory.mktemp(name)
+            build_reference_model(REFERENCE_SPECS[name], folder)
+            built[name] = folder
+        return built[name]
+
+    return get

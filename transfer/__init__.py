@@ -1,0 +1,1 @@
+"""Moving KV pages between instances: wire format, connectors, re-sharding."""
