@@ -53,33 +53,59 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
 
 
 class LLM:
-    """A model loaded on this machine, generating for batches of prompts.
+    """A model on this machine (one rank) or on a group of Ray actors (several ranks).
 
     Keyword arguments are the fields of :class:`~pdserve.core.config.EngineConfig`
     and its parts, e.g. ``dtype``, ``max_model_len``, ``block_size``,
-    ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``.
+    ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``expert_parallel_size``.
+    A layout of more than one rank runs as an instance of Ray actors (started on
+    the Ray cluster found, or a local one); ``num_cpus_per_rank`` and
+    ``num_gpus_per_rank`` size each rank.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        num_cpus_per_rank: float = 1.0,
+        num_gpus_per_rank: float | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.config = build_engine_config(model, **kwargs)
         path = resolve_model(model)
         self.model_config = ModelConfig.from_dir(path)
-        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-        self.engine = EngineCore(self.config, self.model_config, self._executor(), tokenizer)
+        self._tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         self._ids = itertools.count()
+        self.engine: EngineCore | None = None
+        self.instance: Any = None  # pdserve.parallel.instance.RankGroup when multi-rank
+        p = self.config.parallel
+        if p.world_size == 1 and p.expert_parallel_size == 1:
+            from pdserve.parallel.executor import LocalExecutor
 
-    def _executor(self) -> Any:
-        if self.config.parallel.world_size > 1 or self.config.parallel.expert_parallel_size > 1:
-            raise InvalidArgumentError(
-                "tensor_parallel_size", "multi-rank layouts are not available in this build"
-            )
-        from pdserve.parallel.executor import LocalExecutor
+            executor = LocalExecutor(self.model_config, self.config)
+            self.engine = EngineCore(self.config, self.model_config, executor, self._tokenizer)
+        else:
+            from pdserve.parallel.instance import RankGroup, RankResources
+            from pdserve.parallel.model_runner import resolve_device
 
-        return LocalExecutor(self.model_config, self.config)
+            if num_gpus_per_rank is None:
+                num_gpus_per_rank = (
+                    1.0 if resolve_device(self.config.device).type == "cuda" else 0.0
+                )
+            resources = RankResources(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)
+            self.instance = RankGroup.start(self.model_config, self.config, resources)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
+        return self._tokenizer
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless every request ended and every KV block is free."""
+        if self.engine is not None:
+            self.engine.assert_idle()
+        else:
+            self.instance.check_idle()
 
     def generate(
         self,
@@ -99,27 +125,23 @@ class LLM:
                 raise InvalidArgumentError(
                     "sampling_params", f"{len(params)} given for {len(batch)} prompts"
                 )
-        ids = [f"offline-{next(self._ids)}" for _ in batch]
-        try:
-            for rid, prompt, p in zip(ids, batch, params, strict=True):
-                self.engine.add_request(rid, prompt, p)
-            return self._run(ids, use_tqdm)
-        finally:
-            for rid in ids:  # nothing is left behind if a prompt was refused or a step failed
-                self.engine.abort_request(rid)
+        requests = [
+            (f"offline-{next(self._ids)}", prompt, p)
+            for prompt, p in zip(batch, params, strict=True)
+        ]
+        if self.engine is None:
+            from pdserve.parallel.worker import GenerateItem
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        return [done[rid] for rid in ids]
+            return list(self.instance.generate([GenerateItem(*r) for r in requests]))
+        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
+            return self.engine.generate(requests, on_finished=lambda _: _tick(bar))
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.instance is not None:
+            self.instance.shutdown()
+            self.instance = None
 
     def __enter__(self) -> LLM:
         return self
@@ -131,6 +153,10 @@ class LLM:
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
+
+
+def _tick(bar: tqdm) -> None:
+    bar.update(1)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -8,6 +8,7 @@ import argparse
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks (see bench/RESULTS.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    from pdserve.bench import offline
+    from pdserve.bench import offline, parallel
 
     offline.add_parser(kinds)
+    parallel.add_parser(kinds)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from pdserve.core.config import EngineConfig
 from pdserve.core.detokenizer import IncrementalDetokenizer
@@ -161,6 +162,34 @@ class EngineCore:
                 self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
             outputs.append(self._output(request, request.token_ids[-1:]))
         return outputs
+
+    def generate(
+        self,
+        requests: list[tuple[str, str | list[int], SamplingParams]],
+        on_finished: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``(request_id, prompt, params)`` to completion; outputs in the given order.
+
+        All requests are validated before any is queued; if anything fails
+        midway, every request of the batch is aborted so no block stays held.
+        """
+        for _, prompt, _ in requests:
+            self.tokenize(prompt)
+        done: dict[str, RequestOutput] = {}
+        try:
+            for rid, prompt, params in requests:
+                self.add_request(rid, prompt, params)
+            while len(done) < len(requests):
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if on_finished is not None:
+                            on_finished(out)
+        finally:
+            for rid, _, _ in requests:
+                if rid not in done:
+                    self.abort_request(rid)
+        return [done[rid] for rid, _, _ in requests]
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         rid = request.request_id

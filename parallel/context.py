@@ -8,11 +8,37 @@ runs with and without ``torch.distributed``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Time and bytes this rank spent in collectives and point-to-point transfers.
+
+    The time includes waiting for the slowest peer, so it is the step time that
+    communication (and load imbalance) costs this rank.
+    """
+
+    seconds: float = 0.0
+    bytes: int = 0
+    calls: int = 0
+
+    @contextmanager
+    def timed(self, nbytes: int) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.bytes += nbytes
+            self.calls += 1
 
 
 @dataclass(frozen=True)
@@ -28,6 +54,7 @@ class ParallelContext:
     tp_group: Any = None
     ep_group: Any = None
     pp_group: Any = None
+    comm: CommStats = field(default_factory=CommStats, compare=False)
 
     @property
     def is_first_stage(self) -> bool:
@@ -39,7 +66,8 @@ class ParallelContext:
 
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self.tp_group)
+            with self.comm.timed(x.numel() * x.element_size()):
+                dist.all_reduce(x, group=self.tp_group)
         return x
 
     def tp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +75,8 @@ class ParallelContext:
         if self.tp_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        with self.comm.timed(x.numel() * x.element_size() * self.tp_size):
+            dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
 

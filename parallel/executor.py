@@ -18,6 +18,7 @@ class LocalExecutor(Executor):
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig) -> None:
         self.runner = ModelRunner(model_config, config)
+        self.runner.allocate_kv(self.runner.max_num_blocks())
 
     @property
     def num_kv_blocks(self) -> int:

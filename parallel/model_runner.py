@@ -45,7 +45,7 @@ def resolve_dtype(name: str, model: ModelConfig) -> torch.dtype:
 
 
 class ModelRunner:
-    """Executes step plans on one rank."""
+    """One rank's model shard. Call ``allocate_kv`` before executing plans."""
 
     def __init__(
         self,
@@ -68,28 +68,32 @@ class ModelRunner:
         self.model.eval()
         if packing_available(self.device, self.dtype):
             pack_linears(self.model)
-        self.num_blocks = self._num_blocks()
-        kv_heads = max(1, model_config.num_kv_heads // ctx.tp_size)
-        self.kv_cache = torch.zeros(
-            (
-                len(self.model.layers),
-                2,
-                self.num_blocks,
-                self.block_size,
-                kv_heads,
-                model_config.head_dim,
-            ),
-            dtype=self.dtype,
-            device=self.device,
+        self.sampler = Sampler(config.seed, self.device)
+        self.num_blocks = 0
+        self.kv_cache = torch.empty(0)
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocate the paged KV cache; every rank of an instance gets the same count."""
+        kv_heads = max(1, self.model_config.num_kv_heads // self.ctx.tp_size)
+        shape = (
+            len(self.model.layers),
+            2,
+            num_blocks,
+            self.block_size,
+            kv_heads,
+            self.model_config.head_dim,
         )
+        # Zeros, not garbage: masked-out slots still meet V in the attention sum.
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.caches = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(len(self.model.layers))
         ]
-        self.sampler = Sampler(config.seed, self.device)
+        self.num_blocks = num_blocks
         logger.info(
             "rank tp=%d/%d pp=%d/%d: layers %s, %d KV blocks of %d tokens, %s on %s",
-            ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.pp_size, self.layer_range,
-            self.num_blocks, self.block_size, self.dtype, self.device,
+            self.ctx.tp_rank, self.ctx.tp_size, self.ctx.pp_rank, self.ctx.pp_size,
+            self.layer_range, num_blocks, self.block_size, self.dtype, self.device,
         )  # fmt: skip
 
     def bytes_per_block(self) -> int:
@@ -106,7 +110,8 @@ class ModelRunner:
             * elem
         )
 
-    def _num_blocks(self) -> int:
+    def max_num_blocks(self) -> int:
+        """Blocks that fit this rank's KV budget (or the configured count)."""
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks

@@ -2,22 +2,28 @@
 
 Routing matches the reference: softmax over the router logits in float32, keep
 the top ``k``, renormalise their weights to sum to one. This rank holds the
-experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``; within each expert the
-intermediate dimension is split over the TP ranks. Partial outputs (other
-experts, other intermediate slices) are summed by an all-reduce over the ranks
-that share the tokens.
+experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``.
 
-Weights per rank: ``w13 [E_local, 2 * I / tp, H]`` (gate rows, then up rows),
-``w2 [E_local, H, I / tp]``, ``gate [E, H]`` (replicated).
+- ``ep == 1``: every rank holds every expert with its intermediate dimension
+  split over the TP ranks; partial outputs are summed by an all-reduce.
+- ``ep > 1``: each expert lives whole on one rank of the stage. Every rank
+  routes a 1/ep slice of the tokens, sends each (token, expert) pair to the
+  expert's rank with an all-to-all, gets the expert outputs back with a second
+  all-to-all, and an all-gather gives every rank the whole batch again.
+
+Weights per rank: ``w13 [E_local, 2 * I_local, H]`` (gate rows, then up rows),
+``w2 [E_local, H, I_local]``, ``gate [E, H]`` (replicated); ``I_local = I / tp``
+when ``ep == 1``, else ``I``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.context import ParallelContext, split_evenly
 from pdserve.parallel.layers import TensorSource, _copy, silu_and_mul
 
 # Which checkpoint matrix of an expert a shard id names.
@@ -46,7 +52,9 @@ class SparseMoE(nn.Module):
             raise ValueError(
                 f"num_local_experts={num_experts} is not divisible by ep={ctx.ep_size}"
             )
-        if intermediate_size % ctx.tp_size:
+        # With experts split over ranks, each expert stays whole.
+        self.shard_rank, self.shard_size = (0, 1) if ctx.ep_size > 1 else (ctx.tp_rank, ctx.tp_size)
+        if intermediate_size % self.shard_size:
             raise ValueError(
                 f"intermediate_size={intermediate_size} is not divisible by tp={ctx.tp_size}"
             )
@@ -55,7 +63,7 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.local_experts = num_experts // ctx.ep_size
         self.expert_start = ctx.ep_rank * self.local_experts
-        self.inter = intermediate_size // ctx.tp_size
+        self.inter = intermediate_size // self.shard_size
         self.gate = nn.Parameter(
             torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False
         )
@@ -87,7 +95,7 @@ class SparseMoE(nn.Module):
     def load_expert(self, source: TensorSource, expert: int, which: str) -> None:
         """One expert's ``w1``/``w3`` ([I, H]) or ``w2`` ([H, I]) from the checkpoint."""
         e = expert - self.expert_start
-        lo = self.ctx.tp_rank * self.inter
+        lo = self.shard_rank * self.inter
         if which == W2_DOWN:
             _copy(self.w2.data[e], source[:, lo : lo + self.inter], "expert w2")
         else:
@@ -100,8 +108,8 @@ class SparseMoE(nn.Module):
 
     def load_fused(self, source: TensorSource, which: str) -> None:
         """All experts at once: ``gate_up_proj`` [E, 2I, H] or ``down_proj`` [E, H, I]."""
-        full_inter = self.inter * self.ctx.tp_size
-        lo = self.ctx.tp_rank * self.inter
+        full_inter = self.inter * self.shard_size
+        lo = self.shard_rank * self.inter
         experts = slice(self.expert_start, self.expert_start + self.local_experts)
         if which == W2_DOWN:
             _copy(self.w2.data, source[experts, :, lo : lo + self.inter], "experts down_proj")
@@ -111,12 +119,42 @@ class SparseMoE(nn.Module):
         _copy(self.w13.data, torch.cat([gate, up], dim=1), "experts gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] (every rank of the group holds all T tokens) -> [T, H]
+        # x: [T, H] (every rank of the stage holds all T tokens) -> [T, H]
+        if self.ctx.ep_size > 1:
+            return self._forward_expert_parallel(x)
         weights, experts = route(F.linear(x, self.gate), self.top_k)
-        out = self.expert_outputs(x, weights, experts)
-        if self.ctx.tp_size > 1 or self.ctx.ep_size > 1:
-            self.ctx.tp_all_reduce(out)
-        return out
+        return self.ctx.tp_all_reduce(self.expert_outputs(x, weights, experts))
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        group, ep, rank = self.ctx.ep_group, self.ctx.ep_size, self.ctx.ep_rank
+        lo, hi = split_evenly(x.shape[0], ep, rank)
+        mine = x[lo:hi]  # [t, H]: the tokens this rank routes
+        weights, experts = route(F.linear(mine, self.gate), self.top_k)  # [t, k]
+        pair_token = torch.arange(mine.shape[0], device=x.device).repeat_interleave(self.top_k)
+        pair_expert = experts.reshape(-1)
+        order = torch.argsort(pair_expert // self.local_experts, stable=True)
+        pair_token, pair_expert = pair_token[order], pair_expert[order]
+        pair_weight = weights.reshape(-1)[order]
+        send_counts = torch.bincount(pair_expert // self.local_experts, minlength=ep)
+        recv_counts = torch.empty_like(send_counts)
+        with self.ctx.comm.timed(send_counts.numel() * 8):
+            dist.all_to_all_single(recv_counts, send_counts, group=group)
+        sends, recvs = send_counts.tolist(), recv_counts.tolist()
+        # Dispatch: each (token, expert) pair goes to the rank holding the expert.
+        rows = _all_to_all(mine[pair_token], recvs, sends, self.ctx)  # [P_in, H]
+        row_expert = _all_to_all(pair_expert, recvs, sends, self.ctx)  # [P_in]
+        outputs = torch.empty_like(rows)
+        for e in torch.unique(row_expert).tolist():
+            idx = torch.where(row_expert == e)[0]
+            local = e - self.expert_start
+            outputs[idx] = F.linear(
+                silu_and_mul(F.linear(rows[idx], self.w13[local])), self.w2[local]
+            )
+        # Combine: outputs return to the rank that routed the token.
+        back = _all_to_all(outputs, sends, recvs, self.ctx)  # [P_out, H]
+        out = torch.zeros_like(mine)
+        out.index_add_(0, pair_token, (back * pair_weight[:, None]).to(out.dtype))
+        return _all_gather_rows(out, x.shape[0], ep, self.ctx)
 
     def expert_outputs(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -131,3 +169,29 @@ class SparseMoE(nn.Module):
             y = F.linear(h, self.w2[e]) * weights[token_idx, k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+
+def _all_to_all(
+    t: torch.Tensor, recv_splits: list[int], send_splits: list[int], ctx: ParallelContext
+) -> torch.Tensor:
+    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
+    with ctx.comm.timed(t.numel() * t.element_size()):
+        dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=ctx.ep_group)
+    return out
+
+
+def _all_gather_rows(
+    part: torch.Tensor, total: int, parts: int, ctx: ParallelContext
+) -> torch.Tensor:
+    """Every rank's ``split_evenly`` slice of ``total`` rows, concatenated in order."""
+    width = -(-total // parts)
+    padded = part.new_zeros((width, *part.shape[1:]))
+    padded[: part.shape[0]] = part
+    gathered = [torch.empty_like(padded) for _ in range(parts)]
+    with ctx.comm.timed(padded.numel() * padded.element_size() * parts):
+        dist.all_gather(gathered, padded, group=ctx.ep_group)
+    pieces = []
+    for r, g in enumerate(gathered):
+        lo, hi = split_evenly(total, parts, r)
+        pieces.append(g[: hi - lo])
+    return torch.cat(pieces)

@@ -35,3 +35,13 @@ def reference_models(tmp_path_factory: pytest.TempPathFactory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for every test that needs actors; shut down at the end."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -36,3 +36,15 @@ def test_missing_model_is_one_clear_line(tmp_path) -> None:
     assert proc.returncode == 2
     assert "model:" in proc.stderr and "config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_generate_with_tensor_parallel_ranks() -> None:
+    proc = run("generate", "--tp", "2", "--prompt", "Hello", "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tokens: 4, finish: length" in proc.stdout
+
+
+def test_layout_the_model_cannot_take_is_refused() -> None:
+    proc = run("generate", "--tp", "3", "--prompt", "Hello")
+    assert proc.returncode == 2
+    assert "tensor_parallel_size: 3 does not divide the model's 8 attention heads" in proc.stderr

@@ -1,0 +1,147 @@
+"""``torch.distributed`` process groups of one instance, and its control messages.
+
+Every rank of an instance joins one process group through a TCP store that the
+leader (rank 0) opens on a port the OS picks and then publishes, so two
+instances on one node never race for a fixed port. The backend follows the device: NCCL on
+CUDA, gloo on CPU; control messages (the step plan, sampled tokens) always go
+over a gloo group. Every collective has the instance's timeout: a dead or stuck
+rank surfaces as an error on the others, never a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.layout import Layout
+
+STOP = -1  # plan length that tells followers to leave their loop
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    return "127.0.0.1"
+
+
+@dataclass
+class InstanceGroups:
+    """The groups one rank belongs to."""
+
+    layout: Layout
+    rank: int
+    ctx: ParallelContext
+    cpu_group: Any  # gloo group of all ranks, for control messages
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def peer(self, stage: int) -> int:
+        """Global rank of this rank's counterpart in pipeline stage ``stage``."""
+        return stage * self.layout.ranks_per_stage + self.layout.coords(self.rank).r
+
+    @property
+    def sampler_rank(self) -> int:
+        """The rank that samples: index 0 of the last stage."""
+        return (self.layout.pp - 1) * self.layout.ranks_per_stage
+
+
+def leader_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The leader's rendezvous store, listening on a port the OS picks."""
+    return dist.TCPStore(
+        _node_ip(),
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def store_address(store: dist.TCPStore) -> str:
+    return f"{store.host}:{store.port}"
+
+
+def init_groups(
+    layout: Layout,
+    rank: int,
+    address: str,
+    device: torch.device,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
+) -> InstanceGroups:
+    """Join the instance through the leader's store at ``address``; build every group."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), layout.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=layout.world_size, timeout=timeout
+    )
+    # Every rank creates every group, in the same order, as torch requires.
+    cpu_group = (
+        dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    )
+    tp_group = _member_group(layout.tp_groups(), rank, timeout)
+    stage_group = _member_group(layout.stage_groups(), rank, timeout)
+    coords = layout.coords(rank)
+    ctx = ParallelContext(
+        tp_rank=coords.tp_rank,
+        tp_size=layout.tp,
+        pp_rank=coords.stage,
+        pp_size=layout.pp,
+        ep_rank=coords.ep_rank,
+        ep_size=layout.ep,
+        tp_group=tp_group,
+        ep_group=stage_group if layout.ep > 1 else None,
+        pp_group=dist.group.WORLD,
+    )
+    return InstanceGroups(layout, rank, ctx, cpu_group)
+
+
+def _member_group(all_groups: list[list[int]], rank: int, timeout: timedelta) -> Any:
+    mine = None
+    for ranks in all_groups:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def send_plan(groups: InstanceGroups, payload: bytes | None) -> None:
+    """Leader: broadcast one plan message to every rank (None tells them to stop)."""
+    length = torch.tensor([STOP if payload is None else len(payload)], dtype=torch.int64)
+    dist.broadcast(length, src=0, group=groups.cpu_group)
+    if payload is not None:
+        dist.broadcast(
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=groups.cpu_group
+        )
+
+
+def receive_plan(groups: InstanceGroups) -> bytes | None:
+    """Follower: the next plan message from the leader, or None to stop."""
+    length = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(length, src=0, group=groups.cpu_group)
+    n = int(length.item())
+    if n == STOP:
+        return None
+    buf = torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=groups.cpu_group)
+    return buf.numpy().tobytes()
+
+
+def destroy_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

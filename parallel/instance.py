@@ -1,0 +1,123 @@
+"""An instance as Ray actors: one placement group, one :class:`RankWorker` per rank.
+
+The layout is checked against the model before anything starts, so a layout
+the model cannot take is refused with the reason and no actor is created.
+Ranks are packed into one placement group (one bundle per rank); on a
+multi-node cluster the group lands where Ray finds room.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.core.config import EngineConfig
+from pdserve.core.errors import InstanceFailedError, PdserveError
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.request import RequestOutput
+from pdserve.parallel.layout import Layout, plan_layout
+from pdserve.parallel.worker import EngineInfo, GenerateItem, RankSpec, RankWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankResources:
+    """Ray resources of each rank, and its torch thread count (default: its CPUs)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    torch_threads: int | None = None
+    start_timeout_s: float = 300.0
+    collective_timeout_s: float = 60.0
+
+
+class RankGroup:
+    """Handles to the ranks of one instance; rank 0 (the leader) serves requests."""
+
+    def __init__(self, layout: Layout, workers: list[Any], pg: Any, info: EngineInfo) -> None:
+        self.layout = layout
+        self.workers = workers
+        self.leader = workers[0]
+        self.placement_group = pg
+        self.info = info
+
+    @classmethod
+    def start(
+        cls, model: ModelConfig, engine: EngineConfig, resources: RankResources | None = None
+    ) -> RankGroup:
+        res = resources or RankResources()
+        layout = plan_layout(model, engine.parallel)  # refuse before any actor starts
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
+        pg = placement_group(
+            [bundle] * layout.world_size, strategy="PACK", name=f"pdserve-{uuid.uuid4().hex[:8]}"
+        )
+        workers: list[Any] = []
+        try:
+            ray.get(pg.ready(), timeout=res.start_timeout_s)
+            actor = ray.remote(RankWorker)
+            threads = res.torch_threads or max(1, int(res.num_cpus))
+            for rank in range(layout.world_size):
+                spec = RankSpec(rank, layout, model, engine, res.collective_timeout_s, threads)
+                workers.append(
+                    actor.options(
+                        num_cpus=res.num_cpus,
+                        num_gpus=res.num_gpus,
+                        max_concurrency=2,  # followers' loop thread + control calls
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            pg, placement_group_bundle_index=rank
+                        ),
+                    ).remote(spec)
+                )
+            address = _get(workers[0].rendezvous.remote(), res.start_timeout_s)
+            capacities = _get([w.join.remote(address) for w in workers], res.start_timeout_s)
+            num_blocks = min(capacities)
+            _get([w.allocate_kv.remote(num_blocks) for w in workers], res.start_timeout_s)
+            info = _get(workers[0].start_engine.remote(), res.start_timeout_s)
+        except BaseException:
+            for w in workers:
+                ray.kill(w)
+            remove_placement_group(pg)
+            raise
+        logger.info("instance %s up: %d KV blocks per rank", layout.describe(), info.num_kv_blocks)
+        return cls(layout, workers, pg, info)
+
+    def generate(
+        self, items: list[GenerateItem], timeout_s: float | None = None
+    ) -> list[RequestOutput]:
+        return _get(self.leader.generate.remote(items), timeout_s)
+
+    def check_idle(self) -> None:
+        _get(self.leader.check_idle.remote(), 60)
+
+    def shutdown(self) -> None:
+        try:
+            _get(self.leader.shutdown.remote(), 60)
+            _get([w.shutdown.remote() for w in self.workers[1:]], 60)
+        except (InstanceFailedError, GetTimeoutError):
+            pass
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.placement_group)
+
+
+def _get(refs: Any, timeout_s: float | None) -> Any:
+    """``ray.get`` that turns a dead or failing rank into a pdserve error."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except RayTaskError as e:
+        cause = e.cause
+        if isinstance(cause, PdserveError):
+            raise cause from None
+        raise InstanceFailedError(f"a rank failed: {cause or e}") from e
+    except RayActorError as e:
+        raise InstanceFailedError(f"a rank died: {e}") from e

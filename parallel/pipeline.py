@@ -1,0 +1,116 @@
+"""One rank's part of a step: its pipeline stage over micro-batches.
+
+A step's batch is cut into up to ``pp`` micro-batches so the stages work at the
+same time: while stage 1 runs micro-batch 0, stage 0 already runs micro-batch 1::
+
+    stage 0:  [mb0][mb1][mb2]
+    stage 1:       [mb0][mb1][mb2]  -> tokens to the leader
+
+Between stages each rank sends ``[2, T, hidden]`` (hidden states and residual)
+to the rank with the same index in the next stage. Index 0 of the last stage
+samples and sends the token ids to the leader (global rank 0), unless it is
+the leader itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pdserve.core.step import StepPlan
+from pdserve.parallel.batch import PreparedBatch
+from pdserve.parallel.groups import InstanceGroups
+from pdserve.parallel.model_runner import ModelRunner
+
+
+def split_micro_batches(plan: StepPlan, parts: int) -> list[StepPlan]:
+    """Cut ``plan`` into at most ``parts`` contiguous pieces of similar token counts."""
+    if parts <= 1 or len(plan.seqs) <= 1:
+        return [plan]
+    parts = min(parts, len(plan.seqs))
+    target = plan.num_tokens / parts
+    pieces: list[StepPlan] = []
+    current: list = []
+    tokens = 0
+    for i, seq in enumerate(plan.seqs):
+        current.append(seq)
+        tokens += seq.num_tokens
+        left_seqs = len(plan.seqs) - i - 1
+        left_parts = parts - len(pieces) - 1
+        if left_parts > 0 and (tokens >= target * (len(pieces) + 1) or left_seqs == left_parts):
+            pieces.append(StepPlan(plan.step_id, current))
+            current = []
+    if current:
+        pieces.append(StepPlan(plan.step_id, current))
+    return pieces
+
+
+class StageExecutor:
+    """Runs plans on one rank of a multi-rank instance."""
+
+    def __init__(self, runner: ModelRunner, groups: InstanceGroups) -> None:
+        self.runner = runner
+        self.groups = groups
+        self.ctx = groups.ctx
+        self.hidden_size = runner.model_config.hidden_size
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan) -> dict[str, int]:
+        """Execute the plan; on the leader, return the sampled token of each row."""
+        g, ctx = self.groups, self.ctx
+        micro = split_micro_batches(plan, ctx.pp_size)
+        batches = [self.runner.prepare(mb) for mb in micro]
+        in_flight: list[tuple[dist.Work | None, torch.Tensor]] = []
+        tokens: dict[str, int] = {}
+        for batch in batches:
+            hidden, residual = self._receive(batch)
+            hidden, residual = self.runner.model(
+                batch.input_ids, batch.positions, self.runner.caches, batch.meta, hidden, residual
+            )
+            if not ctx.is_last_stage:
+                assert residual is not None
+                out = torch.stack([hidden, residual])  # [2, T, hidden]
+                with ctx.comm.timed(out.numel() * out.element_size()):
+                    work = dist.isend(out, dst=g.peer(ctx.pp_rank + 1))
+                in_flight.append((work, out))
+            elif batch.sample_ids:
+                in_flight.extend(self._sample(batch, hidden, tokens))
+        if g.is_leader and g.sampler_rank != 0:
+            for batch in batches:
+                if batch.sample_ids:
+                    got = torch.empty(len(batch.sample_ids), dtype=torch.int64)
+                    with ctx.comm.timed(got.numel() * 8):
+                        dist.recv(got, src=g.sampler_rank, group=g.cpu_group)
+                    tokens.update(zip(batch.sample_ids, got.tolist(), strict=True))
+        with ctx.comm.timed(0):
+            for work, _ in in_flight:
+                if work is not None:
+                    work.wait()
+        return tokens
+
+    def _receive(self, batch: PreparedBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.ctx.is_first_stage:
+            return None, None
+        buf = torch.empty(
+            (2, batch.num_tokens, self.hidden_size),
+            dtype=self.runner.dtype,
+            device=self.runner.device,
+        )
+        with self.ctx.comm.timed(buf.numel() * buf.element_size()):
+            dist.recv(buf, src=self.groups.peer(self.ctx.pp_rank - 1))
+        return buf[0], buf[1]
+
+    def _sample(
+        self, batch: PreparedBatch, hidden: torch.Tensor, tokens: dict[str, int]
+    ) -> list[tuple[dist.Work | None, torch.Tensor]]:
+        # Every TP rank joins the logits all-gather; one rank samples.
+        logits = self.runner.model.compute_logits(hidden[batch.sample_indices])
+        g = self.groups
+        if g.rank != g.sampler_rank:
+            return []
+        sampled = self.runner.sampler(logits, batch.sample_rows)
+        if g.is_leader:
+            tokens.update(zip(batch.sample_ids, sampled, strict=True))
+            return []
+        out = torch.tensor(sampled, dtype=torch.int64)
+        return [(dist.isend(out, dst=0, group=g.cpu_group), out)]

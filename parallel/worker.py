@@ -1,0 +1,191 @@
+"""One rank of a multi-rank instance, hosted by a Ray actor.
+
+Every rank holds its model shard and KV cache. Rank 0 is the leader: it owns
+the :class:`~pdserve.core.engine.EngineCore` (scheduler, detokenizer) and each
+step broadcasts the plan as one msgpack message; the other ranks run a
+follower loop in a thread, executing every plan they receive until the leader
+sends a stop. Start-up, in order, driven by :mod:`pdserve.parallel.instance`::
+
+    leader.rendezvous()         -> address of a TCP store the leader listens on
+    every rank .join(address)   -> process groups, shard loaded; returns KV capacity
+    every rank .allocate_kv(n)  -> n = the smallest capacity; followers start looping
+    leader.start_engine()       -> EngineCore over a GroupExecutor
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pdserve.core.config import EngineConfig
+from pdserve.core.engine import EngineCore
+from pdserve.core.errors import InstanceFailedError
+from pdserve.core.executor import Executor
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.request import RequestOutput
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.step import StepPlan, StepResult
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.parallel.context import CommStats
+from pdserve.parallel.groups import (
+    InstanceGroups,
+    destroy_groups,
+    init_groups,
+    leader_store,
+    receive_plan,
+    send_plan,
+    store_address,
+)
+from pdserve.parallel.layout import Layout
+from pdserve.parallel.model_runner import ModelRunner, resolve_device
+from pdserve.parallel.pipeline import StageExecutor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything one rank is built from."""
+
+    rank: int
+    layout: Layout
+    model: ModelConfig
+    engine: EngineConfig
+    collective_timeout_s: float = 60.0
+    torch_threads: int = 1
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    num_kv_blocks: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class GenerateItem:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+class GroupExecutor(Executor):
+    """The leader's executor: broadcast the plan, run rank 0's stage, collect tokens."""
+
+    def __init__(self, stage: StageExecutor, groups: InstanceGroups, num_blocks: int) -> None:
+        self.stage = stage
+        self.groups = groups
+        self._num_blocks = num_blocks
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_blocks
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        try:
+            send_plan(self.groups, plan.to_msgpack())
+            return StepResult(plan.step_id, self.stage.run(plan))
+        except (RuntimeError, dist.DistError) as e:
+            raise InstanceFailedError(
+                f"instance {self.groups.layout.describe()} lost a rank during step {plan.step_id}: {e}"
+            ) from e
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(RuntimeError, dist.DistError):  # followers already gone
+            send_plan(self.groups, None)
+
+
+class RankWorker:
+    """Ray actor body for one rank (wrapped with ``ray.remote`` by the instance)."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        torch.set_num_threads(spec.torch_threads)
+        self.spec = spec
+        self.device = resolve_device(spec.engine.device)
+        self._store: dist.TCPStore | None = None
+        self.groups: InstanceGroups | None = None
+        self.runner: ModelRunner | None = None
+        self.stage: StageExecutor | None = None
+        self.engine: EngineCore | None = None
+        self._loop: threading.Thread | None = None
+        self.follower_error: str | None = None
+
+    # -- start-up -------------------------------------------------------------
+
+    def rendezvous(self) -> str:
+        """Leader only: listen on a free port; every rank joins through it."""
+        self._store = leader_store(self.spec.layout.world_size, self.spec.collective_timeout_s)
+        return store_address(self._store)
+
+    def join(self, address: str) -> int:
+        """Join the process groups, load this rank's shard; return its KV capacity."""
+        spec = self.spec
+        self.groups = init_groups(
+            spec.layout, spec.rank, address, self.device, spec.collective_timeout_s, self._store
+        )
+        coords = spec.layout.coords(spec.rank)
+        self.runner = ModelRunner(
+            spec.model, spec.engine, self.groups.ctx, spec.layout.stage_layers[coords.stage]
+        )
+        self.stage = StageExecutor(self.runner, self.groups)
+        return self.runner.max_num_blocks()
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        assert self.runner is not None and self.groups is not None
+        self.runner.allocate_kv(num_blocks)
+        if not self.groups.is_leader:
+            self._loop = threading.Thread(target=self._follow, name="pdserve-follower", daemon=True)
+            self._loop.start()
+
+    def start_engine(self) -> EngineInfo:
+        """Leader only: the engine core over all ranks."""
+        assert self.runner is not None and self.groups is not None and self.stage is not None
+        model = self.spec.model
+        has_tokenizer = (Path(model.path) / "tokenizer.json").is_file()
+        tokenizer = Tokenizer.from_dir(model.path) if has_tokenizer else None
+        executor = GroupExecutor(self.stage, self.groups, self.runner.num_blocks)
+        self.engine = EngineCore(self.spec.engine, model, executor, tokenizer)
+        return EngineInfo(self.runner.num_blocks, self.engine.max_model_len)
+
+    def _follow(self) -> None:
+        assert self.groups is not None and self.stage is not None
+        try:
+            while (payload := receive_plan(self.groups)) is not None:
+                self.stage.run(StepPlan.from_msgpack(payload))
+        except Exception as e:  # the leader notices through its own collectives
+            self.follower_error = f"{type(e).__name__}: {e}"
+            logger.error("rank %d follower loop stopped: %s", self.spec.rank, e)
+
+    # -- leader API -------------------------------------------------------------
+
+    def generate(self, items: list[GenerateItem]) -> list[RequestOutput]:
+        assert self.engine is not None, "generate is served by the leader (rank 0)"
+        return self.engine.generate([(i.request_id, i.prompt, i.params) for i in items])
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless no request and no KV block is held."""
+        assert self.engine is not None
+        self.engine.assert_idle()
+
+    # -- any rank ---------------------------------------------------------------
+
+    def comm_stats(self) -> CommStats:
+        """Communication time and bytes of this rank since it started."""
+        assert self.groups is not None
+        return self.groups.ctx.comm
+
+    def ping(self) -> float:
+        return time.monotonic()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()  # broadcasts stop to the followers
+        if self._loop is not None:
+            self._loop.join(timeout=self.spec.collective_timeout_s)
+        destroy_groups()

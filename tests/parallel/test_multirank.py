@@ -1,0 +1,151 @@
+"""Instances of several ranks (Ray actors, gloo): TP, PP, EP against transformers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.core.errors import InstanceFailedError, InvalidArgumentError
+from pdserve.core.model_config import ModelConfig
+from pdserve.parallel.attention.backend import select_backend
+from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.loader import SafeSliceSource, load_checkpoint
+from pdserve.parallel.models import build_model
+from tests.reference import MAX_NEW_TOKENS, hf_greedy, parity_prompts
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
+
+LAYOUTS = [
+    ("llama", 2, 1, 1),
+    ("llama", 1, 2, 1),
+    ("llama", 2, 2, 1),
+    ("llama_untied", 2, 1, 1),  # one KV head, replicated on both TP ranks
+    ("qwen2", 2, 1, 1),
+    ("qwen2", 1, 2, 1),
+    ("qwen2", 2, 2, 1),
+    ("mixtral", 1, 1, 2),
+    ("mixtral", 2, 1, 2),
+    ("mixtral", 2, 1, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def references(reference_models):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = reference_models(name)
+            prompts = parity_prompts(ModelConfig.from_dir(folder).vocab_size)
+            cache[name] = (folder, prompts, hf_greedy(folder, prompts))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize(("name", "tp", "pp", "ep"), LAYOUTS, ids=lambda v: str(v))
+def test_layout_matches_transformers(
+    ray_session, references, name: str, tp: int, pp: int, ep: int
+) -> None:
+    folder, prompts, reference = references(name)
+    llm = LLM(
+        str(folder),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        expert_parallel_size=ep,
+        num_cpus_per_rank=0.5,
+        max_num_batched_tokens=64,
+    )
+    try:
+        assert llm.instance.layout.world_size == max(tp, ep) * pp
+        outputs = llm.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+        llm.check_idle()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "reason"),
+    [
+        (dict(tensor_parallel_size=3), "tensor_parallel_size", "attention heads"),
+        (dict(pipeline_parallel_size=4), "pipeline_parallel_size", "3 layers"),
+        (dict(expert_parallel_size=2), "expert_parallel_size", "no experts"),
+        (dict(pipeline_parallel_size=2, pipeline_layers=(1, 1)), "pipeline_layers", "sums to 2"),
+    ],
+)
+def test_impossible_layout_is_refused_before_any_actor(
+    ray_session, references, kwargs: dict, field: str, reason: str
+) -> None:
+    folder, _, _ = references("llama")
+    actors_before = len(ray_session.util.list_named_actors(all_namespaces=True))
+    pgs_before = len(ray_session.util.placement_group_table())
+    with pytest.raises(InvalidArgumentError) as err:
+        LLM(str(folder), **kwargs)
+    assert err.value.field == field and reason in str(err.value)
+    assert len(ray_session.util.placement_group_table()) == pgs_before
+    assert len(ray_session.util.list_named_actors(all_namespaces=True)) == actors_before
+
+
+def test_dead_rank_fails_the_instance_quickly(ray_session) -> None:
+    from pdserve.parallel.instance import _get
+    from pdserve.parallel.worker import GenerateItem
+
+    llm = LLM("builtin:tiny", tensor_parallel_size=2, num_cpus_per_rank=0.5)
+    try:
+        items = [
+            GenerateItem(f"r{i}", "hello " * 10, SamplingParams(max_tokens=3000, ignore_eos=True))
+            for i in range(4)
+        ]
+        pending = llm.instance.leader.generate.remote(items)
+        time.sleep(1.0)
+        killed = time.monotonic()
+        ray_session.kill(llm.instance.workers[1])
+        with pytest.raises(InstanceFailedError, match="lost a rank"):
+            _get(pending, 60)
+        assert time.monotonic() - killed < 15
+    finally:
+        llm.shutdown()
+
+
+def test_each_tp_rank_reads_only_its_slice(references, monkeypatch) -> None:
+    folder, _, _ = references("llama")
+    config = ModelConfig.from_dir(folder)
+    reads: dict[str, list[int]] = {}
+    original = SafeSliceSource.__getitem__
+
+    def recording(self, index):
+        out = original(self, index)
+        reads.setdefault(self.name, []).append(out.numel())
+        return out
+
+    monkeypatch.setattr(SafeSliceSource, "__getitem__", recording)
+    ctx = ParallelContext(tp_rank=1, tp_size=2)
+    model = build_model(
+        config,
+        ctx,
+        torch.float32,
+        (0, config.num_layers),
+        select_backend("torch", torch.device("cpu")),
+    )
+    load_checkpoint(model, folder)
+    sizes = {name: source.shape for name, source in _shapes(folder).items()}
+    assert set(reads) == set(sizes)
+    for name, counts in reads.items():
+        total = torch.Size(sizes[name]).numel()
+        if name.endswith("norm.weight"):
+            assert counts == [total], name  # norms are replicated
+        else:
+            # Every read of a sharded tensor is at most half of it (the tied
+            # embedding is read twice: for the embedding and the LM head).
+            row = total // sizes[name][0]
+            assert all(c <= -(-sizes[name][0] // 2) * row for c in counts), (name, counts, total)
+
+
+def _shapes(folder):
+    from pdserve.parallel.loader import iter_checkpoint
+
+    return dict(iter_checkpoint(folder))
