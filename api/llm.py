@@ -14,8 +14,20 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
+from pdserve.backends import (
+    Backend,
+    DisaggregatedBackend,
+    InstanceBackend,
+    LocalBackend,
+)
 from pdserve.core.builtin_models import resolve_model
-from pdserve.core.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.core.config import (
+    CacheConfig,
+    DisaggregationConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pdserve.core.engine import EngineCore
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
@@ -53,15 +65,21 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
 
 
 class LLM:
-    """A model on this machine (one rank) or on a group of Ray actors (several ranks).
+    """A model on this machine (one rank) or on Ray actors (several ranks, or disaggregated).
 
     Keyword arguments are the fields of :class:`~pdserve.core.config.EngineConfig`
     and its parts, e.g. ``dtype``, ``max_model_len``, ``block_size``,
     ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``tensor_parallel_size``, ``pipeline_parallel_size``, ``expert_parallel_size``.
-    A layout of more than one rank runs as an instance of Ray actors (started on
-    the Ray cluster found, or a local one); ``num_cpus_per_rank`` and
+    A layout of more than one rank runs as an instance of Ray actors (on the Ray
+    cluster found, or a local one); ``num_cpus_per_rank`` and
     ``num_gpus_per_rank`` size each rank.
+
+    ``disaggregated=True`` runs a prefill instance and a decode instance paired
+    for KV transfer: ``prefill`` and ``decode`` are dicts of per-role options
+    (layouts, scheduler, cache) over the shared ones; ``connector`` picks the
+    transfer ("shm", "object_store" or "p2p"); ``disaggregation`` sets when the
+    decode instance prefills a request itself.
     """
 
     def __init__(
@@ -70,6 +88,11 @@ class LLM:
         *,
         num_cpus_per_rank: float = 1.0,
         num_gpus_per_rank: float | None = None,
+        disaggregated: bool = False,
+        prefill: dict[str, Any] | None = None,
+        decode: dict[str, Any] | None = None,
+        connector: str = "shm",
+        disaggregation: DisaggregationConfig | None = None,
         **kwargs: Any,
     ) -> None:
         self.config = build_engine_config(model, **kwargs)
@@ -77,24 +100,46 @@ class LLM:
         self.model_config = ModelConfig.from_dir(path)
         self._tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         self._ids = itertools.count()
-        self.engine: EngineCore | None = None
-        self.instance: Any = None  # pdserve.parallel.instance.RankGroup when multi-rank
-        p = self.config.parallel
-        if p.world_size == 1 and p.expert_parallel_size == 1:
-            from pdserve.parallel.executor import LocalExecutor
+        self.backend: Backend
+        if disaggregated:
+            from pdserve.parallel.instance import RankResources
 
-            executor = LocalExecutor(self.model_config, self.config)
-            self.engine = EngineCore(self.config, self.model_config, executor, self._tokenizer)
+            gpus = self._gpus(num_gpus_per_rank)
+            self.backend = DisaggregatedBackend(
+                self.model_config,
+                build_engine_config(model, **{**kwargs, **(prefill or {})}),
+                build_engine_config(model, **{**kwargs, **(decode or {})}),
+                self._tokenizer,
+                connector,
+                RankResources(num_cpus=num_cpus_per_rank, num_gpus=gpus),
+                disaggregation or DisaggregationConfig(),
+            )
+        elif self.config.parallel.world_size > 1 or self.config.parallel.expert_parallel_size > 1:
+            from pdserve.parallel.instance import RankResources
+
+            gpus = self._gpus(num_gpus_per_rank)
+            resources = RankResources(num_cpus=num_cpus_per_rank, num_gpus=gpus)
+            self.backend = InstanceBackend(self.model_config, self.config, resources)
         else:
-            from pdserve.parallel.instance import RankGroup, RankResources
-            from pdserve.parallel.model_runner import resolve_device
+            self.backend = LocalBackend(self.model_config, self.config, self._tokenizer)
 
-            if num_gpus_per_rank is None:
-                num_gpus_per_rank = (
-                    1.0 if resolve_device(self.config.device).type == "cuda" else 0.0
-                )
-            resources = RankResources(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)
-            self.instance = RankGroup.start(self.model_config, self.config, resources)
+    def _gpus(self, requested: float | None) -> float:
+        if requested is not None:
+            return requested
+        from pdserve.parallel.model_runner import resolve_device
+
+        return 1.0 if resolve_device(self.config.device).type == "cuda" else 0.0
+
+    @property
+    def engine(self) -> EngineCore:
+        """The in-process engine core (one-rank backend only)."""
+        if not isinstance(self.backend, LocalBackend):
+            raise AttributeError("this LLM runs on Ray actors; there is no in-process engine")
+        return self.backend.engine
+
+    @property
+    def instance(self) -> Any:
+        return self.backend.instance if isinstance(self.backend, InstanceBackend) else None
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -102,10 +147,7 @@ class LLM:
 
     def check_idle(self) -> None:
         """Raise AssertionError unless every request ended and every KV block is free."""
-        if self.engine is not None:
-            self.engine.assert_idle()
-        else:
-            self.instance.check_idle()
+        self.backend.check_idle()
 
     def generate(
         self,
@@ -125,23 +167,15 @@ class LLM:
                 raise InvalidArgumentError(
                     "sampling_params", f"{len(params)} given for {len(batch)} prompts"
                 )
-        requests = [
+        work = [
             (f"offline-{next(self._ids)}", prompt, p)
             for prompt, p in zip(batch, params, strict=True)
         ]
-        if self.engine is None:
-            from pdserve.parallel.worker import GenerateItem
-
-            return list(self.instance.generate([GenerateItem(*r) for r in requests]))
-        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
-            return self.engine.generate(requests, on_finished=lambda _: _tick(bar))
+        with tqdm(total=len(work), disable=not use_tqdm, desc="generate") as bar:
+            return self.backend.generate(work, lambda _: _tick(bar))
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-        if self.instance is not None:
-            self.instance.shutdown()
-            self.instance = None
+        self.backend.shutdown()
 
     def __enter__(self) -> LLM:
         return self

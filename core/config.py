@@ -103,6 +103,32 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class DisaggregationConfig:
+    """When a decode instance prefills a request itself instead of taking KV.
+
+    Attributes:
+        local_prefill_max_tokens: prompts this short are prefilled on the decode
+            instance (a remote prefill would cost more than it saves).
+        local_prefill_cached_fraction: prompts with at least this share of their
+            tokens already cached on the decode instance are prefilled there.
+        reservation_ttl_s: how long a decode instance holds pages for a prompt
+            whose KV has not been handed off yet.
+    """
+
+    local_prefill_max_tokens: int = 16
+    local_prefill_cached_fraction: float = 0.8
+    reservation_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_max_tokens < 0:
+            raise InvalidArgumentError("local_prefill_max_tokens", "must be >= 0")
+        if not 0 < self.local_prefill_cached_fraction <= 1:
+            raise InvalidArgumentError("local_prefill_cached_fraction", "must be in (0, 1]")
+        if self.reservation_ttl_s <= 0:
+            raise InvalidArgumentError("reservation_ttl_s", "must be > 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance is built from.
 

@@ -29,6 +29,7 @@ from pdserve.core.request import (
 )
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import Scheduler
+from pdserve.core.step import StepPlan
 from pdserve.core.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.eos_token_ids = model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
+        # A role may annotate each plan before it runs (the prefill role adds
+        # the KV pages to stream); None leaves plans as scheduled.
+        self.plan_hook: Callable[[StepPlan], StepPlan] | None = None
+        # Called with the plan when its KV pages did not all reach their decode instance.
+        self.on_transfer_failure: Callable[[StepPlan], None] | None = None
 
     # -- requests in --------------------------------------------------------
 
@@ -93,8 +99,56 @@ class EngineCore:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        hold_kv: bool = False,
     ) -> None:
-        """Validate and queue one request; raises InvalidArgumentError naming the field."""
+        """Validate and queue one request; raises InvalidArgumentError naming the field.
+
+        With ``hold_kv`` the request keeps its blocks when it finishes, until
+        :meth:`release` (a prefill instance waiting for decode's acknowledgement).
+        """
+        request = self._new_request(request_id, prompt, params, arrival_time)
+        request.hold_kv_on_finish = hold_kv
+        self.scheduler.add_request(request)
+        self._track(request, prompt)
+
+    def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> tuple[list[int], int] | None:
+        """Decode role: hold pages for a prompt prefilled elsewhere.
+
+        Returns (block ids, tokens already cached here) or None when full.
+        """
+        request = self._new_request(request_id, prompt, params, None)
+        cached = self.scheduler.reserve(request)
+        if cached is None:
+            return None
+        self._track(request, prompt)
+        return self.kv.block_table(request_id), cached
+
+    def activate(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode role: the reserved prompt's KV has landed; decode from ``first_token``."""
+        request = self.scheduler.activate(request_id, first_token)
+        stop = self._detok[request_id].update([first_token])
+        if stop is not None:  # the first token completed a stop string
+            self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED, stop)
+        return self._output(request, [first_token])
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of a prompt whose KV is already cached here (whole blocks)."""
+        probe = Request("probe", token_ids, SamplingParams(), ())
+        return len(self.kv.find_cached_prefix(probe)) * self.kv.block_size
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: free a finished request's held blocks (kept as prefix cache)."""
+        return self.scheduler.release(request_id)
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival: float | None,
+    ) -> Request:
         token_ids = self.tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise InvalidArgumentError(
@@ -104,10 +158,13 @@ class EngineCore:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop", "stop strings need a model with a tokenizer")
-        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
-        self.scheduler.add_request(request)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        return Request(request_id, token_ids, params, self.eos_token_ids, arrival)
+
+    def _track(self, request: Request, prompt: str | list[int]) -> None:
+        self._detok[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params
+        )
+        self._prompts[request.request_id] = prompt if isinstance(prompt, str) else None
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -153,7 +210,11 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.plan_hook is not None:
+            plan = self.plan_hook(plan)
         result = self.executor.execute(plan)
+        if not result.kv_transfer_ok and self.on_transfer_failure is not None:
+            self.on_transfer_failure(plan)
         outputs = []
         for request in self.scheduler.update(plan, result.sampled):
             detok = self._detok[request.request_id]
@@ -236,6 +297,7 @@ class EngineCore:
         """No request is left and every KV block is back in the pool."""
         self.check_integrity()
         assert not self.has_unfinished_requests()
+        assert not self.scheduler.held, f"held blocks not released: {sorted(self.scheduler.held)}"
         self.kv.assert_empty()
 
     def shutdown(self) -> None:

@@ -17,6 +17,18 @@ class PdserveError(Exception):
     grpc_code: str = "INTERNAL"
     http_status: int = 500
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Errors cross Ray actor boundaries: rebuild them with their fields,
+        # whatever their constructor takes.
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuild(cls: type[PdserveError], message: str, state: dict[str, object]) -> PdserveError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidArgumentError(PdserveError, ValueError):
     """A request or configuration value is malformed; ``field`` names it."""

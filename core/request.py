@@ -8,9 +8,13 @@ the request needs a sampled token whenever the counter reaches ``num_tokens``.
 Lifecycle::
 
     WAITING --schedule--> RUNNING --stop/length--> FINISHED_*
-       ^                     |
-       +----- PREEMPTED <----+  (blocks freed; recomputed from token 0 later)
+       ^                   ^   |
+       +----- PREEMPTED <--|---+  (blocks freed; recomputed from token 0 later)
+    RESERVED --activate----+      (decode side: the prompt's KV arrived)
     any state --abort--> FINISHED_ABORTED
+
+A prefill instance may finish a request but keep its blocks ("held") until the
+decode instance has acknowledged the KV; ``Scheduler.release`` frees them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    RESERVED = "reserved"  # blocks held for KV arriving from a prefill instance
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -65,6 +70,8 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
         self.first_token_time: float | None = None
+        # Prefill role: on finishing, keep the blocks until released.
+        self.hold_kv_on_finish = False
 
     @property
     def prompt_token_ids(self) -> list[int]:

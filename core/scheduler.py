@@ -13,7 +13,10 @@ to be recomputed from token 0 (prefix caching usually makes that cheap).
 Waiting requests are not admitted in a step that preempted.
 
 Queues: ``waiting`` is fed by ``add_request`` and drained by ``schedule``;
-``running`` is filled by ``schedule`` and emptied by ``update``/``finish``.
+``running`` is filled by ``schedule`` (and ``activate``) and emptied by
+``update``/``finish``. Outside the queues, two kinds of request hold blocks:
+``reserved`` (decode role: pages waiting for KV from a prefill instance) and
+``held`` (prefill role: finished, pages kept until decode acknowledged them).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # waiting, running or reserved
+        self.reserved: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
@@ -50,6 +55,50 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_work(self) -> bool:
+        """Something to schedule (reserved requests wait for their KV)."""
+        return bool(self.waiting or self.running)
+
+    # -- disaggregation: decode-side reservations, prefill-side holds ---------
+
+    def reserve(self, request: Request) -> int | None:
+        """Hold blocks for the request's prompt and first token; None if no room.
+
+        Returns how many leading tokens are already cached here (whole blocks),
+        which the prefill instance need not send.
+        """
+        if request.request_id in self.requests or request.request_id in self.held:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return None
+        prefix = self.kv.find_cached_prefix(request)
+        need = request.num_tokens + 1 - len(prefix) * self.kv.block_size
+        if not self.kv.allocate_slots(request, need, prefix):
+            return None
+        request.status = RequestStatus.RESERVED
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return request.num_computed_tokens
+
+    def activate(self, request_id: str, first_token: int) -> Request:
+        """The reserved request's prompt KV has landed: join the running batch."""
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_computed_blocks(request)
+        request.append_token(first_token)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's blocks (they stay in the prefix cache)."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        return True
 
     def schedule(self) -> StepPlan:
         """Pick this step's batch and reserve its KV slots."""
@@ -182,7 +231,11 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-        self.kv.free(request)
+        self.reserved.pop(request_id, None)
+        if request.hold_kv_on_finish and status is not RequestStatus.FINISHED_ABORTED:
+            self.held[request_id] = request
+        else:
+            self.kv.free(request)
         request.status = status
         request.stop_reason = stop_reason
         self._finished_since_last_step.append(request_id)
@@ -192,10 +245,13 @@ class Scheduler:
         """Queues and block tables agree; raises AssertionError otherwise."""
         self.kv.check_integrity()
         queued = {r.request_id for r in self.waiting} | {r.request_id for r in self.running}
-        assert queued == set(self.requests), "a request is lost or in no queue"
-        assert len(self.waiting) + len(self.running) == len(self.requests), (
+        assert queued | set(self.reserved) == set(self.requests), "a request is lost or in no queue"
+        assert len(self.waiting) + len(self.running) + len(self.reserved) == len(self.requests), (
             "a request is queued twice"
         )
+        assert not set(self.held) & set(self.requests), "a held request is still queued"
+        for rid in list(self.reserved) + list(self.held):
+            assert self.kv.holds(rid), f"{rid} is reserved or held without blocks"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, r
             assert self.kv.holds(r.request_id) or r.num_computed_tokens == 0

@@ -46,6 +46,32 @@ class ScheduledSeq:
         return self.start_pos + len(self.token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class KVSend:
+    """Pages of one request that every rank streams to a decode instance this step.
+
+    After each layer runs, a rank sends that layer's slice of ``src_blocks``
+    (this instance's pages, in order) into ``dst_blocks`` (the decode
+    instance's reserved pages, same order) over the connector to ``peer``.
+    ``final`` marks the step that completes the prompt: once its pages are out,
+    the hand-off may be sent.
+    """
+
+    request_id: str
+    peer: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class KVArrival:
+    """Decode role: KV messages each rank must have received before ``request_id`` runs."""
+
+    request_id: str
+    expected: list[int]  # per rank of the decode instance
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Everything every rank needs to run one forward pass of a batch."""
@@ -53,6 +79,8 @@ class StepPlan:
     step_id: int
     seqs: list[ScheduledSeq]
     finished_request_ids: list[str] = field(default_factory=list)
+    kv_sends: list[KVSend] = field(default_factory=list)
+    kv_arrivals: list[KVArrival] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -73,11 +101,15 @@ class StepPlan:
             ]
             for s in self.seqs
         ]
-        return bytes(msgpack.packb([self.step_id, seqs, self.finished_request_ids]))
+        sends = [[k.request_id, k.peer, k.src_blocks, k.dst_blocks, k.final] for k in self.kv_sends]
+        arrivals = [[a.request_id, a.expected] for a in self.kv_arrivals]
+        return bytes(
+            msgpack.packb([self.step_id, seqs, self.finished_request_ids, sends, arrivals])
+        )
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> StepPlan:
-        step_id, seqs, finished = msgpack.unpackb(data)
+        step_id, seqs, finished, sends, arrivals = msgpack.unpackb(data)
         return cls(
             step_id=step_id,
             seqs=[
@@ -85,6 +117,8 @@ class StepPlan:
                 for rid, toks, start, table, s in seqs
             ],
             finished_request_ids=finished,
+            kv_sends=[KVSend(*k) for k in sends],
+            kv_arrivals=[KVArrival(*a) for a in arrivals],
         )
 
 
@@ -99,7 +133,12 @@ def _sampling_from_list(v: list[Any]) -> RowSampling:
 
 @dataclass(frozen=True)
 class StepResult:
-    """Sampled tokens of one step, keyed by request id (sampling rows only)."""
+    """Sampled tokens of one step, keyed by request id (sampling rows only).
+
+    ``kv_transfer_ok`` is False when some rank could not deliver the pages the
+    plan's ``kv_sends`` named: those requests must not be handed off.
+    """
 
     step_id: int
     sampled: dict[str, int]
+    kv_transfer_ok: bool = True

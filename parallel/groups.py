@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdserve.core.layout import Layout
 from pdserve.parallel.context import ParallelContext
-from pdserve.parallel.layout import Layout
 
 STOP = -1  # plan length that tells followers to leave their loop
 

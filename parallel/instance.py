@@ -20,9 +20,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InstanceFailedError, PdserveError
+from pdserve.core.layout import Layout, plan_layout
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
-from pdserve.parallel.layout import Layout, plan_layout
 from pdserve.parallel.worker import EngineInfo, GenerateItem, RankSpec, RankWorker
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,14 @@ class RankGroup:
 
     @classmethod
     def start(
-        cls, model: ModelConfig, engine: EngineConfig, resources: RankResources | None = None
+        cls,
+        model: ModelConfig,
+        engine: EngineConfig,
+        resources: RankResources | None = None,
+        worker_cls: type[RankWorker] = RankWorker,
+        worker_args: tuple[Any, ...] = (),
     ) -> RankGroup:
+        """Start every rank; ``worker_cls(spec, *worker_args)`` is each rank's actor."""
         res = resources or RankResources()
         layout = plan_layout(model, engine.parallel)  # refuse before any actor starts
         if not ray.is_initialized():
@@ -64,7 +70,7 @@ class RankGroup:
         workers: list[Any] = []
         try:
             ray.get(pg.ready(), timeout=res.start_timeout_s)
-            actor = ray.remote(RankWorker)
+            actor = ray.remote(worker_cls)
             threads = res.torch_threads or max(1, int(res.num_cpus))
             for rank in range(layout.world_size):
                 spec = RankSpec(rank, layout, model, engine, res.collective_timeout_s, threads)
@@ -72,11 +78,11 @@ class RankGroup:
                     actor.options(
                         num_cpus=res.num_cpus,
                         num_gpus=res.num_gpus,
-                        max_concurrency=2,  # followers' loop thread + control calls
+                        max_concurrency=64,  # loops, transfers and control calls
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             pg, placement_group_bundle_index=rank
                         ),
-                    ).remote(spec)
+                    ).remote(spec, *worker_args)
                 )
             address = _get(workers[0].rendezvous.remote(), res.start_timeout_s)
             capacities = _get([w.join.remote(address) for w in workers], res.start_timeout_s)

@@ -13,6 +13,7 @@ can address pages without knowing the model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,8 @@ from pdserve.parallel.loader import load_checkpoint
 from pdserve.parallel.models import build_model
 
 logger = logging.getLogger(__name__)
+
+KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_BYTES = 256 << 20
@@ -73,8 +76,12 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def allocate_kv(self, num_blocks: int) -> None:
-        """Allocate the paged KV cache; every rank of an instance gets the same count."""
+    def allocate_kv(self, num_blocks: int, allocator: KVAllocator | None = None) -> None:
+        """Allocate the paged KV cache; every rank of an instance gets the same count.
+
+        ``allocator(shape, dtype, device)`` may place it (e.g. in shared memory);
+        it must return zeros: masked-out slots still meet V in the attention sum.
+        """
         kv_heads = max(1, self.model_config.num_kv_heads // self.ctx.tp_size)
         shape = (
             len(self.model.layers),
@@ -84,8 +91,10 @@ class ModelRunner:
             kv_heads,
             self.model_config.head_dim,
         )
-        # Zeros, not garbage: masked-out slots still meet V in the attention sum.
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if allocator is None:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:
+            self.kv_cache = allocator(shape, self.dtype, self.device)
         self.caches = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(len(self.model.layers))
         ]

@@ -14,6 +14,9 @@ the leader itself.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -45,27 +48,62 @@ def split_micro_batches(plan: StepPlan, parts: int) -> list[StepPlan]:
     return pieces
 
 
+class StepHooks(Protocol):
+    """What a step lets other parts do on a rank (the KV transfer layer uses them).
+
+    ``before_step`` runs before any layer (e.g. wait for KV that must have
+    arrived); ``on_layer`` runs after each local layer of each micro-batch
+    (``micro`` is that micro-batch's plan); ``after_step`` runs when the rank's
+    layers are done, before the step counts as finished.
+    """
+
+    def before_step(self, plan: StepPlan) -> None: ...
+
+    def on_layer(self, local_layer: int, micro: StepPlan) -> None: ...
+
+    def after_step(self, plan: StepPlan) -> bool:
+        """True unless something this rank sent for the plan failed to land."""
+        ...
+
+
 class StageExecutor:
     """Runs plans on one rank of a multi-rank instance."""
 
-    def __init__(self, runner: ModelRunner, groups: InstanceGroups) -> None:
+    def __init__(
+        self, runner: ModelRunner, groups: InstanceGroups, hooks: StepHooks | None = None
+    ) -> None:
         self.runner = runner
         self.groups = groups
         self.ctx = groups.ctx
         self.hidden_size = runner.model_config.hidden_size
+        self.hooks = hooks
 
     @torch.no_grad()
-    def run(self, plan: StepPlan) -> dict[str, int]:
-        """Execute the plan; on the leader, return the sampled token of each row."""
-        g, ctx = self.groups, self.ctx
+    def run(self, plan: StepPlan) -> tuple[dict[str, int], bool]:
+        """Execute the plan; on the leader, return the sampled token of each row.
+
+        The flag says whether every rank delivered the plan's KV pages.
+        """
+        g, ctx, hooks = self.groups, self.ctx, self.hooks
+        if hooks is not None:
+            hooks.before_step(plan)
         micro = split_micro_batches(plan, ctx.pp_size)
+        if plan.kv_sends:
+            micro = [StepPlan(mb.step_id, mb.seqs, kv_sends=plan.kv_sends) for mb in micro]
         batches = [self.runner.prepare(mb) for mb in micro]
         in_flight: list[tuple[dist.Work | None, torch.Tensor]] = []
         tokens: dict[str, int] = {}
-        for batch in batches:
+        for mb, batch in zip(micro, batches, strict=True):
+            on_layer = partial(hooks.on_layer, micro=mb) if hooks and plan.kv_sends else None
             hidden, residual = self._receive(batch)
             hidden, residual = self.runner.model(
-                batch.input_ids, batch.positions, self.runner.caches, batch.meta, hidden, residual
+                batch.input_ids,
+                batch.positions,
+                self.runner.caches,
+                batch.meta,
+                hidden,
+                residual,
+                on_layer=on_layer,
             )
             if not ctx.is_last_stage:
                 assert residual is not None
@@ -86,7 +124,13 @@ class StageExecutor:
             for work, _ in in_flight:
                 if work is not None:
                     work.wait()
-        return tokens
+        ok = hooks.after_step(plan) if hooks is not None else True
+        if plan.kv_sends and g.layout.world_size > 1:
+            # Every rank's pages have landed (or some failed) before the step returns.
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g.cpu_group)
+            ok = bool(flag.item())
+        return tokens, ok
 
     def _receive(self, batch: PreparedBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.ctx.is_first_stage:

@@ -28,6 +28,7 @@ from pdserve.core.config import EngineConfig
 from pdserve.core.engine import EngineCore
 from pdserve.core.errors import InstanceFailedError
 from pdserve.core.executor import Executor
+from pdserve.core.layout import Layout
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
 from pdserve.core.sampling_params import SamplingParams
@@ -43,9 +44,8 @@ from pdserve.parallel.groups import (
     send_plan,
     store_address,
 )
-from pdserve.parallel.layout import Layout
-from pdserve.parallel.model_runner import ModelRunner, resolve_device
-from pdserve.parallel.pipeline import StageExecutor
+from pdserve.parallel.model_runner import KVAllocator, ModelRunner, resolve_device
+from pdserve.parallel.pipeline import StageExecutor, StepHooks
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class GroupExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         try:
             send_plan(self.groups, plan.to_msgpack())
-            return StepResult(plan.step_id, self.stage.run(plan))
+            tokens, transfer_ok = self.stage.run(plan)
+            return StepResult(plan.step_id, tokens, transfer_ok)
         except (RuntimeError, dist.DistError) as e:
             raise InstanceFailedError(
                 f"instance {self.groups.layout.describe()} lost a rank during step {plan.step_id}: {e}"
@@ -115,6 +116,10 @@ class RankWorker:
         self.engine: EngineCore | None = None
         self._loop: threading.Thread | None = None
         self.follower_error: str | None = None
+        # Set by subclasses before ``join``: where the KV cache lives, and what
+        # runs around each step (the KV transfer layer).
+        self.kv_allocator: KVAllocator | None = None
+        self.step_hooks: StepHooks | None = None
 
     # -- start-up -------------------------------------------------------------
 
@@ -133,12 +138,12 @@ class RankWorker:
         self.runner = ModelRunner(
             spec.model, spec.engine, self.groups.ctx, spec.layout.stage_layers[coords.stage]
         )
-        self.stage = StageExecutor(self.runner, self.groups)
+        self.stage = StageExecutor(self.runner, self.groups, self.step_hooks)
         return self.runner.max_num_blocks()
 
     def allocate_kv(self, num_blocks: int) -> None:
         assert self.runner is not None and self.groups is not None
-        self.runner.allocate_kv(num_blocks)
+        self.runner.allocate_kv(num_blocks, self.kv_allocator)
         if not self.groups.is_leader:
             self._loop = threading.Thread(target=self._follow, name="pdserve-follower", daemon=True)
             self._loop.start()

@@ -12,6 +12,7 @@ Tensors cross this module flat over the step's tokens: ``input_ids [T]``,
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -161,8 +162,12 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        on_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """First stage embeds ``input_ids``; later stages continue from ``hidden``.
+
+        ``on_layer(i)`` runs after local layer ``i`` wrote its KV (the transfer
+        layer streams that layer's pages while the next layer computes).
 
         Returns ``(hidden, residual)`` to send to the next stage, or on the last
         stage ``(normed hidden, None)``.
@@ -171,8 +176,10 @@ class CausalLM(nn.Module):
             hidden, residual = self.embed(input_ids), None
         assert hidden is not None
         rope = self.rotary.tables(positions, hidden.dtype)
-        for layer, cache in zip(self.layers, caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             hidden, residual = layer(rope, hidden, residual, cache, meta)
+            if on_layer is not None:
+                on_layer(i)
         if self.norm is not None:
             hidden, _ = self.norm(hidden, residual)
             return hidden, None

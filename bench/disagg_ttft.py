@@ -1,0 +1,141 @@
+"""TTFT of disaggregated against colocated serving at low load, in one run.
+
+    pdserve bench ttft --model builtin:small
+
+Both setups run on Ray actors the same way, one request at a time:
+
+- colocated: one decode instance that prefills every request itself;
+- disaggregated: a prefill instance and a decode instance paired over a
+  connector; the first token comes back from the prefill instance while the
+  pages stream to the decode instance.
+
+TTFT is measured by this client, from sending the request to receiving its
+first token (for colocated, the first token reaches a small subscriber actor
+that records when it arrived).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from pdserve.core.messages import PrefillRequest, ReserveRequest, TokenBatch
+from pdserve.core.sampling_params import SamplingParams
+
+
+class FirstTokenClock:
+    """Subscriber actor (async): records when each request's first token arrives."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.first: dict[str, float] = {}
+        self._first: dict[str, asyncio.Event] = {}
+        self._done: dict[str, asyncio.Event] = {}
+
+    def _event(self, table: dict[str, Any], rid: str) -> Any:
+        import asyncio
+
+        return table.setdefault(rid, asyncio.Event())
+
+    async def deliver(self, batch: TokenBatch) -> None:
+        now = time.monotonic()
+        for update in batch.updates:
+            if update.new_token_ids and update.request_id not in self.first:
+                self.first[update.request_id] = now
+                self._event(self._first, update.request_id).set()
+            if update.finished:
+                self._event(self._done, update.request_id).set()
+
+    async def wait_first(self, rid: str) -> float:
+        await self._event(self._first, rid).wait()
+        return self.first[rid]
+
+    async def wait_done(self, rid: str) -> None:
+        await self._event(self._done, rid).wait()
+
+
+def _prompt(i: int, length: int, vocab: int) -> list[int]:
+    return [(i * 7919 + j * 31) % (vocab - 3) + 3 for j in range(length)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.cluster.instances import pair, start_instance
+    from pdserve.core.builtin_models import resolve_model
+    from pdserve.core.config import DisaggregationConfig
+    from pdserve.core.model_config import ModelConfig
+    from pdserve.llm import build_engine_config
+    from pdserve.parallel.instance import RankResources
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    model = ModelConfig.from_dir(resolve_model(args.model))
+    engine = build_engine_config(
+        args.model, dtype="float32", max_num_batched_tokens=args.prompt_len
+    )
+    res = RankResources(num_cpus=1)
+    remote = DisaggregationConfig(local_prefill_max_tokens=0, local_prefill_cached_fraction=1.0)
+    local = DisaggregationConfig(local_prefill_max_tokens=10**9)
+    colocated = start_instance("decode", model, engine, args.connector, res, local)
+    prefill = start_instance("prefill", model, engine, args.connector, res, remote)
+    decode = start_instance("decode", model, engine, args.connector, res, remote)
+    pair(prefill, decode)
+    clock = ray.remote(FirstTokenClock).options(num_cpus=0).remote()
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    ttft: dict[str, list[float]] = {"colocated": [], "disaggregated": []}
+    for i in range(args.requests + 1):  # request 0 warms both paths up
+        prompt = _prompt(i, args.prompt_len, model.vocab_size)
+        for mode in ("colocated", "disaggregated"):
+            rid = f"{mode}-{i}"
+            start = time.monotonic()
+            if mode == "colocated":
+                ray.get(
+                    colocated.leader.reserve.remote(
+                        ReserveRequest(rid, prompt, params), None, clock
+                    )
+                )
+                first = ray.get(clock.wait_first.remote(rid))
+            else:
+                reservation = ray.get(
+                    decode.leader.reserve.remote(
+                        ReserveRequest(rid, prompt, params), prefill.instance_id, clock
+                    )
+                )
+                ray.get(
+                    prefill.leader.prefill.remote(PrefillRequest(rid, prompt, params, reservation))
+                )
+                first = time.monotonic()
+            if i > 0:
+                ttft[mode].append(first - start)
+            ray.get(clock.wait_done.remote(rid), timeout=120)
+    rows = {mode: round(statistics.median(v) * 1e3, 1) for mode, v in ttft.items()}
+    report = {
+        "command": f"pdserve bench ttft --model {args.model} --prompt-len {args.prompt_len} "
+        f"--requests {args.requests} --connector {args.connector}",
+        "median_ttft_ms": rows,
+        "overhead": round(rows["disaggregated"] / rows["colocated"] - 1, 3),
+    }
+    print(json.dumps(report))
+    for instance in (prefill, decode, colocated):
+        instance.shutdown()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = kinds.add_parser("ttft", help="TTFT of disaggregated vs colocated serving at low load")
+    p.add_argument("--model", default="builtin:small")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=4)
+    p.add_argument("--requests", type=int, default=10)
+    p.add_argument("--connector", default="shm")
+    p.add_argument("--out", default="bench/out/ttft.json")
+    p.set_defaults(func=run)

@@ -1,0 +1,192 @@
+"""KV connector bandwidth against the raw channel underneath it, in one run.
+
+    pdserve bench transfer
+
+For each connector, a Ray actor plays the decode rank (its real receiver and
+KV cache) and this process plays the prefill rank (the real sender): pages of
+one layer go out as :class:`~pdserve.transfer.wire.PageSource` messages and
+``flush`` waits until they landed. The raw channel moves the same bytes with
+nothing of pdserve in the way:
+
+- shm: one ``copy_`` between two tensors of this process (a memory copy);
+- p2p: a plain gloo send/recv of a byte tensor between the same two processes;
+- object_store: a Ray call carrying the same bytes as one numpy array, which
+  the actor copies into a buffer of its own (the connector copies them into
+  the KV cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from pdserve.transfer.connector import PeerEndpoint, connector_classes
+from pdserve.transfer.wire import PageHeader, PageSource
+
+BLOCK, HEADS, DIM = 16, 8, 128  # one page of one layer: 2 * 16 * 8 * 128 * 4 B = 128 KiB
+
+
+class DecodeRankStandIn:
+    """A decode rank's receiving half, with nothing else (Ray actor body)."""
+
+    def __init__(self, connector: str, num_blocks: int) -> None:
+        _, receiver_cls = connector_classes(connector)
+        self.receiver = receiver_cls("bench-decode", 0)
+        self.receiver.allocate(
+            (1, 2, num_blocks, BLOCK, HEADS, DIM), torch.float32, torch.device("cpu")
+        )
+        self._raw: Any = None
+        self._landing = np.empty(0, dtype=np.uint8)
+
+    def endpoint(self) -> PeerEndpoint:
+        return self.receiver.endpoint(ray.get_runtime_context().current_actor)
+
+    def receive_pages(self, header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
+        self.receiver.receive(header, keys, values)  # type: ignore[attr-defined]
+
+    def kv_accept(self, pair_id: str) -> None:
+        self.receiver.accept(pair_id)  # type: ignore[attr-defined]
+
+    def land(self, payload: np.ndarray) -> int:
+        """Raw channel for the object store: receive bytes and copy them into memory."""
+        if self._landing.size < payload.size:
+            self._landing = np.empty(payload.size, dtype=np.uint8)
+        np.copyto(self._landing[: payload.size], payload.reshape(-1))
+        return int(payload.nbytes)
+
+    def raw_gloo_listen(self, nbytes: int, count: int) -> tuple[str, int]:
+        import threading
+
+        import torch.distributed as dist
+
+        from pdserve.parallel.groups import _node_ip
+
+        store = dist.TCPStore(_node_ip(), 0, 2, is_master=True, wait_for_workers=False)
+
+        def serve() -> None:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2)
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            for _ in range(count):
+                group.recv([buf], 1, 0).wait()
+            self._raw = group
+
+        threading.Thread(target=serve, daemon=True).start()
+        self._store = store
+        return store.host, store.port
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, Any]:
+    num_blocks = pages * 2
+    actor = (
+        ray.remote(DecodeRankStandIn)
+        .options(num_cpus=0, max_concurrency=8)
+        .remote(connector, num_blocks)
+    )
+    endpoint = ray.get(actor.endpoint.remote())
+    sender_cls, _ = connector_classes(connector)
+    sender = sender_cls()
+    sender.connect(endpoint)
+    src = torch.randn(2, num_blocks, BLOCK, HEADS, DIM)
+    source = PageSource(src, list(range(pages)), 0, HEADS)
+    header = PageHeader(
+        "bench",
+        0,
+        list(range(pages, 2 * pages)),
+        "float32",
+        [2, pages, BLOCK, HEADS, DIM],
+        0,
+        HEADS,
+    )
+    nbytes = header.nbytes
+
+    def connector_round() -> None:
+        sender.send(("bench-decode", 0), header, source)
+        sender.flush()
+
+    connector_round()  # warm-up
+    raw_round = _raw_channel(connector, actor, src, nbytes, rounds * repeats + 1)
+    raw_round()
+    ours, raw = [], []
+    for _ in range(repeats):  # interleaved, so both see the same machine
+        start = time.perf_counter()
+        for _ in range(rounds):
+            connector_round()
+        ours.append(_rate(nbytes * rounds, time.perf_counter() - start))
+        start = time.perf_counter()
+        for _ in range(rounds):
+            raw_round()
+        raw.append(_rate(nbytes * rounds, time.perf_counter() - start))
+    ours_gb, raw_gb = statistics.median(ours), statistics.median(raw)
+    sender.close()
+    ray.kill(actor)
+    return {
+        "connector": connector,
+        "message_mib": round(nbytes / 2**20, 2),
+        "connector_gb_s": round(ours_gb, 2),
+        "raw_gb_s": round(raw_gb, 2),
+        "ratio": round(ours_gb / raw_gb, 2),
+    }
+
+
+def _raw_channel(connector: str, actor: Any, src: torch.Tensor, nbytes: int, total: int) -> Any:
+    """One message's worth of bytes over the bare channel, as a callable."""
+    pages = nbytes // src[:, 0].nbytes  # the same bytes as one message
+    payload = src[:, :pages].contiguous()
+    assert payload.nbytes == nbytes
+    if connector == "shm":
+        dst = torch.empty_like(payload)
+        return lambda: dst.copy_(payload)
+    if connector == "object_store":
+        data = payload.view(torch.uint8).numpy()
+        return lambda: ray.get(actor.land.remote(data))
+    import torch.distributed as dist
+
+    host, port = ray.get(actor.raw_gloo_listen.remote(nbytes, total))
+    store = dist.TCPStore(host, port, 2, is_master=False)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2)
+    data = payload.view(torch.uint8).reshape(-1)
+    return lambda: group.send([data], 0, 0).wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    rows = []
+    for connector in args.connectors:
+        for pages in args.pages:
+            row = measure(connector, pages, args.rounds, args.repeats)
+            rows.append(row)
+            print(json.dumps(row))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        cmd = (
+            f"pdserve bench transfer --pages {' '.join(map(str, args.pages))} "
+            f"--rounds {args.rounds} --repeats {args.repeats}"
+        )
+        Path(args.out).write_text(json.dumps({"command": cmd, "results": rows}, indent=2))
+    return 0
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = kinds.add_parser("transfer", help="KV connector bandwidth vs the raw channel")
+    p.add_argument("--connectors", nargs="+", default=["shm", "p2p", "object_store"])
+    p.add_argument("--pages", nargs="+", type=int, default=[8, 32, 128], help="pages per message")
+    p.add_argument("--rounds", type=int, default=10, help="messages per timed batch")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved batches; medians reported")
+    p.add_argument("--out", default="bench/out/transfer.json")
+    p.set_defaults(func=run)
+
+
+__all__ = ["add_parser", "run"]

@@ -1,0 +1,73 @@
+"""Start prefill and decode instances, and pair them for KV transfer.
+
+Pairing is the compatibility handshake (:func:`~pdserve.transfer.handshake.check_compatible`)
+followed by the plumbing: every prefill rank connects to the decode ranks its
+routes reach, and each leader learns the other's actor handle.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from pdserve.cluster.worker import InstanceSpec, InstanceWorker, Role
+from pdserve.core.config import DisaggregationConfig, EngineConfig
+from pdserve.core.model_config import ModelConfig
+from pdserve.parallel.instance import RankGroup, RankResources
+from pdserve.transfer.handshake import check_compatible
+
+
+@dataclass
+class Instance:
+    """A started instance: its id, role and ranks (``group.leader`` serves requests)."""
+
+    instance_id: str
+    role: Role
+    group: RankGroup
+
+    @property
+    def leader(self) -> Any:
+        return self.group.leader
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def start_instance(
+    role: Role,
+    model: ModelConfig,
+    engine: EngineConfig,
+    connector: str = "shm",
+    resources: RankResources | None = None,
+    disaggregation: DisaggregationConfig | None = None,
+    instance_id: str | None = None,
+) -> Instance:
+    instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:6]}"
+    spec = InstanceSpec(instance_id, role, connector, disaggregation or DisaggregationConfig())
+    group = RankGroup.start(model, engine, resources, InstanceWorker, (spec,))
+    return Instance(instance_id, role, group)
+
+
+def pair(prefill: Instance, decode: Instance, timeout_s: float = 120.0) -> None:
+    """Handshake, then connect every prefill rank to the decode ranks it sends to."""
+    p_spec, d_spec = ray.get(
+        [prefill.leader.kv_spec.remote(), decode.leader.kv_spec.remote()], timeout=timeout_s
+    )
+    check_compatible(p_spec, d_spec)
+    endpoints = ray.get([w.kv_endpoint.remote() for w in decode.group.workers], timeout=timeout_s)
+    ray.get(
+        [w.pair_ranks.remote(d_spec.layout, endpoints) for w in prefill.group.workers],
+        timeout=timeout_s,
+    )
+    ray.get(
+        [
+            prefill.leader.register_decode.remote(decode.instance_id, decode.leader),
+            decode.leader.register_prefill.remote(
+                prefill.instance_id, prefill.leader, p_spec.layout
+            ),
+        ],
+        timeout=timeout_s,
+    )

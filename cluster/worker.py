@@ -1,0 +1,206 @@
+"""The Ray actor of one rank of a serving instance (prefill or decode role).
+
+Every rank carries its share of the KV transfer layer (a
+:class:`~pdserve.transfer.rank.RankTransfer`: a receiver whose endpoint
+senders connect to, a sender with routes to paired decode ranks). The leader
+(rank 0) also runs the role server: :class:`~pdserve.prefill.server.PrefillServer`
+or :class:`~pdserve.decode.server.DecodeServer`. All methods are typed; the
+role methods are served by the leader only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import ray
+
+from pdserve.core.config import DisaggregationConfig
+from pdserve.core.layout import Layout
+from pdserve.core.messages import (
+    DecodeRequest,
+    FirstToken,
+    PrefillRequest,
+    Reservation,
+    ReserveRequest,
+)
+from pdserve.core.request import RequestOutput
+from pdserve.decode.server import DecodeServer
+from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
+from pdserve.prefill.server import PrefillServer
+from pdserve.transfer.connector import PeerEndpoint
+from pdserve.transfer.handoff import HandOff
+from pdserve.transfer.handshake import KVSpec, model_fingerprint
+from pdserve.transfer.rank import RankTransfer
+from pdserve.transfer.wire import dtype_name
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What kind of instance a rank belongs to."""
+
+    instance_id: str
+    role: Role
+    connector: str = "shm"
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+
+
+@dataclass(frozen=True)
+class InstanceStats:
+    instance_id: str
+    role: str
+    leases: dict[str, int]
+    sent: dict[str, Any]
+    received: dict[str, Any]
+    free_blocks: int
+    num_blocks: int
+
+
+class InstanceWorker(RankWorker):
+    def __init__(self, spec: RankSpec, instance: InstanceSpec) -> None:
+        super().__init__(spec)
+        self.instance = instance
+        self.transfer = RankTransfer(
+            instance.instance_id,
+            spec.rank,
+            spec.layout,
+            spec.model.num_kv_heads,
+            instance.connector,
+        )
+        self.step_hooks = self.transfer
+        if instance.role == "decode":
+            self.kv_allocator = self.transfer.receiver.allocate
+        self.server: PrefillServer | DecodeServer | None = None
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        super().allocate_kv(num_blocks)
+        assert self.runner is not None
+        self.transfer.kv_cache = self.runner.kv_cache
+        if self.transfer.receiver.kv_cache is None:
+            self.transfer.receiver.kv_cache = self.runner.kv_cache
+
+    def start_engine(self) -> EngineInfo:
+        info = super().start_engine()
+        assert self.engine is not None
+        if self.instance.role == "prefill":
+            self.server = PrefillServer(self.instance.instance_id, self.engine, self.spec.layout)
+        else:
+            self.server = DecodeServer(
+                self.instance.instance_id,
+                self.engine,
+                self.spec.layout,
+                self.transfer.receiver.needs_arrival_marks,
+                self.instance.disaggregation,
+            )
+        return info
+
+    # -- transfer plumbing (every rank) --------------------------------------------------
+
+    def kv_spec(self) -> KVSpec:
+        assert self.runner is not None
+        m = self.spec.model
+        return KVSpec(
+            self.instance.instance_id,
+            model_fingerprint(m.path),
+            m.path,
+            dtype_name(self.runner.dtype),
+            self.spec.engine.cache.block_size,
+            m.num_layers,
+            m.num_kv_heads,
+            m.head_dim,
+            self.spec.layout,
+        )
+
+    def kv_endpoint(self) -> PeerEndpoint:
+        return self.transfer.receiver.endpoint(ray.get_runtime_context().current_actor)
+
+    def pair_ranks(self, decode_layout: Layout, endpoints: list[PeerEndpoint]) -> None:
+        self.transfer.pair(decode_layout, endpoints)
+
+    def receive_pages(self, header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
+        """Object-store connector: one message of pages (K part, V part) for this rank."""
+        self.transfer.receiver.receive(header, keys, values)  # type: ignore[attr-defined]
+
+    def kv_accept(self, pair_id: str) -> None:
+        """Point-to-point connector: join a sender's pair group."""
+        self.transfer.receiver.accept(pair_id)  # type: ignore[attr-defined]
+
+    def transfer_stats(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.transfer.sender.stats.as_dict(), self.transfer.receiver.stats.as_dict()
+
+    # -- prefill role (leader) ---------------------------------------------------------------
+
+    def _prefill(self) -> PrefillServer:
+        assert isinstance(self.server, PrefillServer), "not the leader of a prefill instance"
+        return self.server
+
+    def register_decode(self, decode_id: str, leader: Any) -> None:
+        self._prefill().register_decode(decode_id, leader)
+
+    def prefill(self, request: PrefillRequest) -> FirstToken:
+        return self._prefill().prefill(request).result()
+
+    def drop(self, request_id: str) -> bool:
+        return self._prefill().drop(request_id)
+
+    # -- decode role (leader) ------------------------------------------------------------------
+
+    def _decode(self) -> DecodeServer:
+        assert isinstance(self.server, DecodeServer), "not the leader of a decode instance"
+        return self.server
+
+    def register_prefill(self, prefill_id: str, leader: Any, layout: Layout) -> None:
+        self._decode().register_prefill(prefill_id, leader, layout)
+
+    def reserve(self, request: ReserveRequest, prefill_id: str | None, sink: Any) -> Reservation:
+        return self._decode().reserve(request, prefill_id, sink)
+
+    def commit(self, handoff: HandOff) -> bool:
+        return self._decode().commit(handoff)
+
+    def cancel(self, request_id: str) -> None:
+        self._decode().cancel(request_id)
+
+    def submit(self, request: DecodeRequest, sink: Any) -> None:
+        self._decode().submit(request, sink)
+
+    def abort(self, request_id: str) -> bool:
+        return self._decode().abort(request_id)
+
+    def wait(self, request_ids: list[str], timeout_s: float | None = None) -> list[RequestOutput]:
+        return self._decode().wait(request_ids, timeout_s)
+
+    # -- any role (leader) ------------------------------------------------------------------------
+
+    def stats(self) -> InstanceStats:
+        assert self.server is not None
+        server = self.server
+
+        def read(engine: Any) -> InstanceStats:
+            sent, received = self.transfer_stats()
+            return InstanceStats(
+                self.instance.instance_id,
+                self.instance.role,
+                server.stats.as_dict(),
+                sent,
+                received,
+                engine.kv.num_free_blocks,
+                engine.kv.num_blocks,
+            )
+
+        return server.loop.call(read).result()
+
+    def check_idle(self) -> None:
+        assert self.server is not None
+        self.server.loop.call(lambda engine: engine.assert_idle()).result()
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.loop.stop()
+        self.transfer.close()
+        super().shutdown()

@@ -1,0 +1,102 @@
+"""Typed messages between the router and the prefill and decode instances.
+
+They cross Ray actor boundaries (pickled dataclasses), so the router needs only
+``pdserve.core`` to speak to instances. The life of a disaggregated request::
+
+    router --ReserveRequest--> decode      -> Reservation (pages held under a lease)
+    router --PrefillRequest--> prefill     -> FirstToken (as soon as it is sampled)
+    prefill --pages, layer by layer--> decode's reserved pages   (pdserve.transfer)
+    prefill --HandOff--> decode            -> the request joins decode's batch
+    decode --TokenBatch per step--> router  (every new token of that router's requests)
+
+A request short enough, or mostly cached on the decode instance, skips the
+prefill instance: router --DecodeRequest--> decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    """Ask a decode instance to hold pages for a prompt that another instance prefills."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    ttl_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Pages a decode instance holds for one request until ``expires_at`` (monotonic, its clock).
+
+    ``block_ids`` are the decode instance's physical pages covering the prompt;
+    the first ``num_cached_tokens`` tokens (whole pages) are already cached
+    there and need not be sent.
+    """
+
+    request_id: str
+    decode_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
+    ttl_s: float
+    # The decode instance chose to prefill the request itself (short prompt,
+    # or mostly cached there): send it to no prefill instance.
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Prefill a prompt; stream its KV into ``reservation`` (None: keep it local)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    reservation: Reservation | None = None
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The prefill's sampled token, sent back before the KV transfer completes.
+
+    ``finished`` is set when the first token already ends the request (EOS,
+    a stop token, ``max_tokens == 1``); no decode follows.
+    """
+
+    request_id: str
+    token_id: int
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """A whole request for a decode instance to prefill locally and decode."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenUpdate:
+    """New tokens of one request after a decode step (cumulative text is not resent)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Every update one instance produced for one router in one step."""
+
+    instance_id: str
+    updates: list[TokenUpdate] = field(default_factory=list)

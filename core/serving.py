@@ -1,0 +1,142 @@
+"""The engine loop of a serving instance: one thread owns the engine core.
+
+Nothing else touches the :class:`~pdserve.core.engine.EngineCore`. Callers (actor
+methods on other threads) hand it work with :meth:`EngineLoop.call`, which runs
+a function on the loop thread between steps and returns a future. The loop
+runs commands, then due timers, then one step if there is anything to
+schedule; with nothing to do it sleeps on a condition until a command or a
+timer is due (no polling). Each step's outputs go to ``on_outputs`` on the loop
+thread.
+
+If a step raises (a rank died), the loop stops, fails every waiting future
+with that error, and reports it through ``on_fatal``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from pdserve.core.engine import EngineCore
+from pdserve.core.errors import InstanceFailedError
+from pdserve.core.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: EngineCore,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_fatal: Callable[[BaseException], None] | None = None,
+        name: str = "pdserve-engine",
+    ) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._on_fatal = on_fatal
+        self._commands: deque[tuple[Callable[[EngineCore], Any], Future[Any]]] = deque()
+        self._timers: list[tuple[float, int, float, Callable[[EngineCore], None]]] = []
+        self._seq = itertools.count()
+        self._wake = threading.Condition()
+        self._running = True
+        self.fatal: BaseException | None = None
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the loop thread; its result or exception lands in the future."""
+        future: Future[T] = Future()
+        with self._wake:
+            if self.fatal is not None:
+                future.set_exception(InstanceFailedError(f"engine stopped: {self.fatal}"))
+                return future
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def every(self, interval_s: float, fn: Callable[[EngineCore], None]) -> None:
+        """Run ``fn(engine)`` on the loop thread every ``interval_s`` seconds."""
+        with self._wake:
+            heapq.heappush(
+                self._timers, (time.monotonic() + interval_s, next(self._seq), interval_s, fn)
+            )
+            self._wake.notify()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while self._running and not self._ready():
+                        self._wake.wait(self._next_timer_in())
+                    if not self._running:
+                        return
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for fn, future in commands:
+                    self._run_command(fn, future)
+                self._run_due_timers()
+                if self.engine.scheduler.has_work:
+                    outputs = self.engine.step()
+                    self.steps += 1
+                    if outputs:
+                        self._on_outputs(outputs)
+        except BaseException as e:  # a dead rank or a bug: stop serving, say why
+            logger.exception("engine loop stopped")
+            self._fail(e)
+
+    def _ready(self) -> bool:
+        due = bool(self._timers) and self._timers[0][0] <= time.monotonic()
+        return bool(self._commands) or due or self.engine.scheduler.has_work
+
+    def _next_timer_in(self) -> float | None:
+        return max(0.0, self._timers[0][0] - time.monotonic()) if self._timers else None
+
+    def _run_command(self, fn: Callable[[EngineCore], Any], future: Future[Any]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(self.engine))
+        except InstanceFailedError:
+            raise
+        except Exception as e:  # a refused request: the caller gets the error
+            future.set_exception(e)
+
+    def _run_due_timers(self) -> None:
+        now = time.monotonic()
+        while True:
+            with self._wake:
+                if not self._timers or self._timers[0][0] > now:
+                    return
+                _, _, interval, fn = heapq.heappop(self._timers)
+                heapq.heappush(self._timers, (now + interval, next(self._seq), interval, fn))
+            fn(self.engine)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._wake:
+            self.fatal = error
+            self._running = False
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, future in commands:
+            if not future.done():
+                future.set_exception(InstanceFailedError(f"engine stopped: {error}"))
+        if self._on_fatal is not None:
+            self._on_fatal(error)

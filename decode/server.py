@@ -1,0 +1,292 @@
+"""The decode role: hold pages for prompts prefilled elsewhere, then decode them.
+
+A :class:`DecodeServer` lives on the leader of a decode instance, around the same
+:class:`~pdserve.core.engine.EngineCore` the prefill role uses. Its role is:
+
+- ``reserve``: hold pages for a prompt under a lease (or refuse when full, so
+  the router waits or goes elsewhere);
+- ``commit``: the prefill's hand-off arrived; the request joins the batch
+  (connectors that need arrival marks make every rank check them first);
+- ``submit``: a request short or cached enough to prefill right here;
+- leases expire after their TTL; a peer that dies has its holds released;
+- every step, one :class:`~pdserve.core.messages.TokenBatch` per subscriber
+  carries every new token of that subscriber's requests. Callers without a
+  subscriber collect finished outputs with ``wait``.
+
+Page ownership is tabled in :mod:`pdserve.transfer.handoff`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from pdserve.core.config import DisaggregationConfig
+from pdserve.core.engine import EngineCore
+from pdserve.core.errors import InstanceFailedError, OverloadedError
+from pdserve.core.layout import Layout
+from pdserve.core.messages import (
+    DecodeRequest,
+    Reservation,
+    ReserveRequest,
+    TokenBatch,
+    TokenUpdate,
+)
+from pdserve.core.request import RequestOutput
+from pdserve.core.serving import EngineLoop
+from pdserve.core.step import KVArrival, StepPlan
+from pdserve.transfer.handoff import HandOff, LeaseTable
+from pdserve.transfer.routes import plan_routes, routes_into
+from pdserve.transfer.stats import LeaseStats
+
+logger = logging.getLogger(__name__)
+
+LEASE_CHECK_S = 0.25
+HEARTBEAT_S = 2.0
+
+
+class DecodeServer:
+    def __init__(
+        self,
+        instance_id: str,
+        engine: EngineCore,
+        layout: Layout,
+        needs_arrival_marks: bool,
+        config: DisaggregationConfig,
+    ) -> None:
+        self.instance_id = instance_id
+        self.config = config
+        self.layout = layout
+        self.num_kv_heads = engine.model.num_kv_heads
+        self.needs_arrival_marks = needs_arrival_marks
+        self.leases = LeaseTable()
+        self.stats = LeaseStats()
+        self.prefills: dict[str, tuple[Any, Layout]] = {}
+        self._pings: dict[str, Any] = {}
+        self._arrivals: list[KVArrival] = []
+        self._sinks: dict[str, Any] = {}  # request id -> subscriber actor handle
+        self._done: dict[str, Future[RequestOutput]] = {}
+        self._done_lock = threading.Lock()
+        engine.plan_hook = self._annotate
+        self.loop = EngineLoop(
+            engine, self._on_outputs, self._on_fatal, name=f"pdserve-decode-{instance_id}"
+        )
+        self.loop.every(LEASE_CHECK_S, self._expire)
+        self.loop.every(HEARTBEAT_S, self._heartbeat)
+
+    # -- called from actor threads -------------------------------------------------------
+
+    def register_prefill(self, prefill_id: str, leader: Any, layout: Layout) -> None:
+        def add(_: EngineCore) -> None:
+            self.prefills[prefill_id] = (leader, layout)
+
+        self.loop.call(add).result()
+
+    def reserve(self, request: ReserveRequest, prefill_id: str | None, sink: Any) -> Reservation:
+        """Hold pages for a prompt; raises OverloadedError when there is no room now."""
+        return self.loop.call(
+            lambda engine: self._reserve(engine, request, prefill_id, sink)
+        ).result()
+
+    def commit(self, handoff: HandOff) -> bool:
+        """Take over a prefilled request; False if its lease is gone (expired or aborted)."""
+        return self.loop.call(lambda engine: self._commit(engine, handoff)).result()
+
+    def cancel(self, request_id: str) -> None:
+        """The prefill will not hand this request off (its first token ended it)."""
+        self.loop.call(lambda engine: self._free_reservation(engine, request_id, notify=False))
+
+    def submit(self, request: DecodeRequest, sink: Any) -> None:
+        """Prefill and decode a whole request here."""
+
+        def add(engine: EngineCore) -> None:
+            engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+            self._subscribe(request.request_id, sink)
+
+        self.loop.call(add).result()
+
+    def abort(self, request_id: str) -> bool:
+        return self.loop.call(lambda engine: self._abort(engine, request_id)).result()
+
+    def wait(self, request_ids: list[str], timeout_s: float | None) -> list[RequestOutput]:
+        """Finished outputs of requests submitted without a subscriber."""
+        with self._done_lock:
+            futures = [self._done.setdefault(rid, Future()) for rid in request_ids]
+        outputs = [f.result(timeout_s) for f in futures]
+        with self._done_lock:
+            for rid in request_ids:
+                self._done.pop(rid, None)
+        return outputs
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine stopped (a rank died): fail every waiter instead of leaving it hanging."""
+        with self._done_lock:
+            waiting = [f for f in self._done.values() if not f.done()]
+        for future in waiting:
+            future.set_exception(InstanceFailedError(f"decode {self.instance_id} stopped: {error}"))
+
+    # -- on the loop thread -------------------------------------------------------------------
+
+    def _subscribe(self, request_id: str, sink: Any) -> None:
+        if sink is not None:
+            self._sinks[request_id] = sink
+        else:
+            with self._done_lock:
+                self._done.setdefault(request_id, Future())
+
+    def _reserve(
+        self, engine: EngineCore, request: ReserveRequest, prefill_id: str | None, sink: Any
+    ) -> Reservation:
+        if self._prefill_here(engine, request):
+            engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+            self._subscribe(request.request_id, sink)
+            return Reservation(
+                request.request_id, self.instance_id, [], 0, request.ttl_s, local=True
+            )
+        held = engine.reserve(request.request_id, request.prompt_token_ids, request.params)
+        if held is None:
+            self.stats.refused += 1
+            raise OverloadedError(
+                f"decode {self.instance_id} has no room for {len(request.prompt_token_ids)} "
+                f"prompt tokens now ({engine.kv.num_free_blocks} free pages)",
+                retry_after_s=0.5,
+            )
+        block_ids, cached = held
+        self.leases.add(request.request_id, prefill_id, request.ttl_s)
+        self.stats.reserved += 1
+        self._subscribe(request.request_id, sink)
+        return Reservation(request.request_id, self.instance_id, block_ids, cached, request.ttl_s)
+
+    def _prefill_here(self, engine: EngineCore, request: ReserveRequest) -> bool:
+        """Short prompts, and prompts mostly cached here, skip the prefill instance."""
+        n = len(request.prompt_token_ids)
+        if n <= self.config.local_prefill_max_tokens:
+            return True
+        cached = engine.cached_prefix_tokens(request.prompt_token_ids)
+        return cached >= self.config.local_prefill_cached_fraction * n
+
+    def _commit(self, engine: EngineCore, handoff: HandOff) -> bool:
+        lease = self.leases.take(handoff.request_id)
+        if lease is None:
+            return False
+        table = engine.kv.block_table(handoff.request_id)
+        assert table[: len(handoff.block_ids)] == handoff.block_ids, "hand-off names other pages"
+        out = engine.activate(handoff.request_id, handoff.first_token)
+        self.stats.committed += 1
+        if self.needs_arrival_marks:
+            _, layout = self.prefills[handoff.prefill_id]
+            routes = plan_routes(self.num_kv_heads, layout, self.layout)
+            expected = [routes_into(routes, r) for r in range(self.layout.world_size)]
+            self._arrivals.append(KVArrival(handoff.request_id, expected))
+        if out.finished:  # the first token completed a stop string
+            self._on_outputs([out])
+        return True
+
+    def _annotate(self, plan: StepPlan) -> StepPlan:
+        if not self._arrivals:
+            return plan
+        arrivals, self._arrivals = self._arrivals, []
+        return StepPlan(plan.step_id, plan.seqs, plan.finished_request_ids, plan.kv_sends, arrivals)
+
+    def _abort(self, engine: EngineCore, request_id: str) -> bool:
+        lease = self.leases.leases.get(request_id)
+        if lease is not None:
+            self.stats.aborted += 1
+            self._revoke(engine, request_id)
+            return True
+        out = engine.abort_request(request_id)
+        if out is None:
+            return False
+        self.stats.aborted += 1
+        self._on_outputs([out])
+        return True
+
+    def _expire(self, engine: EngineCore) -> None:
+        for lease in self.leases.expired():
+            logger.warning("lease of %s expired before its hand-off", lease.request_id)
+            self.stats.expired += 1
+            self._revoke(engine, lease.request_id)
+
+    def _revoke(self, engine: EngineCore, request_id: str) -> None:
+        """Free a reservation once its prefill can no longer write into it."""
+        lease = self.leases.leases[request_id]
+        if lease.revoking:
+            return
+        lease.revoking = True
+        peer = self.prefills.get(lease.prefill_id) if lease.prefill_id else None
+        if peer is None:
+            self._free_reservation(engine, request_id, notify=True)
+            return
+        ref = peer[0].drop.remote(request_id)
+        ref.future().add_done_callback(
+            lambda _: self.loop.call(lambda e: self._free_reservation(e, request_id, notify=True))
+        )
+
+    def _free_reservation(self, engine: EngineCore, request_id: str, notify: bool) -> None:
+        self.leases.leases.pop(request_id, None)
+        out = engine.abort_request(request_id)
+        if out is None:
+            return
+        if notify:
+            self._on_outputs([out])
+            return
+        # The router already knows (from the first token); settle local waiters only.
+        self._sinks.pop(request_id, None)
+        with self._done_lock:
+            future = self._done.get(request_id)
+        if future is not None and not future.done():
+            future.set_result(out)
+
+    def _heartbeat(self, engine: EngineCore) -> None:
+        """Release the holds of prefill instances that died."""
+        for prefill_id, ref in list(self._pings.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            del self._pings[prefill_id]
+            try:
+                ray.get(ready[0])
+            except RayActorError:
+                self._peer_lost(engine, prefill_id)
+        for prefill_id, (leader, _) in self.prefills.items():
+            self._pings.setdefault(prefill_id, leader.ping.remote())
+
+    def _peer_lost(self, engine: EngineCore, prefill_id: str) -> None:
+        logger.warning("prefill %s is gone; releasing its reservations", prefill_id)
+        self.prefills.pop(prefill_id, None)
+        for lease in self.leases.of_prefill(prefill_id):
+            self.stats.peer_lost += 1
+            self._free_reservation(engine, lease.request_id, notify=True)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[Any, list[TokenUpdate]] = defaultdict(list)
+        for out in outputs:
+            rid = out.request_id
+            if rid in self._sinks:
+                sink = self._sinks[rid] if not out.finished else self._sinks.pop(rid)
+                batches[sink].append(_update(out))
+            elif out.finished:
+                with self._done_lock:
+                    future = self._done.get(rid)
+                if future is not None and not future.done():
+                    future.set_result(out)
+        for sink, updates in batches.items():
+            sink.deliver.remote(TokenBatch(self.instance_id, updates))
+
+
+def _update(out: RequestOutput) -> TokenUpdate:
+    comp = out.outputs[0]
+    return TokenUpdate(
+        out.request_id,
+        out.new_token_ids,
+        out.new_text,
+        out.finished,
+        comp.finish_reason,
+        len(comp.token_ids),
+    )

@@ -1,0 +1,222 @@
+"""The prefill role: run prompts, return the first token at once, stream the KV.
+
+A :class:`PrefillServer` lives on the leader of a prefill instance, around the
+same :class:`~pdserve.core.engine.EngineCore` a decode instance uses. What
+makes it the prefill role is small:
+
+- each request runs with ``max_tokens=1`` and keeps its pages when it finishes
+  (``hold_kv``), until the decode instance acknowledges the hand-off;
+- before each step, ``_annotate`` adds to the plan the pages of every request
+  that streams to a decode instance (every rank then sends its slice of each
+  layer as soon as the layer ran);
+- when a request's first token is out, its future resolves (the router answers
+  the client: TTFT does not wait for the transfer) and the
+  :class:`~pdserve.transfer.handoff.HandOff` goes to the decode instance.
+
+Page ownership is tabled in :mod:`pdserve.transfer.handoff`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.core.engine import EngineCore
+from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, RequestAbortedError
+from pdserve.core.layout import Layout
+from pdserve.core.messages import FirstToken, PrefillRequest
+from pdserve.core.request import RequestOutput
+from pdserve.core.serving import EngineLoop
+from pdserve.core.step import KVSend, StepPlan
+from pdserve.transfer.handoff import HandOff
+from pdserve.transfer.stats import LeaseStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Transfer:
+    """A request this instance prefills, and where its pages go."""
+
+    request: PrefillRequest
+    first_token: Future[FirstToken] = field(default_factory=Future)
+    next_page: int = 0  # first page not yet sent for good
+
+
+class PrefillServer:
+    def __init__(self, instance_id: str, engine: EngineCore, layout: Layout) -> None:
+        self.instance_id = instance_id
+        self.layout = layout
+        self.block_size = engine.kv.block_size
+        self.stats = LeaseStats()
+        self.decodes: dict[str, Any] = {}  # decode instance id -> its leader's actor handle
+        self._transfers: dict[str, _Transfer] = {}
+        engine.plan_hook = self._annotate
+        engine.on_transfer_failure = self._transfer_failed
+        self.loop = EngineLoop(
+            engine, self._on_outputs, self._on_fatal, name=f"pdserve-prefill-{instance_id}"
+        )
+
+    # -- called from actor threads ---------------------------------------------------
+
+    def register_decode(self, decode_id: str, leader: Any) -> None:
+        self.loop.call(lambda _: self.decodes.__setitem__(decode_id, leader)).result()
+
+    def prefill(self, request: PrefillRequest) -> Future[FirstToken]:
+        """Queue a prompt; the future resolves with its first token."""
+        return self.loop.call(lambda engine: self._start(engine, request)).result()
+
+    def drop(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its pages; returns once no write is in flight.
+
+        Runs between steps, so when it returns no page of the request is being
+        written on the decode instance any more.
+        """
+        return self.loop.call(lambda engine: self._drop(engine, request_id)).result()
+
+    # -- on the loop thread ---------------------------------------------------------------
+
+    def _start(self, engine: EngineCore, request: PrefillRequest) -> Future[FirstToken]:
+        res = request.reservation
+        if res is not None:
+            if res.decode_id not in self.decodes:
+                raise InvalidArgumentError(
+                    "reservation.decode_id",
+                    f"prefill {self.instance_id} is not paired with decode {res.decode_id}",
+                )
+            need = -(-len(request.prompt_token_ids) // self.block_size)
+            if res.local or len(res.block_ids) < need:
+                raise InvalidArgumentError(
+                    "reservation.block_ids",
+                    f"{len(res.block_ids)} pages for a {len(request.prompt_token_ids)}-token prompt "
+                    f"(needs {need}){'; the decode instance prefills this one itself' if res.local else ''}",
+                )
+        p = request.params
+        first_only = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
+        engine.add_request(
+            request.request_id, request.prompt_token_ids, first_only, hold_kv=res is not None
+        )
+        transfer = _Transfer(request)
+        self._transfers[request.request_id] = transfer
+        return transfer.first_token
+
+    def _annotate(self, plan: StepPlan) -> StepPlan:
+        sends = []
+        bs = self.block_size
+        for seq in plan.seqs:
+            transfer = self._transfers.get(seq.request_id)
+            if transfer is None or transfer.request.reservation is None:
+                continue
+            res = transfer.request.reservation
+            if seq.start_pos == 0:
+                transfer.next_page = 0  # a fresh start (or a recompute after preemption)
+            first = max(transfer.next_page, res.num_cached_tokens // bs)
+            pages = range(first, (seq.seq_len - 1) // bs + 1)
+            final = seq.seq_len == len(transfer.request.prompt_token_ids)
+            sends.append(
+                KVSend(
+                    seq.request_id,
+                    res.decode_id,
+                    [seq.block_table[i] for i in pages],
+                    [res.block_ids[i] for i in pages],
+                    final,
+                )
+            )
+            # The page holding the last token may fill up later: resend it then.
+            transfer.next_page = seq.seq_len // bs
+        return dataclasses.replace(plan, kv_sends=sends) if sends else plan
+
+    def _transfer_failed(self, plan: StepPlan) -> None:
+        """Some pages of these requests never landed: never hand them off."""
+        engine = self.loop.engine
+        for send in plan.kv_sends:
+            transfer = self._transfers.pop(send.request_id, None)
+            engine.abort_request(send.request_id)
+            engine.release(send.request_id)
+            self.stats.aborted += 1
+            if transfer is not None and not transfer.first_token.done():
+                transfer.first_token.set_exception(
+                    InstanceFailedError(f"KV transfer of {send.request_id} to {send.peer} failed")
+                )
+            decode = self.decodes.get(send.peer)
+            if decode is not None:
+                decode.abort.remote(send.request_id)  # its stream ends with an abort
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            transfer = self._transfers.get(out.request_id)
+            if transfer is None or not out.finished:
+                continue
+            self._first_token_done(transfer, out)
+
+    def _first_token_done(self, transfer: _Transfer, out: RequestOutput) -> None:
+        request = transfer.request
+        token = out.outputs[0].token_ids[0]
+        ends = out.outputs[0].finish_reason == "stop" or request.params.max_tokens == 1
+        reason = (
+            out.outputs[0].finish_reason if out.outputs[0].finish_reason == "stop" else "length"
+        )
+        transfer.first_token.set_result(
+            FirstToken(request.request_id, token, ends, reason if ends else None)
+        )
+        res = request.reservation
+        if res is None:
+            self._transfers.pop(request.request_id)
+            return
+        decode = self.decodes[res.decode_id]
+        if ends:  # nothing to decode: the reserved pages can go
+            self._finish_transfer(request.request_id)
+            decode.cancel.remote(request.request_id)
+            return
+        handoff = HandOff(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            token,
+            1,
+            res.block_ids,
+            self.instance_id,
+            self.layout,
+        )
+        decode.commit.remote(handoff).future().add_done_callback(
+            lambda f, rid=request.request_id: self._acknowledged(rid, f)
+        )
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine stopped (a rank died): nobody waits for a first token forever."""
+        for transfer in self._transfers.values():
+            if not transfer.first_token.done():
+                transfer.first_token.set_exception(
+                    InstanceFailedError(f"prefill {self.instance_id} stopped: {error}")
+                )
+
+    def _acknowledged(self, request_id: str, result: Future[Any]) -> None:
+        """The decode instance answered the hand-off (on a Ray callback thread)."""
+        try:
+            accepted = bool(result.result())
+        except Exception as e:  # the decode instance is gone
+            logger.warning("hand-off of %s failed: %s", request_id, e)
+            self.stats.peer_lost += 1
+            accepted = False
+        if accepted:
+            self.stats.committed += 1
+        else:
+            self.stats.refused += 1
+        self.loop.call(lambda _: self._finish_transfer(request_id))
+
+    def _finish_transfer(self, request_id: str) -> None:
+        self._transfers.pop(request_id, None)
+        self.loop.engine.release(request_id)
+
+    def _drop(self, engine: EngineCore, request_id: str) -> bool:
+        transfer = self._transfers.pop(request_id, None)
+        aborted = engine.abort_request(request_id) is not None
+        released = engine.release(request_id)
+        if transfer is not None and not transfer.first_token.done():
+            transfer.first_token.set_exception(RequestAbortedError(f"{request_id} was dropped"))
+        if aborted or released:
+            self.stats.aborted += 1
+        return aborted or released

@@ -1,0 +1,48 @@
+"""The compatibility handshake refuses what would give wrong output, naming both sides."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.core.layout import Layout
+from pdserve.transfer.handshake import (
+    IncompatibleInstancesError,
+    KVSpec,
+    check_compatible,
+    model_fingerprint,
+)
+
+LAYOUT = Layout(1, 1, 1, ((0, 4),))
+BASE = KVSpec("p0", "abc", "/models/a", "float32", 16, 4, 2, 8, LAYOUT)
+
+
+def test_same_model_different_layouts_pass() -> None:
+    other = dataclasses.replace(BASE, instance_id="d0", layout=Layout(2, 2, 1, ((0, 2), (2, 4))))
+    check_compatible(BASE, other)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "text"),
+    [
+        ("dtype", "bfloat16", "dtype: prefill p0 has float32, decode d0 has bfloat16"),
+        ("block_size", 32, "block_size: prefill p0 has 16, decode d0 has 32"),
+        (
+            "model_fingerprint",
+            "zzz",
+            "model: prefill p0 has /models/a (abc), decode d0 has /models/a (zzz)",
+        ),
+    ],
+)
+def test_mismatch_is_refused_with_both_values(field: str, value, text: str) -> None:
+    decode = dataclasses.replace(BASE, instance_id="d0", **{field: value})
+    with pytest.raises(IncompatibleInstancesError) as err:
+        check_compatible(BASE, decode)
+    assert text in str(err.value)
+
+
+def test_fingerprint_tells_checkpoints_apart(reference_models) -> None:
+    a, b = reference_models("llama"), reference_models("qwen2")
+    assert model_fingerprint(a) == model_fingerprint(a)
+    assert model_fingerprint(a) != model_fingerprint(b)

@@ -1,0 +1,74 @@
+"""The compatibility check a prefill and a decode instance make when they pair.
+
+Each side describes its KV cache in a :class:`KVSpec`. KV pages move between
+them only if the model (its config and weights), the dtype and the page size
+agree; parallel layouts may differ (the transfer layer re-shards heads and
+layers). A mismatch is refused with both sides' values, before any page moves:
+never wrong output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.core.errors import PdserveError
+from pdserve.core.layout import Layout
+
+
+class IncompatibleInstancesError(PdserveError):
+    """A prefill and a decode instance cannot exchange KV pages."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 409
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    instance_id: str
+    model_fingerprint: str
+    model_name: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: Layout
+
+
+def model_fingerprint(folder: str | Path) -> str:
+    """Hash of config.json and the start of every weight file: same checkpoint, same hash."""
+    root = Path(folder)
+    h = hashlib.sha256()
+    config = json.loads((root / "config.json").read_text())
+    h.update(json.dumps(config, sort_keys=True).encode())
+    for file in sorted(root.glob("*.safetensors")):
+        with file.open("rb") as f:
+            h.update(file.name.encode())
+            h.update(f.read(1 << 16))
+    return h.hexdigest()[:24]
+
+
+def check_compatible(prefill: KVSpec, decode: KVSpec) -> None:
+    """Raise IncompatibleInstancesError naming each mismatch with both values."""
+    problems = []
+    for name in (
+        "model_fingerprint",
+        "dtype",
+        "block_size",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+    ):
+        a, b = getattr(prefill, name), getattr(decode, name)
+        if a != b:
+            what = "model" if name == "model_fingerprint" else name
+            if name == "model_fingerprint":
+                a, b = f"{prefill.model_name} ({a})", f"{decode.model_name} ({b})"
+            problems.append(
+                f"{what}: prefill {prefill.instance_id} has {a}, decode {decode.instance_id} has {b}"
+            )
+    if problems:
+        raise IncompatibleInstancesError("cannot transfer KV pages; " + "; ".join(problems))

@@ -1,0 +1,136 @@
+"""A rank's part in KV transfers, hooked into its forward pass.
+
+:class:`RankTransfer` implements the step hooks of
+:class:`~pdserve.parallel.pipeline.StageExecutor`:
+
+- ``on_layer`` (prefill side): right after a layer ran, send this rank's slice
+  of that layer's pages for every request of the micro-batch that streams to a
+  decode instance, over the routes computed when the instances paired;
+- ``after_step`` (prefill side): end the routes of requests whose prompt is
+  complete, then wait until everything sent this step has landed;
+- ``before_step`` (decode side): wait until each request that joins the batch
+  has all its pages (only connectors that need arrival marks make this wait).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.core.layout import Layout
+from pdserve.core.step import StepPlan
+from pdserve.transfer.connector import (
+    KVReceiver,
+    KVSender,
+    PeerEndpoint,
+    TransferError,
+    connector_classes,
+)
+from pdserve.transfer.routes import Route, plan_routes
+from pdserve.transfer.wire import PageHeader, PageSource, dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+class RankTransfer:
+    """Sender and/or receiver of one rank, and its routes to each paired decode instance."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        rank: int,
+        layout: Layout,
+        num_kv_heads: int,
+        connector: str,
+        arrival_timeout_s: float = 60.0,
+    ) -> None:
+        sender_cls, receiver_cls = connector_classes(connector)
+        self.instance_id = instance_id
+        self.rank = rank
+        self.layout = layout
+        self.num_kv_heads = num_kv_heads
+        self.first_layer = layout.stage_layers[layout.coords(rank).stage][0]
+        self.sender: KVSender = sender_cls()
+        self.receiver: KVReceiver = receiver_cls(instance_id, rank)
+        self.routes: dict[str, list[Route]] = {}  # decode instance id -> routes from this rank
+        self.kv_cache: torch.Tensor | None = None
+        self.arrival_timeout_s = arrival_timeout_s
+
+    # -- pairing ---------------------------------------------------------------
+
+    def pair(self, decode_layout: Layout, endpoints: list[PeerEndpoint]) -> None:
+        """Connect to the decode ranks this rank sends to (called once per pairing)."""
+        instance_id = endpoints[0].instance_id
+        mine = [
+            r
+            for r in plan_routes(self.num_kv_heads, self.layout, decode_layout)
+            if r.src_rank == self.rank
+        ]
+        by_rank = {e.rank: e for e in endpoints}
+        for dst in sorted({r.dst_rank for r in mine}):
+            self.sender.connect(by_rank[dst])
+        self.routes[instance_id] = mine
+
+    def unpair(self, instance_id: str) -> None:
+        self.routes.pop(instance_id, None)
+        self.sender.disconnect(instance_id)
+
+    # -- prefill side hooks -------------------------------------------------------
+
+    def on_layer(self, local_layer: int, micro: StepPlan) -> None:
+        if not micro.kv_sends:
+            return
+        assert self.kv_cache is not None
+        layer = self.first_layer + local_layer
+        cache = self.kv_cache[local_layer]  # [2, blocks, bs, H_local, D]
+        in_batch = {s.request_id for s in micro.seqs}
+        for send in micro.kv_sends:
+            if send.request_id not in in_batch or not send.src_blocks:
+                continue
+            for route in self.routes.get(send.peer, ()):
+                if not route.layers[0] <= layer < route.layers[1]:
+                    continue
+                sh0, sh1 = route.src_heads()
+                dh0, dh1 = route.dst_heads()
+                header = PageHeader(
+                    send.request_id,
+                    layer - route.dst_first_layer,
+                    send.dst_blocks,
+                    dtype_name(cache.dtype),
+                    [2, len(send.src_blocks), cache.shape[2], sh1 - sh0, cache.shape[4]],
+                    dh0,
+                    dh1,
+                )
+                source = PageSource(cache, send.src_blocks, sh0, sh1)
+                self.sender.send((send.peer, route.dst_rank), header, source)
+
+    def after_step(self, plan: StepPlan) -> bool:
+        if not plan.kv_sends:
+            return True
+        try:
+            for send in plan.kv_sends:
+                if send.final:
+                    for route in self.routes.get(send.peer, ()):
+                        self.sender.finish((send.peer, route.dst_rank), send.request_id)
+            self.sender.flush()
+        except (TransferError, RuntimeError) as e:
+            logger.warning("rank %d: KV transfer of step %d failed: %s", self.rank, plan.step_id, e)
+            return False
+        return True
+
+    # -- decode side hook -----------------------------------------------------------
+
+    def before_step(self, plan: StepPlan) -> None:
+        for arrival in plan.kv_arrivals:
+            expected = arrival.expected[self.rank]
+            if not self.receiver.wait_landed(arrival.request_id, expected, self.arrival_timeout_s):
+                raise TransferError(
+                    f"rank {self.rank}: pages of {arrival.request_id} did not arrive "
+                    f"within {self.arrival_timeout_s:.0f} s"
+                )
+            self.receiver.forget(arrival.request_id)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
