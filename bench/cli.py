@@ -8,9 +8,11 @@ import argparse
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks (see bench/RESULTS.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    from pdserve.bench import disagg_ttft, offline, parallel, transfer
+    from pdserve.bench import disagg_ttft, kernels, offline, parallel, router, transfer
 
     offline.add_parser(kinds)
     parallel.add_parser(kinds)
     transfer.add_parser(kinds)
     disagg_ttft.add_parser(kinds)
+    router.add_parser(kinds)
+    kernels.add_parser(kinds)

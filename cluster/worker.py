@@ -21,6 +21,7 @@ from pdserve.core.layout import Layout
 from pdserve.core.messages import (
     DecodeRequest,
     FirstToken,
+    LoadReport,
     PrefillRequest,
     Reservation,
     ReserveRequest,
@@ -57,6 +58,8 @@ class InstanceStats:
     received: dict[str, Any]
     free_blocks: int
     num_blocks: int
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 class InstanceWorker(RankWorker):
@@ -177,6 +180,11 @@ class InstanceWorker(RankWorker):
 
     # -- any role (leader) ------------------------------------------------------------------------
 
+    def subscribe_router(self, router: Any) -> LoadReport:
+        """Push load reports and KV events to ``router`` (its ``report`` method)."""
+        assert self.server is not None
+        return self.server.reports.subscribe(lambda report: router.report.remote(report))
+
     def stats(self) -> InstanceStats:
         assert self.server is not None
         server = self.server
@@ -191,6 +199,8 @@ class InstanceWorker(RankWorker):
                 received,
                 engine.kv.num_free_blocks,
                 engine.kv.num_blocks,
+                engine.kv.stats.queries,
+                engine.kv.stats.hits,
             )
 
         return server.loop.call(read).result()

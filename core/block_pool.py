@@ -104,6 +104,9 @@ class BlockPool:
         self._evictable: EvictionPolicy = EVICTION_POLICIES[eviction]()
         self._by_hash: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        # KV events for routers: (True, hash) cached, (False, hash) evicted.
+        # None until someone asks for them (see ``drain_events``).
+        self._events: list[tuple[bool, bytes]] | None = None
         for block in self.blocks:
             self._evictable.add(block)
 
@@ -162,6 +165,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
+        if self._events is not None:
+            self._events.append((True, block_hash))
         return True
 
     def cached_hashes(self) -> list[bytes]:
@@ -181,7 +186,19 @@ class BlockPool:
     def _drop_hash(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._by_hash[block.block_hash]
+        if self._events is not None:
+            self._events.append((False, block.block_hash))
         block.block_hash = None
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes cached and evicted since the last call (recording starts on the first)."""
+        if self._events is None:
+            self._events = []
+            return list(self._by_hash), []
+        events, self._events = self._events, []
+        added = [h for cached, h in events if cached]
+        removed = [h for cached, h in events if not cached]
+        return added, removed
 
     def check_integrity(self, expected_refs: dict[int, int]) -> None:
         """Raise AssertionError unless the pool matches the holders' view.

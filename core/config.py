@@ -139,6 +139,7 @@ class EngineConfig:
         seed: seed for requests sampled without their own seed.
         attention_backend: attention implementation by registry name ("auto": the
             device's default).
+        kernel_backend: fused-layer kernels by registry name; auto: triton on CUDA, torch elsewhere.
         device: "cpu", "cuda" or "auto".
     """
 
@@ -147,6 +148,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    kernel_backend: str = "auto"
     device: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -161,3 +163,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidArgumentError("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        if not isinstance(self.kernel_backend, str) or not self.kernel_backend:
+            raise InvalidArgumentError(
+                "kernel_backend",
+                f"must be a kernels name (auto, torch, triton), got {self.kernel_backend!r}",
+            )

@@ -19,6 +19,7 @@ from pdserve.core.detokenizer import IncrementalDetokenizer
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.executor import Executor
 from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.messages import LoadReport
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import (
     CompletionOutput,
@@ -90,6 +91,7 @@ class EngineCore:
         self.plan_hook: Callable[[StepPlan], StepPlan] | None = None
         # Called with the plan when its KV pages did not all reach their decode instance.
         self.on_transfer_failure: Callable[[StepPlan], None] | None = None
+        self.last_step_tokens = 0
 
     # -- requests in --------------------------------------------------------
 
@@ -100,6 +102,7 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
         hold_kv: bool = False,
+        output_offset: int = 0,
     ) -> None:
         """Validate and queue one request; raises InvalidArgumentError naming the field.
 
@@ -108,17 +111,19 @@ class EngineCore:
         """
         request = self._new_request(request_id, prompt, params, arrival_time)
         request.hold_kv_on_finish = hold_kv
+        request.output_offset = output_offset
         self.scheduler.add_request(request)
         self._track(request, prompt)
 
     def reserve(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, output_offset: int = 0
     ) -> tuple[list[int], int] | None:
         """Decode role: hold pages for a prompt prefilled elsewhere.
 
         Returns (block ids, tokens already cached here) or None when full.
         """
         request = self._new_request(request_id, prompt, params, None)
+        request.output_offset = output_offset
         cached = self.scheduler.reserve(request)
         if cached is None:
             return None
@@ -137,6 +142,26 @@ class EngineCore:
         """Leading tokens of a prompt whose KV is already cached here (whole blocks)."""
         probe = Request("probe", token_ids, SamplingParams(), ())
         return len(self.kv.find_cached_prefix(probe)) * self.kv.block_size
+
+    def load_report(
+        self, instance_id: str, role: str, step_seconds: float, step_tokens: float
+    ) -> LoadReport:
+        """This engine's load and KV events since the last report."""
+        sched = self.scheduler
+        added, removed = self.kv.pool.drain_events()
+        return LoadReport(
+            instance_id,
+            role,
+            waiting=len(sched.waiting),
+            running=len(sched.running),
+            waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            step_seconds=step_seconds,
+            step_tokens=step_tokens,
+            kv_added=added,
+            kv_removed=removed,
+        )
 
     def release(self, request_id: str) -> bool:
         """Prefill role: free a finished request's held blocks (kept as prefix cache)."""
@@ -212,6 +237,7 @@ class EngineCore:
             return []
         if self.plan_hook is not None:
             plan = self.plan_hook(plan)
+        self.last_step_tokens = plan.num_tokens
         result = self.executor.execute(plan)
         if not result.kv_transfer_ok and self.on_transfer_failure is not None:
             self.on_transfer_failure(plan)

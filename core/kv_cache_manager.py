@@ -30,11 +30,35 @@ from pdserve.core.request import Request
 
 def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """Chained hash of one full block: depends on every token up to its end."""
+    return _chain(parent, array("q", token_ids).tobytes())
+
+
+def _chain(parent: bytes | None, block: bytes | memoryview) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     if parent is not None:
         h.update(parent)
-    h.update(array("q", token_ids).tobytes())
+    h.update(block)
     return h.digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes | None = None
+) -> list[bytes]:
+    """Chained hashes of the full blocks of ``token_ids`` from block ``start`` on.
+
+    The same values as :func:`hash_block_tokens` block by block, with one byte
+    conversion for the whole sequence (a router hashes every prompt it sees).
+    """
+    raw = array("q", token_ids[start * block_size :]).tobytes()
+    step = block_size * 8
+    blake = hashlib.blake2b
+    chained = parent or b""
+    hashes = []
+    for i in range(0, len(raw) // step * step, step):
+        # blake2b(parent || block) == update(parent); update(block): the same chain.
+        chained = blake(chained + raw[i : i + step], digest_size=16).digest()
+        hashes.append(chained)
+    return hashes
 
 
 @dataclass
@@ -83,11 +107,10 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` over every full block of its known tokens."""
-        bs = self.block_size
         hashes = request.block_hashes
-        for i in range(len(hashes), request.num_tokens // bs):
+        if len(hashes) < request.num_tokens // self.block_size:
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.token_ids[i * bs : (i + 1) * bs]))
+            hashes.extend(block_hashes(request.token_ids, self.block_size, len(hashes), parent))
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """Longest run of leading blocks already cached, leaving >= 1 token to compute.

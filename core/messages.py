@@ -28,6 +28,9 @@ class ReserveRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     ttl_s: float = 30.0
+    # A request moved from a failed instance: the last ``output_offset`` prompt
+    # tokens were generated before; seeded sampling continues at that index.
+    output_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     reservation: Reservation | None = None
+    output_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,3 +104,26 @@ class TokenBatch:
 
     instance_id: str
     updates: list[TokenUpdate] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What an instance tells the routers about itself, every report interval.
+
+    ``kv_added``/``kv_removed`` are the block hashes that entered or left this
+    instance's prefix cache since the last report (its KV events); the router
+    keeps an index of them to send a prompt where its prefix already is.
+    """
+
+    instance_id: str
+    role: str
+    waiting: int
+    running: int
+    waiting_prompt_tokens: int
+    free_blocks: int
+    num_blocks: int
+    step_seconds: float  # recent mean duration of one engine step
+    step_tokens: float  # recent mean tokens per step
+    kv_added: list[bytes] = field(default_factory=list)
+    kv_removed: list[bytes] = field(default_factory=list)
+    healthy: bool = True

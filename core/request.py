@@ -72,6 +72,9 @@ class Request:
         self.first_token_time: float | None = None
         # Prefill role: on finishing, keep the blocks until released.
         self.hold_kv_on_finish = False
+        # Tokens this request generated elsewhere before it moved here (they end
+        # its prompt): seeded sampling continues at this index.
+        self.output_offset = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -175,7 +175,12 @@ class Scheduler:
             if request.num_output_tokens < p.min_tokens:
                 banned = request.eos_token_ids + p.stop_token_ids
             sampling = RowSampling(
-                p.temperature, p.top_k, p.top_p, p.seed, request.num_output_tokens, banned
+                p.temperature,
+                p.top_k,
+                p.top_p,
+                p.seed,
+                request.output_offset + request.num_output_tokens,
+                banned,
             )
         return ScheduledSeq(
             request.request_id,

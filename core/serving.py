@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from pdserve.core.engine import EngineCore
 from pdserve.core.errors import InstanceFailedError
+from pdserve.core.messages import LoadReport
 from pdserve.core.request import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class EngineLoop:
         self._running = True
         self.fatal: BaseException | None = None
         self.steps = 0
+        # Exponential moving averages of recent steps, for load reports.
+        self.step_seconds = 0.0
+        self.step_tokens = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -94,13 +98,21 @@ class EngineLoop:
                     self._run_command(fn, future)
                 self._run_due_timers()
                 if self.engine.scheduler.has_work:
+                    start = time.perf_counter()
                     outputs = self.engine.step()
-                    self.steps += 1
+                    self._record_step(time.perf_counter() - start)
                     if outputs:
                         self._on_outputs(outputs)
         except BaseException as e:  # a dead rank or a bug: stop serving, say why
             logger.exception("engine loop stopped")
             self._fail(e)
+
+    def _record_step(self, seconds: float) -> None:
+        self.steps += 1
+        tokens = float(self.engine.last_step_tokens)
+        alpha = 0.2 if self.steps > 1 else 1.0
+        self.step_seconds += alpha * (seconds - self.step_seconds)
+        self.step_tokens += alpha * (tokens - self.step_tokens)
 
     def _ready(self) -> bool:
         due = bool(self._timers) and self._timers[0][0] <= time.monotonic()
@@ -140,3 +152,44 @@ class EngineLoop:
                 future.set_exception(InstanceFailedError(f"engine stopped: {error}"))
         if self._on_fatal is not None:
             self._on_fatal(error)
+
+
+class LoadReporter:
+    """Sends this instance's :class:`LoadReport` to every subscriber, periodically.
+
+    Runs on the engine loop (a timer), so the report sees a consistent engine.
+    Subscribers are callables (a router's actor handle wrapped by the caller).
+    """
+
+    def __init__(
+        self, loop: EngineLoop, instance_id: str, role: str, interval_s: float = 0.1
+    ) -> None:
+        self.loop = loop
+        self.instance_id = instance_id
+        self.role = role
+        self._subscribers: list[Callable[[LoadReport], None]] = []
+        loop.every(interval_s, self._report)
+
+    def subscribe(self, send: Callable[[LoadReport], None]) -> LoadReport:
+        """Add a subscriber; returns a first report with every cached block hash."""
+
+        def add(engine: EngineCore) -> LoadReport:
+            self._subscribers.append(send)
+            return self._build(engine)
+
+        return self.loop.call(add).result()
+
+    def _build(self, engine: EngineCore) -> LoadReport:
+        return engine.load_report(
+            self.instance_id, self.role, self.loop.step_seconds, self.loop.step_tokens
+        )
+
+    def _report(self, engine: EngineCore) -> None:
+        if not self._subscribers:
+            return
+        report = self._build(engine)
+        for send in self._subscribers:
+            try:
+                send(report)
+            except Exception:  # a router that went away must not stop the engine
+                logger.warning("load report to a subscriber failed", exc_info=True)

@@ -39,7 +39,7 @@ from pdserve.core.messages import (
     TokenUpdate,
 )
 from pdserve.core.request import RequestOutput
-from pdserve.core.serving import EngineLoop
+from pdserve.core.serving import EngineLoop, LoadReporter
 from pdserve.core.step import KVArrival, StepPlan
 from pdserve.transfer.handoff import HandOff, LeaseTable
 from pdserve.transfer.routes import plan_routes, routes_into
@@ -77,6 +77,7 @@ class DecodeServer:
         self.loop = EngineLoop(
             engine, self._on_outputs, self._on_fatal, name=f"pdserve-decode-{instance_id}"
         )
+        self.reports = LoadReporter(self.loop, instance_id, "decode")
         self.loop.every(LEASE_CHECK_S, self._expire)
         self.loop.every(HEARTBEAT_S, self._heartbeat)
 
@@ -144,12 +145,19 @@ class DecodeServer:
         self, engine: EngineCore, request: ReserveRequest, prefill_id: str | None, sink: Any
     ) -> Reservation:
         if self._prefill_here(engine, request):
-            engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+            engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                output_offset=request.output_offset,
+            )
             self._subscribe(request.request_id, sink)
             return Reservation(
                 request.request_id, self.instance_id, [], 0, request.ttl_s, local=True
             )
-        held = engine.reserve(request.request_id, request.prompt_token_ids, request.params)
+        held = engine.reserve(
+            request.request_id, request.prompt_token_ids, request.params, request.output_offset
+        )
         if held is None:
             self.stats.refused += 1
             raise OverloadedError(

@@ -22,6 +22,7 @@ from torch import nn
 
 from pdserve.parallel.context import ParallelContext, split_evenly
 from pdserve.parallel.cpu_linear import packed_linear
+from pdserve.parallel.kernels import KernelOps, reference_kernels
 
 
 class TensorSource(Protocol):
@@ -223,9 +224,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 class RMSNorm(nn.Module):
     """RMS normalisation, optionally fused with the residual add before it."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, ops: KernelOps | None = None
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops or reference_kernels()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def load(self, source: TensorSource, shard: int = 0, is_bias: bool = False) -> None:
@@ -235,18 +239,25 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(norm(x + residual), x + residual)``."""
-        if residual is not None:
-            x = x + residual
-        dtype = x.dtype
-        if dtype == torch.float32:
-            # One fused kernel; the same arithmetic as below for float32.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype), x
+        return self.ops.rms_norm_residual(x, residual, self.weight, self.eps)
+
+
+def rms_norm_residual(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :meth:`RMSNorm.forward`: ``(norm(x + residual), x + residual)``."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    if dtype == torch.float32:
+        # One fused kernel; the same arithmetic as below for float32.
+        return F.rms_norm(x, weight.shape, weight, eps), x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype), x
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for a fused ``[..., 2 * I]`` tensor."""
+    """Reference of ``silu(gate) * up`` for a fused ``[..., 2 * I]`` tensor."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -25,6 +25,7 @@ from pdserve.parallel.attention.backend import select_backend
 from pdserve.parallel.batch import PreparedBatch, prepare_batch
 from pdserve.parallel.context import SINGLE_RANK, ParallelContext
 from pdserve.parallel.cpu_linear import pack_linears, packing_available
+from pdserve.parallel.kernels import select_kernels
 from pdserve.parallel.loader import load_checkpoint
 from pdserve.parallel.models import build_model
 
@@ -64,9 +65,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.cache.block_size
         backend_cls = select_backend(config.attention_backend, self.device)
+        kernels = select_kernels(config.kernel_backend, self.device)
         self.layer_range = layer_range or (0, model_config.num_layers)
         with torch.device(self.device):
-            self.model = build_model(model_config, ctx, self.dtype, self.layer_range, backend_cls)
+            self.model = build_model(
+                model_config, ctx, self.dtype, self.layer_range, backend_cls, kernels
+            )
         load_checkpoint(self.model, model_config.path)
         self.model.eval()
         if packing_available(self.device, self.dtype):

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.parallel.context import ParallelContext, split_evenly
-from pdserve.parallel.layers import TensorSource, _copy, silu_and_mul
+from pdserve.parallel.kernels import KernelOps, reference_kernels
+from pdserve.parallel.layers import TensorSource, _copy
 
 # Which checkpoint matrix of an expert a shard id names.
 W1_GATE, W3_UP, W2_DOWN = "w1", "w3", "w2"
@@ -46,8 +47,10 @@ class SparseMoE(nn.Module):
         top_k: int,
         ctx: ParallelContext,
         dtype: torch.dtype,
+        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
+        self.ops = ops or reference_kernels()
         if num_experts % ctx.ep_size:
             raise ValueError(
                 f"num_local_experts={num_experts} is not divisible by ep={ctx.ep_size}"
@@ -122,14 +125,14 @@ class SparseMoE(nn.Module):
         # x: [T, H] (every rank of the stage holds all T tokens) -> [T, H]
         if self.ctx.ep_size > 1:
             return self._forward_expert_parallel(x)
-        weights, experts = route(F.linear(x, self.gate), self.top_k)
+        weights, experts = self.ops.route(F.linear(x, self.gate), self.top_k)
         return self.ctx.tp_all_reduce(self.expert_outputs(x, weights, experts))
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
         group, ep, rank = self.ctx.ep_group, self.ctx.ep_size, self.ctx.ep_rank
         lo, hi = split_evenly(x.shape[0], ep, rank)
         mine = x[lo:hi]  # [t, H]: the tokens this rank routes
-        weights, experts = route(F.linear(mine, self.gate), self.top_k)  # [t, k]
+        weights, experts = self.ops.route(F.linear(mine, self.gate), self.top_k)  # [t, k]
         pair_token = torch.arange(mine.shape[0], device=x.device).repeat_interleave(self.top_k)
         pair_expert = experts.reshape(-1)
         order = torch.argsort(pair_expert // self.local_experts, stable=True)
@@ -148,7 +151,7 @@ class SparseMoE(nn.Module):
             idx = torch.where(row_expert == e)[0]
             local = e - self.expert_start
             outputs[idx] = F.linear(
-                silu_and_mul(F.linear(rows[idx], self.w13[local])), self.w2[local]
+                self.ops.silu_and_mul(F.linear(rows[idx], self.w13[local])), self.w2[local]
             )
         # Combine: outputs return to the rank that routed the token.
         back = _all_to_all(outputs, sends, recvs, self.ctx)  # [P_out, H]
@@ -165,7 +168,7 @@ class SparseMoE(nn.Module):
         hit = torch.unique(local[(local >= 0) & (local < self.local_experts)]).tolist()
         for e in hit:
             token_idx, k_pos = torch.where(local == e)
-            h = silu_and_mul(F.linear(x[token_idx], self.w13[e]))
+            h = self.ops.silu_and_mul(F.linear(x[token_idx], self.w13[e]))
             y = F.linear(h, self.w2[e]) * weights[token_idx, k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out

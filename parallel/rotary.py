@@ -42,7 +42,8 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position. ``tables`` runs once per step; ``rotate`` per layer."""
+    """RoPE tables at a step's positions (``tables``, once per step); each layer
+    rotates q and k with them through its kernel ops (reference: :func:`rotate_reference`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -64,8 +65,8 @@ class RotaryEmbedding(nn.Module):
             dtype
         )
 
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] rotated: the same arithmetic as ``x*cos + rotate_half(x)*sin``."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated: the same arithmetic as ``x*cos + rotate_half(x)*sin``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -66,6 +66,7 @@ class RankSpec:
 class EngineInfo:
     num_kv_blocks: int
     max_model_len: int
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,9 @@ class RankWorker:
         tokenizer = Tokenizer.from_dir(model.path) if has_tokenizer else None
         executor = GroupExecutor(self.stage, self.groups, self.runner.num_blocks)
         self.engine = EngineCore(self.spec.engine, model, executor, tokenizer)
-        return EngineInfo(self.runner.num_blocks, self.engine.max_model_len)
+        return EngineInfo(
+            self.runner.num_blocks, self.engine.max_model_len, self.engine.kv.block_size
+        )
 
     def _follow(self) -> None:
         assert self.groups is not None and self.stage is not None

@@ -29,7 +29,7 @@ from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, Reque
 from pdserve.core.layout import Layout
 from pdserve.core.messages import FirstToken, PrefillRequest
 from pdserve.core.request import RequestOutput
-from pdserve.core.serving import EngineLoop
+from pdserve.core.serving import EngineLoop, LoadReporter
 from pdserve.core.step import KVSend, StepPlan
 from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.stats import LeaseStats
@@ -59,6 +59,7 @@ class PrefillServer:
         self.loop = EngineLoop(
             engine, self._on_outputs, self._on_fatal, name=f"pdserve-prefill-{instance_id}"
         )
+        self.reports = LoadReporter(self.loop, instance_id, "prefill")
 
     # -- called from actor threads ---------------------------------------------------
 
@@ -97,7 +98,11 @@ class PrefillServer:
         p = request.params
         first_only = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
         engine.add_request(
-            request.request_id, request.prompt_token_ids, first_only, hold_kv=res is not None
+            request.request_id,
+            request.prompt_token_ids,
+            first_only,
+            hold_kv=res is not None,
+            output_offset=request.output_offset,
         )
         transfer = _Transfer(request)
         self._transfers[request.request_id] = transfer
@@ -176,7 +181,7 @@ class PrefillServer:
             request.prompt_token_ids,
             request.params,
             token,
-            1,
+            request.output_offset + 1,
             res.block_ids,
             self.instance_id,
             self.layout,

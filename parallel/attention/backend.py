@@ -15,6 +15,7 @@ Backends are chosen by name from :data:`ATTENTION_BACKENDS`.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -101,6 +102,9 @@ def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     """The backend called ``name``, or the device's default for "auto"."""
     # Import the implementations so they register themselves.
     from pdserve.parallel.attention import cpu, torch_ref  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # without Triton the other backends still serve
+        from pdserve.parallel.attention import triton  # noqa: F401
 
     if name == "auto":
         preferred = {"cuda": ["triton"], "cpu": ["cpu"]}.get(device.type, [])

@@ -7,6 +7,7 @@ import torch
 from pdserve.core.model_config import ModelConfig
 from pdserve.parallel.attention.backend import AttentionBackend
 from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.kernels import KernelOps
 from pdserve.parallel.models.transformer import CausalLM
 
 # Every supported family is the same decoder with family-specific options
@@ -24,8 +25,10 @@ def build_model(
     dtype: torch.dtype,
     layer_range: tuple[int, int],
     backend_cls: type[AttentionBackend],
+    ops: KernelOps | None = None,
 ) -> CausalLM:
-    return MODEL_FAMILIES[config.family](config, ctx, dtype, layer_range, backend_cls)
+    """One pipeline stage of ``config``'s model; ``ops`` (default: torch) run its fused layers."""
+    return MODEL_FAMILIES[config.family](config, ctx, dtype, layer_range, backend_cls, ops)
 
 
 __all__ = ["MODEL_FAMILIES", "CausalLM", "build_model"]

@@ -20,6 +20,7 @@ from torch import nn
 from pdserve.core.model_config import ModelConfig
 from pdserve.parallel.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.kernels import KernelOps, reference_kernels
 from pdserve.parallel.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -27,7 +28,6 @@ from pdserve.parallel.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    silu_and_mul,
 )
 from pdserve.parallel.moe import SparseMoE
 from pdserve.parallel.rotary import RotaryEmbedding
@@ -45,8 +45,10 @@ class Attention(nn.Module):
         ctx: ParallelContext,
         dtype: torch.dtype,
         backend_cls: type[AttentionBackend],
+        ops: KernelOps,
     ) -> None:
         super().__init__()
+        self.ops = ops
         d = config.head_dim
         self.qkv = QKVParallelLinear(
             config.hidden_size,
@@ -67,21 +69,24 @@ class Attention(nn.Module):
         nq, nkv, d = self.qkv.num_heads, self.qkv.num_kv_heads, self.qkv.head_dim
         qkv = self.qkv(x).view(t, nq + 2 * nkv, d)
         # q and k sit side by side in the fused output: rotate both in one go.
-        qk = RotaryEmbedding.rotate(qkv[:, : nq + nkv], *rope)
+        qk = self.ops.rotate(qkv[:, : nq + nkv], *rope)
         q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
         o = self.backend.forward(q, k, v, cache[0], cache[1], meta)
         return self.o_proj(o.reshape(t, -1))
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, ops: KernelOps
+    ) -> None:
         super().__init__()
+        self.ops = ops
         inter = config.intermediate_size
         self.gate_up = ColumnParallelLinear(config.hidden_size, [inter, inter], False, ctx, dtype)
         self.down = RowParallelLinear(inter, config.hidden_size, False, ctx, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(x)))
+        return self.down(self.ops.silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -91,11 +96,12 @@ class DecoderLayer(nn.Module):
         ctx: ParallelContext,
         dtype: torch.dtype,
         backend_cls: type[AttentionBackend],
+        ops: KernelOps,
     ) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, ctx, dtype, backend_cls)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.attn = Attention(config, ctx, dtype, backend_cls, ops)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.mlp: nn.Module
         if config.is_moe:
             self.mlp = SparseMoE(
@@ -105,9 +111,10 @@ class DecoderLayer(nn.Module):
                 config.num_experts_per_tok,
                 ctx,
                 dtype,
+                ops,
             )
         else:
-            self.mlp = DenseMLP(config, ctx, dtype)
+            self.mlp = DenseMLP(config, ctx, dtype, ops)
 
     def forward(
         self,
@@ -133,10 +140,12 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         layer_range: tuple[int, int],
         backend_cls: type[AttentionBackend],
+        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.ctx = ctx
+        ops = ops or reference_kernels()
         self.layer_start, self.layer_end = layer_range
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
         self.embed = (
@@ -145,13 +154,13 @@ class CausalLM(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ctx, dtype, backend_cls)
+            DecoderLayer(config, ctx, dtype, backend_cls, ops)
             for _ in range(self.layer_start, self.layer_end)
         )
         self.norm: RMSNorm | None = None
         self.lm_head: ParallelLMHead | None = None
         if ctx.is_last_stage:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype)
 
     def forward(

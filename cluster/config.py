@@ -1,0 +1,303 @@
+"""The cluster config: one YAML file describes a whole serving cluster.
+
+    model: builtin:tiny
+    connector: shm
+    engine: {dtype: float32, max_num_batched_tokens: 512}
+    regions:
+      - name: east
+        latency_ms: {west: 20}
+        prefill: {count: 1, min: 1, max: 3, tensor_parallel_size: 1, num_cpus_per_rank: 1}
+        decode: {count: 1, min: 1, max: 3}
+    slo: {ttft_ms: 2000, tpot_ms: 200}
+    server: {host: 127.0.0.1, grpc_port: 50051, http_port: 8000}
+    auth: {api_keys: [], disabled: true}
+    planner: {mode: advisory}
+
+Errors name the field and, when the value came from a file, its line:
+``cluster.yaml:7: regions[0].prefill.count: must be >= 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.core.config import DisaggregationConfig, EngineConfig
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.router.config import RegionSpec, RouterConfig
+
+ROLE_KEYS = {"count", "min", "max", "num_cpus_per_rank", "num_gpus_per_rank"}
+PARALLEL_KEYS = {"tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"}
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """How many instances of one role a region runs, their layout and resources."""
+
+    count: int = 1
+    min: int = 1
+    max: int = 4
+    num_cpus_per_rank: float = 1.0
+    num_gpus_per_rank: float = 0.0
+    parallel: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RegionConfig:
+    name: str
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    prefill: RoleSpec = field(default_factory=RoleSpec)
+    decode: RoleSpec = field(default_factory=RoleSpec)
+    node_labels: dict[str, str] = field(default_factory=dict)
+
+    def role(self, role: str) -> RoleSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Attributes:
+    mode: "off", "advisory" (recommend and log only) or "on" (apply).
+    interval_s: how often it looks at the metrics.
+    cooldown_s: least time between two changes of one region.
+    high: a metric above ``high`` x its SLO (or KV usage above ``kv_high``) asks for more.
+    low: a region whose metrics stay under ``low`` x SLO for ``idle_s`` gives one back.
+    """
+
+    mode: str = "advisory"
+    interval_s: float = 5.0
+    cooldown_s: float = 30.0
+    high: float = 0.9
+    low: float = 0.3
+    kv_high: float = 0.85
+    idle_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "advisory", "on"):
+            raise InvalidArgumentError(
+                "planner.mode", f"must be off, advisory or on, got {self.mode!r}"
+            )
+        if not 0 < self.low < self.high:
+            raise InvalidArgumentError("planner.low", "must be > 0 and below planner.high")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str
+    engine: dict[str, Any]
+    regions: tuple[RegionConfig, ...]
+    connector: str = "shm"
+    router: RouterConfig = field(default_factory=RouterConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    ray_num_cpus: int | None = None
+    metrics_port: int = 0
+    source: str = "<config>"
+
+    def engine_config(self, role: str, region: RegionConfig) -> EngineConfig:
+        from pdserve.llm import build_engine_config
+
+        return build_engine_config(self.model, **{**self.engine, **region.role(role).parallel})
+
+
+class _Lines:
+    """Field path -> line in the YAML file, for error messages."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.lines: dict[str, int] = {}
+
+    def error(self, path: str, message: str) -> InvalidArgumentError:
+        line = self.lines.get(path)
+        where = f"{self.source}:{line}: " if line is not None else f"{self.source}: "
+        err = InvalidArgumentError(path, message)
+        err.args = (where + str(err),)
+        return err
+
+
+def _to_python(node: yaml.Node, path: str, lines: _Lines) -> Any:
+    lines.lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        out = {}
+        for key, value in node.value:
+            name = str(key.value)
+            sub = f"{path}.{name}" if path else name
+            lines.lines[sub] = key.start_mark.line + 1
+            out[name] = _to_python(value, sub, lines)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_to_python(v, f"{path}[{i}]", lines) for i, v in enumerate(node.value)]
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    file = Path(path)
+    if not file.is_file():
+        raise InvalidArgumentError("config", f"no such file: {file}")
+    return parse_config(file.read_text(), str(file))
+
+
+def parse_config(text: str, source: str = "<config>") -> ClusterConfig:
+    lines = _Lines(source)
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError as e:
+        raise InvalidArgumentError("config", f"{source}: not valid YAML: {e}") from None
+    raw = _to_python(node, "", lines) if node is not None else {}
+    if not isinstance(raw, dict):
+        raise lines.error("config", "must be a mapping")
+    try:
+        return _build(raw, lines)
+    except InvalidArgumentError as e:
+        if str(e).startswith(source):
+            raise
+        raise lines.error(e.field, e.message) from None
+
+
+_TOP = {
+    "model",
+    "engine",
+    "connector",
+    "regions",
+    "slo",
+    "server",
+    "auth",
+    "planner",
+    "router",
+    "disaggregation",
+    "ray",
+}
+
+
+def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
+    for key in raw:
+        if key not in _TOP:
+            raise lines.error(key, f"unknown field (known: {sorted(_TOP)})")
+    if not isinstance(raw.get("model"), str):
+        raise lines.error("model", "required: a checkpoint folder or builtin:<name>")
+    regions = tuple(_region(r, i, lines) for i, r in enumerate(_list(raw, "regions", lines)))
+    if not regions:
+        raise lines.error("regions", "at least one region is required")
+    names = [r.name for r in regions]
+    for r in regions:
+        for other in r.latency_ms:
+            if other not in names:
+                raise lines.error(
+                    f"regions[{names.index(r.name)}].latency_ms.{other}", "unknown region"
+                )
+    slo, server, auth = (_map(raw, k, lines) for k in ("slo", "server", "auth"))
+    router_extra = _map(raw, "router", lines)
+    router = RouterConfig(
+        model_name=str(raw.get("served_model_name", raw["model"])),
+        regions=tuple(
+            RegionSpec(r.name, {k: v / 1000 for k, v in r.latency_ms.items()}) for r in regions
+        ),
+        api_keys=tuple(auth.get("api_keys", ())),
+        auth_disabled=bool(auth.get("disabled", False)),
+        ttft_slo_s=float(slo.get("ttft_ms", 2000)) / 1000,
+        tpot_slo_s=float(slo.get("tpot_ms", 200)) / 1000,
+        host=str(server.get("host", "127.0.0.1")),
+        grpc_port=int(server.get("grpc_port", 0)),
+        http_port=int(server.get("http_port", 0)),
+        policy=str(router_extra.get("policy", "cost_model")),
+        max_inflight_per_region=int(router_extra.get("max_inflight_per_region", 256)),
+        retry_budget_ratio=float(router_extra.get("retry_budget_ratio", 0.1)),
+        hedge_after_s=None
+        if router_extra.get("hedge_after_ms") is None
+        else router_extra["hedge_after_ms"] / 1000,
+    )
+    config = ClusterConfig(
+        model=raw["model"],
+        engine=_map(raw, "engine", lines),
+        regions=regions,
+        connector=str(raw.get("connector", "shm")),
+        router=router,
+        planner=PlannerConfig(
+            **_known(_map(raw, "planner", lines), PlannerConfig, "planner", lines)
+        ),
+        disaggregation=DisaggregationConfig(
+            **_known(
+                _map(raw, "disaggregation", lines), DisaggregationConfig, "disaggregation", lines
+            )
+        ),
+        ray_num_cpus=_map(raw, "ray", lines).get("num_cpus"),
+        metrics_port=int(server.get("metrics_port", 0)),
+        source=lines.source,
+    )
+    for i, region in enumerate(regions):  # every engine option is checked now, not at start-up
+        for role in ("prefill", "decode"):
+            try:
+                config.engine_config(role, region)
+            except InvalidArgumentError as e:
+                where = (
+                    f"regions[{i}].{role}.{e.field}"
+                    if e.field in PARALLEL_KEYS
+                    else f"engine.{e.field}"
+                )
+                raise lines.error(where, e.message) from None
+    return config
+
+
+def _region(raw: Any, i: int, lines: _Lines) -> RegionConfig:
+    path = f"regions[{i}]"
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise lines.error(f"{path}.name", "each region needs a name")
+    allowed = {"name", "latency_ms", "prefill", "decode", "node_labels"}
+    for key in raw:
+        if key not in allowed:
+            raise lines.error(f"{path}.{key}", f"unknown field (known: {sorted(allowed)})")
+    return RegionConfig(
+        name=raw["name"],
+        latency_ms={str(k): float(v) for k, v in (raw.get("latency_ms") or {}).items()},
+        prefill=_role(raw.get("prefill") or {}, f"{path}.prefill", lines),
+        decode=_role(raw.get("decode") or {}, f"{path}.decode", lines),
+        node_labels={str(k): str(v) for k, v in (raw.get("node_labels") or {}).items()},
+    )
+
+
+def _role(raw: dict[str, Any], path: str, lines: _Lines) -> RoleSpec:
+    for key in raw:
+        if key not in ROLE_KEYS | PARALLEL_KEYS:
+            raise lines.error(
+                f"{path}.{key}", f"unknown field (known: {sorted(ROLE_KEYS | PARALLEL_KEYS)})"
+            )
+    spec = RoleSpec(
+        count=int(raw.get("count", 1)),
+        min=int(raw.get("min", raw.get("count", 1))),
+        max=int(raw.get("max", max(int(raw.get("count", 1)), 4))),
+        num_cpus_per_rank=float(raw.get("num_cpus_per_rank", 1.0)),
+        num_gpus_per_rank=float(raw.get("num_gpus_per_rank", 0.0)),
+        parallel={k: int(raw[k]) for k in PARALLEL_KEYS if k in raw},
+    )
+    for name in ("count", "min", "max"):
+        if getattr(spec, name) < 0:
+            raise lines.error(f"{path}.{name}", "must be >= 0")
+    if not spec.min <= spec.count <= spec.max:
+        raise lines.error(f"{path}.count", f"must be within [min={spec.min}, max={spec.max}]")
+    return spec
+
+
+def _map(raw: dict[str, Any], key: str, lines: _Lines) -> dict[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise lines.error(key, "must be a mapping")
+    return value
+
+
+def _list(raw: dict[str, Any], key: str, lines: _Lines) -> list[Any]:
+    value = raw.get(key) or []
+    if not isinstance(value, list):
+        raise lines.error(key, "must be a list")
+    return value
+
+
+def _known(values: dict[str, Any], cls: type, prefix: str, lines: _Lines) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise lines.error(f"{prefix}.{key}", f"unknown field (known: {sorted(names)})")
+    return values

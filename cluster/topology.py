@@ -1,0 +1,87 @@
+"""Regions of paired prefill and decode instances behind one router actor.
+
+Every prefill instance is paired with every decode instance of its region
+(the router may choose any pair), and every instance is registered with the
+router, which subscribes to its load reports and KV events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from pdserve.cluster.instances import Instance, pair, start_instance
+from pdserve.cluster.worker import Role
+from pdserve.core.config import DisaggregationConfig, EngineConfig
+from pdserve.core.model_config import ModelConfig
+from pdserve.parallel.instance import RankResources
+from pdserve.router.actor import Endpoints, RouterActor
+from pdserve.router.config import RouterConfig
+from pdserve.router.router import InstanceInfo
+
+
+@dataclass
+class RegionInstances:
+    name: str
+    prefill: list[Instance] = field(default_factory=list)
+    decode: list[Instance] = field(default_factory=list)
+
+    def of(self, role: Role) -> list[Instance]:
+        return self.prefill if role == "prefill" else self.decode
+
+
+def start_router(
+    config: RouterConfig, model_path: str, resources: dict[str, Any] | None = None
+) -> tuple[Any, Endpoints]:
+    actor = (
+        ray.remote(RouterActor)
+        .options(num_cpus=0, max_concurrency=1000, **(resources or {}))
+        .remote(config, model_path)
+    )
+    endpoints = ray.get(actor.start.remote())
+    return actor, endpoints
+
+
+def add_instance(
+    router: Any,
+    region: RegionInstances,
+    role: Role,
+    model: ModelConfig,
+    engine: EngineConfig,
+    connector: str,
+    resources: RankResources | None,
+    disaggregation: DisaggregationConfig,
+    instance_id: str | None = None,
+) -> Instance:
+    """Start an instance, pair it with the region's other role, register it."""
+    instance = start_instance(
+        role, model, engine, connector, resources, disaggregation, instance_id
+    )
+    try:
+        peers = region.decode if role == "prefill" else region.prefill
+        for peer in peers:
+            pair(instance, peer) if role == "prefill" else pair(peer, instance)
+        register(router, instance, region.name)
+    except BaseException:
+        instance.shutdown()
+        raise
+    region.of(role).append(instance)
+    return instance
+
+
+def register(router: Any, instance: Instance, region: str) -> None:
+    info = instance.group.info
+    ray.get(
+        router.register.remote(
+            InstanceInfo(
+                instance.instance_id,
+                instance.role,
+                region,
+                instance.leader,
+                info.block_size,
+                info.max_model_len,
+            )
+        )
+    )

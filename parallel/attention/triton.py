@@ -1,0 +1,71 @@
+"""Paged attention in Triton: the default backend on CUDA.
+
+Per layer and step: one kernel writes the new K/V into their pages
+(:mod:`~pdserve.parallel.kernels.kv_cache`), one attends the decode tokens
+(:mod:`~pdserve.parallel.kernels.decode_attention`, split-K over long contexts)
+and one the prefill chunks after their cached prefixes
+(:mod:`~pdserve.parallel.kernels.prefill_attention`). Both read K/V in place
+through the block tables; nothing is gathered or padded on the host. On a CPU
+it runs only under Triton's interpreter (``TRITON_INTERPRET=1``), for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.parallel.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    register_backend,
+)
+from pdserve.parallel.kernels.decode_attention import paged_decode_attention
+from pdserve.parallel.kernels.kv_cache import write_kv
+from pdserve.parallel.kernels.prefill_attention import paged_prefill_attention
+from pdserve.parallel.kernels.support import runs_on
+
+
+@register_backend
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    @classmethod
+    def supports(cls, device: torch.device) -> bool:
+        return runs_on(device)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # q: [T, Hq, D], k/v: [T, Hkv, D], caches [num_blocks, bs, Hkv, D] -> [T, Hq, D]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape)
+        nd = meta.num_decode_tokens
+        if nd:
+            paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                meta.max_decode_seq_len,
+                self.scale,
+                out=out[:nd],
+            )
+        if meta.num_prefills:
+            paged_prefill_attention(
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_seq_lens,
+                max(meta.prefill_query_lens_list),
+                self.scale,
+                out=out[nd:],
+            )
+        return out

@@ -1,0 +1,140 @@
+"""The router's Ray actor: the router, its gRPC and HTTP front doors, one event loop.
+
+Decode instances push :class:`~pdserve.core.messages.TokenBatch` to
+``deliver``; every instance pushes its :class:`~pdserve.core.messages.LoadReport`
+to ``report``. The controller registers and drains instances.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.core.messages import LoadReport, TokenBatch
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.router.auth import ApiKeys
+from pdserve.router.config import RouterConfig
+from pdserve.router.grpc_service import start_grpc
+from pdserve.router.http_api import HttpApi, start_http
+from pdserve.router.router import InstanceInfo, Router
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    host: str
+    grpc_port: int
+    http_port: int
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    finished: dict[str, int]
+    rejected: int
+    retries_spent: int
+    retries_denied: int
+    admission_limits: dict[str, int]
+    inflight: dict[str, int]
+    placed: dict[str, int]
+    hedged: int
+    prefix_blocks: dict[str, int]
+    decision_us: dict[str, float]  # p50, p99 of placement decisions
+    door_delay_us: dict[str, float]  # p50, p99 from a delta ready to written
+
+
+class RouterActor:
+    """Ray async actor body (wrapped with ``ray.remote`` by whoever starts it)."""
+
+    def __init__(self, config: RouterConfig, model_path: str) -> None:
+        self.config = config
+        self.model = ModelConfig.from_dir(model_path)
+        has_tokenizer = (Path(model_path) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(model_path) if has_tokenizer else None
+        self.keys = ApiKeys(config.api_keys, config.auth_disabled)
+        self.router: Router | None = None
+        self._servers: list[Any] = []
+
+    async def start(self) -> Endpoints:
+        import ray
+
+        self.router = Router(self.config, self.tokenizer, ray.get_runtime_context().current_actor)
+        vocab = self.model.vocab_size
+        grpc_server, grpc_port = await start_grpc(
+            self.router, self.keys, vocab, self.config.host, self.config.grpc_port
+        )
+        api = HttpApi(self.router, self.keys, vocab, self.config.max_body_bytes)
+        http_runner, http_port = await start_http(api, self.config.host, self.config.http_port)
+        self._servers = [grpc_server, http_runner]
+        logger.info(
+            "router serving gRPC on %s:%d, HTTP on %s:%d",
+            self.config.host,
+            grpc_port,
+            self.config.host,
+            http_port,
+        )
+        return Endpoints(self.config.host, grpc_port, http_port)
+
+    def _router(self) -> Router:
+        assert self.router is not None, "start() first"
+        return self.router
+
+    async def register(self, info: InstanceInfo) -> None:
+        router = self._router()
+        router.register(info)
+        first = await info.handle.subscribe_router.remote(_self_handle())
+        router.on_report(first)
+
+    async def unregister(self, instance_id: str) -> None:
+        self._router().unregister(instance_id)
+
+    async def set_draining(self, instance_id: str, draining: bool) -> None:
+        self._router().set_draining(instance_id, draining)
+
+    async def deliver(self, batch: TokenBatch) -> None:
+        self._router().on_tokens(batch)
+
+    async def report(self, report: LoadReport) -> None:
+        self._router().on_report(report)
+
+    async def stats(self) -> RouterStats:
+        r = self._router()
+        return RouterStats(
+            dict(r.finished),
+            r.admission.rejected,
+            r.retries.spent,
+            r.retries.denied,
+            {name.name: r.admission.limit(name.name) for name in self.config.regions},
+            dict(r.region_inflight),
+            dict(r.placed),
+            r.hedged,
+            {i: r.prefixes.size(i) for i in r.cluster.instances},
+            _percentiles(r.decision_s),
+            _percentiles(r.door_delay_s),
+        )
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            if hasattr(server, "stop"):
+                await server.stop(grace=1.0)
+            else:
+                await server.cleanup()
+
+
+def _percentiles(values: Any) -> dict[str, float]:
+    data = sorted(values)
+    if not data:
+        return {}
+    return {
+        q: round(data[min(len(data) - 1, int(p * len(data)))] * 1e6, 1)
+        for q, p in (("p50", 0.5), ("p99", 0.99))
+    }
+
+
+def _self_handle() -> Any:
+    import ray
+
+    return ray.get_runtime_context().current_actor

@@ -1,0 +1,38 @@
+"""API keys: from the config and ``$PDSERVE_API_KEYS`` (comma-separated).
+
+Both front doors check the same keys: gRPC in the ``authorization`` metadata,
+HTTP in the ``Authorization`` header, as ``Bearer <key>``. With no key
+configured the router refuses to start unless auth was disabled explicitly.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+
+from pdserve.core.errors import AuthenticationError, InvalidArgumentError
+
+
+class ApiKeys:
+    def __init__(self, keys: tuple[str, ...], disabled: bool) -> None:
+        env = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k.strip()]
+        self.keys = tuple(keys) + tuple(env)
+        self.disabled = disabled
+        if not self.keys and not disabled:
+            raise InvalidArgumentError(
+                "api_keys",
+                "no API key configured: set api_keys (or $PDSERVE_API_KEYS), or disable auth "
+                "explicitly for local use",
+            )
+
+    def check(self, authorization: str | None) -> None:
+        """Raise AuthenticationError unless ``authorization`` is ``Bearer <known key>``."""
+        if self.disabled:
+            return
+        if not authorization:
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise AuthenticationError("malformed authorization: expected 'Bearer <key>'")
+        if not any(hmac.compare_digest(key.strip(), k) for k in self.keys):
+            raise AuthenticationError("unknown API key")

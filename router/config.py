@@ -1,0 +1,90 @@
+"""Frozen configuration of the router and its front doors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.core.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """A region and its one-way latency to the others (seconds).
+
+    On one machine the latency is emulated: the router waits that long before
+    sending a request to another region's instances.
+    """
+
+    name: str
+    latency_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Attributes:
+    model_name: the model id clients name (``model`` in requests).
+    policy: "cost_model" (default), "least_loaded" or "round_robin".
+    regions: the regions and their latencies; the first is the default home.
+    api_keys: accepted API keys (more come from ``$PDSERVE_API_KEYS``).
+    auth_disabled: serve without keys (local use only; must be said explicitly).
+    ttft_slo_s, tpot_slo_s: the service-level objectives.
+    max_inflight_per_region: admission ceiling of requests in flight per region.
+    adaptive_admission: lower the ceiling while observed TTFT misses its SLO.
+    retry_budget_ratio: retries allowed per request admitted (a token bucket).
+    hedge_after_s: start a second attempt when the first token is this late (None: off).
+    max_migrations: times one request may move to another pair after an instance failed.
+    reservation_ttl_s: how long a decode instance holds pages waiting for KV.
+    host, grpc_port, http_port: where the front doors listen (0: pick a free port).
+    max_body_bytes: largest HTTP request body accepted.
+    """
+
+    model_name: str = "pdserve"
+    policy: str = "cost_model"
+    regions: tuple[RegionSpec, ...] = (RegionSpec("local"),)
+    api_keys: tuple[str, ...] = ()
+    auth_disabled: bool = False
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.2
+    max_inflight_per_region: int = 256
+    adaptive_admission: bool = True
+    retry_budget_ratio: float = 0.1
+    hedge_after_s: float | None = None
+    max_migrations: int = 2
+    reservation_ttl_s: float = 30.0
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    http_port: int = 0
+    max_body_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.regions:
+            raise InvalidArgumentError("regions", "at least one region is needed")
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError("regions", f"duplicate region names in {names}")
+        for r in self.regions:
+            for other, latency in r.latency_s.items():
+                if other not in names:
+                    raise InvalidArgumentError(
+                        f"regions.{r.name}.latency", f"unknown region {other!r}"
+                    )
+                if latency < 0:
+                    raise InvalidArgumentError(f"regions.{r.name}.latency", "must be >= 0")
+        if self.max_inflight_per_region < 1:
+            raise InvalidArgumentError("max_inflight_per_region", "must be >= 1")
+        if not 0 <= self.retry_budget_ratio <= 1:
+            raise InvalidArgumentError("retry_budget_ratio", "must be in [0, 1]")
+        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
+            raise InvalidArgumentError("slo", "SLOs must be > 0")
+
+    @property
+    def home_region(self) -> str:
+        return self.regions[0].name
+
+    def latency(self, src: str, dst: str) -> float:
+        if src == dst:
+            return 0.0
+        for r in self.regions:
+            if r.name == src:
+                return r.latency_s.get(dst, 0.0)
+        return 0.0

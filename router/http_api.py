@@ -1,0 +1,313 @@
+"""The OpenAI-compatible HTTP front door (aiohttp).
+
+    POST /v1/completions        text or token-id prompt; SSE when "stream": true
+    POST /v1/chat/completions   messages rendered by the model's chat template
+    GET  /v1/models
+
+Responses carry ``usage``; a streamed response sends it in a last chunk when
+``stream_options.include_usage`` is set. Errors have OpenAI's shape
+(``{"error": {"message", "type", "param", "code"}}``) and their status from
+:func:`~pdserve.core.errors.wire_status`; 429 adds ``Retry-After``. A client
+that disconnects mid-stream aborts its request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.core.errors import InvalidArgumentError, OverloadedError, UnsupportedError, wire_status
+from pdserve.router.auth import ApiKeys
+from pdserve.router.requests import completion_input, prompt_tokens, sampling_params
+from pdserve.router.router import CompletionInput, Router
+from pdserve.router.stream import StreamDelta, Usage
+
+logger = logging.getLogger(__name__)
+
+COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+          "stop", "seed", "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "region", "request_id",
+          "presence_penalty", "frequency_penalty", "logprobs"}  # fmt: skip
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix"}
+CHAT_FIELDS = COMMON | {"messages", "top_logprobs"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
+
+
+class HttpApi:
+    def __init__(self, router: Router, keys: ApiKeys, vocab_size: int, max_body_bytes: int) -> None:
+        self.router = router
+        self.keys = keys
+        self.vocab_size = vocab_size
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes * 2, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except Exception as e:
+            return error_response(e)
+
+    async def _body(self, request: web.Request, allowed: set[str]) -> dict[str, Any]:
+        self.keys.check(request.headers.get("Authorization"))
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise InvalidArgumentError("body", f"larger than {self.max_body_bytes} bytes")
+        raw = await request.read()
+        if len(raw) > self.max_body_bytes:
+            raise InvalidArgumentError("body", f"larger than {self.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise InvalidArgumentError("body", f"not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgumentError("body", "must be a JSON object")
+        for name in body:
+            if name not in allowed:
+                raise InvalidArgumentError(name, "unknown field")
+        _check_unsupported(body)
+        model = body.get("model")
+        if model != self.router.config.model_name:
+            raise InvalidArgumentError(
+                "model",
+                f"unknown model {model!r}; this server serves {self.router.config.model_name!r}",
+            )
+        return body
+
+    def _input(
+        self, request: web.Request, body: dict[str, Any], prompt: Any, chat: bool
+    ) -> CompletionInput:
+        field = "messages" if chat else "prompt"
+        ids = prompt_tokens(
+            self.router.tokenizer,
+            prompt,
+            self.router.max_model_len,
+            self.vocab_size,
+            field,
+            add_special_tokens=not chat,
+        )
+        values = {
+            k: body.get(k)
+            for k in (
+                "max_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "seed",
+                "stop",
+                "min_tokens",
+                "ignore_eos",
+                "stop_token_ids",
+            )
+        }
+        if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:
+            values["max_tokens"] = body["max_completion_tokens"]
+        region = body.get("region") or request.headers.get("X-PDServe-Region")
+        return completion_input(ids, sampling_params(values), region, body.get("request_id"))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, COMPLETION_FIELDS)
+        inp = self._input(request, body, body.get("prompt"), chat=False)
+        return await self._respond(request, body, inp, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, CHAT_FIELDS)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidArgumentError("messages", "must be a non-empty list")
+        if self.router.tokenizer is None:
+            raise InvalidArgumentError("messages", "the model has no tokenizer")
+        prompt = self.router.tokenizer.apply_chat_template(
+            [_message(m, i) for i, m in enumerate(messages)]
+        )
+        inp = self._input(request, body, prompt, chat=True)
+        return await self._respond(request, body, inp, chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.keys.check(request.headers.get("Authorization"))
+        model = {"id": self.router.config.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                 "max_model_len": self.router.max_model_len}  # fmt: skip
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _respond(
+        self, request: web.Request, body: dict[str, Any], inp: CompletionInput, chat: bool
+    ) -> web.StreamResponse:
+        shape = _Shape(inp.request_id, self.router.config.model_name, chat)
+        if not body.get("stream"):
+            text, reason, usage = [], None, Usage(0, 0)
+            async with contextlib.aclosing(self.router.stream(inp)) as deltas:
+                async for delta in deltas:
+                    text.append(delta.text)
+                    reason, usage = delta.finish_reason or reason, delta.usage or usage
+            return web.json_response(shape.whole("".join(text), reason, usage))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        response: web.StreamResponse | None = None
+        try:
+            async with contextlib.aclosing(self.router.stream(inp)) as deltas:
+                async for delta in deltas:
+                    if response is None:  # errors before the first token are plain HTTP errors
+                        response = web.StreamResponse(
+                            headers={
+                                "Content-Type": "text/event-stream",
+                                "Cache-Control": "no-cache",
+                            }
+                        )
+                        await response.prepare(request)
+                    await _sse(response, shape.chunk(delta))
+                    self.router.delivered(delta)
+                    if (
+                        delta.finish_reason is not None
+                        and include_usage
+                        and delta.usage is not None
+                    ):
+                        await _sse(response, shape.usage_chunk(delta.usage))
+        except (ConnectionResetError, OSError):
+            raise  # the client left: the stream was closed, which aborted the request
+        except Exception as e:
+            if response is None:
+                raise
+            status = wire_status(e)  # mid-stream: the status line is gone; say it in the stream
+            await _sse(
+                response, {"error": {"message": status.message, "code": status.grpc_code.lower()}}
+            )
+        assert response is not None
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class _Shape:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self.first = True
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, reason: str | None, usage: Usage) -> dict[str, Any]:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
+            out = self._base("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            out = self._base("text_completion")
+        return {**out, "choices": [choice], "usage": _usage(usage)}
+
+    def chunk(self, delta: StreamDelta) -> dict[str, Any]:
+        if self.chat:
+            d: dict[str, Any] = {"content": delta.text}
+            if self.first:
+                d["role"] = "assistant"
+            self.first = False
+            choice = {
+                "index": 0,
+                "delta": d,
+                "finish_reason": delta.finish_reason,
+                "logprobs": None,
+            }
+            return {**self._base("chat.completion.chunk"), "choices": [choice]}
+        choice = {
+            "index": 0,
+            "text": delta.text,
+            "finish_reason": delta.finish_reason,
+            "logprobs": None,
+        }
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": _usage(usage)}
+
+
+def _usage(u: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
+
+
+async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise InvalidArgumentError(f"messages[{i}]", "each message needs a 'role' and 'content'")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        strings = [t for t in texts if isinstance(t, str)]
+        if len(strings) != len(content):
+            raise InvalidArgumentError(f"messages[{i}].content", "only text parts are supported")
+        content = "".join(strings)
+    if not isinstance(content, str):
+        raise InvalidArgumentError(
+            f"messages[{i}].content", "must be a string or a list of text parts"
+        )
+    return {"role": m["role"], "content": content}
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    if body.get("n", 1) != 1:
+        raise InvalidArgumentError("n", "only n=1 is supported")
+    if body.get("echo"):
+        raise InvalidArgumentError("echo", "echo is not supported")
+    if body.get("suffix"):
+        raise InvalidArgumentError("suffix", "suffix is not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name):
+            raise InvalidArgumentError(name, "penalties are not supported (only 0)")
+    if body.get("logprobs"):
+        raise InvalidArgumentError("logprobs", "logprobs are not supported")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidArgumentError("stream", "must be a boolean")
+
+
+def error_response(error: BaseException) -> web.Response:
+    status = wire_status(error)
+    if status.http_status == 500:
+        logger.exception("internal error serving a request", exc_info=error)
+    body = {"error": {"message": status.message, "type": _ERROR_TYPES.get(status.http_status, "server_error"),
+                      "param": getattr(error, "field", None), "code": status.grpc_code.lower()}}  # fmt: skip
+    headers = (
+        {"Retry-After": f"{error.retry_after_s:g}"} if isinstance(error, OverloadedError) else None
+    )
+    if isinstance(error, UnsupportedError):
+        body["error"]["type"] = "invalid_request_error"
+    return web.json_response(body, status=status.http_status, headers=headers)
+
+
+async def start_http(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server: Any = site._server
+    sockets = server.sockets if server is not None else []
+    return runner, sockets[0].getsockname()[1] if sockets else port
+
+
+__all__ = ["HttpApi", "error_response", "start_http"]

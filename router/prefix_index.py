@@ -1,0 +1,74 @@
+"""Which prefill instance holds which KV blocks, fed by the instances' KV events.
+
+Blocks are named by the same chained hash the instances use
+(:func:`~pdserve.core.kv_cache_manager.hash_block_tokens`), so the router can
+hash a prompt once and ask, per instance, how long a prefix is already cached.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from pdserve.core.kv_cache_manager import block_hashes
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks, as an instance would compute them."""
+    return block_hashes(token_ids, block_size)
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[str]] = defaultdict(set)
+        self._held: dict[str, set[bytes]] = defaultdict(set)
+
+    def apply(self, instance_id: str, added: list[bytes], removed: list[bytes]) -> None:
+        held = self._held[instance_id]
+        for h in removed:
+            held.discard(h)
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(instance_id)
+                if not holders:
+                    del self._holders[h]
+        for h in added:
+            held.add(h)
+            self._holders[h].add(instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        self.apply(instance_id, [], list(self._held.pop(instance_id, ())))
+
+    def cached_prefixes(self, hashes: list[bytes]) -> dict[str, int]:
+        """Leading blocks of ``hashes`` held, for every instance holding at least one.
+
+        Walks the prompt's blocks once, touching only their holders, so the cost
+        does not grow with the number of instances that hold none of it.
+        """
+        counts: dict[str, int] = {}
+        for k, h in enumerate(hashes):
+            holders = self._holders.get(h)
+            if not holders:
+                break
+            extended = 0
+            for instance in holders:
+                if counts.get(instance, 0) == k:
+                    counts[instance] = k + 1
+                    extended += 1
+            if not extended:
+                break
+        return counts
+
+    def cached_blocks(self, instance_id: str, hashes: list[bytes]) -> int:
+        """Leading blocks of ``hashes`` the instance holds."""
+        held = self._held.get(instance_id)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def size(self, instance_id: str) -> int:
+        return len(self._held.get(instance_id, ()))

@@ -1,0 +1,89 @@
+"""Turn a front door's request fields into a validated :class:`CompletionInput`.
+
+Both front doors (gRPC, HTTP) hand plain values here, so a malformed request
+gets the same error, naming the same field, whichever door it came through.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.router.router import CompletionInput
+
+# Names the front doors accept for sampling, mapped to SamplingParams fields.
+SAMPLING_FIELDS = {
+    "max_tokens": "max_tokens",
+    "min_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+}
+
+
+def sampling_params(values: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from front-door fields (None means: the default)."""
+    given = {
+        SAMPLING_FIELDS[k]: v for k, v in values.items() if k in SAMPLING_FIELDS and v is not None
+    }
+    if "stop" in given:
+        stop = given["stop"]
+        if isinstance(stop, str):
+            given["stop"] = (stop,)
+        elif not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+            raise InvalidArgumentError("stop", "must be a string or a list of strings")
+    if "stop_token_ids" in given and not isinstance(given["stop_token_ids"], list | tuple):
+        raise InvalidArgumentError("stop_token_ids", "must be a list of integers")
+    if "ignore_eos" in given and not isinstance(given["ignore_eos"], bool):
+        raise InvalidArgumentError("ignore_eos", "must be a boolean")
+    return SamplingParams(**given)
+
+
+def prompt_tokens(
+    tokenizer: Tokenizer | None,
+    prompt: str | list[int] | None,
+    max_model_len: int,
+    vocab_size: int,
+    field: str = "prompt",
+    add_special_tokens: bool = True,
+) -> list[int]:
+    if prompt is None:
+        raise InvalidArgumentError(field, "is required")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidArgumentError(field, "the model has no tokenizer: send token ids")
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = list(prompt)
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise InvalidArgumentError(field, f"token ids must be in [0, {vocab_size})")
+    else:
+        raise InvalidArgumentError(field, "must be a string or a list of token ids")
+    if not ids:
+        raise InvalidArgumentError(field, "must not be empty")
+    if max_model_len and len(ids) >= max_model_len:
+        raise InvalidArgumentError(
+            field,
+            f"{len(ids)} tokens leave no room to generate within the context limit of {max_model_len}",
+        )
+    return ids
+
+
+def completion_input(
+    prompt_ids: list[int], params: SamplingParams, region: str | None, request_id: str | None
+) -> CompletionInput:
+    if request_id is not None and (not isinstance(request_id, str) or len(request_id) > 128):
+        raise InvalidArgumentError("request_id", "must be a string of at most 128 characters")
+    rid = request_id or f"req-{uuid.uuid4().hex}"
+    if region is not None and not isinstance(region, str):
+        raise InvalidArgumentError("region", "must be a string")
+    return CompletionInput(rid, prompt_ids, params, region or None)

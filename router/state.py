@@ -1,0 +1,142 @@
+"""The router's view of the cluster: every instance, its load, its prefix cache.
+
+Load has two sources. Instances push a :class:`~pdserve.core.messages.LoadReport`
+every ~100 ms (queue, batch, free pages, recent step time, KV events). The
+router adds what it knows sooner: requests it placed and whose stream has not
+ended (``inflight``), and prompt tokens it sent that have not produced a first
+token yet (``pending_prompt_tokens``). Policies read both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdserve.core.messages import LoadReport
+
+# Per-token prefill time and per-step decode time assumed before any report.
+PRIOR_PREFILL_S_PER_TOKEN = 2e-4
+PRIOR_DECODE_STEP_S = 0.02
+
+
+@dataclass
+class InstanceView:
+    instance_id: str
+    role: str  # "prefill" or "decode"
+    region: str
+    handle: Any
+    block_size: int
+    max_model_len: int
+    paired: set[str] = field(default_factory=set)  # prefill: decode ids it can send to
+    report: LoadReport | None = None
+    inflight: int = 0
+    pending_prompt_tokens: int = 0
+    draining: bool = False
+
+    @property
+    def healthy(self) -> bool:
+        return self.report is None or self.report.healthy
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        r = self.report
+        if r is None or r.step_tokens < 1 or r.step_seconds <= 0:
+            return PRIOR_PREFILL_S_PER_TOKEN
+        return r.step_seconds / r.step_tokens
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        reported = self.report.waiting_prompt_tokens if self.report else 0
+        return max(reported, self.pending_prompt_tokens)
+
+    @property
+    def free_fraction(self) -> float:
+        r = self.report
+        return 1.0 if r is None or r.num_blocks == 0 else r.free_blocks / r.num_blocks
+
+    @property
+    def decode_step_s(self) -> float:
+        r = self.report
+        return PRIOR_DECODE_STEP_S if r is None or r.step_seconds <= 0 else r.step_seconds
+
+
+class RegionTable:
+    """The available instances of one role in one region, their numbers as arrays.
+
+    Policies score every instance with a few vector operations, so a decision
+    stays cheap with a thousand instances. Rows are refreshed whenever an
+    instance reports or the router changes its in-flight counts.
+    """
+
+    def __init__(self, views: list[InstanceView]) -> None:
+        self.views = views
+        self.index = {v.instance_id: i for i, v in enumerate(views)}
+        n = len(views)
+        self.queued = np.zeros(n)
+        self.per_token = np.zeros(n)
+        self.inflight = np.zeros(n)
+        self.running = np.zeros(n)
+        self.step = np.zeros(n)
+        self.free_blocks = np.zeros(n)
+        self.block_tokens = views[0].block_size if views else 16
+        for i in range(n):
+            self.refresh(i)
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def refresh(self, i: int) -> None:
+        v = self.views[i]
+        r = v.report
+        self.queued[i] = v.queued_prompt_tokens
+        self.per_token[i] = v.prefill_s_per_token
+        self.inflight[i] = v.inflight
+        self.running[i] = r.running if r else 0
+        self.step[i] = v.decode_step_s
+        self.free_blocks[i] = r.free_blocks if r else 1e9
+
+
+class ClusterView:
+    def __init__(self) -> None:
+        self.instances: dict[str, InstanceView] = {}
+        self._tables: dict[tuple[str, str], RegionTable] = {}
+
+    def add(self, view: InstanceView) -> None:
+        self.instances[view.instance_id] = view
+        self._tables.clear()
+
+    def remove(self, instance_id: str) -> InstanceView | None:
+        self._tables.clear()
+        return self.instances.pop(instance_id, None)
+
+    def set_available(self, instance_id: str, draining: bool) -> None:
+        self.instances[instance_id].draining = draining
+        self._tables.clear()
+
+    def table(self, role: str, region: str) -> RegionTable:
+        key = (role, region)
+        if key not in self._tables:
+            views = [
+                v
+                for v in self.instances.values()
+                if v.role == role and v.region == region and v.available
+            ]
+            self._tables[key] = RegionTable(views)
+        return self._tables[key]
+
+    def touch(self, view: InstanceView) -> None:
+        """Refresh the view's row after its load changed."""
+        table = self._tables.get((view.role, view.region))
+        if table is not None and view.instance_id in table.index:
+            table.refresh(table.index[view.instance_id])
+        if table is not None and (view.instance_id in table.index) != view.available:
+            self._tables.pop((view.role, view.region), None)
+
+    def regions(self) -> list[str]:
+        return sorted({v.region for v in self.instances.values()})

@@ -1,0 +1,97 @@
+"""Router pieces without a cluster: prefix index, policies, admission, stream order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from pdserve.core.messages import LoadReport
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.admission import Admission, RetryBudget
+from pdserve.router.policies import RoutingRequest, make_policy
+from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
+from pdserve.router.state import InstanceView, RegionTable
+from pdserve.router.stream import RequestStream
+
+
+def view(
+    i: str, role: str, waiting_tokens: int = 0, free: int = 1000, step: float = 0.02
+) -> InstanceView:
+    v = InstanceView(i, role, "r", None, 16, 4096)
+    v.report = LoadReport(i, role, 0, 1, waiting_tokens, free, 1000, step, 100.0)
+    return v
+
+
+def test_prefix_index_follows_kv_events() -> None:
+    hashes = prompt_block_hashes(list(range(100)), 16)
+    assert len(hashes) == 6
+    index = PrefixIndex()
+    index.apply("p0", hashes[:4], [])
+    index.apply("p1", hashes[:2], [])
+    assert index.cached_blocks("p0", hashes) == 4 and index.cached_blocks("p1", hashes) == 2
+    index.apply("p0", [], [hashes[1]])  # a block in the middle evicted: the prefix stops there
+    assert index.cached_blocks("p0", hashes) == 1
+    index.forget("p1")
+    assert index.cached_blocks("p1", hashes) == 0 and index.size("p1") == 0
+
+
+def test_cost_model_follows_the_cache_unless_the_queue_outweighs_it() -> None:
+    prefills = RegionTable([view("p0", "prefill"), view("p1", "prefill")])
+    decodes = RegionTable([view("d0", "decode")])
+    policy = make_policy("cost_model")
+    cached = np.array([0, 20])  # p1 holds 20 blocks (320 tokens) of this 400-token prompt
+    assert policy.place(RoutingRequest(400, 16, cached, 16), prefills, decodes).prefill == 1
+    busy = RegionTable([view("p0", "prefill"), view("p1", "prefill", waiting_tokens=5000)])
+    assert policy.place(RoutingRequest(400, 16, cached, 16), busy, decodes).prefill == 0
+
+
+def test_cost_model_avoids_a_decode_without_room() -> None:
+    decodes = RegionTable([view("d0", "decode", free=2), view("d1", "decode", free=900, step=0.05)])
+    placement = make_policy("cost_model").place(
+        RoutingRequest(400, 64, np.zeros(0), 16), RegionTable([]), decodes
+    )
+    assert placement.decode == 1 and placement.prefill is None
+
+
+def test_round_robin_takes_turns_and_least_loaded_picks_the_idlest() -> None:
+    prefills = RegionTable([view("p0", "prefill", 300), view("p1", "prefill", 10)])
+    decodes = RegionTable([view("d0", "decode"), view("d1", "decode")])
+    req = RoutingRequest(100, 16, np.zeros(2), 16)
+    rr = make_policy("round_robin")
+    assert [rr.place(req, prefills, decodes).prefill for _ in range(4)] == [0, 1, 0, 1]
+    assert make_policy("least_loaded").place(req, prefills, decodes).prefill == 1
+
+
+def test_admission_backs_off_while_ttft_misses_the_slo_and_recovers() -> None:
+    adm = Admission(ceiling=100, ttft_slo_s=1.0, adaptive=True)
+    for _ in range(32):
+        adm.observe("r", 5.0)
+    assert adm.limit("r") == 70
+    assert not adm.admit("r", 70) and adm.rejected == 1
+    for _ in range(32 * 5):
+        adm.observe("r", 0.1)
+    assert adm.limit("r") == 75
+
+
+def test_retry_budget_is_bounded() -> None:
+    budget = RetryBudget(ratio=0.1, minimum=2)
+    assert budget.try_spend() and budget.try_spend() and not budget.try_spend()
+    for _ in range(10):
+        budget.on_request()
+    assert budget.try_spend() and not budget.try_spend()
+    assert budget.denied == 2
+
+
+def test_stream_releases_tokens_in_order_whatever_arrives_first() -> None:
+    async def run() -> list:
+        stream = RequestStream("r", [1, 2, 3], SamplingParams(max_tokens=4), None)
+        stream.add(1, [11, 12])  # decode's tokens overtake the prefill's first token
+        assert stream.tokens == []
+        stream.add(0, [10])
+        stream.add(3, [13], "length")
+        return [d async for d in stream.deltas()]
+
+    deltas = asyncio.run(run())
+    assert [t for d in deltas for t in d.token_ids] == [10, 11, 12, 13]
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 4
