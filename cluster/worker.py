@@ -10,6 +10,7 @@ role methods are served by the leader only.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,7 +18,9 @@ import numpy as np
 import ray
 
 from pdserve.core.config import DisaggregationConfig
+from pdserve.core.errors import InstanceFailedError
 from pdserve.core.layout import Layout
+from pdserve.core.logs import setup_logging
 from pdserve.core.messages import (
     DecodeRequest,
     FirstToken,
@@ -65,6 +68,7 @@ class InstanceStats:
 class InstanceWorker(RankWorker):
     def __init__(self, spec: RankSpec, instance: InstanceSpec) -> None:
         super().__init__(spec)
+        setup_logging()
         self.instance = instance
         self.transfer = RankTransfer(
             instance.instance_id,
@@ -89,6 +93,10 @@ class InstanceWorker(RankWorker):
 
     def start_engine(self) -> EngineInfo:
         info = super().start_engine()
+        self._start_server()
+        return info
+
+    def _start_server(self) -> None:
         assert self.engine is not None
         if self.instance.role == "prefill":
             self.server = PrefillServer(self.instance.instance_id, self.engine, self.spec.layout)
@@ -100,7 +108,6 @@ class InstanceWorker(RankWorker):
                 self.transfer.receiver.needs_arrival_marks,
                 self.instance.disaggregation,
             )
-        return info
 
     # -- transfer plumbing (every rank) --------------------------------------------------
 
@@ -208,6 +215,59 @@ class InstanceWorker(RankWorker):
     def check_idle(self) -> None:
         assert self.server is not None
         self.server.loop.call(lambda engine: engine.assert_idle()).result()
+
+    # -- drain, unpair, role flip ------------------------------------------------------------------
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Leader: block until no request, reservation or held page is left."""
+        assert self.server is not None
+        return self.server.loop.wait_idle(timeout_s)
+
+    def unpair_ranks(self, decode_id: str) -> None:
+        """Every rank: stop sending to a decode instance that is going away."""
+        self.transfer.unpair(decode_id)
+
+    def forget_peer(self, instance_id: str) -> None:
+        """Leader: drop a paired instance of the other role."""
+        if isinstance(self.server, PrefillServer):
+            self.server.forget_decode(instance_id)
+        elif isinstance(self.server, DecodeServer):
+            self.server.forget_prefill(instance_id)
+
+    def flip_role(self, role: Role) -> None:
+        """Every rank: take the other role, keeping the weights (the instance must be idle).
+
+        The KV cache moves where the new role's receiver wants it (a decode
+        instance with the shm connector keeps it in shared memory); the leader
+        starts the other role's server on the same engine, with an empty prefix
+        cache (the pages were reallocated).
+        """
+        if role == self.instance.role:
+            return
+        assert self.runner is not None
+        if self.server is not None:
+            if not self.server.loop.wait_idle(0.0):
+                raise InstanceFailedError(
+                    f"{self.instance.instance_id} is not idle; drain it first"
+                )
+            self.server.loop.stop()
+            self.server = None
+        for decode_id in list(self.transfer.routes):
+            self.transfer.unpair(decode_id)
+        self.instance = dataclasses.replace(self.instance, role=role)
+        allocator = self.transfer.receiver.allocate if role == "decode" else None
+        self.runner.allocate_kv(self.runner.num_blocks, allocator)
+        self.transfer.kv_cache = self.runner.kv_cache
+        self.transfer.receiver.kv_cache = self.runner.kv_cache
+        self.kv_allocator = allocator
+        if self.engine is not None:
+            self.engine.kv.reset_prefix_cache()
+            self.engine.plan_hook = None
+            self.engine.on_transfer_failure = None
+            self._start_server()
+
+    def role(self) -> str:
+        return self.instance.role
 
     def shutdown(self) -> None:
         if self.server is not None:

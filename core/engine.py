@@ -227,6 +227,11 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------
 
+    def is_idle(self) -> bool:
+        """No request queued, running, reserved or holding pages."""
+        s = self.scheduler
+        return not (s.requests or s.held)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -305,6 +310,8 @@ class EngineCore:
                 finished_time=time.monotonic() if finished else None,
                 num_cached_prompt_tokens=request.num_cached_prompt_tokens,
                 num_preemptions=request.num_preemptions,
+                first_scheduled_time=request.first_scheduled_time,
+                activated_time=request.activated_time,
             ),
             new_token_ids=new_token_ids,
             new_text=new_text,

@@ -75,6 +75,8 @@ class FirstToken:
     token_id: int
     finished: bool
     finish_reason: str | None = None
+    # Seconds spent in "prefill_queue" and "prefill" (see pdserve.core.metrics.PHASES).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ class TokenUpdate:
     finished: bool
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    # On the last update: seconds in each phase this instance saw (transfer,
+    # decode_queue, decode; prefill_queue and prefill when it prefilled itself).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,9 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
         self.first_token_time: float | None = None
+        # First step that computed anything for it; decode role: when its KV landed.
+        self.first_scheduled_time: float | None = None
+        self.activated_time: float | None = None
         # Prefill role: on finishing, keep the blocks until released.
         self.hold_kv_on_finish = False
         # Tokens this request generated elsewhere before it moved here (they end
@@ -128,6 +131,26 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    activated_time: float | None = None  # decode role: the hand-off arrived
+
+    def phases(self) -> dict[str, float]:
+        """Seconds in each phase this engine saw (names of pdserve.core.metrics.PHASES)."""
+        out: dict[str, float] = {}
+        start, first = self.first_scheduled_time, self.first_token_time
+        if self.activated_time is not None:  # a hand-off: decode only
+            if start is not None:
+                out["decode_queue"] = max(0.0, start - self.activated_time)
+                if self.finished_time is not None:
+                    out["decode"] = self.finished_time - start
+            return out
+        if start is not None:
+            out["prefill_queue"] = start - self.arrival_time
+            if first is not None:
+                out["prefill"] = first - start
+                if self.finished_time is not None:
+                    out["decode"] = self.finished_time - first
+        return out
 
     @property
     def ttft(self) -> float | None:

@@ -21,6 +21,7 @@ Queues: ``waiting`` is fed by ``add_request`` and drained by ``schedule``;
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pdserve.core.config import SchedulerConfig
@@ -85,6 +86,7 @@ class Scheduler:
     def activate(self, request_id: str, first_token: int) -> Request:
         """The reserved request's prompt KV has landed: join the running batch."""
         request = self.reserved.pop(request_id)
+        request.activated_time = time.monotonic()
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_computed_blocks(request)
         request.append_token(first_token)
@@ -167,6 +169,8 @@ class Scheduler:
         return budget
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         start = request.num_computed_tokens
         sampling = None
         if start + num_new == request.num_tokens:

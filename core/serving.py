@@ -55,6 +55,7 @@ class EngineLoop:
         # Exponential moving averages of recent steps, for load reports.
         self.step_seconds = 0.0
         self.step_tokens = 0.0
+        self._idle = threading.Event()  # set while the engine holds no request or page
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -77,6 +78,17 @@ class EngineLoop:
             )
             self._wake.notify()
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until the engine holds no request, reservation or held page."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.call(lambda engine: engine.is_idle()).result():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._idle.wait(min(1.0, left))
+
     def stop(self, timeout_s: float = 30.0) -> None:
         with self._wake:
             self._running = False
@@ -89,7 +101,10 @@ class EngineLoop:
             while True:
                 with self._wake:
                     while self._running and not self._ready():
+                        if self.engine.is_idle():
+                            self._idle.set()
                         self._wake.wait(self._next_timer_in())
+                    self._idle.clear()
                     if not self._running:
                         return
                     commands = list(self._commands)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import Future
 from typing import Any
@@ -71,6 +72,7 @@ class DecodeServer:
         self._pings: dict[str, Any] = {}
         self._arrivals: list[KVArrival] = []
         self._sinks: dict[str, Any] = {}  # request id -> subscriber actor handle
+        self._transfer_s: dict[str, float] = {}  # request id -> exposed transfer seconds
         self._done: dict[str, Future[RequestOutput]] = {}
         self._done_lock = threading.Lock()
         engine.plan_hook = self._annotate
@@ -88,6 +90,9 @@ class DecodeServer:
             self.prefills[prefill_id] = (leader, layout)
 
         self.loop.call(add).result()
+
+    def forget_prefill(self, prefill_id: str) -> None:
+        self.loop.call(lambda _: self.prefills.pop(prefill_id, None)).result()
 
     def reserve(self, request: ReserveRequest, prefill_id: str | None, sink: Any) -> Reservation:
         """Hold pages for a prompt; raises OverloadedError when there is no room now."""
@@ -152,6 +157,12 @@ class DecodeServer:
                 output_offset=request.output_offset,
             )
             self._subscribe(request.request_id, sink)
+            logger.info(
+                "decode %s: prefills its %d prompt tokens here on %s",
+                request.request_id,
+                len(request.prompt_token_ids),
+                self.instance_id,
+            )
             return Reservation(
                 request.request_id, self.instance_id, [], 0, request.ttl_s, local=True
             )
@@ -169,6 +180,14 @@ class DecodeServer:
         self.leases.add(request.request_id, prefill_id, request.ttl_s)
         self.stats.reserved += 1
         self._subscribe(request.request_id, sink)
+        logger.info(
+            "decode %s: reserved %d pages on %s (%d tokens cached) for %s",
+            request.request_id,
+            len(block_ids),
+            self.instance_id,
+            cached,
+            prefill_id,
+        )
         return Reservation(request.request_id, self.instance_id, block_ids, cached, request.ttl_s)
 
     def _prefill_here(self, engine: EngineCore, request: ReserveRequest) -> bool:
@@ -186,6 +205,15 @@ class DecodeServer:
         table = engine.kv.block_table(handoff.request_id)
         assert table[: len(handoff.block_ids)] == handoff.block_ids, "hand-off names other pages"
         out = engine.activate(handoff.request_id, handoff.first_token)
+        if handoff.prefilled_at:
+            self._transfer_s[handoff.request_id] = max(0.0, time.time() - handoff.prefilled_at)
+        logger.info(
+            "decode %s: hand-off from %s landed on %s (%.1f ms after its prefill)",
+            handoff.request_id,
+            handoff.prefill_id,
+            self.instance_id,
+            self._transfer_s.get(handoff.request_id, 0.0) * 1e3,
+        )
         self.stats.committed += 1
         if self.needs_arrival_marks:
             _, layout = self.prefills[handoff.prefill_id]
@@ -276,9 +304,23 @@ class DecodeServer:
         batches: dict[Any, list[TokenUpdate]] = defaultdict(list)
         for out in outputs:
             rid = out.request_id
+            transfer_s = self._transfer_s.pop(rid, None) if out.finished else None
+            if out.finished:
+                logger.info(
+                    "decode %s: finished (%s) after %d tokens on %s",
+                    rid,
+                    out.outputs[0].finish_reason,
+                    len(out.outputs[0].token_ids),
+                    self.instance_id,
+                )
             if rid in self._sinks:
                 sink = self._sinks[rid] if not out.finished else self._sinks.pop(rid)
-                batches[sink].append(_update(out))
+                update = _update(out)
+                if out.finished:
+                    update.phases.update(out.metrics.phases())
+                    if transfer_s is not None:
+                        update.phases["transfer"] = transfer_s
+                batches[sink].append(update)
             elif out.finished:
                 with self._done_lock:
                     future = self._done.get(rid)

@@ -1,7 +1,10 @@
 """The ``pdserve`` command line.
 
     pdserve generate --model builtin:tiny --prompt "Hello" --max-tokens 16
-    pdserve demo
+    pdserve serve --config deploy/configs/local.yaml
+    pdserve status | pdserve scale --region east --prefill 1 --decode 2
+    pdserve submit --address http://HEAD:8265 --config cluster.yaml
+    pdserve demo [--once]
     pdserve bench offline --model builtin:small
 
 Errors a user can cause (a bad flag value, a missing model) print one line
@@ -102,20 +105,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_PROMPTS = [
-    "The router sees the whole cluster.",
-    "What is a block table?",
-    "Once upon a time there was a small server",
-    "Prefill is heavy on arithmetic and short.",
-]
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    print("pdserve demo: builtin:tiny (random weights: the generated text is meaningless)")
-    args.prompt = DEMO_PROMPTS
-    return cmd_generate(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
@@ -127,13 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", help="generate with the built-in model and print timings")
-    _add_engine_flags(demo)
-    _add_sampling_flags(demo)
-    demo.set_defaults(func=cmd_demo)
-
     from pdserve.bench.cli import add_bench_parser
+    from pdserve.deploy.cluster_cli import add_cluster_parsers
 
+    add_cluster_parsers(sub)
     add_bench_parser(sub)
     return parser
 

@@ -37,6 +37,8 @@ class RankResources:
     torch_threads: int | None = None
     start_timeout_s: float = 300.0
     collective_timeout_s: float = 60.0
+    # Ray node labels the ranks must land on (a region's nodes), e.g. {"region": "east"}.
+    labels: dict[str, str] | None = None
 
 
 class RankGroup:
@@ -64,9 +66,7 @@ class RankGroup:
         if not ray.is_initialized():
             ray.init(log_to_driver=False)
         bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
-        pg = placement_group(
-            [bundle] * layout.world_size, strategy="PACK", name=f"pdserve-{uuid.uuid4().hex[:8]}"
-        )
+        pg = _placement_group([bundle] * layout.world_size, res.labels)
         workers: list[Any] = []
         try:
             ray.get(pg.ready(), timeout=res.start_timeout_s)
@@ -114,6 +114,15 @@ class RankGroup:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.placement_group)
+
+
+def _placement_group(bundles: list[dict[str, float]], labels: dict[str, str] | None) -> Any:
+    name = f"pdserve-{uuid.uuid4().hex[:8]}"
+    if not labels:
+        return placement_group(bundles, strategy="PACK", name=name)
+    return placement_group(
+        bundles, strategy="PACK", name=name, bundle_label_selector=[dict(labels)] * len(bundles)
+    )
 
 
 def _get(refs: Any, timeout_s: float | None) -> Any:

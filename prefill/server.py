@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,9 @@ class PrefillServer:
     def register_decode(self, decode_id: str, leader: Any) -> None:
         self.loop.call(lambda _: self.decodes.__setitem__(decode_id, leader)).result()
 
+    def forget_decode(self, decode_id: str) -> None:
+        self.loop.call(lambda _: self.decodes.pop(decode_id, None)).result()
+
     def prefill(self, request: PrefillRequest) -> Future[FirstToken]:
         """Queue a prompt; the future resolves with its first token."""
         return self.loop.call(lambda engine: self._start(engine, request)).result()
@@ -106,6 +110,13 @@ class PrefillServer:
         )
         transfer = _Transfer(request)
         self._transfers[request.request_id] = transfer
+        logger.info(
+            "prefill %s: %d prompt tokens on %s, KV to %s",
+            request.request_id,
+            len(request.prompt_token_ids),
+            self.instance_id,
+            res.decode_id if res is not None else "-",
+        )
         return transfer.first_token
 
     def _annotate(self, plan: StepPlan) -> StepPlan:
@@ -164,8 +175,16 @@ class PrefillServer:
         reason = (
             out.outputs[0].finish_reason if out.outputs[0].finish_reason == "stop" else "length"
         )
+        phases = {k: v for k, v in out.metrics.phases().items() if k.startswith("prefill")}
+        logger.info(
+            "prefill %s: first token %d after %.1f ms queued + %.1f ms prefill",
+            request.request_id,
+            token,
+            phases.get("prefill_queue", 0.0) * 1e3,
+            phases.get("prefill", 0.0) * 1e3,
+        )
         transfer.first_token.set_result(
-            FirstToken(request.request_id, token, ends, reason if ends else None)
+            FirstToken(request.request_id, token, ends, reason if ends else None, phases)
         )
         res = request.reservation
         if res is None:
@@ -185,6 +204,7 @@ class PrefillServer:
             res.block_ids,
             self.instance_id,
             self.layout,
+            time.time(),
         )
         decode.commit.remote(handoff).future().add_done_callback(
             lambda f, rid=request.request_id: self._acknowledged(rid, f)

@@ -7,12 +7,15 @@ to ``report``. The controller registers and drains instances.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.core.logs import setup_logging
 from pdserve.core.messages import LoadReport, TokenBatch
+from pdserve.core.metrics import ClusterSnapshot
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.auth import ApiKeys
@@ -41,6 +44,7 @@ class RouterStats:
     inflight: dict[str, int]
     placed: dict[str, int]
     hedged: int
+    migrations: int
     prefix_blocks: dict[str, int]
     decision_us: dict[str, float]  # p50, p99 of placement decisions
     door_delay_us: dict[str, float]  # p50, p99 from a delta ready to written
@@ -50,6 +54,7 @@ class RouterActor:
     """Ray async actor body (wrapped with ``ray.remote`` by whoever starts it)."""
 
     def __init__(self, config: RouterConfig, model_path: str) -> None:
+        setup_logging()
         self.config = config
         self.model = ModelConfig.from_dir(model_path)
         has_tokenizer = (Path(model_path) / "tokenizer.json").is_file()
@@ -57,6 +62,7 @@ class RouterActor:
         self.keys = ApiKeys(config.api_keys, config.auth_disabled)
         self.router: Router | None = None
         self._servers: list[Any] = []
+        self._sampler: asyncio.Future[None] | None = None
 
     async def start(self) -> Endpoints:
         import ray
@@ -69,6 +75,7 @@ class RouterActor:
         api = HttpApi(self.router, self.keys, vocab, self.config.max_body_bytes)
         http_runner, http_port = await start_http(api, self.config.host, self.config.http_port)
         self._servers = [grpc_server, http_runner]
+        self._sampler = asyncio.ensure_future(self._sample_every(1.0))
         logger.info(
             "router serving gRPC on %s:%d, HTTP on %s:%d",
             self.config.host,
@@ -111,12 +118,38 @@ class RouterActor:
             dict(r.region_inflight),
             dict(r.placed),
             r.hedged,
+            r.migrations,
             {i: r.prefixes.size(i) for i in r.cluster.instances},
             _percentiles(r.decision_s),
             _percentiles(r.door_delay_s),
         )
 
+    async def cluster_snapshot(self, snapshot: ClusterSnapshot) -> None:
+        """The controller's view (instance counters, targets, decisions), every second."""
+        self._router().obs.snapshot(snapshot)
+
+    async def metrics_text(self) -> str:
+        """The ``/metrics`` exposition (for tools that hold an actor handle)."""
+        return self._router().obs.exposition()[0].decode()
+
+    async def _sample_every(self, interval_s: float) -> None:
+        while True:
+            try:
+                self._router().obs.sample(self._router())
+            except Exception:
+                logger.exception("dashboard sample failed")
+            await asyncio.sleep(interval_s)
+
+    async def region_metrics(self, window_s: float = 30.0) -> list[dict[str, Any]]:
+        return self._router().region_metrics(window_s)
+
+    async def instance_lost(self, instance_id: str) -> None:
+        """The controller saw an instance die: move its requests elsewhere."""
+        self._router().instance_lost(instance_id)
+
     async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
         for server in self._servers:
             if hasattr(server, "stop"):
                 await server.stop(grace=1.0)

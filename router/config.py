@@ -33,6 +33,7 @@ class RouterConfig:
     retry_budget_ratio: retries allowed per request admitted (a token bucket).
     hedge_after_s: start a second attempt when the first token is this late (None: off).
     max_migrations: times one request may move to another pair after an instance failed.
+    migration_wait_s: how long a moving request waits for a free pair (instances restarting).
     reservation_ttl_s: how long a decode instance holds pages waiting for KV.
     host, grpc_port, http_port: where the front doors listen (0: pick a free port).
     max_body_bytes: largest HTTP request body accepted.
@@ -50,6 +51,7 @@ class RouterConfig:
     retry_budget_ratio: float = 0.1
     hedge_after_s: float | None = None
     max_migrations: int = 2
+    migration_wait_s: float = 60.0
     reservation_ttl_s: float = 30.0
     host: str = "127.0.0.1"
     grpc_port: int = 0

@@ -85,6 +85,13 @@ class CompletionService(pb_grpc.CompletionServicer):
         return pb.ListModelsResponse(models=[model])
 
     def _admit(self, request: pb.CompletionRequest, context: Any) -> CompletionInput:
+        try:
+            return self._parse(request, context)
+        except Exception as e:
+            self.router.reject(e)
+            raise
+
+    def _parse(self, request: pb.CompletionRequest, context: Any) -> CompletionInput:
         meta = _metadata(context)
         self.keys.check(meta.get("authorization"))
         from pdserve.core.errors import InvalidArgumentError

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from pdserve.core.errors import InvalidArgumentError, OverloadedError, UnsupportedError, wire_status
 from pdserve.router.auth import ApiKeys
+from pdserve.router.dashboard import add_routes
 from pdserve.router.requests import completion_input, prompt_tokens, sampling_params
 from pdserve.router.router import CompletionInput, Router
 from pdserve.router.stream import StreamDelta, Usage
@@ -50,6 +51,7 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        add_routes(app, self.router, self.keys)
         return app
 
     @web.middleware
@@ -61,6 +63,8 @@ class HttpApi:
         except web.HTTPException:
             raise
         except Exception as e:
+            if request.path.startswith("/v1/") and not request.get("admitted"):
+                self.router.reject(e)
             return error_response(e)
 
     async def _body(self, request: web.Request, allowed: set[str]) -> dict[str, Any]:
@@ -146,6 +150,7 @@ class HttpApi:
     async def _respond(
         self, request: web.Request, body: dict[str, Any], inp: CompletionInput, chat: bool
     ) -> web.StreamResponse:
+        request["admitted"] = True  # from here the router counts the outcome
         shape = _Shape(inp.request_id, self.router.config.model_name, chat)
         if not body.get("stream"):
             text, reason, usage = [], None, Usage(0, 0)

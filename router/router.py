@@ -46,6 +46,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.admission import Admission, RetryBudget
 from pdserve.router.config import RouterConfig
+from pdserve.router.observe import Observer
 from pdserve.router.policies import Placement, RoutingRequest, make_policy
 from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
 from pdserve.router.state import ClusterView, InstanceView
@@ -118,7 +119,12 @@ class Router:
         # a delta being ready to the front door having written it (seconds).
         self.decision_s: deque[float] = deque(maxlen=4096)
         self.door_delay_s: deque[float] = deque(maxlen=4096)
+        # Finished requests per region: (time.monotonic(), TTFT, TPOT or None).
+        self.completed: dict[str, deque[tuple[float, float, float | None]]] = defaultdict(
+            lambda: deque(maxlen=4096)
+        )
         self._tasks: set[asyncio.Future[None]] = set()
+        self.obs = Observer()
 
     # -- cluster membership and reports ------------------------------------------------------
 
@@ -135,6 +141,9 @@ class Router:
         self.cluster.add(view)
 
     def unregister(self, instance_id: str) -> None:
+        view = self.cluster.instances.get(instance_id)
+        if view is not None:
+            self.obs.forget(view.region, view.role, instance_id)
         self.cluster.remove(instance_id)
         self.prefixes.forget(instance_id)
 
@@ -156,6 +165,7 @@ class Router:
         if view is None:
             return
         view.report = report
+        self.obs.load(view.region, report)
         if view.role == "prefill":
             self.prefixes.apply(report.instance_id, report.kv_added, report.kv_removed)
         self.cluster.touch(view)
@@ -175,10 +185,18 @@ class Router:
             if u.finished and u.finish_reason == "abort":  # the instance gave up on it
                 self._spawn(self._migrate(attempt, f"decode {batch.instance_id} ended it early"))
                 continue
+            if u.finished:
+                self.obs.phases(attempt.region, u.phases)
             start = attempt.offset + u.num_output_tokens - len(u.new_token_ids)
             attempt.stream.add(
                 start, u.new_token_ids, u.finish_reason if u.finished else None, attempt.attempt_id
             )
+
+    def reject(self, error: BaseException, region: str | None = None) -> None:
+        """A request refused before it started (bad input, auth, overload)."""
+        status = _status(error)
+        self.obs.rejected(status)
+        self.obs.finished(region or self.config.home_region, status, None)
 
     def delivered(self, delta: StreamDelta) -> None:
         """A front door wrote ``delta`` to its client."""
@@ -188,9 +206,19 @@ class Router:
 
     async def stream(self, inp: CompletionInput) -> AsyncGenerator[StreamDelta, None]:
         """The request's deltas, the last with its finish reason; aborts it if not consumed."""
-        if inp.request_id in self._active:
-            raise InvalidArgumentError("request_id", f"{inp.request_id!r} is already in flight")
-        region, placement, hashes = self._choose_region(inp)
+        try:
+            if inp.request_id in self._active:
+                raise InvalidArgumentError("request_id", f"{inp.request_id!r} is already in flight")
+            region, placement, hashes = self._choose_region(inp)
+        except PdserveError as e:
+            self.reject(e, inp.region or self.config.home_region)
+            raise
+        logger.info(
+            "request %s: region %s, %d prompt tokens",
+            inp.request_id,
+            region,
+            len(inp.prompt_token_ids),
+        )
         stream = RequestStream(inp.request_id, inp.prompt_token_ids, inp.params, self.tokenizer)
         self._active.add(inp.request_id)
         self.region_inflight[region] += 1
@@ -212,14 +240,56 @@ class Router:
                     self.admission.observe(region, stream.first_token_at - stream.arrival)
                 yield delta
             self.finished["ok"] += 1
+            self._record(region, stream)
+            self.obs.finished(region, stream.finish_reason or "stop", stream)
         except BaseException as e:
             self.finished[_status(e)] += 1
+            self.obs.finished(region, _status(e), None)
+            logger.info("request %s ended: %s", inp.request_id, _status(e))
             raise
         finally:
             self.region_inflight[region] -= 1
             self._active.discard(inp.request_id)
             for attempt in [a for a in self._attempts.values() if a.stream is stream]:
                 await self._close(attempt)
+
+    def _record(self, region: str, stream: RequestStream) -> None:
+        if stream.first_token_at is None:
+            return
+        ttft = stream.first_token_at - stream.arrival
+        n = len(stream.tokens)
+        tpot = (
+            (stream.last_token_at - stream.first_token_at) / (n - 1)
+            if n > 1 and stream.last_token_at
+            else None
+        )
+        self.completed[region].append((time.monotonic(), ttft, tpot))
+
+    def region_metrics(self, window_s: float) -> list[dict[str, float | int | str | None]]:
+        """Each region's recent latencies and load, for the planner and the dashboard."""
+        now = time.monotonic()
+        out: list[dict[str, float | int | str | None]] = []
+        for spec in self.config.regions:
+            recent = [r for r in self.completed[spec.name] if now - r[0] <= window_s]
+            prefills = self.cluster.table("prefill", spec.name)
+            decodes = self.cluster.table("decode", spec.name)
+            queue_s = float(np.mean(prefills.queued * prefills.per_token)) if len(prefills) else 0.0
+            usage = [1.0 - v.free_fraction for v in decodes.views]
+            out.append(
+                {
+                    "region": spec.name,
+                    "prefill_count": len(prefills),
+                    "decode_count": len(decodes),
+                    "requests": len(recent),
+                    "ttft_p90_s": _p90([r[1] for r in recent]),
+                    "tpot_p90_s": _p90([r[2] for r in recent if r[2] is not None]),
+                    "prefill_queue_s": queue_s,
+                    "decode_kv_usage": max(usage, default=0.0),
+                    "decode_batch": float(np.mean(decodes.running)) if len(decodes) else 0.0,
+                    "inflight": self.region_inflight[spec.name],
+                }
+            )
+        return out
 
     def _choose_region(self, inp: CompletionInput) -> tuple[str, Placement, dict[int, list[bytes]]]:
         """The region to serve in, and the policy's placement there (scored once)."""
@@ -287,7 +357,9 @@ class Router:
         offset: int,
     ) -> Attempt:
         """Reserve (trying other decode instances if refused) and start the prefill."""
-        n = sum(1 for a in self._attempts.values() if a.stream is stream)
+        # Ids are never reused: an instance may still hold an earlier attempt's pages.
+        n = stream.attempts_started
+        stream.attempts_started += 1
         attempt_id = inp.request_id if n == 0 else f"{inp.request_id}#{n}"
         attempt = Attempt(attempt_id, stream, inp, offset, region)
         self._attempts[attempt_id] = attempt
@@ -308,11 +380,20 @@ class Router:
             try:
                 reservation = await self._reserve(attempt, prefill, decode)
                 break
-            except (OverloadedError, InstanceFailedError):
+            except (OverloadedError, InstanceFailedError) as e:
+                if isinstance(e, InstanceFailedError):
+                    self.unregister(decode.instance_id)  # dead: the controller replaces it
                 refused.add(decode.instance_id)
                 if not self.retries.try_spend():
                     raise
                 placement = self._score(inp, region, hashes)
+        logger.info(
+            "request %s: attempt %s, prefill %s, decode %s",
+            inp.request_id,
+            attempt_id,
+            "-" if reservation.local or prefill is None else prefill.instance_id,
+            decode.instance_id,
+        )
         attempt.decode = decode
         decode.inflight += 1
         self.cluster.touch(decode)
@@ -354,18 +435,29 @@ class Router:
         try:
             first: FirstToken = await ref
             attempt.first_token_seen = True
+            self.obs.phases(attempt.region, first.phases)
             if not attempt.closed:
                 reason = first.finish_reason if first.finished else None
                 attempt.stream.add(attempt.offset, [first.token_id], reason, attempt.attempt_id)
         except Exception as e:
-            if not attempt.closed and not isinstance(_cause(e), RequestAbortedError):
-                await self._migrate(attempt, f"prefill {prefill.instance_id} failed: {_cause(e)}")
+            cause = _cause(e)
+            if isinstance(cause, InstanceFailedError):
+                self.instance_lost(prefill.instance_id)  # moves this attempt, and its siblings
+            elif not attempt.closed and not isinstance(cause, RequestAbortedError):
+                await self._migrate(attempt, f"prefill {prefill.instance_id} failed: {cause}")
         finally:
             prefill.pending_prompt_tokens -= tokens
             self.cluster.touch(prefill)
 
     async def _migrate(self, attempt: Attempt, why: str) -> None:
         """Serve the rest of the request on another pair: its prompt plus what streamed."""
+        try:
+            await self._migrate_now(attempt, why)
+        except Exception as e:  # never leave a client waiting on a stream nobody feeds
+            logger.exception("migrating %s failed", attempt.stream.request_id)
+            attempt.stream.fail(_cause(e))
+
+    async def _migrate_now(self, attempt: Attempt, why: str) -> None:
         if attempt.closed:
             return
         stream = attempt.stream
@@ -379,6 +471,7 @@ class Router:
             return
         stream.migrations += 1
         self.migrations += 1
+        self.obs.migrated(attempt.region, "decode" if attempt.first_token_seen else "prefill")
         logger.warning(
             "migrating %s (%s) after %d tokens", stream.request_id, why, len(stream.tokens)
         )
@@ -392,11 +485,20 @@ class Router:
         inp = CompletionInput(
             stream.request_id, stream.prompt_token_ids + stream.tokens, params, attempt.inp.region
         )
-        try:
-            region, placement, hashes = self._choose_region(inp)
-            await self._launch(stream, inp, region, placement, hashes, done)
-        except Exception as e:
-            stream.fail(_cause(e))
+        deadline = time.monotonic() + self.config.migration_wait_s
+        while True:
+            try:
+                region, placement, hashes = self._choose_region(inp)
+                await self._launch(stream, inp, region, placement, hashes, done)
+                return
+            except (OverloadedError, InstanceFailedError) as e:
+                if time.monotonic() >= deadline or stream.finished:
+                    stream.fail(e)
+                    return
+                await asyncio.sleep(0.5)  # no pair free yet: the controller is replacing one
+            except Exception as e:
+                stream.fail(_cause(e))
+                return
 
     async def _hedge(self, first: Attempt, hashes: dict[int, list[bytes]]) -> None:
         """Start a second attempt if the first token is late; keep whichever answers first."""
@@ -440,6 +542,13 @@ class Router:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
+
+
+def _p90(values: list[float]) -> float | None:
+    if not values:
+        return None
+    data = sorted(values)
+    return data[min(len(data) - 1, int(0.9 * len(data)))]
 
 
 def _cause(e: BaseException) -> BaseException:

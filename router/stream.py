@@ -50,6 +50,7 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.prompt_len = len(prompt_token_ids)
         self.migrations = 0
+        self.attempts_started = 0
         self.owner: str | None = None  # the attempt whose tokens the stream takes
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
@@ -125,6 +126,10 @@ class RequestStream:
             )
         if done:
             self.finished = self.completed = True
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish_reason if self.completed else None
 
     def _done_by_count(self) -> bool:
         return self._finish_at is not None and len(self.tokens) >= self._finish_at

@@ -45,6 +45,8 @@ class HandOff:
             decode instance continues the same seeded stream.
         block_ids: the decode pages the KV was written to (the reservation's).
         prefill_id, prefill_layout: who sent it, and how its ranks were laid out.
+        prefilled_at: wall-clock time (``time.time()``) the prefill finished; the
+            decode instance measures the exposed transfer time from it.
     """
 
     request_id: str
@@ -55,6 +57,7 @@ class HandOff:
     block_ids: list[int]
     prefill_id: str
     prefill_layout: Layout
+    prefilled_at: float = 0.0
 
 
 @dataclass

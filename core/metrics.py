@@ -1,0 +1,391 @@
+"""The metrics catalog: every metric pdserve exports, in one place.
+
+Names follow Prometheus conventions: the ``pdserve_`` prefix, base units
+(seconds, bytes, ratios in [0, 1]), ``_total`` on counters. Labels are the
+ones that mean something for the metric: ``region``, ``role``
+(prefill/decode), ``instance``.
+
+Where each one is measured:
+
+- the router (the front doors' process) measures what a client sees: request
+  outcomes, TTFT, inter-token and end-to-end latency, rejections and
+  migrations. TTFT is taken there, so the KV transfer counts in it;
+- instances report their load to the router (queue lengths, batch, KV usage,
+  every :class:`~pdserve.core.messages.LoadReport`) and their counters
+  (prefix cache, transfers, leases) to the controller, which forwards them
+  with its own state (instances per region and role, the P:D target, planner
+  decisions) in a :class:`ClusterSnapshot`;
+- the router serves all of it on one ``/metrics`` endpoint.
+
+:func:`Metrics` builds the ``prometheus_client`` objects of the router-side
+metrics from :data:`CATALOG`; :class:`SnapshotCollector` renders the reported
+ones at scrape time. ``deploy/grafana/pdserve.json`` queries only names listed
+here (a test checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+# Latency buckets (seconds): 1 ms .. 60 s, denser where SLOs usually sit.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
+)  # fmt: skip
+
+PHASES = ("prefill_queue", "prefill", "transfer", "decode_queue", "decode")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    source: Literal["router", "instance", "controller"] = "router"
+
+
+_INSTANCE = ("region", "role", "instance")
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # -- measured at the router -------------------------------------------------------------------
+    MetricSpec(
+        "pdserve_requests_total",
+        "counter",
+        "Requests by final status (stop, length, cancelled, or an error code).",
+        ("region", "status"),
+    ),
+    MetricSpec(
+        "pdserve_time_to_first_token_seconds",
+        "histogram",
+        "Time from the router receiving a request to its first token (transfer included).",
+        ("region",),
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "pdserve_inter_token_latency_seconds",
+        "histogram",
+        "Time between consecutive tokens of one stream, as the router sees them.",
+        ("region",),
+        TOKEN_BUCKETS,
+    ),
+    MetricSpec(
+        "pdserve_time_per_output_token_seconds",
+        "histogram",
+        "A finished request's mean time per output token after the first (TPOT).",
+        ("region",),
+        TOKEN_BUCKETS,
+    ),
+    MetricSpec(
+        "pdserve_e2e_request_latency_seconds",
+        "histogram",
+        "Time from receiving a request to its last token.",
+        ("region",),
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "pdserve_request_phase_seconds",
+        "histogram",
+        "Time a request spent in each phase: prefill_queue, prefill, transfer (the part of "
+        "the KV transfer not hidden behind prefill), decode_queue, decode.",
+        ("region", "phase"),
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "pdserve_rejections_total",
+        "counter",
+        "Requests refused before they started, by reason (an error code).",
+        ("reason",),
+    ),
+    MetricSpec(
+        "pdserve_migrations_total",
+        "counter",
+        "Requests moved to another pair after an instance was lost, by the phase it was in.",
+        ("region", "phase"),
+    ),
+    MetricSpec(
+        "pdserve_queue_length",
+        "gauge",
+        "Requests waiting for their first step at an instance.",
+        _INSTANCE,
+    ),
+    MetricSpec(
+        "pdserve_running_requests",
+        "gauge",
+        "Requests in an instance's running batch.",
+        _INSTANCE,
+    ),
+    MetricSpec(
+        "pdserve_kv_usage_ratio",
+        "gauge",
+        "Fraction of an instance's KV-cache pages in use.",
+        _INSTANCE,
+    ),
+    # -- reported by instances through the controller ---------------------------------------------
+    MetricSpec(
+        "pdserve_prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in an instance's prefix cache.",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens found in an instance's prefix cache.",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_prefix_cache_hit_ratio",
+        "gauge",
+        "Hits over queries of an instance's prefix cache since it started.",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_transfer_bytes_total",
+        "counter",
+        "KV bytes moved, per connector and direction (sent, received).",
+        (*_INSTANCE, "connector", "direction"),
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_transfer_seconds_total",
+        "counter",
+        "Seconds spent moving KV bytes, per connector and direction.",
+        (*_INSTANCE, "connector", "direction"),
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_transfer_messages_total",
+        "counter",
+        "KV transfer messages, per connector and direction.",
+        (*_INSTANCE, "connector", "direction"),
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_transfer_failures_total",
+        "counter",
+        "KV transfer messages that failed, per connector and direction.",
+        (*_INSTANCE, "connector", "direction"),
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_leases_total",
+        "counter",
+        "Page reservations (decode) and holds (prefill) by how they ended: reserved, "
+        "committed, expired, aborted, peer_lost, refused.",
+        (*_INSTANCE, "outcome"),
+        source="instance",
+    ),
+    # -- the controller ---------------------------------------------------------------------------
+    MetricSpec(
+        "pdserve_instances",
+        "gauge",
+        "Instances per region and role, by state (serving, draining).",
+        ("region", "role", "state"),
+        source="controller",
+    ),
+    MetricSpec(
+        "pdserve_instances_target",
+        "gauge",
+        "The number of instances the controller is converging to, per region and role.",
+        ("region", "role"),
+        source="controller",
+    ),
+    MetricSpec(
+        "pdserve_pd_ratio",
+        "gauge",
+        "Prefill over decode instances per region: the target and the actual count.",
+        ("region", "kind"),
+        source="controller",
+    ),
+    MetricSpec(
+        "pdserve_planner_decisions_total",
+        "counter",
+        "Planner and operator scaling decisions, by action and reason.",
+        ("region", "action", "reason"),
+        source="controller",
+    ),
+    MetricSpec(
+        "pdserve_instance_restarts_total",
+        "counter",
+        "Instances replaced after they died, per region and role.",
+        ("region", "role"),
+        source="controller",
+    ),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}
+
+
+def exported_names() -> set[str]:
+    """Every series name a scrape can contain (histograms add _bucket, _sum, _count)."""
+    names = set()
+    for m in CATALOG:
+        if m.kind == "histogram":
+            names |= {f"{m.name}_bucket", f"{m.name}_sum", f"{m.name}_count"}
+        else:
+            names.add(m.name)
+    return names
+
+
+class Metrics:
+    """The router-side metrics of :data:`CATALOG`, as ``prometheus_client`` objects."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # no *_created series: one name per catalog entry
+        self.registry = registry or CollectorRegistry()
+        self._objects: dict[str, Any] = {}
+        for spec in CATALOG:
+            if spec.source != "router":
+                continue
+            # prometheus_client adds _total itself and wants the base name.
+            base = spec.name.removesuffix("_total")
+            if spec.kind == "counter":
+                obj: Any = Counter(base, spec.help, spec.labels, registry=self.registry)
+            elif spec.kind == "gauge":
+                obj = Gauge(spec.name, spec.help, spec.labels, registry=self.registry)
+            else:
+                obj = Histogram(
+                    spec.name,
+                    spec.help,
+                    spec.labels,
+                    buckets=spec.buckets or LATENCY_BUCKETS,
+                    registry=self.registry,
+                )
+            self._objects[spec.name] = obj
+
+    def __getitem__(self, name: str) -> Any:
+        return self._objects[name]
+
+
+# -- what the controller reports ----------------------------------------------------------------
+
+
+@dataclass
+class InstanceCounters:
+    """One instance's cumulative counters, as its leader reads them."""
+
+    instance_id: str
+    region: str
+    role: str
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    # connector name, direction ("sent"/"received") -> TransferStats.as_dict()
+    transfers: list[dict[str, Any]] = field(default_factory=list)
+    leases: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ScaleEvent:
+    """A scaling decision: the planner's (applied or advisory) or an operator's."""
+
+    at: float  # time.time()
+    region: str
+    action: str  # add_prefill, remove_decode, flip_to_prefill, set, hold, ...
+    reason: str
+    source: str  # planner, planner-advisory, operator, health
+    prefill: int  # the region's target counts after the decision
+    decode: int
+
+
+@dataclass
+class RegionState:
+    region: str
+    target_prefill: int
+    target_decode: int
+    serving: dict[str, int]  # role -> instances serving
+    draining: dict[str, int]  # role -> instances draining
+    restarts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterSnapshot:
+    """What the controller sends the router every health round."""
+
+    at: float
+    regions: list[RegionState]
+    instances: list[InstanceCounters]
+    # Cumulative per (region, action, reason); the newest events for the dashboard.
+    decisions: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    events: list[ScaleEvent] = field(default_factory=list)
+
+
+class SnapshotCollector(Collector):
+    """Renders the latest :class:`ClusterSnapshot` at scrape time."""
+
+    def __init__(self) -> None:
+        self.snapshot: ClusterSnapshot | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        if snap is None:
+            return
+        fams = {
+            s.name: (
+                CounterMetricFamily(s.name.removesuffix("_total"), s.help, labels=s.labels)
+                if s.kind == "counter"
+                else GaugeMetricFamily(s.name, s.help, labels=s.labels)
+            )
+            for s in CATALOG
+            if s.source != "router"
+        }
+        for r in snap.regions:
+            for role in ("prefill", "decode"):
+                fams["pdserve_instances"].add_metric(
+                    [r.region, role, "serving"], r.serving.get(role, 0)
+                )
+                fams["pdserve_instances"].add_metric(
+                    [r.region, role, "draining"], r.draining.get(role, 0)
+                )
+                fams["pdserve_instance_restarts_total"].add_metric(
+                    [r.region, role], r.restarts.get(role, 0)
+                )
+            fams["pdserve_instances_target"].add_metric([r.region, "prefill"], r.target_prefill)
+            fams["pdserve_instances_target"].add_metric([r.region, "decode"], r.target_decode)
+            fams["pdserve_pd_ratio"].add_metric(
+                [r.region, "target"], r.target_prefill / max(r.target_decode, 1)
+            )
+            fams["pdserve_pd_ratio"].add_metric(
+                [r.region, "actual"],
+                r.serving.get("prefill", 0) / max(r.serving.get("decode", 0), 1),
+            )
+        for (region, action, reason), n in snap.decisions.items():
+            fams["pdserve_planner_decisions_total"].add_metric([region, action, reason], n)
+        for i in snap.instances:
+            who = [i.region, i.role, i.instance_id]
+            fams["pdserve_prefix_cache_queries_total"].add_metric(who, i.prefix_queries)
+            fams["pdserve_prefix_cache_hits_total"].add_metric(who, i.prefix_hits)
+            fams["pdserve_prefix_cache_hit_ratio"].add_metric(
+                who, i.prefix_hits / i.prefix_queries if i.prefix_queries else 0.0
+            )
+            for t in i.transfers:
+                labels = [*who, str(t["connector"]), str(t["direction"])]
+                fams["pdserve_transfer_bytes_total"].add_metric(labels, t["bytes"])
+                fams["pdserve_transfer_seconds_total"].add_metric(labels, t["seconds"])
+                fams["pdserve_transfer_messages_total"].add_metric(labels, t["messages"])
+                fams["pdserve_transfer_failures_total"].add_metric(labels, t["failures"])
+            for outcome, n in i.leases.items():
+                fams["pdserve_leases_total"].add_metric([*who, outcome], n)
+        yield from fams.values()

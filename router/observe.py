@@ -1,0 +1,168 @@
+"""What the router measures and serves: the ``/metrics`` exposition and the
+dashboard's time series.
+
+The router is where a client's view of a request exists (TTFT includes the KV
+transfer there), where every instance's load report arrives, and where the
+controller sends its :class:`~pdserve.core.metrics.ClusterSnapshot`; so the
+cluster's one scrape target and its dashboard live here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.core.messages import LoadReport
+from pdserve.core.metrics import PHASES, ClusterSnapshot, Metrics, SnapshotCollector
+
+if TYPE_CHECKING:
+    from pdserve.router.router import Router
+    from pdserve.router.stream import RequestStream
+
+HISTORY = 900  # dashboard samples kept (one a second: 15 minutes)
+WINDOW_S = 30.0  # latency percentiles on the dashboard are over this window
+
+
+class Observer:
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+        self.cluster = SnapshotCollector()
+        self.metrics.registry.register(self.cluster)
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self._last_bytes: dict[str, tuple[float, float]] = {}  # region -> (time, bytes sent)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def finished(self, region: str, status: str, stream: RequestStream | None) -> None:
+        self.metrics["pdserve_requests_total"].labels(region, status).inc()
+        if stream is None or stream.first_token_at is None:
+            return
+        m = self.metrics
+        m["pdserve_time_to_first_token_seconds"].labels(region).observe(
+            stream.first_token_at - stream.arrival
+        )
+        if stream.last_token_at is not None:
+            m["pdserve_e2e_request_latency_seconds"].labels(region).observe(
+                stream.last_token_at - stream.arrival
+            )
+        itl = m["pdserve_inter_token_latency_seconds"].labels(region)
+        for gap in np.diff(stream.token_times):
+            itl.observe(float(gap))
+        n = len(stream.token_times)
+        if n > 1:
+            m["pdserve_time_per_output_token_seconds"].labels(region).observe(
+                (stream.token_times[-1] - stream.token_times[0]) / (n - 1)
+            )
+
+    def phases(self, region: str, phases: dict[str, float]) -> None:
+        hist = self.metrics["pdserve_request_phase_seconds"]
+        for phase, seconds in phases.items():
+            if phase in PHASES:
+                hist.labels(region, phase).observe(seconds)
+
+    def rejected(self, reason: str) -> None:
+        self.metrics["pdserve_rejections_total"].labels(reason).inc()
+
+    def migrated(self, region: str, phase: str) -> None:
+        self.metrics["pdserve_migrations_total"].labels(region, phase).inc()
+
+    # -- instances ---------------------------------------------------------------------------------
+
+    def load(self, region: str, report: LoadReport) -> None:
+        who = (region, report.role, report.instance_id)
+        m = self.metrics
+        m["pdserve_queue_length"].labels(*who).set(report.waiting)
+        m["pdserve_running_requests"].labels(*who).set(report.running)
+        used = 1.0 - report.free_blocks / report.num_blocks if report.num_blocks else 0.0
+        m["pdserve_kv_usage_ratio"].labels(*who).set(used)
+
+    def forget(self, region: str, role: str, instance_id: str) -> None:
+        for name in ("pdserve_queue_length", "pdserve_running_requests", "pdserve_kv_usage_ratio"):
+            with contextlib.suppress(KeyError):
+                self.metrics[name].remove(region, role, instance_id)
+
+    def snapshot(self, snap: ClusterSnapshot) -> None:
+        self.cluster.snapshot = snap
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
+
+    def sample(self, router: Router) -> dict[str, Any]:
+        """One dashboard point per region: counts, queues, KV usage, latency, bandwidth."""
+        now_wall, now = time.time(), time.monotonic()
+        snap = self.cluster.snapshot
+        states = {r.region: r for r in snap.regions} if snap else {}
+        sent: dict[str, float] = {}
+        for i in snap.instances if snap else []:
+            for t in i.transfers:
+                if t["direction"] == "sent":
+                    sent[i.region] = sent.get(i.region, 0.0) + float(t["bytes"])
+        point: dict[str, Any] = {"t": now_wall, "regions": {}}
+        for spec in router.config.regions:
+            name = spec.name
+            views = [v for v in router.cluster.instances.values() if v.region == name]
+            pre = [v for v in views if v.role == "prefill"]
+            dec = [v for v in views if v.role == "decode"]
+            recent = [r for r in router.completed[name] if now - r[0] <= WINDOW_S]
+            ttft = [r[1] for r in recent]
+            tpot = [r[2] for r in recent if r[2] is not None]
+            state = states.get(name)
+            bw = 0.0
+            if name in sent:
+                t0, b0 = self._last_bytes.get(name, (now, sent[name]))
+                bw = (sent[name] - b0) / (now - t0) if now > t0 else 0.0
+                self._last_bytes[name] = (now, sent[name])
+            point["regions"][name] = {
+                "prefill": len(pre),
+                "decode": len(dec),
+                "target_prefill": state.target_prefill if state else None,
+                "target_decode": state.target_decode if state else None,
+                "prefill_queue": sum(v.report.waiting for v in pre if v.report),
+                "decode_queue": sum(v.report.waiting for v in dec if v.report),
+                "running": sum(v.report.running for v in dec if v.report),
+                "kv_usage": max(
+                    (1 - v.report.free_blocks / v.report.num_blocks for v in dec if v.report),
+                    default=0.0,
+                ),
+                "ttft": _quantiles(ttft),
+                "tpot": _quantiles(tpot),
+                "requests_per_s": len(recent) / WINDOW_S,
+                "transfer_bytes_per_s": max(bw, 0.0),
+            }
+        self.history.append(point)
+        return point
+
+    def dashboard(self, router: Router, since: float) -> dict[str, Any]:
+        snap = self.cluster.snapshot
+        return {
+            "now": time.time(),
+            "slo": {"ttft_s": router.config.ttft_slo_s, "tpot_s": router.config.tpot_slo_s},
+            "regions": [r.name for r in router.config.regions],
+            "series": [p for p in self.history if p["t"] > since],
+            "events": [
+                {
+                    "t": e.at,
+                    "region": e.region,
+                    "action": e.action,
+                    "reason": e.reason,
+                    "source": e.source,
+                    "prefill": e.prefill,
+                    "decode": e.decode,
+                }
+                for e in (snap.events if snap else [])
+            ],
+        }
+
+
+def _quantiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    p50, p90, p99 = np.quantile(values, [0.5, 0.9, 0.99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}

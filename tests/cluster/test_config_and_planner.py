@@ -1,0 +1,126 @@
+"""Cluster config validation (field and line) and the planner's decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cluster.config import PlannerConfig, load_config, parse_config
+from pdserve.cluster.planner import Planner, RegionMetrics
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.deploy.cluster_cli import example_config
+
+GOOD = """\
+model: builtin:tiny
+regions:
+  - name: east
+    latency_ms: {west: 20}
+    prefill: {count: 1, min: 1, max: 3}
+    decode: {count: 1}
+  - name: west
+    prefill: {count: 1}
+    decode: {count: 2, max: 4}
+"""
+
+
+def test_shipped_configs_load() -> None:
+    local = load_config(example_config("local.yaml"))
+    assert [r.name for r in local.regions] == ["east", "west"]
+    assert local.router.auth_disabled and local.router.regions[0].latency_s == {"west": 0.02}
+    multi = load_config(example_config("multinode.yaml"))
+    assert multi.regions[0].prefill.parallel == {"tensor_parallel_size": 2}
+    assert multi.regions[0].node_labels == {"pdserve/region": "us-east"}
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (
+            ("    prefill: {count: 1, min: 1, max: 3}", "    prefill: {count: 5, min: 1, max: 3}"),
+            "cfg.yaml:5: regions[0].prefill.count",
+        ),
+        (
+            ("    decode: {count: 1}\n", "    decode: {count: 1, colour: blue}\n"),
+            "cfg.yaml:6: regions[0].decode.colour",
+        ),
+        (("latency_ms: {west: 20}", "latency_ms: {north: 20}"), "regions[0].latency_ms.north"),
+        (
+            ("model: builtin:tiny", "model: builtin:tiny\nplanner: {mode: sometimes}"),
+            "cfg.yaml:2: planner.mode",
+        ),
+        (
+            ("model: builtin:tiny", "model: builtin:tiny\nengine: {block_size: 0}"),
+            "cfg.yaml:2: engine.block_size",
+        ),
+        (("model: builtin:tiny", "model: builtin:tiny\nwhatever: 1"), "cfg.yaml:2: whatever"),
+    ],
+)
+def test_errors_name_the_field_and_the_line(edit, where) -> None:
+    text = GOOD.replace(*edit)
+    assert text != GOOD
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_config(text, "cfg.yaml")
+    assert where in str(err.value), str(err.value)
+
+
+def planner(**overrides) -> Planner:
+    config = parse_config(GOOD)
+    settings = PlannerConfig(mode="on", cooldown_s=10, idle_s=20, **overrides)
+    return Planner(
+        settings, ttft_slo_s=1.0, tpot_slo_s=0.1, regions={r.name: r for r in config.regions}
+    )
+
+
+def metrics(**values) -> RegionMetrics:
+    base = dict(region="east", prefill_count=1, decode_count=1, requests=50, ttft_p90_s=0.5, tpot_p90_s=0.05,
+                prefill_queue_s=0.1, decode_kv_usage=0.2, decode_batch=4.0)  # fmt: skip
+    return RegionMetrics(**{**base, **values})
+
+
+def test_prefill_overload_adds_prefill_then_cools_down() -> None:
+    p = planner()
+    hot = metrics(ttft_p90_s=3.0)
+    decision = p.decide(hot, now=100.0)
+    assert (
+        decision is not None
+        and decision.action == "add_prefill"
+        and "TTFT p90 3000 ms" in decision.reason
+    )
+    assert p.decide(hot, now=105.0) is None  # cooling down
+    assert p.decide(metrics(prefill_count=2, ttft_p90_s=3.0), now=111.0).action == "add_prefill"
+    assert p.decide(metrics(prefill_count=3, ttft_p90_s=3.0), now=125.0) is None  # at max
+
+
+def test_decode_pressure_adds_decode() -> None:
+    p = planner()
+    assert p.decide(metrics(tpot_p90_s=0.5), now=100.0).action == "add_decode"
+    assert (
+        p.decide(metrics(region="west", decode_count=2, decode_kv_usage=0.95), now=100.0).action
+        == "add_decode"
+    )
+
+
+def test_between_the_bands_nothing_changes() -> None:
+    p = planner()
+    for t in range(100, 200, 5):
+        assert p.decide(metrics(ttft_p90_s=0.6), now=float(t)) is None
+
+
+def test_a_long_calm_removes_one_instance_within_bounds() -> None:
+    p = planner()
+    calm = metrics(
+        prefill_count=3, requests=0, ttft_p90_s=None, tpot_p90_s=None, prefill_queue_s=0.0
+    )
+    assert p.decide(calm, now=100.0) is None  # calm starts
+    assert p.decide(calm, now=110.0) is None  # not long enough
+    decision = p.decide(calm, now=121.0)
+    assert decision.action == "remove_prefill" and "no traffic" in decision.reason
+    at_min = metrics(requests=0, ttft_p90_s=None, tpot_p90_s=None, prefill_queue_s=0.0)
+    p2 = planner()
+    assert p2.decide(at_min, now=0.0) is None and p2.decide(at_min, now=50.0) is None
+
+
+def test_advisory_decisions_are_recorded_not_applied() -> None:
+    config = parse_config(GOOD)
+    p = Planner(PlannerConfig(mode="advisory"), 1.0, 0.1, {r.name: r for r in config.regions})
+    decision = p.decide(metrics(ttft_p90_s=5.0), now=1000.0)
+    assert decision is not None and not decision.applied and p.history == [decision]

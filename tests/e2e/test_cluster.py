@@ -1,0 +1,232 @@
+"""The serving cluster on local Ray: controller, scaling under load, failures, planner, role flip."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.config import parse_config
+from pdserve.cluster.serve import start_controller
+from pdserve.router.proto.gen import completion_pb2 as pb
+from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+
+BASE = """\
+model: builtin:tiny
+connector: shm
+engine: {{dtype: float32, max_num_batched_tokens: {budget}}}
+regions:
+  - name: east
+    prefill: {{count: {p}, min: 1, max: 3, num_cpus_per_rank: 0.25}}
+    decode: {{count: {d}, min: 1, max: 3, num_cpus_per_rank: 0.25}}
+slo: {{ttft_ms: {ttft}, tpot_ms: 200}}
+server: {{host: 127.0.0.1, grpc_port: 0, http_port: 0}}
+auth: {{disabled: true}}
+planner: {{mode: "{planner}", interval_s: 0.5, cooldown_s: 1, idle_s: 2}}
+disaggregation: {{local_prefill_max_tokens: 4, local_prefill_cached_fraction: 1.0}}
+"""
+
+
+class Running:
+    def __init__(
+        self, p: int = 1, d: int = 1, planner: str = "off", ttft_ms: int = 2000, budget: int = 256
+    ) -> None:
+        text = BASE.format(p=p, d=d, planner=planner, ttft=ttft_ms, budget=budget)
+        self.config = parse_config(text, "test.yaml")
+        self.controller, self.endpoints = start_controller(self.config)
+        self.stub = pb_grpc.CompletionStub(
+            grpc.insecure_channel(f"{self.endpoints.host}:{self.endpoints.grpc_port}")
+        )
+
+    def status(self):
+        return ray.get(self.controller.status.remote())
+
+    def router_stats(self):
+        return ray.get(ray.get(self.controller.router_handle.remote()).stats.remote())
+
+    def leaders(self, role: str):
+        return [h for (r, h) in ray.get(self.controller.instance_handles.remote()) if r == role]
+
+    def wait(self, check, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.2)
+
+    def assert_idle(self) -> None:
+        self.wait(lambda: ray.get(self.controller.all_idle.remote()), timeout_s=20)
+
+    def stop(self) -> None:
+        ray.get(self.controller.stop.remote())
+        ray.kill(self.controller)
+
+
+def generate(
+    stub, prompt: str | list[int], max_tokens: int, progress: list[int] | None = None
+) -> list[int]:
+    if isinstance(prompt, str):
+        request = pb.CompletionRequest(prompt=prompt)
+    else:
+        request = pb.CompletionRequest(prompt_token_ids=pb.TokenIds(ids=prompt))
+    request.sampling.CopyFrom(
+        pb.SamplingOptions(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    )
+    tokens: list[int] = []
+    for chunk in stub.Generate(request, timeout=120):
+        tokens.extend(chunk.token_ids)
+        if progress is not None:
+            progress.append(len(tokens))
+    return tokens
+
+
+def test_scale_up_and_down_under_load_fails_nothing(ray_session) -> None:
+    c = Running(p=1, d=1)
+    try:
+        stop, done, errors = threading.Event(), [], []
+
+        def load(w: int) -> None:
+            i = 0
+            while not stop.is_set():
+                try:
+                    assert len(generate(c.stub, f"worker {w} request {i} says hello", 16)) == 16
+                    done.append(1)
+                except Exception as e:  # any failure counts
+                    errors.append(repr(e))
+                i += 1
+
+        threads = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        region = ray.get(c.controller.scale.remote("east", 1, 2))
+        assert (region.prefill, region.decode) == (1, 2)
+        time.sleep(2.0)
+        region = ray.get(c.controller.scale.remote("east", 1, 1))
+        assert (region.prefill, region.decode) == (1, 1)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert errors == [] and len(done) > 10
+        events = "\n".join(c.status().events)
+        assert "removed" in events and "after draining" in events
+        c.assert_idle()
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("builtin:tiny")
+
+    def greedy(prompts: list, n: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    return greedy
+
+
+def _streams(c: Running, prompts: list, n: int, progress: list[int] | None = None):
+    results: dict[int, list[int]] = {}
+    errors: list[str] = []
+
+    def run(i: int, prompt) -> None:
+        try:
+            results[i] = generate(c.stub, prompt, n, progress)
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    return errors, threads, results
+
+
+def test_killed_decode_mid_stream_loses_and_repeats_nothing(ray_session, reference) -> None:
+    c = Running(p=2, d=2)
+    try:
+        prompts = [f"stream number {i} tells a long story about servers" for i in range(4)]
+        want = reference(prompts, 300)
+        progress: list[int] = []
+        errors, threads, results = _streams(c, prompts, 300, progress)
+        c.wait(lambda: len(progress) >= 4 * 10)  # every stream is decoding
+        busiest = max(c.leaders("decode"), key=lambda h: _used_pages(h))
+        ray.kill(busiest)
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert [results[i] for i in range(4)] == want
+        assert c.router_stats().migrations >= 1
+        c.wait(lambda: sum(r.decode for r in c.status().regions) == 2)  # replaced
+        c.assert_idle()
+    finally:
+        c.stop()
+
+
+def _used_pages(leader) -> int:
+    stats = ray.get(leader.stats.remote())
+    return stats.num_blocks - stats.free_blocks
+
+
+def test_killed_prefill_mid_prefill_is_rerun(ray_session, reference) -> None:
+    c = Running(p=2, d=1, budget=32)
+    try:
+        prompts = [
+            [(i * 37 + j) % 1000 + 5 for j in range(900)] for i in range(2)
+        ]  # 29 chunks each
+        want = reference(prompts, 8)
+        errors, threads, results = _streams(c, prompts, 8)
+        time.sleep(0.4)
+        for leader in c.leaders("prefill"):
+            ray.kill(leader)  # both: whichever was prefilling
+            break
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert [results[i] for i in range(2)] == want
+        c.wait(lambda: sum(r.prefill for r in c.status().regions) == 2)
+        c.assert_idle()
+    finally:
+        c.stop()
+
+
+def test_planner_adds_a_prefill_under_load_and_gives_it_back_when_idle(ray_session) -> None:
+    # A 1 ms TTFT SLO: any traffic is a prefill overload.
+    c = Running(p=1, d=1, planner="on", ttft_ms=1)
+    try:
+        for i in range(4):
+            generate(c.stub, f"overload {i}", 4)
+        c.wait(lambda: c.status().regions[0].prefill == 2)
+        decisions = c.status().decisions
+        assert (
+            decisions[0].action == "add_prefill"
+            and "TTFT p90" in decisions[0].reason
+            and decisions[0].applied
+        )
+        # Then no traffic: after idle_s the planner removes one again.
+        c.wait(lambda: c.status().regions[0].prefill == 1, timeout_s=60)
+        assert any(
+            d.action == "remove_prefill" and "no traffic" in d.reason for d in c.status().decisions
+        )
+        c.assert_idle()
+    finally:
+        c.stop()
+
+
+def test_idle_instance_flips_role_without_reloading(ray_session, reference) -> None:
+    c = Running(p=1, d=2)
+    try:
+        assert ray.get(c.controller.flip.remote("east", "decode", "prefill"))
+        region = c.status().regions[0]
+        assert (region.prefill, region.decode) == (2, 1)
+        assert "flipped" in "\n".join(c.status().events)
+        prompts = [f"after the flip {i}" for i in range(4)]
+        for prompt, want in zip(prompts, reference(prompts, 12), strict=True):
+            assert generate(c.stub, prompt, 12) == want
+        c.assert_idle()
+    finally:
+        c.stop()

@@ -1,0 +1,184 @@
+"""The cluster commands as a user runs them: serve, status, scale, and a Ray job."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from pdserve.deploy.cluster_cli import example_config
+from pdserve.router.proto.gen import completion_pb2 as pb
+from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config_with_ports(folder: Path) -> tuple[Path, int]:
+    grpc_port, http_port = free_port(), free_port()
+    text = example_config("local.yaml").read_text()
+    text = text.replace(
+        "grpc_port: 50051, http_port: 8000", f"grpc_port: {grpc_port}, http_port: {http_port}"
+    )
+    path = folder / "cluster.yaml"
+    path.write_text(text)
+    return path, grpc_port
+
+
+def answer(grpc_port: int, timeout_s: float = 120.0) -> list[int]:
+    stub = pb_grpc.CompletionStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = stub.Complete(
+                pb.CompletionRequest(prompt="hello", sampling=pb.SamplingOptions(max_tokens=5)),
+                timeout=30,
+            )
+            return list(r.token_ids)
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "pdserve"), *args], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
+
+
+def test_serve_status_scale_and_stop(tmp_path) -> None:
+    config, grpc_port = config_with_ports(tmp_path)
+    proc = subprocess.Popen(
+        [str(BIN / "pdserve"), "serve", "--config", str(config), "--ray-address", "local"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+    )  # fmt: skip
+    try:
+        lines, address = [], None
+        deadline = time.monotonic() + 180
+        while address is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "pdserve serve exited: " + "".join(lines)
+            lines.append(line)
+            if m := re.match(r"ray\s+(\S+)", line):
+                address = m.group(1)
+        text = "".join(lines)
+        assert (
+            f"gRPC      127.0.0.1:{grpc_port}" in text
+            and "/metrics" in text
+            and "/dashboard" in text
+        )
+        assert len(answer(grpc_port)) == 5
+        status = pdserve("status", "--ray-address", address)
+        assert status.returncode == 0, status.stderr
+        assert re.search(r"east\s+1:1", status.stdout) and "decode" in status.stdout
+        scaled = pdserve(
+            "scale", "--region", "west", "--decode", "2", "--ray-address", address, timeout=180
+        )
+        assert scaled.returncode == 0 and "west: 1 prefill, 2 decode" in scaled.stdout, (
+            scaled.stderr
+        )
+        bad = pdserve("scale", "--region", "north", "--decode", "2", "--ray-address", address)
+        assert bad.returncode == 2 and "region: unknown region 'north'" in bad.stderr
+        assert len(answer(grpc_port)) == 5
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0 and "pdserve: stopping" in out
+
+
+def test_bad_config_names_the_line(tmp_path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        example_config("local.yaml")
+        .read_text()
+        .replace("count: 1, min: 1, max: 2", "count: 3, min: 1, max: 2", 1)
+    )
+    result = pdserve("serve", "--config", str(config), "--ray-address", "local")
+    assert result.returncode == 2
+    assert re.search(
+        r"bad\.yaml:\d+: regions\[0\]\.prefill\.count: must be within \[min=1, max=2\]",
+        result.stderr,
+    )
+
+
+@pytest.fixture
+def ray_head(tmp_path_factory):
+    """A Ray head started with `ray start`; torn down by killing exactly its processes."""
+    temp = Path(f"/tmp/pdserve-test-head-{os.getpid()}")
+    # Ports of its own: the test session's Ray may hold the defaults (agent: 52365).
+    gcs, dashboard, agent = free_port(), free_port(), free_port()
+    started = subprocess.run(
+        [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dashboard}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent}", "--num-cpus=4", f"--temp-dir={temp}", "--disable-usage-stats"],
+        capture_output=True, text=True, timeout=120, env=ENV,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr[-2000:]
+    try:
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        roots = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if str(temp) in " ".join(p.info["cmdline"] or [])
+        ]
+        doomed = {p for root in roots for p in [root, *root.children(recursive=True)]}
+        for p in doomed:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(list(doomed), timeout=30)
+        subprocess.run(["rm", "-rf", str(temp)], check=False)
+
+
+def job_status(address: str, job_id: str) -> str:
+    """The job's status as `ray job status` prints it (a separate process, so the token applies)."""
+    out = subprocess.run(
+        [str(BIN / "ray"), "job", "status", "--address", address, job_id],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+    found = re.search(r"Status for job '[^']+': (\w+)", out.stdout + out.stderr)
+    return found.group(1) if found else "UNKNOWN"
+
+
+def test_ray_job_submit_reaches_running_and_answers(tmp_path, ray_head) -> None:
+    config, grpc_port = config_with_ports(tmp_path)
+    submitted = pdserve(
+        "submit", "--address", ray_head, "--config", str(config), "--job-id", "pdserve-test-job"
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    deadline = time.monotonic() + 120
+    while (status := job_status(ray_head, "pdserve-test-job")) != "RUNNING":
+        assert status == "PENDING" and time.monotonic() < deadline, status
+        time.sleep(1.0)
+    assert len(answer(grpc_port)) == 5
+    stopped = subprocess.run(
+        [str(BIN / "ray"), "job", "stop", "--address", ray_head, "pdserve-test-job"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert stopped.returncode == 0, stopped.stderr
