@@ -8,7 +8,17 @@ import argparse
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks (see bench/RESULTS.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    from pdserve.bench import disagg_ttft, kernels, offline, parallel, router, transfer
+    from pdserve.bench import (
+        disagg_ttft,
+        headline,
+        kernels,
+        offline,
+        parallel,
+        peer,
+        router,
+        serve,
+        transfer,
+    )
 
     offline.add_parser(kinds)
     parallel.add_parser(kinds)
@@ -16,3 +26,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     disagg_ttft.add_parser(kinds)
     router.add_parser(kinds)
     kernels.add_parser(kinds)
+    serve.add_parser(kinds)
+    headline.add_parser(kinds)
+    peer.add_parser(kinds)

@@ -30,7 +30,7 @@ from pdserve.core.config import DisaggregationConfig, EngineConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RegionSpec, RouterConfig
 
-ROLE_KEYS = {"count", "min", "max", "num_cpus_per_rank", "num_gpus_per_rank"}
+ROLE_KEYS = {"count", "min", "max", "num_cpus_per_rank", "num_gpus_per_rank", "engine"}
 PARALLEL_KEYS = {"tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"}
 
 
@@ -44,6 +44,10 @@ class RoleSpec:
     num_cpus_per_rank: float = 1.0
     num_gpus_per_rank: float = 0.0
     parallel: dict[str, int] = field(default_factory=dict)
+    # Engine options of this role over the cluster's `engine` section (e.g. a
+    # larger max_num_batched_tokens for prefill). An instance that flips role
+    # keeps the options it started with.
+    engine: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,8 @@ class ClusterConfig:
     def engine_config(self, role: str, region: RegionConfig) -> EngineConfig:
         from pdserve.llm import build_engine_config
 
-        return build_engine_config(self.model, **{**self.engine, **region.role(role).parallel})
+        spec = region.role(role)
+        return build_engine_config(self.model, **{**self.engine, **spec.engine, **spec.parallel})
 
 
 class _Lines:
@@ -233,11 +238,12 @@ def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
             try:
                 config.engine_config(role, region)
             except InvalidArgumentError as e:
-                where = (
-                    f"regions[{i}].{role}.{e.field}"
-                    if e.field in PARALLEL_KEYS
-                    else f"engine.{e.field}"
-                )
+                if e.field in PARALLEL_KEYS:
+                    where = f"regions[{i}].{role}.{e.field}"
+                elif e.field in region.role(role).engine:
+                    where = f"regions[{i}].{role}.engine.{e.field}"
+                else:
+                    where = f"engine.{e.field}"
                 raise lines.error(where, e.message) from None
     return config
 
@@ -272,6 +278,7 @@ def _role(raw: dict[str, Any], path: str, lines: _Lines) -> RoleSpec:
         num_cpus_per_rank=float(raw.get("num_cpus_per_rank", 1.0)),
         num_gpus_per_rank=float(raw.get("num_gpus_per_rank", 0.0)),
         parallel={k: int(raw[k]) for k in PARALLEL_KEYS if k in raw},
+        engine=_map(raw, "engine", lines, path),
     )
     for name in ("count", "min", "max"):
         if getattr(spec, name) < 0:
@@ -281,10 +288,10 @@ def _role(raw: dict[str, Any], path: str, lines: _Lines) -> RoleSpec:
     return spec
 
 
-def _map(raw: dict[str, Any], key: str, lines: _Lines) -> dict[str, Any]:
+def _map(raw: dict[str, Any], key: str, lines: _Lines, parent: str = "") -> dict[str, Any]:
     value = raw.get(key) or {}
     if not isinstance(value, dict):
-        raise lines.error(key, "must be a mapping")
+        raise lines.error(f"{parent}.{key}" if parent else key, "must be a mapping")
     return value
 
 

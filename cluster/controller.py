@@ -31,12 +31,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.cluster.config import ClusterConfig, RegionConfig
 from pdserve.cluster.instances import Instance, pair
 from pdserve.cluster.planner import Planner, PlannerDecision, RegionMetrics
+from pdserve.cluster.scale_log import ScaleLog
 from pdserve.cluster.topology import RegionInstances, add_instance, register, start_router
 from pdserve.cluster.worker import Role
 from pdserve.core.builtin_models import resolve_model
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.logs import setup_logging
-from pdserve.core.metrics import ClusterSnapshot, InstanceCounters, RegionState, ScaleEvent
+from pdserve.core.metrics import ScaleEvent
 from pdserve.core.model_config import ModelConfig
 from pdserve.parallel.instance import RankResources
 from pdserve.router.actor import Endpoints
@@ -97,11 +98,7 @@ class Controller:
         self.endpoints: Endpoints | None = None
         self.draining: set[str] = set()
         self.events: list[str] = []
-        # Scaling decisions (planner, operator, health), for metrics and the dashboard.
-        self.scale_events: list[ScaleEvent] = []
-        self.decision_counts: dict[tuple[str, str, str], int] = {}
-        self.restarts: dict[tuple[str, str], int] = {}
-        self._counters: list[InstanceCounters] = []  # the instances' counters, last read
+        self.scale_log = ScaleLog()  # for the metrics and the dashboard
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._ids = 0
@@ -155,7 +152,7 @@ class Controller:
             self.config.planner.mode,
             list(self.planner.history[-20:]),
             self.events[-50:],
-            self.scale_events[-50:],
+            self.scale_log.events[-50:],
         )
 
     def scale(
@@ -310,45 +307,20 @@ class Controller:
             if not alive:
                 self._replace(name, instance)
         counted, _ = ray.wait(stats, num_returns=len(stats), timeout=HEALTH_INTERVAL_S)
-        counters = []
-        for (name, instance), ref in zip(everyone, stats, strict=True):
-            s = _best_effort([ref])[0] if ref in counted else None
-            if s is not None:
-                counters.append(_counters(name, instance.role, s))
-        self._counters = counters
+        read = [
+            self.scale_log.read(name, instance.role, s)
+            for (name, instance), ref in zip(everyone, stats, strict=True)
+            if ref in counted and (s := _best_effort([ref])[0]) is not None
+        ]
+        self.scale_log.counters = read
         self._push_snapshot()
 
     def _push_snapshot(self) -> None:
-        """Send the router the cluster's state (metrics, dashboard); never blocks."""
+        """Send the router the cluster's state (metrics, dashboard); never waits for it."""
         if self.router is not None:
-            self.router.cluster_snapshot.remote(self._snapshot(self._counters))
-
-    def _snapshot(self, counters: list[InstanceCounters]) -> ClusterSnapshot:
-        with self._lock:
-            regions = []
-            for name, r in self.regions.items():
-                serving: dict[str, int] = {}
-                draining: dict[str, int] = {}
-                for i in r.prefill + r.decode:
-                    side = draining if i.instance_id in self.draining else serving
-                    side[i.role] = side.get(i.role, 0) + 1
-                regions.append(
-                    RegionState(
-                        name,
-                        self.targets[name]["prefill"],
-                        self.targets[name]["decode"],
-                        serving,
-                        draining,
-                        {role: n for (reg, role), n in self.restarts.items() if reg == name},
-                    )
-                )
-            return ClusterSnapshot(
-                time.time(),
-                regions,
-                counters,
-                dict(self.decision_counts),
-                list(self.scale_events[-100:]),
-            )
+            with self._lock:
+                snapshot = self.scale_log.snapshot(self.regions, self.targets, self.draining)
+            self.router.cluster_snapshot.remote(snapshot)
 
     def _replace(self, region: str, instance: Instance) -> None:
         with self._lock:
@@ -360,8 +332,7 @@ class Controller:
             ray.get(self.router.instance_lost.remote(instance.instance_id))
             self._detach(region, instance)
             instance.shutdown()
-            key = (region, instance.role)
-            self.restarts[key] = self.restarts.get(key, 0) + 1
+            self.scale_log.restarted(region, instance.role)
             self._decision(
                 region,
                 f"replace_{instance.role}",
@@ -466,13 +437,7 @@ class Controller:
 
     def _decision(self, region: str, action: str, cause: str, reason: str, source: str) -> None:
         """Count a scaling decision and keep it for the dashboard's log."""
-        key = (region, action, cause)
-        self.decision_counts[key] = self.decision_counts.get(key, 0) + 1
-        t = self.targets[region]
-        self.scale_events.append(
-            ScaleEvent(time.time(), region, action, reason, source, t["prefill"], t["decode"])
-        )
-        del self.scale_events[:-500]
+        self.scale_log.decision(region, action, cause, reason, source, self.targets[region])
         self._push_snapshot()  # on the dashboard now, not after the change completes
 
     def _event(self, text: str) -> None:
@@ -480,19 +445,6 @@ class Controller:
         logger.info(line)
         self.events.append(line)
         del self.events[:-500]
-
-
-def _counters(region: str, role: str, stats: Any) -> InstanceCounters:
-    transfers = [{**stats.sent, "direction": "sent"}, {**stats.received, "direction": "received"}]
-    return InstanceCounters(
-        stats.instance_id,
-        region,
-        role,
-        stats.prefix_queries,
-        stats.prefix_hits,
-        transfers,
-        dict(stats.leases),
-    )
 
 
 def _best_effort(refs: list[Any]) -> list[Any]:

@@ -141,7 +141,8 @@ class RouterActor:
             await asyncio.sleep(interval_s)
 
     async def region_metrics(self, window_s: float = 30.0) -> list[dict[str, Any]]:
-        return self._router().region_metrics(window_s)
+        router = self._router()
+        return router.obs.region_metrics(router, window_s)
 
     async def instance_lost(self, instance_id: str) -> None:
         """The controller saw an instance die: move its requests elsewhere."""

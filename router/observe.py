@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
+from collections import defaultdict, deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +34,10 @@ class Observer:
         self.cluster = SnapshotCollector()
         self.metrics.registry.register(self.cluster)
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        # Finished requests per region: (time.monotonic(), TTFT, TPOT or None).
+        self.completed: dict[str, deque[tuple[float, float, float | None]]] = defaultdict(
+            lambda: deque(maxlen=4096)
+        )
         self._last_bytes: dict[str, tuple[float, float]] = {}  # region -> (time, bytes sent)
 
     # -- requests --------------------------------------------------------------------------------
@@ -53,11 +57,12 @@ class Observer:
         itl = m["pdserve_inter_token_latency_seconds"].labels(region)
         for gap in np.diff(stream.token_times):
             itl.observe(float(gap))
-        n = len(stream.token_times)
+        n, tpot = len(stream.token_times), None
         if n > 1:
-            m["pdserve_time_per_output_token_seconds"].labels(region).observe(
-                (stream.token_times[-1] - stream.token_times[0]) / (n - 1)
-            )
+            tpot = (stream.token_times[-1] - stream.token_times[0]) / (n - 1)
+            m["pdserve_time_per_output_token_seconds"].labels(region).observe(tpot)
+        ttft = stream.first_token_at - stream.arrival
+        self.completed[region].append((time.monotonic(), ttft, tpot))
 
     def phases(self, region: str, phases: dict[str, float]) -> None:
         hist = self.metrics["pdserve_request_phase_seconds"]
@@ -110,7 +115,7 @@ class Observer:
             views = [v for v in router.cluster.instances.values() if v.region == name]
             pre = [v for v in views if v.role == "prefill"]
             dec = [v for v in views if v.role == "decode"]
-            recent = [r for r in router.completed[name] if now - r[0] <= WINDOW_S]
+            recent = self._recent(name, WINDOW_S, now)
             ttft = [r[1] for r in recent]
             tpot = [r[2] for r in recent if r[2] is not None]
             state = states.get(name)
@@ -138,6 +143,39 @@ class Observer:
             }
         self.history.append(point)
         return point
+
+    def _recent(
+        self, region: str, window_s: float, now: float
+    ) -> list[tuple[float, float, float | None]]:
+        return [r for r in self.completed[region] if now - r[0] <= window_s]
+
+    def region_metrics(self, router: Router, window_s: float) -> list[dict[str, Any]]:
+        """Each region's recent latencies and load, for the planner."""
+        now = time.monotonic()
+        out = []
+        for spec in router.config.regions:
+            recent = self._recent(spec.name, window_s, now)
+            prefills = router.cluster.table("prefill", spec.name)
+            decodes = router.cluster.table("decode", spec.name)
+            queue_s = float(np.mean(prefills.queued * prefills.per_token)) if len(prefills) else 0.0
+            usage = [1.0 - v.free_fraction for v in decodes.views]
+            ttft = [r[1] for r in recent]
+            tpot = [r[2] for r in recent if r[2] is not None]
+            out.append(
+                {
+                    "region": spec.name,
+                    "prefill_count": len(prefills),
+                    "decode_count": len(decodes),
+                    "requests": len(recent),
+                    "ttft_p90_s": float(np.quantile(ttft, 0.9)) if ttft else None,
+                    "tpot_p90_s": float(np.quantile(tpot, 0.9)) if tpot else None,
+                    "prefill_queue_s": queue_s,
+                    "decode_kv_usage": max(usage, default=0.0),
+                    "decode_batch": float(np.mean(decodes.running)) if len(decodes) else 0.0,
+                    "inflight": router.region_inflight[spec.name],
+                }
+            )
+        return out
 
     def dashboard(self, router: Router, since: float) -> dict[str, Any]:
         snap = self.cluster.snapshot

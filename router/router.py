@@ -119,10 +119,6 @@ class Router:
         # a delta being ready to the front door having written it (seconds).
         self.decision_s: deque[float] = deque(maxlen=4096)
         self.door_delay_s: deque[float] = deque(maxlen=4096)
-        # Finished requests per region: (time.monotonic(), TTFT, TPOT or None).
-        self.completed: dict[str, deque[tuple[float, float, float | None]]] = defaultdict(
-            lambda: deque(maxlen=4096)
-        )
         self._tasks: set[asyncio.Future[None]] = set()
         self.obs = Observer()
 
@@ -240,7 +236,6 @@ class Router:
                     self.admission.observe(region, stream.first_token_at - stream.arrival)
                 yield delta
             self.finished["ok"] += 1
-            self._record(region, stream)
             self.obs.finished(region, stream.finish_reason or "stop", stream)
         except BaseException as e:
             self.finished[_status(e)] += 1
@@ -252,44 +247,6 @@ class Router:
             self._active.discard(inp.request_id)
             for attempt in [a for a in self._attempts.values() if a.stream is stream]:
                 await self._close(attempt)
-
-    def _record(self, region: str, stream: RequestStream) -> None:
-        if stream.first_token_at is None:
-            return
-        ttft = stream.first_token_at - stream.arrival
-        n = len(stream.tokens)
-        tpot = (
-            (stream.last_token_at - stream.first_token_at) / (n - 1)
-            if n > 1 and stream.last_token_at
-            else None
-        )
-        self.completed[region].append((time.monotonic(), ttft, tpot))
-
-    def region_metrics(self, window_s: float) -> list[dict[str, float | int | str | None]]:
-        """Each region's recent latencies and load, for the planner and the dashboard."""
-        now = time.monotonic()
-        out: list[dict[str, float | int | str | None]] = []
-        for spec in self.config.regions:
-            recent = [r for r in self.completed[spec.name] if now - r[0] <= window_s]
-            prefills = self.cluster.table("prefill", spec.name)
-            decodes = self.cluster.table("decode", spec.name)
-            queue_s = float(np.mean(prefills.queued * prefills.per_token)) if len(prefills) else 0.0
-            usage = [1.0 - v.free_fraction for v in decodes.views]
-            out.append(
-                {
-                    "region": spec.name,
-                    "prefill_count": len(prefills),
-                    "decode_count": len(decodes),
-                    "requests": len(recent),
-                    "ttft_p90_s": _p90([r[1] for r in recent]),
-                    "tpot_p90_s": _p90([r[2] for r in recent if r[2] is not None]),
-                    "prefill_queue_s": queue_s,
-                    "decode_kv_usage": max(usage, default=0.0),
-                    "decode_batch": float(np.mean(decodes.running)) if len(decodes) else 0.0,
-                    "inflight": self.region_inflight[spec.name],
-                }
-            )
-        return out
 
     def _choose_region(self, inp: CompletionInput) -> tuple[str, Placement, dict[int, list[bytes]]]:
         """The region to serve in, and the policy's placement there (scored once)."""
@@ -542,13 +499,6 @@ class Router:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
-
-
-def _p90(values: list[float]) -> float | None:
-    if not values:
-        return None
-    data = sorted(values)
-    return data[min(len(data) - 1, int(0.9 * len(data)))]
 
 
 def _cause(e: BaseException) -> BaseException:

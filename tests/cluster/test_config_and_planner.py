@@ -52,6 +52,10 @@ def test_shipped_configs_load() -> None:
             "cfg.yaml:2: engine.block_size",
         ),
         (("model: builtin:tiny", "model: builtin:tiny\nwhatever: 1"), "cfg.yaml:2: whatever"),
+        (
+            ("    decode: {count: 1}\n", "    decode: {count: 1, engine: {max_num_seqs: -3}}\n"),
+            "cfg.yaml:6: regions[0].decode.engine.max_num_seqs",
+        ),
     ],
 )
 def test_errors_name_the_field_and_the_line(edit, where) -> None:
@@ -60,6 +64,19 @@ def test_errors_name_the_field_and_the_line(edit, where) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         parse_config(text, "cfg.yaml")
     assert where in str(err.value), str(err.value)
+
+
+def test_role_engine_options_override_the_cluster_ones() -> None:
+    text = GOOD.replace(
+        "    prefill: {count: 1, min: 1, max: 3}",
+        "    prefill: {count: 1, min: 1, max: 3, engine: {max_num_batched_tokens: 1024}}",
+    )
+    config = parse_config(text)
+    region = config.regions[0]
+    assert config.engine_config("prefill", region).scheduler.max_num_batched_tokens == 1024
+    default = parse_config(GOOD).engine_config("decode", region)
+    decode = config.engine_config("decode", region)
+    assert decode.scheduler.max_num_batched_tokens == default.scheduler.max_num_batched_tokens
 
 
 def planner(**overrides) -> Planner:

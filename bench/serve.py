@@ -1,0 +1,317 @@
+"""``pdserve bench serve``: drive a running pdserve cluster and measure goodput under SLOs.
+
+    pdserve bench serve --target grpc://127.0.0.1:50051 --rate 1 2 4 \\
+        --prompt-len 512 --prompt-len-std 128 --output-len 32 --num-requests 100 \\
+        --ttft-slo-ms 2000 --tpot-slo-ms 200
+    pdserve bench serve --target http://127.0.0.1:8000 --trace azure-conv \\
+        --length-scale 0.25 --max-prompt-len 1024 --time-scale 0.5 --duration 60
+
+Each rate in ``--rate`` is one run of the same workload (same arrival pattern
+and lengths, fresh prompts) at that mean rate; with ``--trace`` the trace's own arrivals are
+replayed (stretched by ``--time-scale``, or to a ``--rate`` when one is given).
+Writes ``<out>/<name>.json`` (per-request records, summaries, the command line,
+the date, the machine), a TTFT/TPOT CDF plot and, for several rates, goodput
+against rate. The arithmetic is in :mod:`pdserve.bench.report`; the schedule and
+lengths in :mod:`pdserve.bench.workload`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import shlex
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench import workload as wl
+from pdserve.bench.loadgen import Client, LoadOptions, open_client, run_load
+from pdserve.bench.report import (
+    RequestRecord,
+    Slo,
+    header,
+    plot_goodput_vs_rate,
+    plot_latency_cdfs,
+    records_json,
+    summarize,
+    write_json,
+)
+from pdserve.core.errors import InvalidArgumentError
+
+DEFAULT_NUM_REQUESTS = 100
+
+
+@dataclass
+class RunResult:
+    """One run of the workload at one rate."""
+
+    rate: float | None
+    records: list[RequestRecord]
+    summary: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rate": self.rate, "summary": self.summary, "requests": records_json(self.records)}
+
+
+# -- workload ---------------------------------------------------------------------------
+
+
+def build_workload(
+    args: argparse.Namespace, rate: float | None, run: int = 0
+) -> tuple[list[wl.RequestSpec], list[wl.RequestSpec]]:
+    """(measured requests, warm-up requests) from the workload flags, at ``rate``.
+
+    Arrivals and lengths follow ``--seed`` and are the same for every run; the
+    token ids follow ``--prompt-seed`` and the run's index, so no run finds the
+    prompts of another in the server's prefix cache.
+    """
+    num, duration = args.num_requests, args.duration
+    if num is None and duration is None:
+        num = DEFAULT_NUM_REQUESTS
+    prompts = wl.read_jsonl(args.prompts, args.output_len) if args.prompts else None
+    if args.trace:
+        trace = wl.limit_trace(wl.read_trace(wl.trace_path(args.trace)), num, None)
+        trace = wl.scale_trace(
+            trace, args.time_scale, args.length_scale, args.max_prompt_len, args.max_output_len,
+            rate,
+        )  # fmt: skip
+        trace = wl.limit_trace(trace, None, duration)
+        arrivals, prompt_lens, output_lens = trace.arrival_s, trace.prompt_len, trace.output_len
+        warm_prompt, warm_output = prompt_lens[: args.warmup], output_lens[: args.warmup]
+    else:
+        if rate is None:
+            raise InvalidArgumentError("rate", "is required without --trace")
+        arrivals = wl.arrival_times(args.arrival, rate, num, duration, args.burst_size, args.seed)
+        prompt_lens, output_lens = _lengths(args, len(arrivals), args.seed)
+        warm_prompt, warm_output = _lengths(args, args.warmup, args.seed + 1)
+    if args.prompt_seed is None:
+        args.prompt_seed = secrets.randbelow(2**31)  # recorded with the options
+    specs = wl.build_requests(
+        arrivals, prompt_lens, output_lens, args.vocab_size, (args.prompt_seed, run, 0), prompts
+    )
+    warmup = wl.build_requests(
+        np.zeros(len(warm_output)), warm_prompt, warm_output, args.vocab_size,
+        (args.prompt_seed, run, 1), prompts,
+    )  # fmt: skip
+    return specs, warmup
+
+
+def _lengths(args: argparse.Namespace, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    prompt = wl.sample_lengths(
+        n, args.prompt_len, args.prompt_len_std, args.prompt_len_range, 1, args.max_prompt_len,
+        seed,
+    )  # fmt: skip
+    output = wl.sample_lengths(
+        n, args.output_len, args.output_len_std, args.output_len_range, 1, args.max_output_len,
+        seed + 1,
+    )  # fmt: skip
+    return prompt, output
+
+
+# -- runs ---------------------------------------------------------------------------------
+
+
+def serve_rates(
+    args: argparse.Namespace,
+    target: str | Callable[[], Awaitable[Client]],
+    rates: list[float | None],
+    label: str = "",
+    first_run: int = 0,
+) -> list[RunResult]:
+    """Run the workload at each rate in turn against ``target`` (an address, or a
+    coroutine function that makes a client); one result per rate. Runs are
+    numbered from ``first_run`` (the number picks the prompts' token ids)."""
+    slo = slo_from(args)
+    options = LoadOptions(args.max_concurrency, args.request_timeout, not args.no_progress)
+
+    async def sweep() -> list[RunResult]:
+        if isinstance(target, str):
+            client: Client = await open_client(
+                target, args.api_key, args.model, args.temperature, args.request_timeout
+            )
+        else:
+            client = await target()
+        try:
+            out = []
+            for i, rate in enumerate(rates, start=first_run):
+                specs, warmup = build_workload(args, rate, i)
+                name = f"{label} rate {rate:g}" if rate is not None else label or "trace"
+                records = await run_load(client, specs, warmup, options, name.strip())
+                out.append(RunResult(rate, records, summarize(records, slo)))
+            return out
+        finally:
+            await client.close()
+
+    return asyncio.run(sweep())
+
+
+def slo_from(args: argparse.Namespace) -> Slo:
+    return Slo(
+        None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
+        None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1e3,
+    )
+
+
+def summary_table(rows: list[tuple[str, RunResult]]) -> str:
+    """A plain-text table of the runs' main figures."""
+    head = (
+        f"{'run':<24} {'ok/n':>9} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'TPOT p99':>9} {'attain':>7} {'goodput':>8}"
+    )
+    lines = [head]
+    for label, run in rows:
+        s = run.summary
+        lines.append(
+            f"{label:<24} {s['num_ok']:>4}/{s['num_requests']:<4} {s['throughput_rps']:>7.2f} "
+            f"{s['output_tok_s']:>8.1f} {_ms(s['ttft_ms'], 'p50')} {_ms(s['ttft_ms'], 'p99')} "
+            f"{_ms(s['tpot_ms'], 'p50')} {_ms(s['tpot_ms'], 'p99')} "
+            f"{s['attainment']:>7.1%} {s['goodput_rps']:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _ms(stats: dict[str, float], key: str) -> str:
+    return f"{stats[key]:>9.1f}" if key in stats else f"{'-':>9}"
+
+
+def write_outputs(
+    out: Path, name: str, payload: dict[str, Any], series: dict[str, list[RunResult]], slo: Slo
+) -> list[Path]:
+    """The JSON file, the latency CDFs of every run, and goodput vs rate when swept."""
+    paths = [write_json(out / f"{name}.json", payload)]
+    cdfs = {
+        f"{label} {run.rate:g}/s" if run.rate is not None else label: run.records
+        for label, runs in series.items()
+        for run in runs
+    }
+    paths.append(plot_latency_cdfs(cdfs, slo, out / f"{name}-latency-cdf.png"))
+    swept = {
+        label: [(run.rate, run.summary) for run in runs if run.rate is not None]
+        for label, runs in series.items()
+    }
+    if any(len(points) > 1 for points in swept.values()):
+        paths.append(plot_goodput_vs_rate(swept, out / f"{name}-goodput.png"))
+    return paths
+
+
+_NOT_FLAGS = {"func", "command", "bench_command", "log_level", "prog"}
+REDACTED = "<redacted>"
+
+
+def options_json(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of a run, for its result file (an API key is not written out)."""
+    out = {k: v for k, v in vars(args).items() if k not in _NOT_FLAGS and not callable(v)}
+    if out.get("api_key"):
+        out["api_key"] = REDACTED
+    return out
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as typed when run from the shell; otherwise (called in-process) an
+    equivalent one that spells out every option."""
+    if Path(sys.argv[0]).name == "pdserve":
+        words = ["pdserve", *sys.argv[1:]]
+        for i, word in enumerate(words):
+            if word.startswith("--api-key="):
+                words[i] = f"--api-key={REDACTED}"
+            elif word == "--api-key" and i + 1 < len(words):
+                words[i + 1] = REDACTED
+        return shlex.join(words)
+    words = args.prog.split()
+    for key, value in options_json(args).items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, (list, tuple)):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def run(args: argparse.Namespace) -> int:
+    rates: list[float | None] = list(args.rate) if args.rate else [None]
+    runs = serve_rates(args, args.target, rates)
+    payload = {**header(command_line(args)), "target": args.target, "options": options_json(args),
+               "runs": [r.to_json() for r in runs]}  # fmt: skip
+    paths = write_outputs(Path(args.out), args.name, payload, {"": runs}, slo_from(args))
+    print(summary_table([(f"rate {r.rate:g}" if r.rate else "trace", r) for r in runs]))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+# -- flags ----------------------------------------------------------------------------------
+
+
+def add_workload_flags(
+    p: argparse.ArgumentParser, prompt_len: int = 512, output_len: int = 32
+) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--arrival", choices=wl.ARRIVALS, default="poisson")
+    g.add_argument("--burst-size", type=int, default=8, help="requests per burst (--arrival burst)")
+    g.add_argument("--trace", default=None,
+                   help=f"replay a CSV trace (TIMESTAMP, ContextTokens, GeneratedTokens) or a shipped one: {', '.join(wl.SHIPPED_TRACES)}")  # fmt: skip
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace arrival offsets are multiplied by this (0.5: twice as fast)")  # fmt: skip
+    g.add_argument(
+        "--length-scale", type=float, default=1.0, help="trace lengths are multiplied by this"
+    )
+    g.add_argument(
+        "--prompts", default=None, help='JSONL file of {"prompt": text or ids, "max_tokens": n}'
+    )
+    g.add_argument("--prompt-len", type=int, default=prompt_len)
+    g.add_argument(
+        "--prompt-len-std", type=float, default=0.0, help="normal spread of prompt lengths"
+    )
+    g.add_argument("--prompt-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                   help="uniform prompt lengths in [LO, HI] (instead of --prompt-len)")  # fmt: skip
+    g.add_argument("--output-len", type=int, default=output_len)
+    g.add_argument("--output-len-std", type=float, default=0.0)
+    g.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None)
+    g.add_argument("--max-prompt-len", type=int, default=None, help="clamp prompt lengths")
+    g.add_argument("--max-output-len", type=int, default=None, help="clamp output lengths")
+    g.add_argument(
+        "--vocab-size", type=int, default=256, help="synthetic prompt ids are in [3, this)"
+    )
+    g.add_argument("--num-requests", type=int, default=None,
+                   help=f"measured requests per rate (default {DEFAULT_NUM_REQUESTS} unless --duration)")  # fmt: skip
+    g.add_argument(
+        "--duration", type=float, default=None, help="send for this many seconds per rate"
+    )
+    g.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured")
+    g.add_argument("--seed", type=int, default=0, help="seeds arrivals and lengths")
+    g.add_argument("--prompt-seed", type=int, default=None,
+                   help="seeds synthetic token ids (default: new each invocation, recorded)")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=0.0)
+
+
+def add_load_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load and SLOs")
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    g.add_argument("--tpot-slo-ms", type=float, default=200.0)
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = kinds.add_parser(
+        "serve", help="load a running cluster over gRPC or HTTP; goodput under SLOs"
+    )
+    p.add_argument("--target", required=True, help="grpc://HOST:PORT or http://HOST:PORT")
+    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer <key>'")
+    p.add_argument("--model", default=None, help="model name (default: ask the server)")
+    p.add_argument("--rate", type=float, nargs="+", default=None,
+                   help="mean request rate(s) in req/s; several: a sweep (inf: all at once)")  # fmt: skip
+    add_workload_flags(p)
+    add_load_flags(p)
+    p.add_argument("--out", default="bench/out/serve", help="output folder")
+    p.add_argument("--name", default="serve", help="output file stem")
+    p.set_defaults(func=run, prog="pdserve bench serve")
