@@ -208,6 +208,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--connector", default="shm")
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="per-step token budget of both servers")  # fmt: skip
+    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of pdserve's prefill instance (--pdserve-mode disaggregated)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="rates 0.5 and 1, 4 requests each")
     add_workload_flags(p, prompt_len=256, output_len=64)
     add_load_flags(p)

@@ -30,9 +30,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def config_with_ports(folder: Path) -> tuple[Path, int]:
+def config_with_ports(folder: Path, node_labels: str | None = None) -> tuple[Path, int]:
+    """The local example on free ports; ``node_labels``: YAML mapping every region requires."""
     grpc_port, http_port = free_port(), free_port()
     text = example_config("local.yaml").read_text()
+    if node_labels is not None:
+        text = re.sub(r"(\n    latency_ms: .*\n)", rf"\1    node_labels: {node_labels}\n", text)
+        assert text.count("node_labels") == 2
     text = text.replace(
         "grpc_port: 50051, http_port: 8000", f"grpc_port: {grpc_port}, http_port: {http_port}"
     )
@@ -130,7 +134,8 @@ def ray_head(tmp_path_factory):
     gcs, dashboard, agent = free_port(), free_port(), free_port()
     started = subprocess.run(
         [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dashboard}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent}", "--num-cpus=4", f"--temp-dir={temp}", "--disable-usage-stats"],
+         "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent}", "--num-cpus=4",
+         "--labels=pdserve/region=here", f"--temp-dir={temp}", "--disable-usage-stats"],
         capture_output=True, text=True, timeout=120, env=ENV,
     )  # fmt: skip
     assert started.returncode == 0, started.stderr[-2000:]
@@ -164,7 +169,8 @@ def job_status(address: str, job_id: str) -> str:
 
 
 def test_ray_job_submit_reaches_running_and_answers(tmp_path, ray_head) -> None:
-    config, grpc_port = config_with_ports(tmp_path)
+    # The head carries the region label (ray_head), so placement by label is exercised.
+    config, grpc_port = config_with_ports(tmp_path, "{pdserve/region: here}")
     submitted = pdserve(
         "submit", "--address", ray_head, "--config", str(config), "--job-id", "pdserve-test-job"
     )
