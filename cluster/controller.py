@@ -14,7 +14,9 @@ then keeps the cluster at its targets:
   or applies its decisions. When it wants more of a role and the cluster has
   no room for a new instance, an idle instance of the other role flips.
 
-Topology changes are serialized by one lock; the loops run on their own threads.
+Topology changes are serialized by one lock, which is not held while an
+instance drains (status, health checks and other regions' scaling go on); the
+loops run on their own threads.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Controller:
         )
         with self._lock:
             for name in self.regions:
-                self._reconcile(name)
+                self._reconcile(name)  # only starts instances: nothing exists to drain yet
         threading.Thread(
             target=self._loop, args=(HEALTH_INTERVAL_S, self._check_health), daemon=True
         ).start()
@@ -185,7 +187,9 @@ class Controller:
             self._event(f"scale {region} to {t['prefill']}P:{t['decode']}D ({reason})")
             if source == "operator":
                 self._decision(region, "set", cause, reason, source)
-            self._reconcile(region)
+            leaving = self._reconcile(region)
+        self._drain(region, leaving)  # without the lock: status and health go on meanwhile
+        with self._lock:
             r = self.regions[region]
             return RegionStatus(
                 region,
@@ -236,13 +240,27 @@ class Controller:
 
     # -- reconciling -----------------------------------------------------------------------
 
-    def _reconcile(self, region: str) -> None:
+    def _reconcile(self, region: str) -> list[Instance]:
+        """Start what is missing; mark the surplus draining and return it.
+
+        Called with the lock held; the caller then waits for the returned
+        instances to go idle without it (:meth:`_drain`).
+        """
         spec, instances = self.specs[region], self.regions[region]
+        leaving = []
         for role in ("decode", "prefill"):  # decode first: prefill instances pair with them
-            while len(instances.of(role)) < self.targets[region][role]:
+
+            def staying(role: str = role) -> list[Instance]:
+                return [i for i in instances.of(role) if i.instance_id not in self.draining]
+
+            while len(staying()) < self.targets[region][role]:
                 self._add(spec, role)
-            while len(instances.of(role)) > self.targets[region][role]:
-                self._remove(region, self._least_busy(instances.of(role)))
+            while len(staying()) > self.targets[region][role]:
+                instance = self._least_busy(staying())
+                self.draining.add(instance.instance_id)
+                ray.get(self.router.set_draining.remote(instance.instance_id, True))
+                leaving.append(instance)
+        return leaving
 
     def _add(self, spec: RegionConfig, role: Role) -> Instance:
         role_spec = spec.role(role)
@@ -261,20 +279,26 @@ class Controller:
         self._event(f"started {instance_id}")
         return instance
 
-    def _remove(self, region: str, instance: Instance) -> None:
-        """Drain, then unpair, unregister and stop one instance."""
-        self.draining.add(instance.instance_id)
-        ray.get(self.router.set_draining.remote(instance.instance_id, True))
-        if not ray.get(instance.leader.wait_idle.remote(DRAIN_TIMEOUT_S)):
-            logger.warning(
-                "%s still busy after %.0f s of draining; stopping it",
-                instance.instance_id,
-                DRAIN_TIMEOUT_S,
-            )
-        self._detach(region, instance)
-        instance.shutdown()
-        self.draining.discard(instance.instance_id)
-        self._event(f"removed {instance.instance_id} after draining")
+    def _drain(self, region: str, leaving: list[Instance]) -> None:
+        """Wait (lock not held) for draining instances to finish their work, then remove them."""
+        waits = [i.leader.wait_idle.remote(DRAIN_TIMEOUT_S) for i in leaving]
+        for instance, ref in zip(leaving, waits, strict=True):
+            try:
+                idle = ray.get(ref, timeout=DRAIN_TIMEOUT_S + PING_TIMEOUT_S)
+            except Exception:  # it died while draining: the health loop tears it down
+                idle = False
+            if not idle:
+                logger.warning(
+                    "%s still busy after %.0f s of draining; stopping it",
+                    instance.instance_id,
+                    DRAIN_TIMEOUT_S,
+                )
+            with self._lock:
+                if instance in self.regions[region].of(instance.role):
+                    self._detach(region, instance)
+                    instance.shutdown()
+                    self._event(f"removed {instance.instance_id} after draining")
+                self.draining.discard(instance.instance_id)
 
     def _detach(self, region: str, instance: Instance) -> None:
         ray.get(self.router.unregister.remote(instance.instance_id))
@@ -340,7 +364,8 @@ class Controller:
                 f"{instance.instance_id} stopped answering",
                 "health",
             )
-            self._reconcile(region)
+            leaving = self._reconcile(region)
+        self._drain(region, leaving)
 
     # -- planner -------------------------------------------------------------------------------
 
@@ -381,13 +406,13 @@ class Controller:
                 self.targets[region][role] += 1
                 self.targets[region][other] -= 1
                 return
-            self.scale(
-                region,
-                targets["prefill"],
-                targets["decode"],
-                reason=f"planner: {decision.reason}",
-                source="planner",
-            )
+        self.scale(
+            region,
+            targets["prefill"],
+            targets["decode"],
+            reason=f"planner: {decision.reason}",
+            source="planner",
+        )
 
     def _room_for(self, region: str, role: str) -> bool:
         spec = self.specs[region].role(role)

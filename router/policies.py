@@ -59,9 +59,7 @@ class RoutingPolicy(abc.ABC):
             ttft = float((decodes.queued[d] + req.prompt_len) * decodes.per_token[d])
         else:
             ttft = float((prefills.queued[p] + req.prompt_len - cached) * prefills.per_token[p])
-        tpot = float(
-            decodes.step[d] * (1.0 + decodes.inflight[d] / max(decodes.running[d], 1.0) * 0.1)
-        )
+        tpot = float(decodes.decode_tpot()[d])
         return Placement(p, d, ttft, tpot, cached)
 
 
@@ -95,7 +93,7 @@ class CostModel(RoutingPolicy):
             work = prefills.queued + req.prompt_len - req.cached_blocks * req.block_size
             p = int(np.argmin(work * prefills.per_token))
         need = (req.prompt_len + req.max_tokens) / max(decodes.block_tokens, 1)
-        tpot = decodes.step * (1.0 + decodes.inflight / np.maximum(decodes.running, 1.0) * 0.1)
+        tpot = decodes.decode_tpot()
         tpot = np.where(decodes.free_blocks >= need, tpot, tpot + 1e6)  # no room: last resort
         return self.estimate(req, prefills, decodes, p, int(np.argmin(tpot)))
 

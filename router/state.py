@@ -62,8 +62,9 @@ class InstanceView:
 
     @property
     def decode_step_s(self) -> float:
+        """Its recent mean step time; NaN while it has run no step (see RegionTable)."""
         r = self.report
-        return PRIOR_DECODE_STEP_S if r is None or r.step_seconds <= 0 else r.step_seconds
+        return float("nan") if r is None or r.step_seconds <= 0 else r.step_seconds
 
 
 class RegionTable:
@@ -100,6 +101,18 @@ class RegionTable:
         self.running[i] = r.running if r else 0
         self.step[i] = v.decode_step_s
         self.free_blocks[i] = r.free_blocks if r else 1e9
+
+    def decode_tpot(self) -> np.ndarray:
+        """Estimated time per output token of one more request at each instance.
+
+        An instance that has not stepped yet is taken to be as fast as the
+        fastest one that has (an idle instance must not look slower than a
+        busy one); each request in flight at an instance adds 10%, so a burst
+        of arrivals spreads before the instances' next load reports.
+        """
+        measured = ~np.isnan(self.step)
+        fallback = float(self.step[measured].min()) if measured.any() else PRIOR_DECODE_STEP_S
+        return np.where(measured, self.step, fallback) * (1.0 + 0.1 * self.inflight)
 
 
 class ClusterView:

@@ -48,13 +48,18 @@ class Running:
     def router_stats(self):
         return ray.get(ray.get(self.controller.router_handle.remote()).stats.remote())
 
+    def decode_stats(self):
+        return [ray.get(h.stats.remote()) for h in self.leaders("decode")]
+
     def leaders(self, role: str):
         return [h for (r, h) in ray.get(self.controller.instance_handles.remote()) if r == role]
 
-    def wait(self, check, timeout_s: float = 90.0) -> None:
+    def wait(self, check, timeout_s: float = 90.0, what="") -> None:
         deadline = time.monotonic() + timeout_s
         while not check():
-            assert time.monotonic() < deadline, "timed out"
+            assert time.monotonic() < deadline, (
+                f"timed out waiting for {what() if callable(what) else what or check}"
+            )
             time.sleep(0.2)
 
     def assert_idle(self) -> None:
@@ -114,6 +119,40 @@ def test_scale_up_and_down_under_load_fails_nothing(ray_session) -> None:
         assert errors == [] and len(done) > 10
         events = "\n".join(c.status().events)
         assert "removed" in events and "after draining" in events
+        c.assert_idle()
+    finally:
+        c.stop()
+
+
+def test_status_answers_while_an_instance_drains(ray_session) -> None:
+    """A drain can take as long as the longest request it holds; the controller
+    keeps answering (status, health) meanwhile, and the drained requests finish."""
+    c = Running(p=1, d=2)
+    try:
+        errors, threads, results = _streams(c, [f"long request {i}" for i in range(6)], 600)
+        # Both decode instances hold requests, so whichever drains has work to finish.
+        c.wait(
+            lambda: all(s.free_blocks < s.num_blocks for s in c.decode_stats()),
+            timeout_s=60,
+            what=lambda: f"both decodes busy: {c.decode_stats()} {errors} {len(results)}",
+        )
+        scaled: list = []
+        scaler = threading.Thread(
+            target=lambda: scaled.append(ray.get(c.controller.scale.remote("east", 1, 1)))
+        )
+        scaler.start()
+        c.wait(
+            lambda: any(i.draining for i in c.status().instances),
+            timeout_s=30,
+            what="status to show the draining instance",
+        )
+        assert scaler.is_alive(), "the drain ended before status could see it"
+        scaler.join(timeout=300)
+        assert (scaled[0].prefill, scaled[0].decode) == (1, 1)
+        for t in threads:
+            t.join(timeout=300)
+        assert errors == [] and all(len(r) == 600 for r in results.values()), errors
+        assert not any(i.draining for i in c.status().instances)
         c.assert_idle()
     finally:
         c.stop()

@@ -54,6 +54,18 @@ def test_cost_model_avoids_a_decode_without_room() -> None:
     assert placement.decode == 1 and placement.prefill is None
 
 
+def test_cost_model_spreads_a_burst_onto_an_instance_that_has_not_stepped_yet() -> None:
+    busy = view("d0", "decode", step=0.003)  # measured: fast steps
+    fresh = InstanceView("d1", "decode", "r", None, 16, 4096)  # just started: no report yet
+    policy, chosen = make_policy("cost_model"), []
+    for _ in range(6):  # arrivals faster than the next load report
+        decodes = RegionTable([busy, fresh])
+        d = policy.place(RoutingRequest(64, 600, np.zeros(0), 16), RegionTable([]), decodes).decode
+        (busy, fresh)[d].inflight += 1
+        chosen.append(d)
+    assert sorted(chosen) == [0, 0, 0, 1, 1, 1], chosen
+
+
 def test_round_robin_takes_turns_and_least_loaded_picks_the_idlest() -> None:
     prefills = RegionTable([view("p0", "prefill", 300), view("p1", "prefill", 10)])
     decodes = RegionTable([view("d0", "decode"), view("d1", "decode")])
