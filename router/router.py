@@ -334,10 +334,18 @@ class Router:
                 raise OverloadedError(
                     f"every decode instance of {region!r} is full", retry_after_s=0.5
                 )
+            # Counted from the choice on, so arrivals placed before this reservation
+            # returns see it (and spread).
+            decode.inflight += 1
+            self.cluster.touch(decode)
             try:
                 reservation = await self._reserve(attempt, prefill, decode)
                 break
-            except (OverloadedError, InstanceFailedError) as e:
+            except BaseException as e:
+                decode.inflight -= 1
+                self.cluster.touch(decode)
+                if not isinstance(e, OverloadedError | InstanceFailedError):
+                    raise
                 if isinstance(e, InstanceFailedError):
                     self.unregister(decode.instance_id)  # dead: the controller replaces it
                 refused.add(decode.instance_id)
@@ -352,8 +360,6 @@ class Router:
             decode.instance_id,
         )
         attempt.decode = decode
-        decode.inflight += 1
-        self.cluster.touch(decode)
         stream.cached_prompt_tokens = reservation.num_cached_tokens
         if not reservation.local and prefill is not None:
             attempt.prefill = prefill

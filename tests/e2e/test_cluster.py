@@ -28,14 +28,21 @@ server: {{host: 127.0.0.1, grpc_port: 0, http_port: 0}}
 auth: {{disabled: true}}
 planner: {{mode: "{planner}", interval_s: 0.5, cooldown_s: 1, idle_s: 2}}
 disaggregation: {{local_prefill_max_tokens: 4, local_prefill_cached_fraction: 1.0}}
+router: {{policy: {policy}}}
 """
 
 
 class Running:
     def __init__(
-        self, p: int = 1, d: int = 1, planner: str = "off", ttft_ms: int = 2000, budget: int = 256
+        self,
+        p: int = 1,
+        d: int = 1,
+        planner: str = "off",
+        ttft_ms: int = 2000,
+        budget: int = 256,
+        policy: str = "cost_model",
     ) -> None:
-        text = BASE.format(p=p, d=d, planner=planner, ttft=ttft_ms, budget=budget)
+        text = BASE.format(p=p, d=d, planner=planner, ttft=ttft_ms, budget=budget, policy=policy)
         self.config = parse_config(text, "test.yaml")
         self.controller, self.endpoints = start_controller(self.config)
         self.stub = pb_grpc.CompletionStub(
@@ -127,7 +134,7 @@ def test_scale_up_and_down_under_load_fails_nothing(ray_session) -> None:
 def test_status_answers_while_an_instance_drains(ray_session) -> None:
     """A drain can take as long as the longest request it holds; the controller
     keeps answering (status, health) meanwhile, and the drained requests finish."""
-    c = Running(p=1, d=2)
+    c = Running(p=1, d=2, policy="round_robin")  # both decode instances get requests
     try:
         errors, threads, results = _streams(c, [f"long request {i}" for i in range(6)], 600)
         # Both decode instances hold requests, so whichever drains has work to finish.
