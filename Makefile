@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build of torch is pinned first so the project install does not pull CUDA wheels.
 TORCH_PIN ?= torch==2.13.0
-TYPED := core transfer router
+TYPED := core engine transfer router
 
 .PHONY: demo test lint typecheck pytest venv clean
 
@@ -29,7 +29,7 @@ lint: $(STAMP)
 # package mapping in pyproject.toml.
 typecheck: $(STAMP)
 	@rm -rf build/typecheck && mkdir -p build/typecheck/pdserve
-	@for d in core parallel prefill decode transfer router cluster deploy bench; do \
+	@for d in core engine parallel prefill decode transfer router cluster deploy bench; do \
 		ln -s ../../../$$d build/typecheck/pdserve/$$d; done
 	@ln -s ../../../api/__init__.py build/typecheck/pdserve/__init__.py
 	@ln -s ../../../api/llm.py build/typecheck/pdserve/llm.py

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pdserve.core.config import DisaggregationConfig, EngineConfig
-from pdserve.core.engine import EngineCore
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.engine.engine import EngineCore
 
 Work = tuple[str, str | list[int], SamplingParams]
 

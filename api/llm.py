@@ -21,47 +21,15 @@ from pdserve.backends import (
     LocalBackend,
 )
 from pdserve.core.builtin_models import resolve_model
-from pdserve.core.config import (
-    CacheConfig,
-    DisaggregationConfig,
-    EngineConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
-from pdserve.core.engine import EngineCore
+from pdserve.core.config import DisaggregationConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.engine.engine import EngineCore
 
 Prompt = str | list[int]
-
-
-def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
-    """An :class:`EngineConfig` from flat keyword arguments (the API's and the CLI's)."""
-    groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "parallel": {}}
-    fields = {
-        "cache": CacheConfig.__dataclass_fields__,
-        "scheduler": SchedulerConfig.__dataclass_fields__,
-        "parallel": ParallelConfig.__dataclass_fields__,
-    }
-    top: dict[str, Any] = {}
-    for name, value in kwargs.items():
-        group = next((g for g, names in fields.items() if name in names), None)
-        if group is not None:
-            groups[group][name] = value
-        elif name in EngineConfig.__dataclass_fields__:
-            top[name] = value
-        else:
-            raise InvalidArgumentError(name, "unknown engine option")
-    return EngineConfig(
-        model=model,
-        cache=CacheConfig(**groups["cache"]),
-        scheduler=SchedulerConfig(**groups["scheduler"]),
-        parallel=ParallelConfig(**groups["parallel"]),
-        **top,
-    )
 
 
 class LLM:

@@ -62,8 +62,8 @@ class GrpcClient:
     ) -> None:
         import grpc
 
-        from pdserve.router.proto.gen import completion_pb2 as pb
-        from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+        from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+        from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
         self._grpc, self._pb = grpc, pb
         self.channel = grpc.aio.insecure_channel(address)

@@ -87,12 +87,11 @@ def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[
 
     from pdserve.cluster.topology import RegionInstances, add_instance, start_router
     from pdserve.core.builtin_models import resolve_model
-    from pdserve.core.config import DisaggregationConfig
+    from pdserve.core.config import DisaggregationConfig, build_engine_config
     from pdserve.core.model_config import ModelConfig
-    from pdserve.llm import build_engine_config
     from pdserve.parallel.instance import RankResources
-    from pdserve.router.proto.gen import completion_pb2 as pb
-    from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+    from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+    from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pdserve.core.config import DisaggregationConfig, EngineConfig
+from pdserve.core.config import DisaggregationConfig, EngineConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RegionSpec, RouterConfig
 
@@ -103,8 +103,6 @@ class ClusterConfig:
     source: str = "<config>"
 
     def engine_config(self, role: str, region: RegionConfig) -> EngineConfig:
-        from pdserve.llm import build_engine_config
-
         spec = region.role(role)
         return build_engine_config(self.model, **{**self.engine, **spec.engine, **spec.parallel})
 

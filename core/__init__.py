@@ -1,2 +1,3 @@
-"""The shared vocabulary of pdserve: configs, requests, errors, tokenizer, paged KV
-block management, the scheduler and the engine core. Free of Ray and of I/O."""
+"""The shared vocabulary of pdserve: configs and their validation, requests,
+sampling parameters, step plans and messages, errors, the tokenizer wrapper,
+built-in models and the metrics catalog. Free of Ray and of sockets."""

@@ -8,6 +8,7 @@ Derived values are properties, never stored copies.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
 
@@ -168,3 +169,29 @@ class EngineConfig:
                 "kernel_backend",
                 f"must be a kernels name (auto, torch, triton), got {self.kernel_backend!r}",
             )
+
+
+def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    """An :class:`EngineConfig` from flat keyword arguments (the API's and the CLI's)."""
+    groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "parallel": {}}
+    fields = {
+        "cache": CacheConfig.__dataclass_fields__,
+        "scheduler": SchedulerConfig.__dataclass_fields__,
+        "parallel": ParallelConfig.__dataclass_fields__,
+    }
+    top: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        group = next((g for g, names in fields.items() if name in names), None)
+        if group is not None:
+            groups[group][name] = value
+        elif name in EngineConfig.__dataclass_fields__:
+            top[name] = value
+        else:
+            raise InvalidArgumentError(name, "unknown engine option")
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(**groups["cache"]),
+        scheduler=SchedulerConfig(**groups["scheduler"]),
+        parallel=ParallelConfig(**groups["parallel"]),
+        **top,
+    )

@@ -13,7 +13,21 @@ from typing import Any
 
 import msgpack
 
-from pdserve.core.sampler import RowSampling
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings of one row; ``output_index`` is the index of the new token."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    output_index: int = 0
+    banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The decode role: hold pages for prompts prefilled elsewhere, then decode them.
 
 A :class:`DecodeServer` lives on the leader of a decode instance, around the same
-:class:`~pdserve.core.engine.EngineCore` the prefill role uses. Its role is:
+:class:`~pdserve.engine.engine.EngineCore` the prefill role uses. Its role is:
 
 - ``reserve``: hold pages for a prompt under a lease (or refuse when full, so
   the router waits or goes elsewhere);
@@ -29,7 +29,6 @@ import ray
 from ray.exceptions import RayActorError
 
 from pdserve.core.config import DisaggregationConfig
-from pdserve.core.engine import EngineCore
 from pdserve.core.errors import InstanceFailedError, OverloadedError
 from pdserve.core.layout import Layout
 from pdserve.core.messages import (
@@ -40,8 +39,9 @@ from pdserve.core.messages import (
     TokenUpdate,
 )
 from pdserve.core.request import RequestOutput
-from pdserve.core.serving import EngineLoop, LoadReporter
 from pdserve.core.step import KVArrival, StepPlan
+from pdserve.engine.engine import EngineCore
+from pdserve.engine.loop import EngineLoop, LoadReporter
 from pdserve.transfer.handoff import HandOff, LeaseTable
 from pdserve.transfer.routes import plan_routes, routes_into
 from pdserve.transfer.stats import LeaseStats

@@ -138,8 +138,8 @@ DEMO_PROMPTS = [
 def _stream_one(endpoints: Any, prompt: str, region: str, keys: tuple[str, ...]) -> None:
     import grpc
 
-    from pdserve.router.proto.gen import completion_pb2 as pb
-    from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+    from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+    from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
     stub = pb_grpc.CompletionStub(grpc.insecure_channel(f"{endpoints.host}:{endpoints.grpc_port}"))
     metadata = (("x-pdserve-region", region),) + (

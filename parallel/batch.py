@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.sampler import RowSampling
-from pdserve.core.step import ScheduledSeq, StepPlan
+from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
 from pdserve.parallel.attention.backend import AttentionMetadata
 
 

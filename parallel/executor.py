@@ -7,9 +7,9 @@ one device, and each decode or prefill instance whose layout is a single rank.
 from __future__ import annotations
 
 from pdserve.core.config import EngineConfig
-from pdserve.core.executor import Executor
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import StepPlan, StepResult
+from pdserve.engine.executor import Executor
 from pdserve.parallel.model_runner import ModelRunner
 
 

@@ -19,7 +19,6 @@ import torch
 
 from pdserve.core.config import EngineConfig
 from pdserve.core.model_config import ModelConfig
-from pdserve.core.sampler import Sampler
 from pdserve.core.step import StepPlan, StepResult
 from pdserve.parallel.attention.backend import select_backend
 from pdserve.parallel.batch import PreparedBatch, prepare_batch
@@ -28,6 +27,7 @@ from pdserve.parallel.cpu_linear import pack_linears, packing_available
 from pdserve.parallel.kernels import select_kernels
 from pdserve.parallel.loader import load_checkpoint
 from pdserve.parallel.models import build_model
+from pdserve.parallel.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """One rank of a multi-rank instance, hosted by a Ray actor.
 
 Every rank holds its model shard and KV cache. Rank 0 is the leader: it owns
-the :class:`~pdserve.core.engine.EngineCore` (scheduler, detokenizer) and each
+the :class:`~pdserve.engine.engine.EngineCore` (scheduler, detokenizer) and each
 step broadcasts the plan as one msgpack message; the other ranks run a
 follower loop in a thread, executing every plan they receive until the leader
 sends a stop. Start-up, in order, driven by :mod:`pdserve.parallel.instance`::
@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 
 from pdserve.core.config import EngineConfig
-from pdserve.core.engine import EngineCore
 from pdserve.core.errors import InstanceFailedError
-from pdserve.core.executor import Executor
 from pdserve.core.layout import Layout
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.step import StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.engine.engine import EngineCore
+from pdserve.engine.executor import Executor
 from pdserve.parallel.context import CommStats
 from pdserve.parallel.groups import (
     InstanceGroups,

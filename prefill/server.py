@@ -1,7 +1,7 @@
 """The prefill role: run prompts, return the first token at once, stream the KV.
 
 A :class:`PrefillServer` lives on the leader of a prefill instance, around the
-same :class:`~pdserve.core.engine.EngineCore` a decode instance uses. What
+same :class:`~pdserve.engine.engine.EngineCore` a decode instance uses. What
 makes it the prefill role is small:
 
 - each request runs with ``max_tokens=1`` and keeps its pages when it finishes
@@ -25,13 +25,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.core.engine import EngineCore
 from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, RequestAbortedError
 from pdserve.core.layout import Layout
 from pdserve.core.messages import FirstToken, PrefillRequest
 from pdserve.core.request import RequestOutput
-from pdserve.core.serving import EngineLoop, LoadReporter
 from pdserve.core.step import KVSend, StepPlan
+from pdserve.engine.engine import EngineCore
+from pdserve.engine.loop import EngineLoop, LoadReporter
 from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.stats import LeaseStats
 

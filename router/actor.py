@@ -18,10 +18,10 @@ from pdserve.core.messages import LoadReport, TokenBatch
 from pdserve.core.metrics import ClusterSnapshot
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.tokenizer import Tokenizer
-from pdserve.router.auth import ApiKeys
 from pdserve.router.config import RouterConfig
-from pdserve.router.grpc_service import start_grpc
-from pdserve.router.http_api import HttpApi, start_http
+from pdserve.router.frontdoor.auth import ApiKeys
+from pdserve.router.frontdoor.grpc_service import start_grpc
+from pdserve.router.frontdoor.http_api import HttpApi, start_http
 from pdserve.router.router import InstanceInfo, Router
 
 logger = logging.getLogger(__name__)

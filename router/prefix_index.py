@@ -1,7 +1,7 @@
 """Which prefill instance holds which KV blocks, fed by the instances' KV events.
 
 Blocks are named by the same chained hash the instances use
-(:func:`~pdserve.core.kv_cache_manager.hash_block_tokens`), so the router can
+(:func:`~pdserve.engine.kv_cache_manager.hash_block_tokens`), so the router can
 hash a prompt once and ask, per instance, how long a prefix is already cached.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pdserve.core.kv_cache_manager import block_hashes
+from pdserve.engine.kv_cache_manager import block_hashes
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:

@@ -14,10 +14,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from pdserve.core.detokenizer import IncrementalDetokenizer
 from pdserve.core.errors import PdserveError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

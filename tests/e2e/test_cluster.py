@@ -12,8 +12,8 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.config import parse_config
 from pdserve.cluster.serve import start_controller
-from pdserve.router.proto.gen import completion_pb2 as pb
-from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
 BASE = """\
 model: builtin:tiny

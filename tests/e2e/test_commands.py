@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from pdserve.deploy.cluster_cli import example_config
-from pdserve.router.proto.gen import completion_pb2 as pb
-from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}

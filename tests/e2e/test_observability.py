@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.cluster.config import parse_config
 from pdserve.cluster.serve import start_controller
 from pdserve.core.metrics import BY_NAME, PHASES, exported_names
-from pdserve.router.proto.gen import completion_pb2 as pb
-from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("PDSERVE_TEST_ARTIFACTS", ROOT / "test-artifacts"))

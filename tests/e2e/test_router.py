@@ -17,13 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.topology import RegionInstances, add_instance, register, start_router
 from pdserve.core.builtin_models import resolve_model
-from pdserve.core.config import DisaggregationConfig
+from pdserve.core.config import DisaggregationConfig, build_engine_config
 from pdserve.core.model_config import ModelConfig
-from pdserve.llm import build_engine_config
 from pdserve.parallel.instance import RankResources
 from pdserve.router.config import RegionSpec, RouterConfig
-from pdserve.router.proto.gen import completion_pb2 as pb
-from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
+from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
 KEY = "test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from pdserve.core.sampler import RowSampling
-from pdserve.core.step import ScheduledSeq, StepPlan
+from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
 from pdserve.parallel.attention.backend import select_backend
 from pdserve.parallel.batch import prepare_batch
 

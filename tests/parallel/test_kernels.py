@@ -17,8 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdserve.core.model_config import ModelConfig, RopeConfig
-from pdserve.core.sampler import RowSampling
-from pdserve.core.step import ScheduledSeq, StepPlan
+from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
 from pdserve.parallel.attention import torch_ref
 from pdserve.parallel.attention.backend import AttentionMetadata, select_backend
 from pdserve.parallel.batch import prepare_batch

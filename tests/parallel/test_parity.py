@@ -83,8 +83,7 @@ def test_bfloat16_logits_track_float32_reference(reference_models) -> None:
     """bf16 is not bit-exact; its next-token logits stay close to the fp32 reference."""
     from transformers import AutoModelForCausalLM
 
-    from pdserve.core.sampler import RowSampling
-    from pdserve.core.step import ScheduledSeq, StepPlan
+    from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
 
     folder = reference_models("llama")
     prompt = parity_prompts(ModelConfig.from_dir(folder).vocab_size)[2]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.core.sampler import RowSampling, Sampler
+from pdserve.core.step import RowSampling
+from pdserve.parallel.sampler import Sampler
 
 
 def test_greedy_takes_the_argmax() -> None:

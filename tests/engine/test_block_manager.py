@@ -7,10 +7,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve.core.block_pool import BlockPool
-from pdserve.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from pdserve.core.request import Request
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
 
 BS = 4
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pdserve.core.config import SchedulerConfig
-from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.scheduler import Scheduler
 from pdserve.core.step import StepPlan
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.scheduler import Scheduler
 
 
 def make(

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pdserve.router.proto import generate
+from pdserve.router.frontdoor.proto import generate
 
 
 def test_generated_code_is_current() -> None:
-    assert generate.main(["--check"]) == 0, "run: python -m pdserve.router.proto.generate"
+    assert generate.main(["--check"]) == 0, "run: python -m pdserve.router.frontdoor.proto.generate"
 
 
 def test_check_notices_a_stale_file(tmp_path, monkeypatch) -> None:

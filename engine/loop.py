@@ -1,6 +1,6 @@
 """The engine loop of a serving instance: one thread owns the engine core.
 
-Nothing else touches the :class:`~pdserve.core.engine.EngineCore`. Callers (actor
+Nothing else touches the :class:`~pdserve.engine.engine.EngineCore`. Callers (actor
 methods on other threads) hand it work with :meth:`EngineLoop.call`, which runs
 a function on the loop thread between steps and returns a future. The loop
 runs commands, then due timers, then one step if there is anything to
@@ -24,10 +24,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from pdserve.core.engine import EngineCore
 from pdserve.core.errors import InstanceFailedError
 from pdserve.core.messages import LoadReport
 from pdserve.core.request import RequestOutput
+from pdserve.engine.engine import EngineCore
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.core.config import EngineConfig
-from pdserve.core.detokenizer import IncrementalDetokenizer
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.core.executor import Executor
-from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.messages import LoadReport
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import (
@@ -29,9 +26,12 @@ from pdserve.core.request import (
     RequestStatus,
 )
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.scheduler import Scheduler
 from pdserve.core.step import StepPlan
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.executor import Executor
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

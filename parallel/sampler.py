@@ -12,28 +12,12 @@ and tokens: not on what it is batched with, not on preemption or migration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+
+from pdserve.core.step import RowSampling
 
 _MASK = float("-inf")
 _GOLDEN = 0x9E3779B97F4A7C15
-
-
-@dataclass(frozen=True)
-class RowSampling:
-    """Sampling settings of one row; ``output_index`` is the index of the new token."""
-
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    output_index: int = 0
-    banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
 
 
 def _row_seed(seed: int, output_index: int) -> int:

@@ -25,10 +25,9 @@ import time
 from collections import deque
 
 from pdserve.core.config import SchedulerConfig
-from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.request import Request, RequestStatus
-from pdserve.core.sampler import RowSampling
-from pdserve.core.step import ScheduledSeq, StepPlan
+from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
+from pdserve.engine.kv_cache_manager import KVCacheManager
 
 
 class Scheduler:

@@ -24,8 +24,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.core.block_pool import BlockPool, KVBlock
 from pdserve.core.request import Request
+from pdserve.engine.block_pool import BlockPool, KVBlock
 
 
 def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:

@@ -23,9 +23,9 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.core.errors import InvalidArgumentError, OverloadedError, UnsupportedError, wire_status
-from pdserve.router.auth import ApiKeys
-from pdserve.router.dashboard import add_routes
-from pdserve.router.requests import completion_input, prompt_tokens, sampling_params
+from pdserve.router.frontdoor.auth import ApiKeys
+from pdserve.router.frontdoor.dashboard import add_routes
+from pdserve.router.frontdoor.requests import completion_input, prompt_tokens, sampling_params
 from pdserve.router.router import CompletionInput, Router
 from pdserve.router.stream import StreamDelta, Usage
 

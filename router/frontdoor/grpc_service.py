@@ -18,10 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.core.errors import OverloadedError, wire_status
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.router.auth import ApiKeys
-from pdserve.router.proto.gen import completion_pb2 as pb
-from pdserve.router.proto.gen import completion_pb2_grpc as pb_grpc
-from pdserve.router.requests import completion_input, prompt_tokens, sampling_params
+from pdserve.router.frontdoor.auth import ApiKeys
+from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
+from pdserve.router.frontdoor.requests import completion_input, prompt_tokens, sampling_params
 from pdserve.router.router import CompletionInput, Router
 from pdserve.router.stream import StreamDelta, Usage
 

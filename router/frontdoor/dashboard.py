@@ -18,10 +18,10 @@ from importlib import resources
 from aiohttp import web
 
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.router.auth import ApiKeys
+from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.router import Router
 
-STATIC = resources.files("pdserve.router").joinpath("static")
+STATIC = resources.files("pdserve.router.frontdoor").joinpath("static")
 
 
 def add_routes(app: web.Application, router: Router, keys: ApiKeys) -> None:

@@ -9,7 +9,7 @@ A block is in exactly one of three states::
 
 ``allocate`` pops from the eviction queue (a cached victim loses its hash),
 ``touch`` takes a block (maybe cached) into use, ``free`` returns it. The pool
-knows nothing about requests; :class:`~pdserve.core.kv_cache_manager.KVCacheManager`
+knows nothing about requests; :class:`~pdserve.engine.kv_cache_manager.KVCacheManager`
 owns the block tables and calls ``check_integrity`` with the expected counts.
 """
 
