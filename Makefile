@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 TYPED := core engine transfer router
 
-.PHONY: demo test lint typecheck pytest venv clean
+.PHONY: demo test lint typecheck pytest fuzz venv clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest
+
+# The front-door fuzzers of `make test`, longer: EXAMPLES generated requests per fuzzer.
+EXAMPLES ?= 2000
+fuzz: $(STAMP)
+	PDSERVE_FUZZ_EXAMPLES=$(EXAMPLES) $(BIN)/python -m pytest -q tests/e2e/test_hostile.py -k fuzz
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.report import write_json
 from pdserve.core.messages import LoadReport
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.config import RouterConfig
@@ -68,7 +69,7 @@ def decision_times(n: int, policy: str, rounds: int, holders: int | None) -> dic
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        router._choose_region(inp)
+        router.chooser.choose(inp)
         times.append(time.perf_counter() - start)
     return {
         "instances": n,
@@ -158,11 +159,8 @@ def run(args: argparse.Namespace) -> int:
     load = front_door_under_load(args.concurrency, args.requests, args.tokens)
     print(json.dumps(load))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         cmd = f"pdserve bench router --concurrency {args.concurrency} --requests {args.requests} --tokens {args.tokens}"
-        Path(args.out).write_text(
-            json.dumps({"command": cmd, "decisions": decisions, "load": load}, indent=2)
-        )
+        write_json(Path(args.out), {"command": cmd, "decisions": decisions, "load": load})
     return 0
 
 

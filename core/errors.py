@@ -85,6 +85,16 @@ class InstanceFailedError(PdserveError):
     http_status = 503
 
 
+class RequestFailedError(PdserveError):
+    """One request failed inside an engine; the others on that instance went on.
+
+    The request is not retried elsewhere: whatever made it fail would follow it.
+    """
+
+    grpc_code = "INTERNAL"
+    http_status = 500
+
+
 @dataclass(frozen=True)
 class WireStatus:
     """How one error is spelled on the wire."""

@@ -12,6 +12,7 @@ Lifecycle::
        +----- PREEMPTED <--|---+  (blocks freed; recomputed from token 0 later)
     RESERVED --activate----+      (decode side: the prompt's KV arrived)
     any state --abort--> FINISHED_ABORTED
+    RUNNING --its step raised--> FINISHED_ERROR   (blocks freed; never retried)
 
 A prefill instance may finish a request but keep its blocks ("held") until the
 decode instance has acknowledged the KV; ``Scheduler.release`` frees them.
@@ -34,6 +35,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request's step failed; the others went on
 
     @property
     def finished(self) -> bool:
@@ -41,6 +43,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 

@@ -7,12 +7,19 @@ checks guard the offline API, the command line and the network front doors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
 
 _GREEDY_EPS = 1e-5
+# Bounds that keep every value representable wherever it travels (msgpack step
+# plans carry 64-bit integers) and keep one request's stop matching cheap.
+MAX_INT = 2**31 - 1
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,10 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise InvalidArgumentError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.max_tokens <= MAX_INT:
+            raise InvalidArgumentError(
+                "max_tokens", f"must be in [1, {MAX_INT}], got {self.max_tokens}"
+            )
         _check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidArgumentError(
@@ -70,8 +79,10 @@ class SamplingParams:
         if self.temperature < 0:
             raise InvalidArgumentError("temperature", f"must be >= 0, got {self.temperature}")
         _check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise InvalidArgumentError("top_k", f"must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_INT:
+            raise InvalidArgumentError(
+                "top_k", f"must be -1, 0 (off) or in [1, {MAX_INT}], got {self.top_k}"
+            )
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
@@ -79,13 +90,36 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed < 2**63:
                 raise InvalidArgumentError("seed", f"must be in [0, 2**63), got {self.seed}")
+        self._validate_stops()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(name, "must be a boolean")
+
+    def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgumentError("stop", f"at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidArgumentError("stop", f"must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidArgumentError(
+                    "stop", f"each string must be at most {MAX_STOP_STRING_CHARS} characters"
+                )
+            check_text("stop", s)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgumentError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
-            if t < 0:
-                raise InvalidArgumentError("stop_token_ids", f"must be >= 0, got {t}")
+            if not 0 <= t <= MAX_INT:
+                raise InvalidArgumentError("stop_token_ids", f"must be in [0, {MAX_INT}], got {t}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids this request names must exist in a model of ``vocab_size`` tokens."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidArgumentError(
+                    "stop_token_ids", f"{t} is not a token of this model (vocabulary {vocab_size})"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -112,5 +146,19 @@ def _check_int(name: str, value: object) -> None:
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgumentError(name, f"must be a number, got {type(value).__name__}")
-    if value != value:  # NaN
-        raise InvalidArgumentError(name, "must not be NaN")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise InvalidArgumentError(name, "must be a finite number")
+
+
+def check_text(name: str, value: str) -> None:
+    """A string that must cross process boundaries: encodable as UTF-8 (no lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            name, f"is not valid Unicode (character {e.start} cannot be encoded as UTF-8)"
+        ) from None

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.core.config import EngineConfig
-from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.errors import InstanceFailedError, InvalidArgumentError
 from pdserve.core.messages import LoadReport
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import (
@@ -26,7 +26,7 @@ from pdserve.core.request import (
     RequestStatus,
 )
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.step import StepPlan
+from pdserve.core.step import StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import Executor
@@ -181,6 +181,7 @@ class EngineCore:
                 f"{len(token_ids)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}",
             )
+        params.check_vocab(self.model.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop", "stop strings need a model with a tokenizer")
         return Request(request_id, token_ids, params, self.eos_token_ids, arrival)
@@ -243,10 +244,10 @@ class EngineCore:
         if self.plan_hook is not None:
             plan = self.plan_hook(plan)
         self.last_step_tokens = plan.num_tokens
-        result = self.executor.execute(plan)
+        result, failed = self._execute(plan)
         if not result.kv_transfer_ok and self.on_transfer_failure is not None:
             self.on_transfer_failure(plan)
-        outputs = []
+        outputs = [out for rid in failed if (out := self._fail(rid)) is not None]
         for request in self.scheduler.update(plan, result.sampled):
             detok = self._detok[request.request_id]
             stop = detok.update(request.token_ids[-1:])
@@ -254,6 +255,50 @@ class EngineCore:
                 self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
             outputs.append(self._output(request, request.token_ids[-1:]))
         return outputs
+
+    def _execute(self, plan: StepPlan) -> tuple[StepResult, list[str]]:
+        """Run a plan; if it raises, find the requests it raised for.
+
+        A lost rank (:class:`InstanceFailedError`) stops the engine. Any other
+        error is a request's, not the instance's: the plan is run again one
+        request at a time (recomputing a position writes the same KV), and only
+        the requests whose own run raises fail. Returns the merged result and
+        the ids of the failed requests.
+        """
+        try:
+            return self.executor.execute(plan), []
+        except InstanceFailedError:
+            raise
+        except Exception:
+            logger.exception("step %d of %d requests failed; isolating", plan.step_id, len(plan.seqs))
+        sampled: dict[str, int] = {}
+        failed: list[str] = []
+        transfer_ok = True
+        for i, seq in enumerate(plan.seqs):
+            rid = seq.request_id
+            alone = StepPlan(
+                plan.step_id,
+                [seq],
+                plan.finished_request_ids if i == 0 else [],
+                [k for k in plan.kv_sends if k.request_id == rid],
+                [a for a in plan.kv_arrivals if a.request_id == rid],
+            )
+            try:
+                result = self.executor.execute(alone)
+            except InstanceFailedError:
+                raise
+            except Exception:
+                logger.exception("request %r failed in step %d", rid, plan.step_id)
+                failed.append(rid)
+                continue
+            sampled.update(result.sampled)
+            transfer_ok = transfer_ok and result.kv_transfer_ok
+        return StepResult(plan.step_id, sampled, transfer_ok), failed
+
+    def _fail(self, request_id: str) -> RequestOutput | None:
+        """End a request whose step raised; its blocks are freed, never held."""
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR, "engine error")
+        return None if request is None else self._output(request, [])
 
     def generate(
         self,

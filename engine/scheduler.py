@@ -240,7 +240,8 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.reserved.pop(request_id, None)
-        if request.hold_kv_on_finish and status is not RequestStatus.FINISHED_ABORTED:
+        keep = status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        if request.hold_kv_on_finish and keep:
             self.held[request_id] = request
         else:
             self.kv.free(request)

@@ -25,7 +25,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, RequestAbortedError
+from pdserve.core.errors import (
+    InstanceFailedError,
+    InvalidArgumentError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from pdserve.core.layout import Layout
 from pdserve.core.messages import FirstToken, PrefillRequest
 from pdserve.core.request import RequestOutput
@@ -166,7 +171,24 @@ class PrefillServer:
             transfer = self._transfers.get(out.request_id)
             if transfer is None or not out.finished:
                 continue
-            self._first_token_done(transfer, out)
+            if out.outputs[0].finish_reason == "error":
+                self._request_failed(transfer)
+            else:
+                self._first_token_done(transfer, out)
+
+    def _request_failed(self, transfer: _Transfer) -> None:
+        """Its step raised: the engine freed its pages; free the reservation, tell the router."""
+        request = transfer.request
+        self._transfers.pop(request.request_id, None)
+        self.stats.aborted += 1
+        res = request.reservation
+        if res is not None and res.decode_id in self.decodes:
+            self.decodes[res.decode_id].cancel.remote(request.request_id)
+        transfer.first_token.set_exception(
+            RequestFailedError(
+                f"request failed while prefilling on {self.instance_id}; it was not retried"
+            )
+        )
 
     def _first_token_done(self, transfer: _Transfer, out: RequestOutput) -> None:
         request = transfer.request

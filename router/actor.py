@@ -69,19 +69,23 @@ class RouterActor:
 
         self.router = Router(self.config, self.tokenizer, ray.get_runtime_context().current_actor)
         vocab = self.model.vocab_size
+        tls = self.config.tls
         grpc_server, grpc_port = await start_grpc(
-            self.router, self.keys, vocab, self.config.host, self.config.grpc_port
+            self.router, self.keys, vocab, self.config.host, self.config.grpc_port, tls
         )
         api = HttpApi(self.router, self.keys, vocab, self.config.max_body_bytes)
-        http_runner, http_port = await start_http(api, self.config.host, self.config.http_port)
+        http_runner, http_port = await start_http(api, self.config.host, self.config.http_port, tls)
         self._servers = [grpc_server, http_runner]
         self._sampler = asyncio.ensure_future(self._sample_every(1.0))
         logger.info(
-            "router serving gRPC on %s:%d, HTTP on %s:%d",
+            "router serving gRPC on %s:%d, HTTP on %s:%d (%s)",
             self.config.host,
             grpc_port,
             self.config.host,
             http_port,
+            "plain TCP"
+            if tls is None
+            else "TLS" + (", client certificates" if tls.client_ca else ""),
         )
         return Endpoints(self.config.host, grpc_port, http_port)
 

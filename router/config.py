@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdserve.core.errors import InvalidArgumentError
 
@@ -17,6 +18,24 @@ class RegionSpec:
 
     name: str
     latency_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS for both front doors: PEM files of this server's certificate chain and key.
+
+    With ``client_ca`` the doors require a client certificate signed by it (mTLS).
+    """
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cert", "key", "client_ca"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise InvalidArgumentError(f"server.tls.{name}", f"no such file: {path}")
 
 
 @dataclass(frozen=True)
@@ -37,6 +56,7 @@ class RouterConfig:
     reservation_ttl_s: how long a decode instance holds pages waiting for KV.
     host, grpc_port, http_port: where the front doors listen (0: pick a free port).
     max_body_bytes: largest HTTP request body accepted.
+    tls: serve both front doors over TLS (None: plain TCP, for local use).
     """
 
     model_name: str = "pdserve"
@@ -57,6 +77,7 @@ class RouterConfig:
     grpc_port: int = 0
     http_port: int = 0
     max_body_bytes: int = 1 << 20
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.regions:

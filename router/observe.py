@@ -26,10 +26,15 @@ if TYPE_CHECKING:
 
 HISTORY = 900  # dashboard samples kept (one a second: 15 minutes)
 WINDOW_S = 30.0  # latency percentiles on the dashboard are over this window
+OTHER = "other"  # the label of anything the config does not name
 
 
 class Observer:
-    def __init__(self) -> None:
+    """Label values come from the config and the cluster, never from a request:
+    a region the config does not name is counted as ``other``."""
+
+    def __init__(self, regions: list[str]) -> None:
+        self.regions = frozenset(regions)
         self.metrics = Metrics()
         self.cluster = SnapshotCollector()
         self.metrics.registry.register(self.cluster)
@@ -42,7 +47,11 @@ class Observer:
 
     # -- requests --------------------------------------------------------------------------------
 
+    def _region(self, region: str) -> str:
+        return region if region in self.regions else OTHER
+
     def finished(self, region: str, status: str, stream: RequestStream | None) -> None:
+        region = self._region(region)
         self.metrics["pdserve_requests_total"].labels(region, status).inc()
         if stream is None or stream.first_token_at is None:
             return
@@ -65,6 +74,7 @@ class Observer:
         self.completed[region].append((time.monotonic(), ttft, tpot))
 
     def phases(self, region: str, phases: dict[str, float]) -> None:
+        region = self._region(region)
         hist = self.metrics["pdserve_request_phase_seconds"]
         for phase, seconds in phases.items():
             if phase in PHASES:
@@ -74,7 +84,7 @@ class Observer:
         self.metrics["pdserve_rejections_total"].labels(reason).inc()
 
     def migrated(self, region: str, phase: str) -> None:
-        self.metrics["pdserve_migrations_total"].labels(region, phase).inc()
+        self.metrics["pdserve_migrations_total"].labels(self._region(region), phase).inc()
 
     # -- instances ---------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.prompt_len = len(prompt_token_ids)
         self.migrations = 0
+        self.instance_losses = 0  # instances that died while it was in flight on them
         self.attempts_started = 0
         self.owner: str | None = None  # the attempt whose tokens the stream takes
         self.params = params

@@ -17,6 +17,7 @@ class ApiKeys:
     def __init__(self, keys: tuple[str, ...], disabled: bool) -> None:
         env = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k.strip()]
         self.keys = tuple(keys) + tuple(env)
+        self._keys = tuple(k.encode("utf-8", "surrogatepass") for k in self.keys)
         self.disabled = disabled
         if not self.keys and not disabled:
             raise InvalidArgumentError(
@@ -34,5 +35,7 @@ class ApiKeys:
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise AuthenticationError("malformed authorization: expected 'Bearer <key>'")
-        if not any(hmac.compare_digest(key.strip(), k) for k in self.keys):
+        given = key.strip().encode("utf-8", "surrogatepass")
+        # Bytes, so any key compares in constant time (str needs ASCII); every key is tried.
+        if not sum(hmac.compare_digest(given, k) for k in self._keys):
             raise AuthenticationError("unknown API key")

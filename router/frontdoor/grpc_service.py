@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.core.errors import OverloadedError, wire_status
+from pdserve.core.errors import InvalidArgumentError, OverloadedError, wire_status
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
-from pdserve.router.frontdoor.requests import completion_input, prompt_tokens, sampling_params
+from pdserve.router.frontdoor.requests import (
+    completion_input,
+    fit_context,
+    prompt_tokens,
+    sampling_params,
+)
+from pdserve.router.frontdoor.tls import grpc_credentials
 from pdserve.router.router import CompletionInput, Router
 from pdserve.router.stream import StreamDelta, Usage
 
@@ -38,7 +46,7 @@ class CompletionService(pb_grpc.CompletionServicer):
         self.vocab_size = vocab_size
 
     async def Generate(
-        self, request: pb.CompletionRequest, context: Any
+        self, request: pb.CompletionRequest | Malformed, context: Any
     ) -> AsyncIterator[pb.CompletionChunk]:
         try:
             inp = self._admit(request, context)
@@ -49,7 +57,9 @@ class CompletionService(pb_grpc.CompletionServicer):
         except Exception as e:
             await _abort(context, e)
 
-    async def Complete(self, request: pb.CompletionRequest, context: Any) -> pb.CompletionResponse:
+    async def Complete(
+        self, request: pb.CompletionRequest | Malformed, context: Any
+    ) -> pb.CompletionResponse:
         try:
             inp = self._admit(request, context)
             text, ids, reason, usage = [], [], "", Usage(0, 0)
@@ -71,10 +81,14 @@ class CompletionService(pb_grpc.CompletionServicer):
             raise  # unreachable: abort raises
 
     async def ListModels(
-        self, request: pb.ListModelsRequest, context: Any
+        self, request: pb.ListModelsRequest | Malformed, context: Any
     ) -> pb.ListModelsResponse:
         try:
             self.keys.check(_metadata(context).get("authorization"))
+            if isinstance(request, Malformed):
+                raise InvalidArgumentError(
+                    "request", f"not a valid ListModelsRequest: {request.error}"
+                )
         except Exception as e:
             await _abort(context, e)
         model = pb.Model(
@@ -84,20 +98,23 @@ class CompletionService(pb_grpc.CompletionServicer):
         )
         return pb.ListModelsResponse(models=[model])
 
-    def _admit(self, request: pb.CompletionRequest, context: Any) -> CompletionInput:
+    def _admit(self, request: pb.CompletionRequest | Malformed, context: Any) -> CompletionInput:
         try:
             return self._parse(request, context)
         except Exception as e:
             self.router.reject(e)
             raise
 
-    def _parse(self, request: pb.CompletionRequest, context: Any) -> CompletionInput:
+    def _parse(self, request: pb.CompletionRequest | Malformed, context: Any) -> CompletionInput:
         meta = _metadata(context)
         self.keys.check(meta.get("authorization"))
-        from pdserve.core.errors import InvalidArgumentError
-
+        if isinstance(request, Malformed):
+            raise InvalidArgumentError("request", f"not a valid CompletionRequest: {request.error}")
         if request.model and request.model != self.router.config.model_name:
-            raise InvalidArgumentError("model", f"unknown model {request.model!r}")
+            raise InvalidArgumentError(
+                "model",
+                f"unknown model; this server serves {self.router.config.model_name!r}",
+            )
         which = request.WhichOneof("input")
         prompt: str | list[int] | None
         if which == "prompt":
@@ -109,12 +126,15 @@ class CompletionService(pb_grpc.CompletionServicer):
         ids = prompt_tokens(
             self.router.tokenizer, prompt, self.router.max_model_len, self.vocab_size
         )
-        params = _sampling(request.sampling if request.HasField("sampling") else None)
+        sampling = request.sampling if request.HasField("sampling") else None
+        params = _sampling(sampling, self.vocab_size)
+        asked = sampling is not None and sampling.HasField("max_tokens")
+        params = fit_context(params, len(ids), self.router.max_model_len, asked)
         region = request.region or meta.get("x-pdserve-region")
         return completion_input(ids, params, region, request.request_id or None)
 
 
-def _sampling(s: pb.SamplingOptions | None) -> SamplingParams:
+def _sampling(s: pb.SamplingOptions | None, vocab_size: int) -> SamplingParams:
     if s is None:
         return sampling_params({})
     values: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
@@ -123,7 +143,7 @@ def _sampling(s: pb.SamplingOptions | None) -> SamplingParams:
     if s.stop_token_ids:
         values["stop_token_ids"] = list(s.stop_token_ids)
     values["ignore_eos"] = s.ignore_eos
-    return sampling_params(values)
+    return sampling_params(values, vocab_size)
 
 
 def _metadata(context: Any) -> dict[str, str]:
@@ -156,15 +176,64 @@ async def _abort(context: Any, error: BaseException) -> None:
     await context.abort(getattr(grpc.StatusCode, status.grpc_code), status.message)
 
 
+@dataclass(frozen=True)
+class Malformed:
+    """A request whose bytes did not parse; the handler answers INVALID_ARGUMENT."""
+
+    error: str
+
+
+def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def load(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as e:  # DecodeError, invalid UTF-8 in a string field, ...
+            return Malformed(f"{type(e).__name__}: {e}"[:200])
+
+    return load
+
+
+def add_completion_service(servicer: CompletionService, server: Any) -> None:
+    """Register the service with deserializers that turn bad bytes into :class:`Malformed`
+    (the generated registration would answer them with UNKNOWN)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_tolerant(pb.CompletionRequest.FromString),
+            response_serializer=pb.CompletionChunk.SerializeToString,
+        ),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            servicer.Complete,
+            request_deserializer=_tolerant(pb.CompletionRequest.FromString),
+            response_serializer=pb.CompletionResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=_tolerant(pb.ListModelsRequest.FromString),
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 async def start_grpc(
-    router: Router, keys: ApiKeys, vocab_size: int, host: str, port: int
+    router: Router,
+    keys: ApiKeys,
+    vocab_size: int,
+    host: str,
+    port: int,
+    tls: TlsConfig | None = None,
 ) -> tuple[Any, int]:
-    """Serve the completion and health services; returns (server, bound port)."""
+    """Serve the completion and health services (over TLS if given); returns (server, port)."""
     server = grpc.aio.server()
-    pb_grpc.add_CompletionServicer_to_server(CompletionService(router, keys, vocab_size), server)
+    add_completion_service(CompletionService(router, keys, vocab_size), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, grpc_credentials(tls))
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -3,6 +3,9 @@
     POST /v1/completions        text or token-id prompt; SSE when "stream": true
     POST /v1/chat/completions   messages rendered by the model's chat template
     GET  /v1/models
+    GET  /health                liveness (no key): the front door answers
+    GET  /ready                 readiness (no key): 200 once a prefill and a decode
+                                instance take requests, else 503
 
 Responses carry ``usage``; a streamed response sends it in a last chunk when
 ``stream_options.include_usage`` is set. Errors have OpenAI's shape
@@ -23,9 +26,17 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.core.errors import InvalidArgumentError, OverloadedError, UnsupportedError, wire_status
+from pdserve.core.sampling_params import check_text
+from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.dashboard import add_routes
-from pdserve.router.frontdoor.requests import completion_input, prompt_tokens, sampling_params
+from pdserve.router.frontdoor.requests import (
+    completion_input,
+    fit_context,
+    prompt_tokens,
+    sampling_params,
+)
+from pdserve.router.frontdoor.tls import ssl_context
 from pdserve.router.router import CompletionInput, Router
 from pdserve.router.stream import StreamDelta, Usage
 
@@ -36,6 +47,7 @@ COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
           "presence_penalty", "frequency_penalty", "logprobs"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "top_logprobs"}
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
 
 
@@ -51,6 +63,8 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         add_routes(app, self.router, self.keys)
         return app
 
@@ -78,18 +92,19 @@ class HttpApi:
             body = json.loads(raw)
         except ValueError as e:
             raise InvalidArgumentError("body", f"not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidArgumentError("body", "JSON nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidArgumentError("body", "must be a JSON object")
         for name in body:
             if name not in allowed:
                 raise InvalidArgumentError(name, "unknown field")
         _check_unsupported(body)
-        model = body.get("model")
-        if model != self.router.config.model_name:
-            raise InvalidArgumentError(
-                "model",
-                f"unknown model {model!r}; this server serves {self.router.config.model_name!r}",
-            )
+        served = self.router.config.model_name
+        if body.get("model") is None:
+            raise InvalidArgumentError("model", f"is required; this server serves {served!r}")
+        if body["model"] != served:
+            raise InvalidArgumentError("model", f"unknown model; this server serves {served!r}")
         return body
 
     def _input(
@@ -120,8 +135,11 @@ class HttpApi:
         }
         if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:
             values["max_tokens"] = body["max_completion_tokens"]
+        params = sampling_params(values, self.vocab_size)
+        asked = values["max_tokens"] is not None
+        params = fit_context(params, len(ids), self.router.max_model_len, asked)
         region = body.get("region") or request.headers.get("X-PDServe-Region")
-        return completion_input(ids, sampling_params(values), region, body.get("request_id"))
+        return completion_input(ids, params, region, body.get("request_id"))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, COMPLETION_FIELDS)
@@ -140,6 +158,17 @@ class HttpApi:
         )
         inp = self._input(request, body, prompt, chat=True)
         return await self._respond(request, body, inp, chat=True)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Liveness: the front door answers (no key needed; it tells nothing)."""
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness: at least one prefill and one decode instance take requests."""
+        counts = self.router.ready()
+        ok = counts["prefill"] > 0 and counts["decode"] > 0
+        body = {"status": "ready" if ok else "not ready", "instances": counts}
+        return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         self.keys.check(request.headers.get("Authorization"))
@@ -261,6 +290,8 @@ async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
 def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise InvalidArgumentError(f"messages[{i}]", "each message needs a 'role' and 'content'")
+    if m["role"] not in ROLES:
+        raise InvalidArgumentError(f"messages[{i}].role", f"must be one of {sorted(ROLES)}")
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -272,6 +303,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
         raise InvalidArgumentError(
             f"messages[{i}].content", "must be a string or a list of text parts"
         )
+    check_text(f"messages[{i}].content", content)
     return {"role": m["role"], "content": content}
 
 
@@ -289,6 +321,14 @@ def _check_unsupported(body: dict[str, Any]) -> None:
         raise InvalidArgumentError("logprobs", "logprobs are not supported")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise InvalidArgumentError("stream", "must be a boolean")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise InvalidArgumentError(
+                "stream_options", "must be an object with only 'include_usage'"
+            )
+        if not isinstance(options.get("include_usage", False), bool):
+            raise InvalidArgumentError("stream_options.include_usage", "must be a boolean")
 
 
 def error_response(error: BaseException) -> web.Response:
@@ -305,10 +345,13 @@ def error_response(error: BaseException) -> web.Response:
     return web.json_response(body, status=status.http_status, headers=headers)
 
 
-async def start_http(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def start_http(
+    api: HttpApi, host: str, port: int, tls: TlsConfig | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serve the app (over TLS if given); returns (runner, bound port)."""
     runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls) if tls else None)
     await site.start()
     server: Any = site._server
     sockets = server.sockets if server is not None else []

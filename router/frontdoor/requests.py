@@ -6,13 +6,16 @@ gets the same error, naming the same field, whichever door it came through.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams, check_text
 from pdserve.core.tokenizer import Tokenizer
-from pdserve.router.router import CompletionInput
+from pdserve.router.placement import CompletionInput
+
+MAX_ID_CHARS = 128  # request ids and region names a client sends
 
 # Names the front doors accept for sampling, mapped to SamplingParams fields.
 SAMPLING_FIELDS = {
@@ -28,8 +31,11 @@ SAMPLING_FIELDS = {
 }
 
 
-def sampling_params(values: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from front-door fields (None means: the default)."""
+def sampling_params(values: dict[str, Any], vocab_size: int | None = None) -> SamplingParams:
+    """SamplingParams from front-door fields (None means: the default).
+
+    With ``vocab_size``, token ids the request names are checked against the model.
+    """
     given = {
         SAMPLING_FIELDS[k]: v for k, v in values.items() if k in SAMPLING_FIELDS and v is not None
     }
@@ -43,7 +49,10 @@ def sampling_params(values: dict[str, Any]) -> SamplingParams:
         raise InvalidArgumentError("stop_token_ids", "must be a list of integers")
     if "ignore_eos" in given and not isinstance(given["ignore_eos"], bool):
         raise InvalidArgumentError("ignore_eos", "must be a boolean")
-    return SamplingParams(**given)
+    params = SamplingParams(**given)
+    if vocab_size is not None:
+        params.check_vocab(vocab_size)
+    return params
 
 
 def prompt_tokens(
@@ -57,6 +66,9 @@ def prompt_tokens(
     if prompt is None:
         raise InvalidArgumentError(field, "is required")
     if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidArgumentError(field, "must not be empty")
+        check_text(field, prompt)
         if tokenizer is None:
             raise InvalidArgumentError(field, "the model has no tokenizer: send token ids")
         ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -78,12 +90,44 @@ def prompt_tokens(
     return ids
 
 
+def fit_context(
+    params: SamplingParams, prompt_len: int, max_model_len: int, asked: bool
+) -> SamplingParams:
+    """Refuse a ``max_tokens`` the context cannot hold; shrink the default one to fit.
+
+    ``asked``: the client set ``max_tokens`` itself (then it is never cut silently).
+    """
+    room = max_model_len - prompt_len
+    if not max_model_len or params.max_tokens <= room:
+        return params
+    if asked:
+        raise InvalidArgumentError(
+            "max_tokens",
+            f"{prompt_len} prompt tokens + {params.max_tokens} new tokens exceed the context "
+            f"limit of {max_model_len}; ask for at most {room}",
+        )
+    return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+
+
 def completion_input(
-    prompt_ids: list[int], params: SamplingParams, region: str | None, request_id: str | None
+    prompt_ids: list[int], params: SamplingParams, region: Any, request_id: Any
 ) -> CompletionInput:
-    if request_id is not None and (not isinstance(request_id, str) or len(request_id) > 128):
-        raise InvalidArgumentError("request_id", "must be a string of at most 128 characters")
+    """The router's input; ``request_id`` is the client's, only echoed back."""
+    if request_id is not None:
+        request_id = _name("request_id", request_id, MAX_ID_CHARS)
     rid = request_id or f"req-{uuid.uuid4().hex}"
-    if region is not None and not isinstance(region, str):
-        raise InvalidArgumentError("region", "must be a string")
+    if region is not None:
+        region = _name("region", region, MAX_ID_CHARS)
     return CompletionInput(rid, prompt_ids, params, region or None)
+
+
+def _name(field: str, value: Any, limit: int) -> str:
+    """An id or name a client chose: printable, short, valid Unicode (it reaches logs)."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(field, "must be a string")
+    if len(value) > limit:
+        raise InvalidArgumentError(field, f"must be at most {limit} characters")
+    check_text(field, value)
+    if not value.isprintable():
+        raise InvalidArgumentError(field, "must not contain control or non-printable characters")
+    return value

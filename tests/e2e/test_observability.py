@@ -285,13 +285,14 @@ def test_one_grep_follows_a_request(cluster: Cluster) -> None:
     def complete() -> list[str] | None:
         found = lines()
         text = "\n".join(found)
+        # The engines know the request by the router's id, which extends the client's.
         parts = (
-            f"request {rid}:",
-            f"prefill {rid}:",
-            f"decode {rid}: hand-off",
-            f"decode {rid}: finished",
+            rf"request {rid}\.\w+:",
+            rf"prefill {rid}\.\w+:",
+            rf"decode {rid}\.\w+: hand-off",
+            rf"decode {rid}\.\w+: finished",
         )
-        return found if all(p in text for p in parts) else None
+        return found if all(re.search(p, text) for p in parts) else None
 
     found = wait_for(complete, timeout_s=20, what="the request's log lines")
     # Router, prefill and decode are three processes.

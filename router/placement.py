@@ -1,0 +1,122 @@
+"""Where a request goes: its region, and a prefill and decode instance there.
+
+    choose(request)
+      home    <- the request's region, else the config's first
+      for each region with a decode instance and room under its admission limit:
+        placement <- the policy's prefill/decode pick there (prefix hits priced in)
+        cost      <- placement's estimated TTFT + the round trip to that region
+      the cheapest region wins; ties stay home
+
+Reads the router's :class:`~pdserve.router.state.ClusterView` and prefix index;
+changes nothing but its record of decision times.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.core.errors import InvalidArgumentError, OverloadedError
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.admission import Admission
+from pdserve.router.config import RouterConfig
+from pdserve.router.policies import Placement, RoutingPolicy, RoutingRequest
+from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
+from pdserve.router.state import ClusterView
+
+
+@dataclass(frozen=True)
+class CompletionInput:
+    """A validated request as the front doors hand it to the router.
+
+    ``request_id`` is the client's name for it, only echoed back; the router
+    names every request and attempt itself, so no client can reach another's.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    region: str | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A region and the policy's placement there; ``hashes`` caches the prompt's block
+    hashes per block size, so a retry in the same request scores without rehashing."""
+
+    region: str
+    placement: Placement
+    hashes: dict[int, list[bytes]]
+
+
+class RegionChooser:
+    def __init__(
+        self,
+        config: RouterConfig,
+        cluster: ClusterView,
+        prefixes: PrefixIndex,
+        policy: RoutingPolicy,
+        admission: Admission,
+        region_inflight: dict[str, int],
+    ) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.prefixes = prefixes
+        self.policy = policy
+        self.admission = admission
+        self.region_inflight = region_inflight
+        self.decision_s: deque[float] = deque(maxlen=4096)  # recent decision times
+
+    def choose(self, inp: CompletionInput) -> Choice:
+        """The region to serve in, and the policy's placement there (scored once)."""
+        start = time.perf_counter()
+        try:
+            return self._choose(inp)
+        finally:
+            self.decision_s.append(time.perf_counter() - start)
+
+    def _choose(self, inp: CompletionInput) -> Choice:
+        home = inp.region or self.config.home_region
+        regions = [r.name for r in self.config.regions]
+        if home not in regions:
+            raise InvalidArgumentError("region", f"unknown region; known: {regions}")
+        hashes: dict[int, list[bytes]] = {}
+        best: tuple[float, str, Placement] | None = None
+        for region in regions:
+            decodes = self.cluster.table("decode", region)
+            if not len(decodes) or not self.admission.admit(region, self.region_inflight[region]):
+                continue
+            placement = self.score(inp, region, hashes)
+            cost = placement.est_ttft_s + 2 * self.config.latency(home, region)
+            if region == home:
+                cost -= 1e-9  # ties stay home
+            if best is None or cost < best[0]:
+                best = (cost, region, placement)
+        if best is None:
+            raise OverloadedError(
+                f"no region can take the request now (home {home!r} is at its limit)",
+                retry_after_s=1.0,
+            )
+        return Choice(best[1], best[2], hashes)
+
+    def score(self, inp: CompletionInput, region: str, hashes: dict[int, list[bytes]]) -> Placement:
+        """The policy's placement in ``region``, with each prefill's cached prefix priced in."""
+        prefills = self.cluster.table("prefill", region)
+        decodes = self.cluster.table("decode", region)
+        if not len(decodes):
+            raise OverloadedError(
+                f"region {region!r} has no decode instance available", retry_after_s=1.0
+            )
+        bs = decodes.block_tokens
+        if bs not in hashes:
+            hashes[bs] = prompt_block_hashes(inp.prompt_token_ids, bs)
+        cached = np.zeros(len(prefills))
+        for instance, blocks in self.prefixes.cached_prefixes(hashes[bs]).items():
+            row = prefills.index.get(instance)
+            if row is not None:
+                cached[row] = blocks
+        req = RoutingRequest(len(inp.prompt_token_ids), inp.params.max_tokens, cached, bs)
+        return self.policy.place(req, prefills, decodes)

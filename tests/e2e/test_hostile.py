@@ -1,0 +1,302 @@
+"""Hostile input against a real cluster: every class gets a clear 4xx / INVALID_ARGUMENT,
+and afterwards every instance still answers and no KV page is held."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.core.messages import DecodeRequest, PrefillRequest
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+from tests.e2e.test_router import AUTH, KEY, Cluster, stub
+
+GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    c = Cluster({"local": (1, 2)})
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def doors(cluster):
+    return cluster._bootstrap[1]
+
+
+def raw_post(doors, path: str, data: bytes, key: str = KEY) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        f"http://{doors.host}:{doors.http_port}{path}", data=data, method="POST"
+    )
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def raw_post_any(doors, path: str, data: bytes) -> tuple[int, bytes]:
+    """Like raw_post, for any answer (a 200 may be a stream)."""
+    req = urllib.request.Request(
+        f"http://{doors.host}:{doors.http_port}{path}", data=data, method="POST"
+    )
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def get(doors, path: str) -> tuple[int, str]:
+    url = f"http://{doors.host}:{doors.http_port}{path}"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def body(**fields) -> bytes:
+    return json.dumps({**GOOD, **fields}).encode()
+
+
+NESTED = b'{"model": "tiny", "prompt": "hi", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+# JSON text that decodes to strings no UTF-8 encoder accepts (lone surrogates).
+SURROGATE = '"x\\ud800"'
+
+HTTP_CASES = [
+    ("/v1/completions", body().replace(b'"hi"', SURROGATE.encode()), "prompt"),
+    ("/v1/completions", body(request_id="r").replace(b'"r"', SURROGATE.encode()), "request_id"),
+    ("/v1/completions", body(request_id="line\nforged INFO line"), "request_id"),
+    ("/v1/completions", body(request_id="x" * 129), "request_id"),
+    ("/v1/completions", body(region="mars"), "region"),
+    ("/v1/completions", body(region="r").replace(b'"r"', SURROGATE.encode()), "region"),
+    ("/v1/completions", body(prompt=""), "prompt"),
+    ("/v1/completions", body().replace(b'"max_tokens": 2', b'"temperature": Infinity'), "temperature"),
+    ("/v1/completions", body(top_k=2**70), "top_k"),
+    ("/v1/completions", body(stop_token_ids=[10**6]), "stop_token_ids"),
+    ("/v1/completions", body(stop=["ab"] * 100_000), "stop"),
+    ("/v1/completions", body(max_tokens=10**6), "max_tokens"),
+    ("/v1/completions", body(stream=True, stream_options="yes"), "stream_options"),
+    ("/v1/completions", body(stream=True, stream_options={"include_usage": "x"}), "stream_options.include_usage"),
+    ("/v1/completions", json.dumps({"prompt": "hi"}).encode(), "model"),
+    ("/v1/completions", NESTED, "body"),
+    ("/v1/chat/completions", json.dumps(CHAT).encode().replace(b'"hi"', SURROGATE.encode()), "messages[0].content"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "root", "content": "x"}]}).encode(), "messages[0].role"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "data", "param"), HTTP_CASES)
+def test_http_refuses_with_the_field(doors, path, data, param) -> None:
+    code, payload = raw_post(doors, path, data)
+    assert code == 400, payload
+    assert payload["error"]["param"] == param, payload
+
+
+def test_a_non_ascii_key_is_refused_not_a_500(doors) -> None:
+    req = urllib.request.Request(
+        f"http://{doors.host}:{doors.http_port}/v1/completions", data=body(), method="POST"
+    )
+    req.add_header("Authorization", "Bearer kéy-ü")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 401
+
+
+def grpc_raw(doors, data: bytes) -> grpc.RpcError:
+    channel = grpc.insecure_channel(f"{doors.host}:{doors.grpc_port}")
+    call = channel.unary_unary("/pdserve.v1.Completion/Complete")  # bytes in, bytes out
+    with pytest.raises(grpc.RpcError) as err:
+        call(data, metadata=AUTH)
+    return err.value
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xff\xff\xff\xff",  # not protobuf at all
+        _field(1, b"tiny") + _field(2, b"hi") + _field(6, b"x\xed\xa0\x80"),  # bad UTF-8 id
+        _field(1, b"tiny") + _field(2, b"\xc3\x28"),  # bad UTF-8 prompt
+    ],
+)
+def test_grpc_malformed_bytes_are_invalid_argument(doors, data) -> None:
+    error = grpc_raw(doors, data)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+
+
+def sampling(**options) -> pb.SamplingOptions:
+    return pb.SamplingOptions(**{"max_tokens": 2, "temperature": 0.0, **options})
+
+
+@pytest.mark.parametrize(
+    ("req", "field"),
+    [
+        (pb.CompletionRequest(model="tiny", prompt="hi", request_id="a\nb", sampling=sampling()), "request_id"),
+        (pb.CompletionRequest(model="tiny", prompt="hi", region="mars", sampling=sampling()), "region"),
+        (pb.CompletionRequest(model="tiny", prompt="hi", sampling=sampling(temperature=float("inf"))), "temperature"),
+        (pb.CompletionRequest(model="tiny", prompt="hi", sampling=sampling(stop_token_ids=[10**6])), "stop_token_ids"),
+        (pb.CompletionRequest(model="tiny", prompt="hi", sampling=sampling(max_tokens=10**6)), "max_tokens"),
+        (pb.CompletionRequest(model="tiny", prompt="", sampling=sampling()), "prompt"),
+    ],
+)  # fmt: skip
+def test_grpc_refuses_with_the_field(doors, req, field) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub(doors).Complete(req, metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:"), err.value.details()
+
+
+def test_client_ids_are_echoed_never_shared(doors) -> None:
+    req = pb.CompletionRequest(model="tiny", prompt="hi", request_id="mine", sampling=sampling())
+    first = stub(doors).Complete(req, metadata=AUTH)
+    # The same id again, and an id shaped like another request's retry: both are just names.
+    again = stub(doors).Complete(req, metadata=AUTH)
+    forged = pb.CompletionRequest(
+        model="tiny", prompt="hi", request_id="mine#1", sampling=sampling()
+    )
+    assert stub(doors).Complete(forged, metadata=AUTH).request_id == "mine#1"
+    assert first.request_id == again.request_id == "mine"
+    assert list(first.token_ids) == list(again.token_ids)
+
+
+def test_afterwards_every_instance_answers_and_no_page_is_held(cluster, doors) -> None:
+    code, text = get(doors, "/metrics")
+    assert code == 200 and 'region="mars"' not in text
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for region in cluster.regions.values():
+        for i, instance in enumerate(region.decode):
+            ray.get(
+                instance.leader.submit.remote(DecodeRequest(f"probe-d{i}", [1, 2, 3], params), None)
+            )
+            (out,) = ray.get(instance.leader.wait.remote([f"probe-d{i}"], 30.0))
+            assert len(out.outputs[0].token_ids) == 3
+        for i, instance in enumerate(region.prefill):
+            first = ray.get(
+                instance.leader.prefill.remote(PrefillRequest(f"probe-p{i}", [1, 2, 3], params))
+            )
+            assert first.token_id >= 0
+    assert raw_post(doors, "/v1/completions", body())[0] == 200
+    cluster.assert_idle()
+
+
+def test_health_and_readiness(doors) -> None:
+    assert get(doors, "/health") == (200, '{"status": "ok"}')
+    code, text = get(doors, "/ready")
+    assert code == 200 and json.loads(text)["instances"] == {"prefill": 1, "decode": 2}
+
+
+# -- fuzzing: generated JSON and protobuf, valid-shaped and not --------------------------------
+# `make fuzz` sets PDSERVE_FUZZ_EXAMPLES for a long run; `make test` runs a short one.
+
+FUZZ_EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    database=None,
+)
+# Any character, lone surrogates included (they survive JSON as \ud800 escapes).
+ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=40)
+JSON_LEAF = st.none() | st.booleans() | st.integers() | st.floats() | ANY_TEXT
+JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ANY_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
+          "stop", "stop_token_ids", "stream", "stream_options", "region", "request_id", "n",
+          "min_tokens", "ignore_eos", "user", "logprobs"]  # fmt: skip
+SMALL = st.integers(min_value=-2, max_value=6)
+VALUES = {
+    "model": st.just("tiny") | JSON,
+    "prompt": st.just("hi") | ANY_TEXT | st.lists(st.integers(-5, 2000), max_size=6) | JSON,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "bot"]) | JSON, "content": ANY_TEXT | JSON}), max_size=3) | JSON,
+    "max_tokens": SMALL | JSON,
+    "stream": st.booleans() | JSON,
+}  # fmt: skip
+FUZZ_BODY = st.fixed_dictionaries(
+    {"model": VALUES["model"], "max_tokens": VALUES["max_tokens"]},
+    optional={f: VALUES.get(f, JSON) for f in FIELDS if f not in ("model", "max_tokens")},
+)
+
+
+def _bounded(payload: dict) -> dict:
+    """Keep generated work small: a valid request must not ask for many tokens."""
+    if isinstance(payload.get("max_tokens"), int) and payload["max_tokens"] > 6:
+        payload["max_tokens"] = 6
+    payload.pop("max_completion_tokens", None)
+    return payload
+
+
+@FUZZ
+@given(payload=FUZZ_BODY, chat=st.booleans())
+def test_fuzz_http(doors, payload, chat) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    data = json.dumps(_bounded(payload)).encode()
+    code, _ = raw_post_any(doors, path, data)
+    assert code == 200 or 400 <= code < 500, (code, data[:300])
+
+
+@FUZZ
+@given(data=st.binary(max_size=200))
+def test_fuzz_grpc_bytes(doors, data) -> None:
+    channel = grpc.insecure_channel(f"{doors.host}:{doors.grpc_port}")
+    call = channel.unary_unary("/pdserve.v1.Completion/Complete")
+    try:
+        call(data, metadata=AUTH, timeout=30)
+    except grpc.RpcError as e:
+        assert e.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), e.details()
+
+
+PB_SAMPLING = st.builds(
+    pb.SamplingOptions,
+    max_tokens=st.integers(0, 6),
+    temperature=st.floats(width=32),
+    top_p=st.floats(width=32),
+    top_k=st.integers(-(2**31), 2**31 - 1),
+    stop=st.lists(st.text(max_size=5), max_size=3),
+    stop_token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=3),
+)
+PB_REQUEST = st.builds(
+    pb.CompletionRequest,
+    model=st.sampled_from(["tiny", "", "other"]),
+    prompt=st.text(max_size=30),
+    sampling=PB_SAMPLING,
+    region=st.sampled_from(["", "local", "mars"]) | st.text(max_size=5),
+    request_id=st.text(max_size=10),
+)
+
+
+@FUZZ
+@given(req=PB_REQUEST)
+def test_fuzz_grpc_messages(doors, req) -> None:
+    try:
+        stub(doors).Complete(req, metadata=AUTH, timeout=30)
+    except grpc.RpcError as e:
+        assert e.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), e.details()
+
+
+def test_after_fuzzing_the_cluster_answers_with_no_page_held(cluster, doors) -> None:
+    assert raw_post(doors, "/v1/completions", body())[0] == 200
+    cluster.assert_idle()
