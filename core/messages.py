@@ -31,6 +31,9 @@ class ReserveRequest:
     # A request moved from a failed instance: the last ``output_offset`` prompt
     # tokens were generated before; seeded sampling continues at that index.
     output_offset: int = 0
+    # No prefill instance will send this prompt's KV (its region has none
+    # available): the decode instance prefills it itself, whatever its length.
+    prefill_here: bool = False
 
 
 @dataclass(frozen=True)

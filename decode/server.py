@@ -193,7 +193,7 @@ class DecodeServer:
     def _prefill_here(self, engine: EngineCore, request: ReserveRequest) -> bool:
         """Short prompts, and prompts mostly cached here, skip the prefill instance."""
         n = len(request.prompt_token_ids)
-        if n <= self.config.local_prefill_max_tokens:
+        if request.prefill_here or n <= self.config.local_prefill_max_tokens:
             return True
         cached = engine.cached_prefix_tokens(request.prompt_token_ids)
         return cached >= self.config.local_prefill_cached_fraction * n

@@ -111,6 +111,10 @@ class RouterActor:
     async def report(self, report: LoadReport) -> None:
         self._router().on_report(report)
 
+    async def tables(self) -> dict[str, int]:
+        """Per-request tables of the router and their sizes (all 0 at rest)."""
+        return self._router().tables()
+
     async def stats(self) -> RouterStats:
         r = self._router()
         return RouterStats(

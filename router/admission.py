@@ -48,7 +48,7 @@ class Admission:
         p90 = sorted(window)[int(0.9 * (len(window) - 1))]
         current = self.limits.get(region, float(self.ceiling))
         if p90 > self.ttft_slo_s:
-            self.limits[region] = max(FLOOR, current * 0.7)
+            self.limits[region] = max(min(FLOOR, float(self.ceiling)), current * 0.7)
         else:
             self.limits[region] = min(float(self.ceiling), current + 1)
         window.clear()

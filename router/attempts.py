@@ -96,7 +96,7 @@ class Attempts:
         self.live: dict[str, Attempt] = {}
         self.hedged = 0
         self.migrations = 0
-        self._tasks: set[asyncio.Future[None]] = set()
+        self.tasks: set[asyncio.Future[None]] = set()  # migrations, first tokens, releases
 
     # -- events from instances ---------------------------------------------------------------
 
@@ -200,7 +200,12 @@ class Attempts:
                 refused.add(decode.instance_id)
                 if not self.retries.try_spend():
                     raise
-                placement = self.chooser.score(attempt.inp, region, choice.hashes)
+                try:
+                    placement = self.chooser.score(attempt.inp, region, choice.hashes)
+                except OverloadedError:  # the region's last decode is gone: another region
+                    choice = self.chooser.choose(attempt.inp)
+                    region, placement = choice.region, choice.placement
+                    attempt.region = region
 
     async def _reserve(
         self, attempt: Attempt, prefill: InstanceView | None, decode: InstanceView
@@ -212,6 +217,7 @@ class Attempts:
             inp.params,
             self.config.reservation_ttl_s,
             attempt.offset,
+            prefill_here=prefill is None,  # nobody would send the KV: decode computes it
         )
         prefill_id = prefill.instance_id if prefill is not None else None
         ref = decode.handle.reserve.remote(request, prefill_id, self.sink)
@@ -391,8 +397,8 @@ class Attempts:
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self.tasks.discard)
 
 
 def cause_of(e: BaseException) -> BaseException:

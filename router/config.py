@@ -20,6 +20,9 @@ class RegionSpec:
     latency_s: dict[str, float] = field(default_factory=dict)
 
 
+WITHOUT_PREFILL = ("local", "spill", "refuse")
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """TLS for both front doors: PEM files of this server's certificate chain and key.
@@ -57,6 +60,11 @@ class RouterConfig:
     host, grpc_port, http_port: where the front doors listen (0: pick a free port).
     max_body_bytes: largest HTTP request body accepted.
     tls: serve both front doors over TLS (None: plain TCP, for local use).
+    without_prefill: what a request does in a region with no prefill instance available:
+        "local" (its decode instance prefills it), "spill" (another region with a
+        prefill instance serves it; "local" if none has one) or "refuse" (429 at once).
+    stream_idle_timeout_s: a stream that gets no token for this long fails (UNAVAILABLE),
+        so no client waits forever on an instance that went silent.
     """
 
     model_name: str = "pdserve"
@@ -78,6 +86,8 @@ class RouterConfig:
     http_port: int = 0
     max_body_bytes: int = 1 << 20
     tls: TlsConfig | None = None
+    without_prefill: str = "local"
+    stream_idle_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -97,6 +107,12 @@ class RouterConfig:
             raise InvalidArgumentError("max_inflight_per_region", "must be >= 1")
         if not 0 <= self.retry_budget_ratio <= 1:
             raise InvalidArgumentError("retry_budget_ratio", "must be in [0, 1]")
+        if self.without_prefill not in WITHOUT_PREFILL:
+            raise InvalidArgumentError(
+                "router.without_prefill", f"must be one of {WITHOUT_PREFILL}"
+            )
+        if self.stream_idle_timeout_s <= 0:
+            raise InvalidArgumentError("router.stream_idle_timeout_s", "must be > 0")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
             raise InvalidArgumentError("slo", "SLOs must be > 0")
 

@@ -85,9 +85,9 @@ class RegionChooser:
             raise InvalidArgumentError("region", f"unknown region; known: {regions}")
         hashes: dict[int, list[bytes]] = {}
         best: tuple[float, str, Placement] | None = None
-        for region in regions:
-            decodes = self.cluster.table("decode", region)
-            if not len(decodes) or not self.admission.admit(region, self.region_inflight[region]):
+        candidates = self._candidates(regions)
+        for region in candidates:
+            if not self.admission.admit(region, self.region_inflight[region]):
                 continue
             placement = self.score(inp, region, hashes)
             cost = placement.est_ttft_s + 2 * self.config.latency(home, region)
@@ -96,11 +96,20 @@ class RegionChooser:
             if best is None or cost < best[0]:
                 best = (cost, region, placement)
         if best is None:
+            why = "at its limit" if home in candidates else "without a decode and prefill instance"
             raise OverloadedError(
-                f"no region can take the request now (home {home!r} is at its limit)",
+                f"no region can take the request now (home {home!r} is {why})",
                 retry_after_s=1.0,
             )
         return Choice(best[1], best[2], hashes)
+
+    def _candidates(self, regions: list[str]) -> list[str]:
+        """Regions with a decode instance; per ``without_prefill``, also a prefill one."""
+        serving = [r for r in regions if len(self.cluster.table("decode", r))]
+        if self.config.without_prefill == "local":
+            return serving
+        full = [r for r in serving if len(self.cluster.table("prefill", r))]
+        return full if full or self.config.without_prefill == "refuse" else serving
 
     def score(self, inp: CompletionInput, region: str, hashes: dict[int, list[bytes]]) -> Placement:
         """The policy's placement in ``region``, with each prefill's cached prefix priced in."""

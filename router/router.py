@@ -149,6 +149,17 @@ class Router:
                 counts[view.role] = counts.get(view.role, 0) + 1
         return counts
 
+    def tables(self) -> dict[str, int]:
+        """Sizes of everything the router keeps per request; all 0 at rest."""
+        views = self.cluster.instances.values()
+        return {
+            "attempts": len(self.attempts.live),
+            "tasks": len(self.attempts.tasks),
+            "region_inflight": sum(self.region_inflight.values()),
+            "instance_inflight": sum(v.inflight for v in views),
+            "pending_prompt_tokens": sum(v.pending_prompt_tokens for v in views),
+        }
+
     # -- tokens in ----------------------------------------------------------------------------
 
     def on_tokens(self, batch: TokenBatch) -> None:
@@ -183,7 +194,13 @@ class Router:
             choice.region,
             len(inp.prompt_token_ids),
         )
-        stream = RequestStream(rid, inp.prompt_token_ids, inp.params, self.tokenizer)
+        stream = RequestStream(
+            rid,
+            inp.prompt_token_ids,
+            inp.params,
+            self.tokenizer,
+            self.config.stream_idle_timeout_s,
+        )
         async with contextlib.aclosing(self._serve(stream, inp, choice)) as deltas:
             async for delta in deltas:
                 yield delta

@@ -45,8 +45,10 @@ class RequestStream:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tokenizer: Tokenizer | None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         self.request_id = request_id
+        self.idle_timeout_s = idle_timeout_s  # longest wait for the next delta
         self.prompt_token_ids = prompt_token_ids
         self.prompt_len = len(prompt_token_ids)
         self.migrations = 0
@@ -155,7 +157,16 @@ class RequestStream:
     async def deltas(self):  # type: ignore[no-untyped-def]
         """Yield deltas until the finishing one; raise what ``fail`` was given."""
         while True:
-            item = await self._queue.get()
+            try:
+                if not self._queue.empty():  # the common case needs no timer
+                    item = self._queue.get_nowait()
+                else:
+                    item = await asyncio.wait_for(self._queue.get(), self.idle_timeout_s)
+            except asyncio.TimeoutError:
+                self.fail(
+                    StreamFailed(f"{self.request_id}: no token for {self.idle_timeout_s:g} s")
+                )
+                continue  # the failure is queued now
             if isinstance(item, BaseException):
                 raise item
             yield item

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -299,4 +302,68 @@ def test_fuzz_grpc_messages(doors, req) -> None:
 
 def test_after_fuzzing_the_cluster_answers_with_no_page_held(cluster, doors) -> None:
     assert raw_post(doors, "/v1/completions", body())[0] == 200
+    cluster.assert_idle()
+
+
+# -- no request waits on what cannot happen ------------------------------------------------------
+
+
+def test_a_region_without_prefill_serves_long_prompts_on_decode(ray_session) -> None:
+    from pdserve import LLM, SamplingParams
+
+    solo = Cluster({"local": (0, 1)})  # no prefill instance; decode prefills only <= 4 tokens
+    try:
+        prompt = "a long prompt that no prefill instance will ever see, " * 3
+        start = time.monotonic()
+        out = stub(solo._bootstrap[1]).Complete(
+            pb.CompletionRequest(model="tiny", prompt=prompt, sampling=sampling(max_tokens=6)),
+            metadata=AUTH,
+            timeout=60,
+        )
+        took = time.monotonic() - start
+        want = LLM("builtin:tiny").generate(prompt, SamplingParams(max_tokens=6, temperature=0))
+        assert list(out.token_ids) == want[0].outputs[0].token_ids
+        assert took < 20, f"{took:.1f} s: it waited for a transfer nobody would send"
+        solo.assert_idle()
+    finally:
+        solo.shutdown()
+
+
+UPTIME_REQUESTS = int(os.environ.get("PDSERVE_UPTIME_REQUESTS", "240"))
+
+
+def test_every_table_returns_to_rest_after_mixed_traffic_with_cancels(cluster, doors) -> None:
+    """Streams cancelled at every phase, unary calls, bad ones: nothing stays behind."""
+    rng = random.Random(7)
+    client = stub(doors)
+
+    def one(i: int) -> None:
+        req = pb.CompletionRequest(
+            model="tiny",
+            prompt=f"request {i} " * rng.randint(1, 12),
+            sampling=sampling(max_tokens=rng.randint(1, 12), ignore_eos=True),
+        )
+        kind = i % 4
+        try:
+            if kind == 0:
+                client.Complete(req, metadata=AUTH, timeout=60)
+            elif kind == 3 and i % 8 == 3:  # a refused one now and then
+                client.Complete(pb.CompletionRequest(model="tiny", prompt=""), metadata=AUTH)
+            else:
+                call = client.Generate(req, metadata=AUTH, timeout=60)
+                for _ in range(kind - 1):  # cancel before any token, after one, after two
+                    next(call, None)
+                call.cancel()
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT), e
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(UPTIME_REQUESTS)))
+    router = cluster._bootstrap[0]
+    deadline = time.monotonic() + 20
+    while any(ray.get(router.tables.remote()).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.get(router.tables.remote()) == dict.fromkeys(
+        ("attempts", "tasks", "region_inflight", "instance_inflight", "pending_prompt_tokens"), 0
+    )
     cluster.assert_idle()
