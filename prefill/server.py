@@ -212,7 +212,16 @@ class PrefillServer:
         if res is None:
             self._transfers.pop(request.request_id)
             return
-        decode = self.decodes[res.decode_id]
+        decode = self.decodes.get(res.decode_id)
+        if decode is None:  # unpaired meanwhile (removed or lost): nobody to hand off to
+            logger.warning(
+                "prefill %s: decode %s is gone; its KV is not handed off",
+                request.request_id,
+                res.decode_id,
+            )
+            self.stats.peer_lost += 1
+            self._finish_transfer(request.request_id)
+            return
         if ends:  # nothing to decode: the reserved pages can go
             self._finish_transfer(request.request_id)
             decode.cancel.remote(request.request_id)
