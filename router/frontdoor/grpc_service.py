@@ -26,6 +26,7 @@ from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 from pdserve.router.frontdoor.requests import (
     completion_input,
     fit_context,
+    off_loop,
     prompt_tokens,
     sampling_params,
 )
@@ -49,7 +50,7 @@ class CompletionService(pb_grpc.CompletionServicer):
         self, request: pb.CompletionRequest | Malformed, context: Any
     ) -> AsyncIterator[pb.CompletionChunk]:
         try:
-            inp = self._admit(request, context)
+            inp = await self._admit(request, context)
             async with contextlib.aclosing(self.router.stream(inp)) as deltas:
                 async for delta in deltas:
                     yield _chunk(inp.request_id, delta)
@@ -61,7 +62,7 @@ class CompletionService(pb_grpc.CompletionServicer):
         self, request: pb.CompletionRequest | Malformed, context: Any
     ) -> pb.CompletionResponse:
         try:
-            inp = self._admit(request, context)
+            inp = await self._admit(request, context)
             text, ids, reason, usage = [], [], "", Usage(0, 0)
             async with contextlib.aclosing(self.router.stream(inp)) as deltas:
                 async for delta in deltas:
@@ -98,9 +99,12 @@ class CompletionService(pb_grpc.CompletionServicer):
         )
         return pb.ListModelsResponse(models=[model])
 
-    def _admit(self, request: pb.CompletionRequest | Malformed, context: Any) -> CompletionInput:
+    async def _admit(
+        self, request: pb.CompletionRequest | Malformed, context: Any
+    ) -> CompletionInput:
+        size = 0 if isinstance(request, Malformed) else len(request.prompt)
         try:
-            return self._parse(request, context)
+            return await off_loop(size, self._parse, request, context)
         except Exception as e:
             self.router.reject(e)
             raise

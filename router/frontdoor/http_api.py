@@ -33,6 +33,7 @@ from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.requests import (
     completion_input,
     fit_context,
+    off_loop,
     prompt_tokens,
     sampling_params,
 )
@@ -86,6 +87,7 @@ class HttpApi:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise InvalidArgumentError("body", f"larger than {self.max_body_bytes} bytes")
         raw = await request.read()
+        request["body_bytes"] = len(raw)
         if len(raw) > self.max_body_bytes:
             raise InvalidArgumentError("body", f"larger than {self.max_body_bytes} bytes")
         try:
@@ -143,7 +145,9 @@ class HttpApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, COMPLETION_FIELDS)
-        inp = self._input(request, body, body.get("prompt"), chat=False)
+        inp = await off_loop(
+            request["body_bytes"], self._input, request, body, body.get("prompt"), False
+        )
         return await self._respond(request, body, inp, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -153,11 +157,17 @@ class HttpApi:
             raise InvalidArgumentError("messages", "must be a non-empty list")
         if self.router.tokenizer is None:
             raise InvalidArgumentError("messages", "the model has no tokenizer")
+        inp = await off_loop(request["body_bytes"], self._chat_input, request, body, messages)
+        return await self._respond(request, body, inp, chat=True)
+
+    def _chat_input(
+        self, request: web.Request, body: dict[str, Any], messages: list[Any]
+    ) -> CompletionInput:
+        assert self.router.tokenizer is not None
         prompt = self.router.tokenizer.apply_chat_template(
             [_message(m, i) for i, m in enumerate(messages)]
         )
-        inp = self._input(request, body, prompt, chat=True)
-        return await self._respond(request, body, inp, chat=True)
+        return self._input(request, body, prompt, True)
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: the front door answers (no key needed; it tells nothing)."""

@@ -6,9 +6,11 @@ gets the same error, naming the same field, whichever door it came through.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.sampling_params import SamplingParams, check_text
@@ -16,6 +18,19 @@ from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.placement import CompletionInput
 
 MAX_ID_CHARS = 128  # request ids and region names a client sends
+# Requests larger than this are tokenized on a worker thread, so a multi-megabyte
+# prompt does not stall the event loop that streams every other request's tokens.
+OFF_LOOP_BYTES = 64 << 10
+
+T = TypeVar("T")
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` here if the request is small, else on a worker thread."""
+    if size <= OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
 
 # Names the front doors accept for sampling, mapped to SamplingParams fields.
 SAMPLING_FIELDS = {
