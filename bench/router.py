@@ -147,6 +147,49 @@ def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[
     }
 
 
+def validation_cost(rounds: int) -> dict[str, Any]:
+    """The checks the front doors run on every request, on a typical one, in process.
+
+    Times the whole admission path of a text request (sampling parameters,
+    Unicode and range checks, tokenizing, the context check, the id and region
+    checks) and, separately, the checks alone (no tokenizing), per request.
+    """
+    from pdserve.core.builtin_models import resolve_model
+    from pdserve.core.tokenizer import Tokenizer
+    from pdserve.router.frontdoor.requests import (
+        completion_input,
+        fit_context,
+        prompt_tokens,
+        sampling_params,
+    )
+
+    tokenizer = Tokenizer.from_dir(resolve_model("builtin:tiny"))
+    prompt = "The router sees the whole cluster and places every request. " * 32  # ~2 KB
+    fields = {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
+              "stop": ["\n\n", "###", "END", "</s>"], "stop_token_ids": [2, 3]}  # fmt: skip
+    ids = prompt_tokens(tokenizer, prompt, 4096, 1209)
+
+    def admit() -> None:
+        params = sampling_params(fields, 1209)
+        tokens = prompt_tokens(tokenizer, prompt, 4096, 1209)
+        completion_input(tokens, fit_context(params, len(tokens), 4096, True), "east", "client-42")
+
+    def checks() -> None:
+        params = sampling_params(fields, 1209)
+        completion_input(ids, fit_context(params, len(ids), 4096, True), "east", "client-42")
+
+    out: dict[str, Any] = {"prompt_chars": len(prompt), "prompt_tokens": len(ids)}
+    for name, fn in (("admission", admit), ("checks_without_tokenizing", checks)):
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out[f"{name}_p50_us"] = round(_percentile(times, 0.5) * 1e6, 1)
+        out[f"{name}_p99_us"] = round(_percentile(times, 0.99) * 1e6, 1)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     decisions = [
         decision_times(n, policy, args.rounds, holders)
@@ -156,11 +199,14 @@ def run(args: argparse.Namespace) -> int:
     ]
     for row in decisions:
         print(json.dumps(row))
+    validation = validation_cost(args.rounds)
+    print(json.dumps(validation))
     load = front_door_under_load(args.concurrency, args.requests, args.tokens)
     print(json.dumps(load))
     if args.out:
         cmd = f"pdserve bench router --concurrency {args.concurrency} --requests {args.requests} --tokens {args.tokens}"
-        write_json(Path(args.out), {"command": cmd, "decisions": decisions, "load": load})
+        result = {"command": cmd, "decisions": decisions, "validation": validation, "load": load}
+        write_json(Path(args.out), result)
     return 0
 
 
