@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 TYPED := core engine transfer router
 
-.PHONY: demo test lint typecheck pytest fuzz venv clean
+.PHONY: demo test lint typecheck pytest fuzz gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,12 @@ test: lint typecheck pytest
 EXAMPLES ?= 2000
 fuzz: $(STAMP)
 	PDSERVE_FUZZ_EXAMPLES=$(EXAMPLES) $(BIN)/python -m pytest -q tests/e2e/test_hostile.py -k fuzz
+
+# Everything GPU-related on a bare GPU machine (torch, triton, msgpack, grpcio; no Ray,
+# no network, no install): CUDA tests, native Triton kernels, GPU benchmarks.
+GPU_OUT ?= gpu-results
+gpu-check:
+	$(PYTHON) bench/gpu_check.py --out $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,34 @@
+"""The one-command GPU check: its import tree and package report work without a GPU or Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+
+
+def test_dry_run_imports_the_gpu_paths_without_ray(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "import tree works" in done.stdout
+
+
+def test_without_cuda_it_says_so(tmp_path) -> None:
+    if torch.cuda.is_available():
+        return  # on a GPU machine the full check is `make gpu-check` itself
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "no CUDA device" in done.stdout
