@@ -82,8 +82,8 @@ def decision_times(n: int, policy: str, rounds: int, holders: int | None) -> dic
     }
 
 
-def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[str, Any]:
-    import grpc
+def _tiny_cluster() -> tuple[Any, Any, Any]:
+    """A router with one prefill and one decode instance of builtin:tiny on local Ray."""
     import ray
 
     from pdserve.cluster.topology import RegionInstances, add_instance, start_router
@@ -91,8 +91,6 @@ def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[
     from pdserve.core.config import DisaggregationConfig, build_engine_config
     from pdserve.core.model_config import ModelConfig
     from pdserve.parallel.instance import RankResources
-    from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
-    from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -111,6 +109,17 @@ def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[
             RankResources(num_cpus=0.5),
             DisaggregationConfig(),
         )
+    return router, doors, region
+
+
+def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[str, Any]:
+    import grpc
+    import ray
+
+    from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+    from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
+
+    router, doors, region = _tiny_cluster()
     stub = pb_grpc.CompletionStub(grpc.insecure_channel(f"{doors.host}:{doors.grpc_port}"))
     client_ttft: list[float] = []
 
