@@ -12,6 +12,7 @@
     server: {host: 127.0.0.1, grpc_port: 50051, http_port: 8000}
     auth: {api_keys: [], disabled: true}
     planner: {mode: advisory}
+    health: {stall_timeout_s: 60}
 
 Errors name the field and, when the value came from a file, its line:
 ``cluster.yaml:7: regions[0].prefill.count: must be >= 0``.
@@ -90,6 +91,46 @@ class PlannerConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """How the controller watches instances and restores a region's targets.
+
+    Attributes:
+    interval_s: how often the controller checks every instance leader.
+    ping_timeout_s: a leader that does not answer a health check within this is replaced.
+    stall_timeout_s: an engine loop that has work but finishes nothing (no step, no
+        command) for this long is unhealthy, and its instance is replaced; keep it
+        well above the slowest step.
+    retry_backoff_s: the wait before retrying a failed instance start; it doubles
+        with each failure in a row.
+    retry_backoff_max_s: the longest wait between two retries.
+    start_timeout_s: how long starting an instance (room for its ranks, loading
+        the model, allocating the KV cache) may take before the start counts as
+        failed and is retried.
+    """
+
+    interval_s: float = 1.0
+    ping_timeout_s: float = 5.0
+    stall_timeout_s: float = 60.0
+    retry_backoff_s: float = 1.0
+    retry_backoff_max_s: float = 60.0
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        positive = ("interval_s", "ping_timeout_s", "stall_timeout_s", "retry_backoff_s")
+        for name in (*positive, "start_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(f"health.{name}", "must be > 0")
+        if self.retry_backoff_max_s < self.retry_backoff_s:
+            raise InvalidArgumentError(
+                "health.retry_backoff_max_s", "must be >= health.retry_backoff_s"
+            )
+
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` failed starts in a row."""
+        return min(self.retry_backoff_s * 2 ** max(failures - 1, 0), self.retry_backoff_max_s)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str
     engine: dict[str, Any]
@@ -97,6 +138,7 @@ class ClusterConfig:
     connector: str = "shm"
     router: RouterConfig = field(default_factory=RouterConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     ray_num_cpus: int | None = None
     metrics_port: int = 0
@@ -105,6 +147,39 @@ class ClusterConfig:
     def engine_config(self, role: str, region: RegionConfig) -> EngineConfig:
         spec = region.role(role)
         return build_engine_config(self.model, **{**self.engine, **spec.engine, **spec.parallel})
+
+    def instance_needs(self, role: str, region: RegionConfig) -> dict[str, float]:
+        """Ray resources one instance of ``role`` in ``region`` asks for (all its ranks)."""
+        spec = region.role(role)
+        ranks = self.engine_config(role, region).parallel.world_size
+        return {"CPU": spec.num_cpus_per_rank * ranks, "GPU": spec.num_gpus_per_rank * ranks}
+
+    def needs(self, targets: dict[str, dict[str, int]] | None = None) -> dict[str, float]:
+        """Ray resources of every instance at ``targets`` (region -> role -> count;
+        default: the configured counts)."""
+        total = {"CPU": 0.0, "GPU": 0.0}
+        for region in self.regions:
+            for role in ("prefill", "decode"):
+                count = region.role(role).count if targets is None else targets[region.name][role]
+                for key, amount in self.instance_needs(role, region).items():
+                    total[key] += count * amount
+        return total
+
+
+def check_fits(needs: dict[str, float], cluster: dict[str, float]) -> None:
+    """Refuse a layout the cluster's CPUs or GPUs cannot hold (``cluster``: Ray's totals)."""
+    hints = {
+        "CPU": "lower the instance counts or parallel sizes, or num_cpus_per_rank "
+        "(fractional values such as 0.5 share a CPU between ranks)",
+        "GPU": "lower the instance counts, parallel sizes or num_gpus_per_rank, or add GPU nodes",
+    }
+    for key, hint in hints.items():
+        need, have = needs.get(key, 0.0), cluster.get(key, 0.0)
+        if need > have + 1e-9:
+            word = key if need == 1 else f"{key}s"
+            raise InvalidArgumentError(
+                "regions", f"this layout needs {need:g} {word}, the cluster has {have:g}: {hint}"
+            )
 
 
 class _Lines:
@@ -173,6 +248,7 @@ _TOP = {
     "router",
     "disaggregation",
     "ray",
+    "health",
 }
 
 
@@ -222,6 +298,7 @@ def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
         planner=PlannerConfig(
             **_known(_map(raw, "planner", lines), PlannerConfig, "planner", lines)
         ),
+        health=HealthConfig(**_known(_map(raw, "health", lines), HealthConfig, "health", lines)),
         disaggregation=DisaggregationConfig(
             **_known(
                 _map(raw, "disaggregation", lines), DisaggregationConfig, "disaggregation", lines

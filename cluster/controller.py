@@ -7,16 +7,25 @@ then keeps the cluster at its targets:
   new instances are started, paired and registered; surplus ones are drained
   first (the router stops sending them work, they finish what they hold) and
   only then removed, so scaling fails or restarts no request;
-- a health loop pings every instance leader; one that does not answer is
-  reported to the router (which moves its requests to other instances), its
-  remains are torn down, and a replacement is started;
+- a health loop asks every instance leader for its health: one that does not
+  answer, or whose engine loop died or stalled, is reported unhealthy (in
+  ``status``), killed, reported to the router (which moves its requests to
+  other instances), and replaced;
+- a region below its targets (a replacement or a scale-up failed to start) is
+  retried by the health loop with exponential backoff until it is whole;
+  each failure is counted in the metrics and shown in ``status``;
 - a planner loop reads the router's region metrics and, per its mode, records
   or applies its decisions. When it wants more of a role and the cluster has
   no room for a new instance, an idle instance of the other role flips.
 
-Topology changes are serialized by one lock, which is not held while an
-instance drains (status, health checks and other regions' scaling go on); the
-loops run on their own threads.
+Locks: ``_lock`` guards the state (lists, targets, draining, starting,
+unhealthy) and is only held for reads and writes of it, never while an
+instance starts, drains, flips or shuts down, so status and health checks
+always answer. ``_topology`` serializes the short RPCs that join an instance
+to its peers (pairing, registering) or take it out, so two instances starting
+at once always pair with each other. Work that takes time runs on the thread
+of the call that asked for it (scale, flip) or on a thread of its own
+(replacements, retries).
 """
 
 from __future__ import annotations
@@ -24,60 +33,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pdserve.cluster.config import ClusterConfig, RegionConfig
-from pdserve.cluster.instances import Instance, pair
+from pdserve.cluster.config import ClusterConfig, RegionConfig, check_fits
+from pdserve.cluster.instances import Instance, pair, start_instance
 from pdserve.cluster.planner import Planner, PlannerDecision, RegionMetrics
 from pdserve.cluster.scale_log import ScaleLog
-from pdserve.cluster.topology import RegionInstances, add_instance, register, start_router
+from pdserve.cluster.status import ClusterStatus, InstanceStatus, RegionStatus, RetryState
+from pdserve.cluster.topology import RegionInstances, register, start_router
 from pdserve.cluster.worker import Role
 from pdserve.core.builtin_models import resolve_model
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.logs import setup_logging
-from pdserve.core.metrics import ScaleEvent
 from pdserve.core.model_config import ModelConfig
 from pdserve.parallel.instance import RankResources
 from pdserve.router.actor import Endpoints
 
 logger = logging.getLogger(__name__)
 
-HEALTH_INTERVAL_S = 1.0
-PING_TIMEOUT_S = 5.0
+CALL_TIMEOUT_S = 5.0  # best-effort control calls (stats, forget_peer)
 DRAIN_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class InstanceStatus:
-    instance_id: str
-    region: str
-    role: str
-    healthy: bool
-    draining: bool
-
-
-@dataclass(frozen=True)
-class RegionStatus:
-    name: str
-    prefill: int
-    decode: int
-    target_prefill: int
-    target_decode: int
-
-
-@dataclass(frozen=True)
-class ClusterStatus:
-    endpoints: Endpoints | None
-    regions: list[RegionStatus]
-    instances: list[InstanceStatus]
-    planner_mode: str
-    decisions: list[PlannerDecision]
-    events: list[str]
-    scale_events: list[ScaleEvent]
+FLIP_IDLE_WAIT_S = 60.0
+ROLES: tuple[Role, Role] = ("decode", "prefill")  # decode first: prefill instances pair with them
 
 
 class Controller:
@@ -86,6 +67,7 @@ class Controller:
     def __init__(self, config: ClusterConfig) -> None:
         setup_logging()
         self.config = config
+        self.health = config.health
         self.model_path = str(resolve_model(config.model))
         self.model = ModelConfig.from_dir(self.model_path)
         self.regions = {r.name: RegionInstances(r.name) for r in config.regions}
@@ -93,15 +75,20 @@ class Controller:
         self.targets = {
             r.name: {"prefill": r.prefill.count, "decode": r.decode.count} for r in config.regions
         }
+        self.starting = {r.name: {"prefill": 0, "decode": 0} for r in config.regions}
         self.planner = Planner(
             config.planner, config.router.ttft_slo_s, config.router.tpot_slo_s, self.specs
         )
         self.router: Any = None
         self.endpoints: Endpoints | None = None
         self.draining: set[str] = set()
+        # Instances found unhealthy, shown by status until their replacement is up.
+        self.unhealthy: dict[str, InstanceStatus] = {}
+        self.retries: dict[str, RetryState] = {}  # region -> its failed starts
         self.events: list[str] = []
         self.scale_log = ScaleLog()  # for the metrics and the dashboard
         self._lock = threading.RLock()
+        self._topology = threading.RLock()
         self._stop = threading.Event()
         self._ids = 0
 
@@ -112,11 +99,10 @@ class Controller:
         self.router, self.endpoints = start_router(
             self.config.router, self.model_path, {"scheduling_strategy": here}
         )
-        with self._lock:
-            for name in self.regions:
-                self._reconcile(name)  # only starts instances: nothing exists to drain yet
+        for name in self.regions:
+            self._converge(name, raise_errors=True)  # only starts: nothing to drain yet
         threading.Thread(
-            target=self._loop, args=(HEALTH_INTERVAL_S, self._check_health), daemon=True
+            target=self._loop, args=(self.health.interval_s, self._check_health), daemon=True
         ).start()
         if self.config.planner.mode != "off":
             threading.Thread(
@@ -132,30 +118,22 @@ class Controller:
 
     def status(self) -> ClusterStatus:
         with self._lock:
-            regions = [
-                RegionStatus(
-                    name,
-                    len(r.prefill),
-                    len(r.decode),
-                    self.targets[name]["prefill"],
-                    self.targets[name]["decode"],
-                )
-                for name, r in self.regions.items()
-            ]
+            regions = [self._region_status(name) for name in self.regions]
             instances = [
                 InstanceStatus(i.instance_id, name, i.role, True, i.instance_id in self.draining)
                 for name, r in self.regions.items()
                 for i in r.prefill + r.decode
-            ]
-        return ClusterStatus(
-            self.endpoints,
-            regions,
-            instances,
-            self.config.planner.mode,
-            list(self.planner.history[-20:]),
-            self.events[-50:],
-            self.scale_log.events[-50:],
-        )
+                if i.instance_id not in self.unhealthy
+            ] + list(self.unhealthy.values())
+            return ClusterStatus(
+                self.endpoints,
+                regions,
+                instances,
+                self.config.planner.mode,
+                list(self.planner.history[-20:]),
+                self.events[-50:],
+                self.scale_log.events[-50:],
+            )
 
     def scale(
         self,
@@ -172,7 +150,9 @@ class Controller:
                 "region", f"unknown region {region!r}; known: {sorted(self.regions)}"
             )
         spec = self.specs[region]
+        used = self._pages_used(self._listed(region))  # RPCs: before the lock
         with self._lock:
+            wanted = {name: dict(t) for name, t in self.targets.items()}
             for role, want in (("prefill", prefill), ("decode", decode)):
                 if want is None:
                     continue
@@ -182,34 +162,27 @@ class Controller:
                         role,
                         f"{want} is outside [{bounds.min}, {bounds.max}] for region {region!r}",
                     )
-                self.targets[region][role] = want
+                wanted[region][role] = want
+            check_fits(self.config.needs(wanted), ray.cluster_resources())
+            self.targets[region] = wanted[region]
             t = self.targets[region]
             self._event(f"scale {region} to {t['prefill']}P:{t['decode']}D ({reason})")
             if source == "operator":
                 self._decision(region, "set", cause, reason, source)
-            leaving = self._reconcile(region)
-        self._drain(region, leaving)  # without the lock: status and health go on meanwhile
+            # Claimed with the targets, so the health loop's retries never take them.
+            roles, leaving = self._plan_region(region, used)
+        self._reach(region, roles, leaving, raise_errors=True)  # status and health go on
         with self._lock:
-            r = self.regions[region]
-            return RegionStatus(
-                region,
-                len(r.prefill),
-                len(r.decode),
-                self.targets[region]["prefill"],
-                self.targets[region]["decode"],
-            )
+            return self._region_status(region)
 
     def flip(self, region: str, src: str, dst: str) -> bool:
         """Operator command: turn an idle ``src`` instance of the region into ``dst``."""
         if region not in self.regions:
             raise InvalidArgumentError("region", f"unknown region {region!r}")
-        with self._lock:
-            if not self._flip(region, src, dst):
-                return False
-            self.targets[region][dst] += 1
-            self.targets[region][src] -= 1
-            self._decision(region, f"flip_to_{dst}", "operator", "pdserve flip", "operator")
-            return True
+        if not self._flip(region, src, dst):
+            return False
+        self._decision(region, f"flip_to_{dst}", "operator", "pdserve flip", "operator")
+        return True
 
     def instance_handles(self) -> list[tuple[str, Any]]:
         """(role, leader actor handle) of every instance."""
@@ -229,38 +202,132 @@ class Controller:
     def stop(self) -> None:
         self._stop.set()
         with self._lock:
+            everyone = [i for r in self.regions.values() for i in r.prefill + r.decode]
             for r in self.regions.values():
-                for instance in r.prefill + r.decode:
-                    instance.shutdown()
                 r.prefill.clear()
                 r.decode.clear()
+        for instance in everyone:
+            instance.shutdown()
         if self.router is not None:
             ray.get(self.router.stop.remote())
             ray.kill(self.router)
 
+    def _region_status(self, name: str) -> RegionStatus:
+        r, t, retry = self.regions[name], self.targets[name], self.retries.get(name)
+        return RegionStatus(
+            name,
+            len(r.prefill),
+            len(r.decode),
+            t["prefill"],
+            t["decode"],
+            sum(self.starting[name].values()),
+            retry.failures if retry else 0,
+            retry.error if retry else "",
+            max(0.0, retry.next_at - time.monotonic()) if retry else 0.0,
+        )
+
     # -- reconciling -----------------------------------------------------------------------
 
-    def _reconcile(self, region: str) -> list[Instance]:
-        """Start what is missing; mark the surplus draining and return it.
+    def _converge(self, region: str, raise_errors: bool = False) -> None:
+        """Start what is missing, then drain and remove the surplus (lock not held)."""
+        used = self._pages_used(self._listed(region))
+        with self._lock:
+            roles, leaving = self._plan_region(region, used)
+        self._reach(region, roles, leaving, raise_errors)
 
-        Called with the lock held; the caller then waits for the returned
-        instances to go idle without it (:meth:`_drain`).
+    def _reach(
+        self, region: str, roles: list[Role], leaving: list[Instance], raise_errors: bool
+    ) -> None:
+        """Start the claimed roles, then drain and remove the surplus (lock not held)."""
+        try:
+            self._start_roles(region, roles, raise_errors)
+        finally:
+            self._drain(region, leaving)
+
+    def _listed(self, region: str) -> list[Instance]:
+        with self._lock:
+            return self.regions[region].prefill + self.regions[region].decode
+
+    def _staying(self, region: str, role: Role) -> list[Instance]:
+        gone = self.draining | self.unhealthy.keys()
+        return [i for i in self.regions[region].of(role) if i.instance_id not in gone]
+
+    def _missing(self, region: str, role: Role) -> int:
+        have = len(self._staying(region, role)) + self.starting[region][role]
+        return self.targets[region][role] - have
+
+    def _plan_region(
+        self, region: str, used: dict[str, int] | None = None
+    ) -> tuple[list[Role], list[Instance]]:
+        """Claim the starts a region is missing; mark its surplus draining (lock held).
+
+        The surplus to drain are the instances using the fewest KV pages
+        (``used``: instance id -> pages, read before the lock). The caller tells
+        the router, starts the claimed roles (:meth:`_start_roles`) and waits for
+        the returned instances to go idle (:meth:`_drain`), all without the lock.
         """
-        spec, instances = self.specs[region], self.regions[region]
+        roles: list[Role] = []
         leaving = []
-        for role in ("decode", "prefill"):  # decode first: prefill instances pair with them
-
-            def staying(role: str = role) -> list[Instance]:
-                return [i for i in instances.of(role) if i.instance_id not in self.draining]
-
-            while len(staying()) < self.targets[region][role]:
-                self._add(spec, role)
-            while len(staying()) > self.targets[region][role]:
-                instance = self._least_busy(staying())
+        for role in ROLES:
+            missing = self._missing(region, role)
+            if missing > 0:
+                self.starting[region][role] += missing
+                roles += [role] * missing
+            while len(staying := self._staying(region, role)) > self.targets[region][role]:
+                instance = min(staying, key=lambda i: (used or {}).get(i.instance_id, 0))
                 self.draining.add(instance.instance_id)
-                ray.get(self.router.set_draining.remote(instance.instance_id, True))
                 leaving.append(instance)
-        return leaving
+        return roles, leaving
+
+    def _start_roles(self, region: str, roles: list[Role], raise_errors: bool) -> None:
+        """Start one instance per entry of ``roles`` (claimed by :meth:`_plan_region`)."""
+        error: Exception | None = None
+        for role in roles:
+            try:
+                self._add(self.specs[region], role)
+            except Exception as e:
+                error = error or e
+                self._start_failed(region, role, e)
+            finally:
+                with self._lock:
+                    self.starting[region][role] -= 1
+        with self._lock:
+            if error is None and region in self.retries and not self._short(region):
+                retry = self.retries.pop(region)
+                self._event(f"{region} is whole again after {retry.failures} failed start(s)")
+        if error is not None and raise_errors:
+            raise error
+
+    def _short(self, region: str) -> bool:
+        return any(self._missing(region, role) > 0 for role in ROLES)
+
+    def _start_failed(self, region: str, role: Role, error: Exception) -> None:
+        with self._lock:
+            retry = self.retries.setdefault(region, RetryState())
+            retry.failures += 1
+            wait = self.health.backoff(retry.failures)
+            retry.next_at = time.monotonic() + wait
+            retry.error = f"starting a {role} instance failed: {_first_line(error)}"
+            self._event(f"{region}: {retry.error}; retrying in {wait:.0f} s")
+            self._decision(region, f"retry_{role}", "start_failed", retry.error, "health")
+
+    def _retry_due(self) -> None:
+        """Start what regions below their targets miss, once their backoff has passed."""
+        now = time.monotonic()
+        for region in self.regions:
+            with self._lock:
+                retry = self.retries.get(region)
+                replacing = any(u.region == region for u in self.unhealthy.values())
+                if self._stop.is_set() or replacing or not self._short(region):
+                    continue  # (a replacement converges its region itself)
+                if retry is not None and now < retry.next_at:
+                    continue
+                roles, leaving = self._plan_region(region)
+            threading.Thread(
+                target=self._start_roles, args=(region, roles, False), daemon=True
+            ).start()
+            if leaving:  # a role above its target while the other is short
+                threading.Thread(target=self._drain, args=(region, leaving), daemon=True).start()
 
     def _add(self, spec: RegionConfig, role: Role) -> Instance:
         role_spec = spec.role(role)
@@ -268,23 +335,45 @@ class Controller:
             num_cpus=role_spec.num_cpus_per_rank,
             num_gpus=role_spec.num_gpus_per_rank,
             labels=dict(spec.node_labels) or None,
+            start_timeout_s=self.health.start_timeout_s,
         )
-        self._ids += 1
-        instance_id = f"{spec.name}-{role}-{self._ids}"
+        with self._lock:
+            self._ids += 1
+            instance_id = f"{spec.name}-{role}-{self._ids}"
         engine = self.config.engine_config(role, spec)
-        instance = add_instance(
-            self.router, self.regions[spec.name], role, self.model, engine, self.config.connector,
-            resources, self.config.disaggregation, instance_id,
+        instance = start_instance(
+            role, self.model, engine, self.config.connector, resources,
+            self.config.disaggregation, instance_id,
         )  # fmt: skip
+        try:
+            self._join(spec.name, instance)
+        except BaseException:
+            instance.kill()
+            raise
         self._event(f"started {instance_id}")
         return instance
 
+    def _join(self, region: str, instance: Instance) -> None:
+        """Pair a started instance with the region's other role, register it, list it."""
+        with self._topology:
+            with self._lock:
+                r = self.regions[region]
+                other = r.decode if instance.role == "prefill" else r.prefill
+                peers = [p for p in other if p.instance_id not in self.unhealthy]
+            for peer in peers:
+                pair(instance, peer) if instance.role == "prefill" else pair(peer, instance)
+            register(self.router, instance, region)
+            with self._lock:
+                r.of(instance.role).append(instance)
+
     def _drain(self, region: str, leaving: list[Instance]) -> None:
         """Wait (lock not held) for draining instances to finish their work, then remove them."""
+        for instance in leaving:  # the router sends them nothing new
+            ray.get(self.router.set_draining.remote(instance.instance_id, True))
         waits = [i.leader.wait_idle.remote(DRAIN_TIMEOUT_S) for i in leaving]
         for instance, ref in zip(leaving, waits, strict=True):
             try:
-                idle = ray.get(ref, timeout=DRAIN_TIMEOUT_S + PING_TIMEOUT_S)
+                idle = ray.get(ref, timeout=DRAIN_TIMEOUT_S + CALL_TIMEOUT_S)
             except Exception:  # it died while draining: the health loop tears it down
                 idle = False
             if not idle:
@@ -293,51 +382,118 @@ class Controller:
                     instance.instance_id,
                     DRAIN_TIMEOUT_S,
                 )
+            if self._detach(region, instance):
+                instance.shutdown()
+                self._event(f"removed {instance.instance_id} after draining")
             with self._lock:
-                if instance in self.regions[region].of(instance.role):
-                    self._detach(region, instance)
-                    instance.shutdown()
-                    self._event(f"removed {instance.instance_id} after draining")
                 self.draining.discard(instance.instance_id)
 
-    def _detach(self, region: str, instance: Instance) -> None:
-        ray.get(self.router.unregister.remote(instance.instance_id))
-        r = self.regions[region]
-        r.of(instance.role).remove(instance)
-        peers = r.decode if instance.role == "prefill" else r.prefill
-        calls = [p.leader.forget_peer.remote(instance.instance_id) for p in peers]
-        if instance.role == "decode":
-            calls += [
-                w.unpair_ranks.remote(instance.instance_id) for p in peers for w in p.group.workers
-            ]
-        _best_effort(calls)
+    def _detach(self, region: str, instance: Instance) -> bool:
+        """Take an instance out of the region and the router; False if it was out already."""
+        with self._topology:
+            with self._lock:
+                r = self.regions[region]
+                if instance not in r.of(instance.role):
+                    return False
+                r.of(instance.role).remove(instance)
+                peers = list(r.decode if instance.role == "prefill" else r.prefill)
+            ray.get(self.router.unregister.remote(instance.instance_id))
+            calls = [p.leader.forget_peer.remote(instance.instance_id) for p in peers]
+            if instance.role == "decode":
+                calls += [
+                    w.unpair_ranks.remote(instance.instance_id)
+                    for p in peers
+                    for w in p.group.workers
+                ]
+            _best_effort(calls)
+            return True
 
     @staticmethod
-    def _least_busy(instances: list[Instance]) -> Instance:
+    def _pages_used(instances: list[Instance]) -> dict[str, int]:
+        """KV pages each instance holds (0 when it does not answer)."""
         stats = _best_effort([i.leader.stats.remote() for i in instances])
-        used = [(s.num_blocks - s.free_blocks) if s is not None else 0 for s in stats]
-        return instances[used.index(min(used))]
+        return {
+            i.instance_id: (s.num_blocks - s.free_blocks) if s is not None else 0
+            for i, s in zip(instances, stats, strict=True)
+        }
 
     # -- health -----------------------------------------------------------------------------
 
     def _check_health(self) -> None:
         with self._lock:
-            everyone = [(name, i) for name, r in self.regions.items() for i in r.prefill + r.decode]
-        pings = [i.leader.ping.remote() for _, i in everyone]
+            everyone = [
+                (name, i)
+                for name, r in self.regions.items()
+                for i in r.prefill + r.decode
+                if i.instance_id not in self.unhealthy
+            ]
+        checks = [i.leader.health.remote(self.health.stall_timeout_s) for _, i in everyone]
         stats = [i.leader.stats.remote() for _, i in everyone]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S)
-        for (name, instance), ref in zip(everyone, pings, strict=True):
-            alive = ref in ready and _best_effort([ref])[0] is not None
-            if not alive:
-                self._replace(name, instance)
-        counted, _ = ray.wait(stats, num_returns=len(stats), timeout=HEALTH_INTERVAL_S)
+        ready, _ = ray.wait(checks, num_returns=len(checks), timeout=self.health.ping_timeout_s)
+        answered = set(ready)
+        for (name, instance), ref in zip(everyone, checks, strict=True):
+            problem = self._problem(ref, ref in answered)
+            if problem is not None:
+                self._unhealthy(name, instance, problem)
+        counted, _ = ray.wait(stats, num_returns=len(stats), timeout=self.health.interval_s)
         read = [
             self.scale_log.read(name, instance.role, s)
             for (name, instance), ref in zip(everyone, stats, strict=True)
             if ref in counted and (s := _best_effort([ref])[0]) is not None
         ]
         self.scale_log.counters = read
+        self._retry_due()
         self._push_snapshot()
+
+    def _problem(self, ref: Any, answered: bool) -> str | None:
+        """Why a leader's health answer says it cannot serve, or None."""
+        if not answered:
+            return f"no answer to a health check within {self.health.ping_timeout_s:g} s"
+        try:
+            return ray.get(ref, timeout=0)
+        except RayActorError:
+            return "its leader died"
+        except Exception as e:
+            return f"health check failed: {_first_line(e)}"
+
+    def _unhealthy(self, region: str, instance: Instance, reason: str) -> None:
+        """Mark an instance unhealthy (status shows why) and replace it on a thread of its own."""
+        with self._lock:
+            listed = instance in self.regions[region].of(instance.role)
+            if not listed or instance.instance_id in self.unhealthy:
+                return
+            self.unhealthy[instance.instance_id] = InstanceStatus(
+                instance.instance_id, region, instance.role, False, False, reason
+            )
+        self._event(f"{instance.instance_id} is unhealthy ({reason}): replacing it")
+        threading.Thread(target=self._replace, args=(region, instance, reason), daemon=True).start()
+
+    def _replace(self, region: str, instance: Instance, reason: str) -> None:
+        """Kill it, move its requests, take it out, start another (no lock held).
+
+        Status lists it (unhealthy, with the reason) until the replacement is up.
+        """
+        try:
+            instance.kill()  # nothing it does from now on reaches a client twice
+            ray.get(self.router.instance_lost.remote(instance.instance_id))
+            self._detach(region, instance)
+        except Exception:
+            logger.exception("taking out %s failed", instance.instance_id)
+        with self._lock:
+            self.scale_log.restarted(region, instance.role)
+            self._decision(
+                region,
+                f"replace_{instance.role}",
+                "instance_lost",
+                f"{instance.instance_id}: {reason}",
+                "health",
+            )
+        try:
+            if not self._stop.is_set():
+                self._converge(region)  # a failed start is retried by the health loop
+        finally:
+            with self._lock:
+                self.unhealthy.pop(instance.instance_id, None)
 
     def _push_snapshot(self) -> None:
         """Send the router the cluster's state (metrics, dashboard); never waits for it."""
@@ -345,27 +501,6 @@ class Controller:
             with self._lock:
                 snapshot = self.scale_log.snapshot(self.regions, self.targets, self.draining)
             self.router.cluster_snapshot.remote(snapshot)
-
-    def _replace(self, region: str, instance: Instance) -> None:
-        with self._lock:
-            if instance not in self.regions[region].of(instance.role):
-                return
-            self._event(
-                f"{instance.instance_id} stopped answering: moving its requests, replacing it"
-            )
-            ray.get(self.router.instance_lost.remote(instance.instance_id))
-            self._detach(region, instance)
-            instance.shutdown()
-            self.scale_log.restarted(region, instance.role)
-            self._decision(
-                region,
-                f"replace_{instance.role}",
-                "instance_lost",
-                f"{instance.instance_id} stopped answering",
-                "health",
-            )
-            leaving = self._reconcile(region)
-        self._drain(region, leaving)
 
     # -- planner -------------------------------------------------------------------------------
 
@@ -394,18 +529,12 @@ class Controller:
     def _apply(self, decision: PlannerDecision) -> None:
         verb, role = decision.action.split("_")
         region = decision.region
+        other = "decode" if role == "prefill" else "prefill"
+        if verb == "add" and not self._room_for(region, role) and self._flip(region, other, role):
+            return
         with self._lock:
             targets = dict(self.targets[region])
-            targets[role] += 1 if verb == "add" else -1
-            other = "decode" if role == "prefill" else "prefill"
-            if (
-                verb == "add"
-                and not self._room_for(region, role)
-                and self._flip(region, other, role)
-            ):
-                self.targets[region][role] += 1
-                self.targets[region][other] -= 1
-                return
+        targets[role] += 1 if verb == "add" else -1
         self.scale(
             region,
             targets["prefill"],
@@ -415,41 +544,64 @@ class Controller:
         )
 
     def _room_for(self, region: str, role: str) -> bool:
-        spec = self.specs[region].role(role)
-        ranks = 1
-        for size in spec.parallel.values():
-            ranks *= size
+        needs = self.config.instance_needs(role, self.specs[region])
         free = ray.available_resources()
-        return (
-            free.get("CPU", 0.0) >= spec.num_cpus_per_rank * ranks
-            and free.get("GPU", 0.0) >= spec.num_gpus_per_rank * ranks
-        )
+        return all(free.get(key, 0.0) >= amount for key, amount in needs.items())
 
-    def _flip(self, region: str, src: str, dst: str) -> bool:
-        """Turn an idle instance of role ``src`` into ``dst`` (no room for a new one)."""
+    def _flip(self, region: str, src: Role, dst: Role) -> bool:
+        """Turn an idle instance of role ``src`` into ``dst`` (no room for a new one).
+
+        The targets move at once (one ``src`` fewer, one ``dst`` more, the
+        flipping instance counted as starting), so no reconcile meanwhile starts
+        a ``src`` to replace it; they move back if it does not go idle.
+        """
         r, spec = self.regions[region], self.specs[region]
-        if len(r.of(src)) <= spec.role(src).min or len(r.of(dst)) >= spec.role(dst).max:
+        with self._lock:
+            if len(r.of(src)) <= spec.role(src).min or len(r.of(dst)) >= spec.role(dst).max:
+                return False
+            candidates = self._staying(region, src)
+        if not candidates:
             return False
-        instance = self._least_busy(r.of(src))
-        self.draining.add(instance.instance_id)
-        ray.get(self.router.set_draining.remote(instance.instance_id, True))
-        if not ray.get(instance.leader.wait_idle.remote(60.0)):
-            ray.get(self.router.set_draining.remote(instance.instance_id, False))
-            self.draining.discard(instance.instance_id)
+        used = self._pages_used(candidates)
+        instance = min(candidates, key=lambda i: used[i.instance_id])
+        with self._lock:
+            if instance not in self._staying(region, src):
+                return False
+            self.draining.add(instance.instance_id)
+            self._move_target(region, src, dst, 1)
+        flipped = False
+        try:
+            ray.get(self.router.set_draining.remote(instance.instance_id, True))
+            if not ray.get(instance.leader.wait_idle.remote(FLIP_IDLE_WAIT_S)):
+                ray.get(self.router.set_draining.remote(instance.instance_id, False))
+                return False
+            with self._topology:
+                self._detach(region, instance)
+                ray.get([w.flip_role.remote(dst) for w in instance.group.workers])
+                instance.role = dst
+                self._join(region, instance)
+            flipped = True
+        except Exception:
+            logger.exception("flipping %s failed; stopping it", instance.instance_id)
+            self._detach(region, instance)  # if it is still listed
+            instance.kill()  # the region, one short, is refilled by the health loop
             return False
-        self._detach(region, instance)
-        ray.get([w.flip_role.remote(dst) for w in instance.group.workers])
-        instance.role = dst  # type: ignore[assignment]
-        peers = r.prefill if dst == "decode" else r.decode
-        for peer in peers:
-            pair(peer, instance) if dst == "decode" else pair(instance, peer)
-        r.of(dst).append(instance)
-        register(self.router, instance, region)
-        self.draining.discard(instance.instance_id)
+        finally:
+            with self._lock:
+                self.draining.discard(instance.instance_id)
+                self.starting[region][dst] -= 1
+                if not flipped:
+                    self.targets[region][src] += 1
+                    self.targets[region][dst] -= 1
         self._event(
             f"flipped {instance.instance_id} from {src} to {dst} (no room for a new instance)"
         )
         return True
+
+    def _move_target(self, region: str, src: Role, dst: Role, n: int) -> None:
+        self.targets[region][src] -= n
+        self.targets[region][dst] += n
+        self.starting[region][dst] += n
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -462,21 +614,28 @@ class Controller:
 
     def _decision(self, region: str, action: str, cause: str, reason: str, source: str) -> None:
         """Count a scaling decision and keep it for the dashboard's log."""
-        self.scale_log.decision(region, action, cause, reason, source, self.targets[region])
+        with self._lock:
+            self.scale_log.decision(region, action, cause, reason, source, self.targets[region])
         self._push_snapshot()  # on the dashboard now, not after the change completes
 
     def _event(self, text: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {text}"
         logger.info(line)
-        self.events.append(line)
-        del self.events[:-500]
+        with self._lock:
+            self.events.append(line)
+            del self.events[:-500]
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def _best_effort(refs: list[Any]) -> list[Any]:
     out = []
     for ref in refs:
         try:
-            out.append(ray.get(ref, timeout=PING_TIMEOUT_S))
+            out.append(ray.get(ref, timeout=CALL_TIMEOUT_S))
         except Exception:
             out.append(None)
     return out

@@ -7,11 +7,13 @@ routes reach, and each leader learns the other's actor handle.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from pdserve.cluster.worker import InstanceSpec, InstanceWorker, Role
 from pdserve.core.config import DisaggregationConfig, EngineConfig
@@ -33,7 +35,15 @@ class Instance:
         return self.group.leader
 
     def shutdown(self) -> None:
+        """Stop gracefully: the engine, the followers, then the actors."""
         self.group.shutdown()
+
+    def kill(self) -> None:
+        """Stop at once (an unhealthy instance): kill every rank, free its placement group."""
+        for worker in self.group.workers:
+            ray.kill(worker)
+        with contextlib.suppress(Exception):  # already removed
+            remove_placement_group(self.group.placement_group)
 
 
 def start_instance(

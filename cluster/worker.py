@@ -6,6 +6,14 @@ senders connect to, a sender with routes to paired decode ranks). The leader
 (rank 0) also runs the role server: :class:`~pdserve.prefill.server.PrefillServer`
 or :class:`~pdserve.decode.server.DecodeServer`. All methods are typed; the
 role methods are served by the leader only.
+
+Calls reach a rank on three Ray concurrency groups (declared in
+:mod:`pdserve.parallel.instance`): the default group serves the data path
+(``prefill`` holds a thread until the first token, ``wait`` until a request
+ends); ``control`` serves short calls that go through the engine loop
+(``stats``, ``drop``, ``check_idle``); ``health`` serves ``ping`` and
+``health``, which never touch the loop, so a full data path or a stuck loop
+never delays the controller's health check.
 """
 
 from __future__ import annotations
@@ -63,6 +71,10 @@ class InstanceStats:
     num_blocks: int
     prefix_queries: int = 0
     prefix_hits: int = 0
+
+
+HEALTH = "health"  # concurrency group of ping and health
+CONTROL = "control"  # concurrency group of short control calls through the engine loop
 
 
 class InstanceWorker(RankWorker):
@@ -155,6 +167,7 @@ class InstanceWorker(RankWorker):
     def prefill(self, request: PrefillRequest) -> FirstToken:
         return self._prefill().prefill(request).result()
 
+    @ray.method(concurrency_group=CONTROL)
     def drop(self, request_id: str) -> bool:
         return self._prefill().drop(request_id)
 
@@ -192,6 +205,7 @@ class InstanceWorker(RankWorker):
         assert self.server is not None
         return self.server.reports.subscribe(lambda report: router.report.remote(report))
 
+    @ray.method(concurrency_group=CONTROL)
     def stats(self) -> InstanceStats:
         assert self.server is not None
         server = self.server
@@ -212,9 +226,26 @@ class InstanceWorker(RankWorker):
 
         return server.loop.call(read).result()
 
+    @ray.method(concurrency_group=CONTROL)
     def check_idle(self) -> None:
         assert self.server is not None
         self.server.loop.call(lambda engine: engine.assert_idle()).result()
+
+    @ray.method(concurrency_group=HEALTH)
+    def health(self, stall_after_s: float) -> str | None:
+        """Leader: why this instance cannot serve (its engine loop died or stalled), or None."""
+        if self.server is None:
+            return "no engine loop running"
+        return self.server.loop.problem(stall_after_s)
+
+    @ray.method(concurrency_group=HEALTH)
+    def ping(self) -> float:
+        """Any rank: answers unless the leader's engine loop has stopped."""
+        if self.server is not None and self.server.loop.fatal is not None:
+            raise InstanceFailedError(
+                f"{self.instance.instance_id}: engine loop stopped: {self.server.loop.fatal}"
+            )
+        return super().ping()
 
     # -- drain, unpair, role flip ------------------------------------------------------------------
 
@@ -266,6 +297,7 @@ class InstanceWorker(RankWorker):
             self.engine.on_transfer_failure = None
             self._start_server()
 
+    @ray.method(concurrency_group=CONTROL)
     def role(self) -> str:
         return self.instance.role
 

@@ -1,15 +1,23 @@
-"""``pdserve serve | submit | status | scale | demo``: the cluster commands."""
+"""``pdserve serve | submit | status | scale | demo``: the cluster commands.
+
+A failure an operator can meet (no cluster at the address, a refused token,
+a layout that does not fit, a bad argument) leaves these commands as a
+:class:`PdserveError`, which the command line prints as one line with a
+nonzero exit; errors raised inside the controller are unwrapped from Ray's.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import threading
 import time
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from pdserve.core.errors import InstanceFailedError, PdserveError
 
 LOCAL_CONFIG = "local.yaml"
 
@@ -19,11 +27,45 @@ def example_config(name: str) -> Path:
     return Path(str(resources.files("pdserve.deploy").joinpath("configs", name)))
 
 
+@contextlib.contextmanager
+def _operator_errors() -> Iterator[None]:
+    """Turn Ray's errors into one-line pdserve errors (the cause, and what to do)."""
+    from ray.exceptions import AuthenticationError, RayError, RayTaskError
+
+    try:
+        yield
+    except RayTaskError as e:
+        if isinstance(e.cause, PdserveError):
+            raise e.cause from None
+        raise InstanceFailedError(f"the controller failed: {_first_line(e.cause or e)}") from None
+    except AuthenticationError as e:
+        raise InstanceFailedError(
+            f"the Ray cluster refused pdserve's token ({_first_line(e)}): run pdserve as the user "
+            "who started the cluster, or set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to its token"
+        ) from None
+    except RayError as e:
+        raise InstanceFailedError(f"Ray: {_first_line(e)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _get(ref: Any) -> Any:
+    import ray
+
+    with _operator_errors():
+        return ray.get(ref)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.config import load_config
     from pdserve.cluster.serve import serve
 
-    serve(load_config(args.config), args.ray_address)
+    config = load_config(args.config)
+    with _operator_errors():
+        serve(config, args.ray_address)
     return 0
 
 
@@ -32,11 +74,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from ray.job_submission import JobSubmissionClient
 
     from pdserve.cluster.config import load_config
+    from pdserve.cluster.serve import use_ray_token
 
     config = Path(args.config).resolve()
     load_config(config)  # refuse a bad config here, not on the cluster
-    _use_ray_token()
-    client = JobSubmissionClient(args.address)
+    use_ray_token()
+    try:
+        client = JobSubmissionClient(args.address)
+    except ConnectionError as e:
+        raise InstanceFailedError(
+            f"no Ray dashboard at {args.address} ({_first_line(e)}): pass the head's "
+            "dashboard address, e.g. --address http://HEAD:8265"
+        ) from None
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -49,42 +98,42 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except RuntimeError as e:
             # A head that just started has no job agent yet; Ray says to try again.
             if "try again later" not in str(e) or time.monotonic() > deadline:
-                raise
+                raise InstanceFailedError(f"Ray refused the job: {_first_line(e)}") from None
             time.sleep(2.0)
     print(f"submitted job {job_id} to {args.address}")
     print(f"follow it with: ray job logs --address {args.address} --follow {job_id}")
     return 0
 
 
-def _use_ray_token() -> None:
-    """Send the Ray cluster token when one is available (``ray start`` turns token auth on)."""
-    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
-    if "RAY_AUTH_TOKEN" in os.environ or token_file.is_file():
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-
-
 def _controller(address: str) -> Any:
+    """The running cluster's controller; never starts a Ray instance to ask an empty one."""
     from pdserve.cluster.serve import connect, find_controller
 
-    if address not in ("auto", "local"):
-        _use_ray_token()
-    connect(address)
-    return find_controller()
+    with _operator_errors():
+        connect(address, start_local=False)
+        return find_controller()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import ray
-
-    status = ray.get(_controller(args.ray_address).status.remote())
+    status = _get(_controller(args.ray_address).status.remote())
     print(f"{'region':<12} {'P:D':>7} {'target':>8}")
     for r in status.regions:
-        print(
+        line = (
             f"{r.name:<12} {r.prefill:>3}:{r.decode:<3} {r.target_prefill:>4}:{r.target_decode:<3}"
         )
+        if r.starting:
+            line += f"  starting {r.starting}"
+        if r.failed_starts:
+            line += (
+                f"  {r.failed_starts} failed start(s), retry in {r.retry_in_s:.0f} s: "
+                f"{r.last_error}"
+            )
+        print(line)
     print(f"\n{'instance':<28} {'region':<10} {'role':<8} state")
     for i in status.instances:
         state = "draining" if i.draining else ("healthy" if i.healthy else "unhealthy")
-        print(f"{i.instance_id:<28} {i.region:<10} {i.role:<8} {state}")
+        reason = f" ({i.reason})" if i.reason else ""
+        print(f"{i.instance_id:<28} {i.region:<10} {i.role:<8} {state}{reason}")
     print(f"\nplanner: {status.planner_mode}")
     for d in status.decisions[-5:]:
         print(
@@ -94,9 +143,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    import ray
-
-    region = ray.get(
+    region = _get(
         _controller(args.ray_address).scale.remote(args.region, args.prefill, args.decode)
     )
     print(f"{region.name}: {region.prefill} prefill, {region.decode} decode")

@@ -10,6 +10,12 @@ thread.
 
 If a step raises (a rank died), the loop stops, fails every waiting future
 with that error, and reports it through ``on_fatal``.
+
+Health: ``progress_at`` is when the loop last finished a unit of work (a
+command, a timer, a step) or woke up to one; :meth:`EngineLoop.problem` says
+whether the loop is dead, or busy without progress for longer than a deadline
+(a hung collective, a command that never returns). It reads only these two
+fields and the thread, never the engine, so it answers while the loop is stuck.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ class EngineLoop:
         self.step_seconds = 0.0
         self.step_tokens = 0.0
         self._idle = threading.Event()  # set while the engine holds no request or page
+        # Health (written by the loop thread, read by any): see problem().
+        self.progress_at = time.monotonic()
+        self._waiting = False  # asleep with nothing to do: no progress is owed
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -89,6 +98,24 @@ class EngineLoop:
                 return False
             self._idle.wait(min(1.0, left))
 
+    def problem(self, stall_after_s: float) -> str | None:
+        """Why this loop cannot serve (stopped, died, or stalled), or None when healthy.
+
+        Stalled: the loop has work (it is not asleep waiting for some) and has
+        finished nothing for more than ``stall_after_s`` seconds.
+        """
+        if self.fatal is not None:
+            return f"engine loop stopped: {type(self.fatal).__name__}: {self.fatal}"
+        if not self._thread.is_alive():
+            return "engine loop is not running"
+        busy_for = 0.0 if self._waiting else time.monotonic() - self.progress_at
+        if busy_for > stall_after_s:
+            return (
+                f"engine loop made no progress for {busy_for:.0f} s "
+                f"(health.stall_timeout_s = {stall_after_s:g})"
+            )
+        return None
+
     def stop(self, timeout_s: float = 30.0) -> None:
         with self._wake:
             self._running = False
@@ -103,7 +130,10 @@ class EngineLoop:
                     while self._running and not self._ready():
                         if self.engine.is_idle():
                             self._idle.set()
+                        self._waiting = True
                         self._wake.wait(self._next_timer_in())
+                    self._waiting = False
+                    self.progress_at = time.monotonic()
                     self._idle.clear()
                     if not self._running:
                         return
@@ -111,11 +141,14 @@ class EngineLoop:
                     self._commands.clear()
                 for fn, future in commands:
                     self._run_command(fn, future)
+                    self.progress_at = time.monotonic()
                 self._run_due_timers()
+                self.progress_at = time.monotonic()
                 if self.engine.scheduler.has_work:
                     start = time.perf_counter()
                     outputs = self.engine.step()
                     self._record_step(time.perf_counter() - start)
+                    self.progress_at = time.monotonic()
                     if outputs:
                         self._on_outputs(outputs)
         except BaseException as e:  # a dead rank or a bug: stop serving, say why

@@ -70,7 +70,9 @@ class RankGroup:
         workers: list[Any] = []
         try:
             ray.get(pg.ready(), timeout=res.start_timeout_s)
-            actor = ray.remote(worker_cls)
+            # Control and health calls never queue behind the data path (see
+            # pdserve.cluster.worker); RankWorker itself uses neither group.
+            actor = ray.remote(concurrency_groups={"control": 16, "health": 4})(worker_cls)
             threads = res.torch_threads or max(1, int(res.num_cpus))
             for rank in range(layout.world_size):
                 spec = RankSpec(rank, layout, model, engine, res.collective_timeout_s, threads)
@@ -78,7 +80,7 @@ class RankGroup:
                     actor.options(
                         num_cpus=res.num_cpus,
                         num_gpus=res.num_gpus,
-                        max_concurrency=64,  # loops, transfers and control calls
+                        max_concurrency=64,  # the default group: the data path
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             pg, placement_group_bundle_index=rank
                         ),

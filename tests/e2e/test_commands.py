@@ -61,17 +61,33 @@ def answer(grpc_port: int, timeout_s: float = 120.0) -> list[int]:
             time.sleep(1.0)
 
 
-def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def pdserve(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(BIN / "pdserve"), *args], capture_output=True, text=True, timeout=timeout, env=ENV
+        [str(BIN / "pdserve"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or ENV,
     )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], command: str) -> str:
+    """The error a failed command printed: one line, exit status 2, no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith(f"pdserve {command}")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
 
 
 def test_serve_status_scale_and_stop(tmp_path) -> None:
     config, grpc_port = config_with_ports(tmp_path)
     proc = subprocess.Popen(
         [str(BIN / "pdserve"), "serve", "--config", str(config), "--ray-address", "local"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**ENV, "PDSERVE_API_KEYS": "key-that-auth-disabled-ignores"},
     )  # fmt: skip
     try:
         lines, address = [], None
@@ -88,10 +104,20 @@ def test_serve_status_scale_and_stop(tmp_path) -> None:
             and "/metrics" in text
             and "/dashboard" in text
         )
+        assert "auth.disabled is true: the keys in $PDSERVE_API_KEYS are ignored" in text
         assert len(answer(grpc_port)) == 5
         status = pdserve("status", "--ray-address", address)
         assert status.returncode == 0, status.stderr
         assert re.search(r"east\s+1:1", status.stdout) and "decode" in status.stdout
+        # Nothing exported by hand: pdserve finds and sends the cluster's token itself.
+        plain = {k: v for k, v in ENV.items() if k != "RAY_AUTH_MODE"}
+        status = pdserve("status", "--ray-address", address, env=plain)
+        assert status.returncode == 0, status.stderr
+        assert re.search(r"decode\s+healthy", status.stdout)
+        again = pdserve("serve", "--config", str(config), "--ray-address", address)
+        assert "a pdserve cluster is already running on the Ray cluster at" in one_line_error(
+            again, "serve"
+        )
         scaled = pdserve(
             "scale", "--region", "west", "--decode", "2", "--ray-address", address, timeout=180
         )
@@ -188,3 +214,47 @@ def test_ray_job_submit_reaches_running_and_answers(tmp_path, ray_head) -> None:
         timeout=120,
     )
     assert stopped.returncode == 0, stopped.stderr
+
+
+def test_status_and_scale_without_a_cluster_say_so_at_once() -> None:
+    """No Ray cluster at the address: one line, exit 2, and no new empty Ray instance."""
+    nowhere = f"127.0.0.1:{free_port()}"
+    config = str(example_config("local.yaml"))
+    runs = [
+        (("status",), {**ENV, "RAY_ADDRESS": nowhere}, f"no Ray cluster at {nowhere}"),
+        (("status", "--ray-address", nowhere), ENV, f"no Ray cluster at {nowhere}"),
+        (
+            ("scale", "--region", "east", "--decode", "2", "--ray-address", nowhere),
+            ENV,
+            f"no Ray cluster at {nowhere}",
+        ),
+        (
+            ("submit", "--address", f"http://{nowhere}", "--config", config),
+            ENV,
+            f"no Ray dashboard at http://{nowhere}",
+        ),
+    ]
+    for args, env, says in runs:
+        start = time.monotonic()
+        result = pdserve(*args, env=env, timeout=120)
+        assert says in one_line_error(result, args[0])
+        assert time.monotonic() - start < 60  # Ray alone would retry for minutes
+        assert "Started a local Ray instance" not in result.stderr
+
+
+def test_layout_that_cannot_fit_is_refused_before_any_actor_starts(tmp_path) -> None:
+    config = tmp_path / "too-big.yaml"
+    config.write_text(
+        "model: builtin:tiny\n"
+        "ray: {num_cpus: 2}\n"
+        "regions:\n"
+        "  - name: east\n"
+        "    prefill: {count: 1, tensor_parallel_size: 2, num_cpus_per_rank: 1}\n"
+        "    decode: {count: 1, num_cpus_per_rank: 1}\n"
+        "server: {host: 127.0.0.1, grpc_port: 0, http_port: 0}\n"
+        "auth: {disabled: true}\n"
+    )
+    start = time.monotonic()
+    result = pdserve("serve", "--config", str(config), "--ray-address", "local", timeout=180)
+    assert "this layout needs 3 CPUs, the cluster has 2" in one_line_error(result, "serve")
+    assert time.monotonic() - start < 150  # not the 300 s placement wait
