@@ -29,7 +29,7 @@ import yaml
 
 from pdserve.core.config import DisaggregationConfig, EngineConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.router.config import RegionSpec, RouterConfig
+from pdserve.router.config import RegionSpec, RouterConfig, TlsConfig
 
 ROLE_KEYS = {"count", "min", "max", "num_cpus_per_rank", "num_gpus_per_rank", "engine"}
 PARALLEL_KEYS = {"tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"}
@@ -268,27 +268,8 @@ def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
                 raise lines.error(
                     f"regions[{names.index(r.name)}].latency_ms.{other}", "unknown region"
                 )
-    slo, server, auth = (_map(raw, k, lines) for k in ("slo", "server", "auth"))
-    router_extra = _map(raw, "router", lines)
-    router = RouterConfig(
-        model_name=str(raw.get("served_model_name", raw["model"])),
-        regions=tuple(
-            RegionSpec(r.name, {k: v / 1000 for k, v in r.latency_ms.items()}) for r in regions
-        ),
-        api_keys=tuple(auth.get("api_keys", ())),
-        auth_disabled=bool(auth.get("disabled", False)),
-        ttft_slo_s=float(slo.get("ttft_ms", 2000)) / 1000,
-        tpot_slo_s=float(slo.get("tpot_ms", 200)) / 1000,
-        host=str(server.get("host", "127.0.0.1")),
-        grpc_port=int(server.get("grpc_port", 0)),
-        http_port=int(server.get("http_port", 0)),
-        policy=str(router_extra.get("policy", "cost_model")),
-        max_inflight_per_region=int(router_extra.get("max_inflight_per_region", 256)),
-        retry_budget_ratio=float(router_extra.get("retry_budget_ratio", 0.1)),
-        hedge_after_s=None
-        if router_extra.get("hedge_after_ms") is None
-        else router_extra["hedge_after_ms"] / 1000,
-    )
+    router = _router_config(raw, regions, lines)
+    server = _map(raw, "server", lines)
     config = ClusterConfig(
         model=raw["model"],
         engine=_map(raw, "engine", lines),
@@ -308,7 +289,13 @@ def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
         metrics_port=int(server.get("metrics_port", 0)),
         source=lines.source,
     )
-    for i, region in enumerate(regions):  # every engine option is checked now, not at start-up
+    _check_engines(config, lines)
+    return config
+
+
+def _check_engines(config: ClusterConfig, lines: _Lines) -> None:
+    """Every engine option of every role, checked now rather than at start-up."""
+    for i, region in enumerate(config.regions):
         for role in ("prefill", "decode"):
             try:
                 config.engine_config(role, region)
@@ -320,7 +307,67 @@ def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
                 else:
                     where = f"engine.{e.field}"
                 raise lines.error(where, e.message) from None
-    return config
+
+
+# The ``router`` section: its keys and their types (hedge_after_ms becomes hedge_after_s).
+ROUTER_KEYS: dict[str, type] = {
+    "policy": str, "max_inflight_per_region": int, "adaptive_admission": bool,
+    "retry_budget_ratio": float, "hedge_after_ms": float, "max_migrations": int,
+    "migration_wait_s": float, "reservation_ttl_s": float, "without_prefill": str,
+    "stream_idle_timeout_s": float, "max_body_bytes": int,
+}  # fmt: skip
+SERVER_KEYS = {"host", "grpc_port", "http_port", "metrics_port", "tls"}
+
+
+def _router_config(
+    raw: dict[str, Any], regions: tuple[RegionConfig, ...], lines: _Lines
+) -> RouterConfig:
+    """The router's config from the ``slo``, ``server``, ``auth`` and ``router`` sections."""
+    slo, server, auth = (_map(raw, k, lines) for k in ("slo", "server", "auth"))
+    extra = _map(raw, "router", lines)
+    for section, values, known in (("router", extra, ROUTER_KEYS), ("server", server, SERVER_KEYS)):
+        for key in values:
+            if key not in known:
+                raise lines.error(f"{section}.{key}", f"unknown field (known: {sorted(known)})")
+    tls = _map(server, "tls", lines, "server")
+    options = {
+        key: _typed(value, ROUTER_KEYS[key], f"router.{key}", lines) for key, value in extra.items()
+    }
+    hedge_ms = options.pop("hedge_after_ms", None)
+    try:
+        return RouterConfig(
+            model_name=str(raw.get("served_model_name", raw["model"])),
+            regions=tuple(
+                RegionSpec(r.name, {k: v / 1000 for k, v in r.latency_ms.items()}) for r in regions
+            ),
+            api_keys=tuple(auth.get("api_keys", ())),
+            auth_disabled=bool(auth.get("disabled", False)),
+            ttft_slo_s=float(slo.get("ttft_ms", 2000)) / 1000,
+            tpot_slo_s=float(slo.get("tpot_ms", 200)) / 1000,
+            host=str(server.get("host", "127.0.0.1")),
+            grpc_port=int(server.get("grpc_port", 0)),
+            http_port=int(server.get("http_port", 0)),
+            hedge_after_s=None if hedge_ms is None else float(hedge_ms) / 1000,
+            tls=TlsConfig(**_known(tls, TlsConfig, "server.tls", lines)) if tls else None,
+            **options,
+        )
+    except InvalidArgumentError as e:
+        field = e.field if "." in e.field else f"router.{e.field}"
+        raise lines.error(field, e.message) from None
+    except TypeError as e:  # a missing TLS file name
+        raise lines.error("server.tls", f"needs cert and key ({e})") from None
+
+
+def _typed(value: Any, kind: type, field: str, lines: _Lines) -> Any:
+    """``value`` as ``kind`` (an int is a float too; a bool is never a number)."""
+    if kind is bool and isinstance(value, bool):
+        return value
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and (kind is float or (kind is int and float(value).is_integer())):
+        return kind(value)
+    if kind is str and isinstance(value, str):
+        return value
+    raise lines.error(field, f"must be {'an' if kind is int else 'a'} {kind.__name__}")
 
 
 def _region(raw: Any, i: int, lines: _Lines) -> RegionConfig:

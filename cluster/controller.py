@@ -36,12 +36,20 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ClusterConfig, RegionConfig, check_fits
-from pdserve.cluster.instances import Instance, pair, start_instance
-from pdserve.cluster.planner import Planner, PlannerDecision, RegionMetrics
+from pdserve.cluster.health import HealthChecks
+from pdserve.cluster.instances import (
+    CALL_TIMEOUT_S,
+    Instance,
+    best_effort,
+    first_line,
+    pair,
+    start_instance,
+)
+from pdserve.cluster.planner import Planner
+from pdserve.cluster.planning import Planning
 from pdserve.cluster.scale_log import ScaleLog
 from pdserve.cluster.status import ClusterStatus, InstanceStatus, RegionStatus, RetryState
 from pdserve.cluster.topology import RegionInstances, register, start_router
@@ -55,9 +63,7 @@ from pdserve.router.actor import Endpoints
 
 logger = logging.getLogger(__name__)
 
-CALL_TIMEOUT_S = 5.0  # best-effort control calls (stats, forget_peer)
 DRAIN_TIMEOUT_S = 300.0
-FLIP_IDLE_WAIT_S = 60.0
 ROLES: tuple[Role, Role] = ("decode", "prefill")  # decode first: prefill instances pair with them
 
 
@@ -91,6 +97,8 @@ class Controller:
         self._topology = threading.RLock()
         self._stop = threading.Event()
         self._ids = 0
+        self.health_checks = HealthChecks(self)
+        self.planning = Planning(self)
 
     # -- start ------------------------------------------------------------------------
 
@@ -102,11 +110,13 @@ class Controller:
         for name in self.regions:
             self._converge(name, raise_errors=True)  # only starts: nothing to drain yet
         threading.Thread(
-            target=self._loop, args=(self.health.interval_s, self._check_health), daemon=True
+            target=self._loop, args=(self.health.interval_s, self.health_checks.check), daemon=True
         ).start()
         if self.config.planner.mode != "off":
             threading.Thread(
-                target=self._loop, args=(self.config.planner.interval_s, self._plan), daemon=True
+                target=self._loop,
+                args=(self.config.planner.interval_s, self.planning.plan),
+                daemon=True,
             ).start()
         self._event("cluster started")
         return self.endpoints
@@ -170,7 +180,7 @@ class Controller:
             if source == "operator":
                 self._decision(region, "set", cause, reason, source)
             # Claimed with the targets, so the health loop's retries never take them.
-            roles, leaving = self._plan_region(region, used)
+            roles, leaving = self.planning.plan_region(region, used)
         self._reach(region, roles, leaving, raise_errors=True)  # status and health go on
         with self._lock:
             return self._region_status(region)
@@ -179,7 +189,7 @@ class Controller:
         """Operator command: turn an idle ``src`` instance of the region into ``dst``."""
         if region not in self.regions:
             raise InvalidArgumentError("region", f"unknown region {region!r}")
-        if not self._flip(region, src, dst):
+        if not self.planning.flip(region, src, dst):
             return False
         self._decision(region, f"flip_to_{dst}", "operator", "pdserve flip", "operator")
         return True
@@ -232,7 +242,7 @@ class Controller:
         """Start what is missing, then drain and remove the surplus (lock not held)."""
         used = self._pages_used(self._listed(region))
         with self._lock:
-            roles, leaving = self._plan_region(region, used)
+            roles, leaving = self.planning.plan_region(region, used)
         self._reach(region, roles, leaving, raise_errors)
 
     def _reach(
@@ -307,7 +317,7 @@ class Controller:
             retry.failures += 1
             wait = self.health.backoff(retry.failures)
             retry.next_at = time.monotonic() + wait
-            retry.error = f"starting a {role} instance failed: {_first_line(error)}"
+            retry.error = f"starting a {role} instance failed: {first_line(error)}"
             self._event(f"{region}: {retry.error}; retrying in {wait:.0f} s")
             self._decision(region, f"retry_{role}", "start_failed", retry.error, "health")
 
@@ -322,7 +332,7 @@ class Controller:
                     continue  # (a replacement converges its region itself)
                 if retry is not None and now < retry.next_at:
                     continue
-                roles, leaving = self._plan_region(region)
+                roles, leaving = self.planning.plan_region(region)
             threading.Thread(
                 target=self._start_roles, args=(region, roles, False), daemon=True
             ).start()
@@ -405,95 +415,17 @@ class Controller:
                     for p in peers
                     for w in p.group.workers
                 ]
-            _best_effort(calls)
+            best_effort(calls)
             return True
 
     @staticmethod
     def _pages_used(instances: list[Instance]) -> dict[str, int]:
         """KV pages each instance holds (0 when it does not answer)."""
-        stats = _best_effort([i.leader.stats.remote() for i in instances])
+        stats = best_effort([i.leader.stats.remote() for i in instances])
         return {
             i.instance_id: (s.num_blocks - s.free_blocks) if s is not None else 0
             for i, s in zip(instances, stats, strict=True)
         }
-
-    # -- health -----------------------------------------------------------------------------
-
-    def _check_health(self) -> None:
-        with self._lock:
-            everyone = [
-                (name, i)
-                for name, r in self.regions.items()
-                for i in r.prefill + r.decode
-                if i.instance_id not in self.unhealthy
-            ]
-        checks = [i.leader.health.remote(self.health.stall_timeout_s) for _, i in everyone]
-        stats = [i.leader.stats.remote() for _, i in everyone]
-        ready, _ = ray.wait(checks, num_returns=len(checks), timeout=self.health.ping_timeout_s)
-        answered = set(ready)
-        for (name, instance), ref in zip(everyone, checks, strict=True):
-            problem = self._problem(ref, ref in answered)
-            if problem is not None:
-                self._unhealthy(name, instance, problem)
-        counted, _ = ray.wait(stats, num_returns=len(stats), timeout=self.health.interval_s)
-        read = [
-            self.scale_log.read(name, instance.role, s)
-            for (name, instance), ref in zip(everyone, stats, strict=True)
-            if ref in counted and (s := _best_effort([ref])[0]) is not None
-        ]
-        self.scale_log.counters = read
-        self._retry_due()
-        self._push_snapshot()
-
-    def _problem(self, ref: Any, answered: bool) -> str | None:
-        """Why a leader's health answer says it cannot serve, or None."""
-        if not answered:
-            return f"no answer to a health check within {self.health.ping_timeout_s:g} s"
-        try:
-            return ray.get(ref, timeout=0)
-        except RayActorError:
-            return "its leader died"
-        except Exception as e:
-            return f"health check failed: {_first_line(e)}"
-
-    def _unhealthy(self, region: str, instance: Instance, reason: str) -> None:
-        """Mark an instance unhealthy (status shows why) and replace it on a thread of its own."""
-        with self._lock:
-            listed = instance in self.regions[region].of(instance.role)
-            if not listed or instance.instance_id in self.unhealthy:
-                return
-            self.unhealthy[instance.instance_id] = InstanceStatus(
-                instance.instance_id, region, instance.role, False, False, reason
-            )
-        self._event(f"{instance.instance_id} is unhealthy ({reason}): replacing it")
-        threading.Thread(target=self._replace, args=(region, instance, reason), daemon=True).start()
-
-    def _replace(self, region: str, instance: Instance, reason: str) -> None:
-        """Kill it, move its requests, take it out, start another (no lock held).
-
-        Status lists it (unhealthy, with the reason) until the replacement is up.
-        """
-        try:
-            instance.kill()  # nothing it does from now on reaches a client twice
-            ray.get(self.router.instance_lost.remote(instance.instance_id))
-            self._detach(region, instance)
-        except Exception:
-            logger.exception("taking out %s failed", instance.instance_id)
-        with self._lock:
-            self.scale_log.restarted(region, instance.role)
-            self._decision(
-                region,
-                f"replace_{instance.role}",
-                "instance_lost",
-                f"{instance.instance_id}: {reason}",
-                "health",
-            )
-        try:
-            if not self._stop.is_set():
-                self._converge(region)  # a failed start is retried by the health loop
-        finally:
-            with self._lock:
-                self.unhealthy.pop(instance.instance_id, None)
 
     def _push_snapshot(self) -> None:
         """Send the router the cluster's state (metrics, dashboard); never waits for it."""
@@ -501,107 +433,6 @@ class Controller:
             with self._lock:
                 snapshot = self.scale_log.snapshot(self.regions, self.targets, self.draining)
             self.router.cluster_snapshot.remote(snapshot)
-
-    # -- planner -------------------------------------------------------------------------------
-
-    def _plan(self) -> None:
-        metrics = ray.get(self.router.region_metrics.remote(self.config.planner.interval_s * 4))
-        for m in metrics:
-            decision = self.planner.decide(
-                RegionMetrics(**{k: m[k] for k in RegionMetrics.__dataclass_fields__})
-            )
-            if decision is None:
-                continue
-            logger.info("planner: %s %s: %s", decision.region, decision.action, decision.reason)
-            self._event(
-                f"planner {decision.region} {decision.action} ({decision.reason}){'' if decision.applied else ' [advisory]'}"
-            )
-            if decision.applied:
-                self._apply(decision)
-            self._decision(
-                decision.region,
-                decision.action,
-                decision.cause,
-                decision.reason,
-                "planner" if decision.applied else "planner-advisory",
-            )
-
-    def _apply(self, decision: PlannerDecision) -> None:
-        verb, role = decision.action.split("_")
-        region = decision.region
-        other = "decode" if role == "prefill" else "prefill"
-        if verb == "add" and not self._room_for(region, role) and self._flip(region, other, role):
-            return
-        with self._lock:
-            targets = dict(self.targets[region])
-        targets[role] += 1 if verb == "add" else -1
-        self.scale(
-            region,
-            targets["prefill"],
-            targets["decode"],
-            reason=f"planner: {decision.reason}",
-            source="planner",
-        )
-
-    def _room_for(self, region: str, role: str) -> bool:
-        needs = self.config.instance_needs(role, self.specs[region])
-        free = ray.available_resources()
-        return all(free.get(key, 0.0) >= amount for key, amount in needs.items())
-
-    def _flip(self, region: str, src: Role, dst: Role) -> bool:
-        """Turn an idle instance of role ``src`` into ``dst`` (no room for a new one).
-
-        The targets move at once (one ``src`` fewer, one ``dst`` more, the
-        flipping instance counted as starting), so no reconcile meanwhile starts
-        a ``src`` to replace it; they move back if it does not go idle.
-        """
-        r, spec = self.regions[region], self.specs[region]
-        with self._lock:
-            if len(r.of(src)) <= spec.role(src).min or len(r.of(dst)) >= spec.role(dst).max:
-                return False
-            candidates = self._staying(region, src)
-        if not candidates:
-            return False
-        used = self._pages_used(candidates)
-        instance = min(candidates, key=lambda i: used[i.instance_id])
-        with self._lock:
-            if instance not in self._staying(region, src):
-                return False
-            self.draining.add(instance.instance_id)
-            self._move_target(region, src, dst, 1)
-        flipped = False
-        try:
-            ray.get(self.router.set_draining.remote(instance.instance_id, True))
-            if not ray.get(instance.leader.wait_idle.remote(FLIP_IDLE_WAIT_S)):
-                ray.get(self.router.set_draining.remote(instance.instance_id, False))
-                return False
-            with self._topology:
-                self._detach(region, instance)
-                ray.get([w.flip_role.remote(dst) for w in instance.group.workers])
-                instance.role = dst
-                self._join(region, instance)
-            flipped = True
-        except Exception:
-            logger.exception("flipping %s failed; stopping it", instance.instance_id)
-            self._detach(region, instance)  # if it is still listed
-            instance.kill()  # the region, one short, is refilled by the health loop
-            return False
-        finally:
-            with self._lock:
-                self.draining.discard(instance.instance_id)
-                self.starting[region][dst] -= 1
-                if not flipped:
-                    self.targets[region][src] += 1
-                    self.targets[region][dst] -= 1
-        self._event(
-            f"flipped {instance.instance_id} from {src} to {dst} (no room for a new instance)"
-        )
-        return True
-
-    def _move_target(self, region: str, src: Role, dst: Role, n: int) -> None:
-        self.targets[region][src] -= n
-        self.targets[region][dst] += n
-        self.starting[region][dst] += n
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -624,18 +455,3 @@ class Controller:
         with self._lock:
             self.events.append(line)
             del self.events[:-500]
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-def _best_effort(refs: list[Any]) -> list[Any]:
-    out = []
-    for ref in refs:
-        try:
-            out.append(ray.get(ref, timeout=CALL_TIMEOUT_S))
-        except Exception:
-            out.append(None)
-    return out

@@ -81,3 +81,23 @@ def pair(prefill: Instance, decode: Instance, timeout_s: float = 120.0) -> None:
         ],
         timeout=timeout_s,
     )
+
+
+CALL_TIMEOUT_S = 5.0  # best-effort control calls (stats, forget_peer)
+
+
+def first_line(error: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def best_effort(refs: list[Any]) -> list[Any]:
+    """Results of control calls, None for each that failed or took over CALL_TIMEOUT_S."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref, timeout=CALL_TIMEOUT_S))
+        except Exception:
+            out.append(None)
+    return out

@@ -56,6 +56,22 @@ def test_shipped_configs_load() -> None:
             ("    decode: {count: 1}\n", "    decode: {count: 1, engine: {max_num_seqs: -3}}\n"),
             "cfg.yaml:6: regions[0].decode.engine.max_num_seqs",
         ),
+        (
+            ("model: builtin:tiny", "model: builtin:tiny\nrouter: {without_prefill: wait}"),
+            "cfg.yaml:2: router.without_prefill",
+        ),
+        (
+            ("model: builtin:tiny", "model: builtin:tiny\nrouter: {max_migrations: two}"),
+            "cfg.yaml:2: router.max_migrations",
+        ),
+        (("model: builtin:tiny", "model: builtin:tiny\nrouter: {colour: 1}"), "router.colour"),
+        (
+            (
+                "model: builtin:tiny",
+                "model: builtin:tiny\nserver: {tls: {cert: /no.pem, key: /no.key}}",
+            ),
+            "cfg.yaml:2: server.tls.cert",
+        ),
     ],
 )
 def test_errors_name_the_field_and_the_line(edit, where) -> None:
@@ -141,3 +157,17 @@ def test_advisory_decisions_are_recorded_not_applied() -> None:
     p = Planner(PlannerConfig(mode="advisory"), 1.0, 0.1, {r.name: r for r in config.regions})
     decision = p.decide(metrics(ttft_p90_s=5.0), now=1000.0)
     assert decision is not None and not decision.applied and p.history == [decision]
+
+
+def test_router_options_and_tls_reach_the_router(tmp_path) -> None:
+    (tmp_path / "c.pem").write_text("cert")
+    (tmp_path / "k.pem").write_text("key")
+    extra = (
+        "router: {without_prefill: spill, stream_idle_timeout_s: 30, hedge_after_ms: 250}\n"
+        f"server: {{tls: {{cert: {tmp_path / 'c.pem'}, key: {tmp_path / 'k.pem'}}}}}"
+    )
+    config = parse_config(GOOD.replace("model: builtin:tiny", f"model: builtin:tiny\n{extra}"))
+    router = config.router
+    assert (router.without_prefill, router.stream_idle_timeout_s) == ("spill", 30.0)
+    assert router.hedge_after_s == 0.25
+    assert router.tls is not None and router.tls.cert == str(tmp_path / "c.pem")

@@ -1,0 +1,112 @@
+"""The controller's health loop: find instances that cannot serve, and replace them.
+
+Every ``health.interval_s`` each leader is asked for its health (answered on
+its own concurrency group, never through its engine loop). A leader that does
+not answer within ``health.ping_timeout_s``, whose leader died, or whose
+engine loop died or stalled is marked unhealthy (status shows why), killed,
+reported to the router (which moves its requests) and replaced, on a thread
+of its own. The same loop reads the instances' counters for the metrics,
+retries failed starts that are due, and sends the router the cluster's
+snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from pdserve.cluster.instances import Instance, best_effort, first_line
+from pdserve.cluster.status import InstanceStatus
+
+if TYPE_CHECKING:
+    from pdserve.cluster.controller import Controller
+
+logger = logging.getLogger(__name__)
+
+
+class HealthChecks:
+    """The health work of a :class:`~pdserve.cluster.controller.Controller`,
+    on its state (``c``) and under its locks."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    def check(self) -> None:
+        with self.c._lock:
+            everyone = [
+                (name, i)
+                for name, r in self.c.regions.items()
+                for i in r.prefill + r.decode
+                if i.instance_id not in self.c.unhealthy
+            ]
+        checks = [i.leader.health.remote(self.c.health.stall_timeout_s) for _, i in everyone]
+        stats = [i.leader.stats.remote() for _, i in everyone]
+        ready, _ = ray.wait(checks, num_returns=len(checks), timeout=self.c.health.ping_timeout_s)
+        answered = set(ready)
+        for (name, instance), ref in zip(everyone, checks, strict=True):
+            problem = self._problem(ref, ref in answered)
+            if problem is not None:
+                self._unhealthy(name, instance, problem)
+        counted, _ = ray.wait(stats, num_returns=len(stats), timeout=self.c.health.interval_s)
+        read = [
+            self.c.scale_log.read(name, instance.role, s)
+            for (name, instance), ref in zip(everyone, stats, strict=True)
+            if ref in counted and (s := best_effort([ref])[0]) is not None
+        ]
+        self.c.scale_log.counters = read
+        self.c._retry_due()
+        self.c._push_snapshot()
+
+    def _problem(self, ref: Any, answered: bool) -> str | None:
+        """Why a leader's health answer says it cannot serve, or None."""
+        if not answered:
+            return f"no answer to a health check within {self.c.health.ping_timeout_s:g} s"
+        try:
+            return ray.get(ref, timeout=0)
+        except RayActorError:
+            return "its leader died"
+        except Exception as e:
+            return f"health check failed: {first_line(e)}"
+
+    def _unhealthy(self, region: str, instance: Instance, reason: str) -> None:
+        """Mark an instance unhealthy (status shows why) and replace it on a thread of its own."""
+        with self.c._lock:
+            listed = instance in self.c.regions[region].of(instance.role)
+            if not listed or instance.instance_id in self.c.unhealthy:
+                return
+            self.c.unhealthy[instance.instance_id] = InstanceStatus(
+                instance.instance_id, region, instance.role, False, False, reason
+            )
+        self.c._event(f"{instance.instance_id} is unhealthy ({reason}): replacing it")
+        threading.Thread(target=self._replace, args=(region, instance, reason), daemon=True).start()
+
+    def _replace(self, region: str, instance: Instance, reason: str) -> None:
+        """Kill it, move its requests, take it out, start another (no lock held).
+
+        Status lists it (unhealthy, with the reason) until the replacement is up.
+        """
+        try:
+            instance.kill()  # nothing it does from now on reaches a client twice
+            ray.get(self.c.router.instance_lost.remote(instance.instance_id))
+            self.c._detach(region, instance)
+        except Exception:
+            logger.exception("taking out %s failed", instance.instance_id)
+        with self.c._lock:
+            self.c.scale_log.restarted(region, instance.role)
+            self.c._decision(
+                region,
+                f"replace_{instance.role}",
+                "instance_lost",
+                f"{instance.instance_id}: {reason}",
+                "health",
+            )
+        try:
+            if not self.c._stop.is_set():
+                self.c._converge(region)  # a failed start is retried by the health loop
+        finally:
+            with self.c._lock:
+                self.c.unhealthy.pop(instance.instance_id, None)

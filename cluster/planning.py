@@ -1,0 +1,132 @@
+"""The controller's planner loop: read the router's region metrics, decide, apply.
+
+In ``advisory`` mode decisions are only logged and counted; in ``on`` mode an
+``add_<role>`` raises the region's target, unless the cluster has no room for
+another instance of that role: then an idle instance of the other role flips
+role without reloading its weights. Every decision is kept for the dashboard.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import ray
+
+from pdserve.cluster.planner import PlannerDecision, RegionMetrics
+from pdserve.cluster.worker import Role
+
+if TYPE_CHECKING:
+    from pdserve.cluster.controller import Controller
+
+logger = logging.getLogger(__name__)
+
+FLIP_IDLE_WAIT_S = 60.0
+
+
+class Planning:
+    """The planner work of a :class:`~pdserve.cluster.controller.Controller`,
+    on its state (``c``) and under its locks."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    def plan(self) -> None:
+        metrics = ray.get(self.c.router.region_metrics.remote(self.c.config.planner.interval_s * 4))
+        for m in metrics:
+            decision = self.c.planner.decide(
+                RegionMetrics(**{k: m[k] for k in RegionMetrics.__dataclass_fields__})
+            )
+            if decision is None:
+                continue
+            logger.info("planner: %s %s: %s", decision.region, decision.action, decision.reason)
+            self.c._event(
+                f"planner {decision.region} {decision.action} ({decision.reason}){'' if decision.applied else ' [advisory]'}"
+            )
+            if decision.applied:
+                self._apply(decision)
+            self.c._decision(
+                decision.region,
+                decision.action,
+                decision.cause,
+                decision.reason,
+                "planner" if decision.applied else "planner-advisory",
+            )
+
+    def _apply(self, decision: PlannerDecision) -> None:
+        verb, name = decision.action.split("_")
+        region = decision.region
+        role: Role = "prefill" if name == "prefill" else "decode"
+        other: Role = "decode" if role == "prefill" else "prefill"
+        if verb == "add" and not self._room_for(region, role) and self.flip(region, other, role):
+            return
+        with self.c._lock:
+            targets = dict(self.c.targets[region])
+        targets[role] += 1 if verb == "add" else -1
+        self.c.scale(
+            region,
+            targets["prefill"],
+            targets["decode"],
+            reason=f"planner: {decision.reason}",
+            source="planner",
+        )
+
+    def _room_for(self, region: str, role: str) -> bool:
+        needs = self.c.config.instance_needs(role, self.c.specs[region])
+        free = ray.available_resources()
+        return all(free.get(key, 0.0) >= amount for key, amount in needs.items())
+
+    def flip(self, region: str, src: Role, dst: Role) -> bool:
+        """Turn an idle instance of role ``src`` into ``dst`` (no room for a new one).
+
+        The targets move at once (one ``src`` fewer, one ``dst`` more, the
+        flipping instance counted as starting), so no reconcile meanwhile starts
+        a ``src`` to replace it; they move back if it does not go idle.
+        """
+        r, spec = self.c.regions[region], self.c.specs[region]
+        with self.c._lock:
+            if len(r.of(src)) <= spec.role(src).min or len(r.of(dst)) >= spec.role(dst).max:
+                return False
+            candidates = self.c._staying(region, src)
+        if not candidates:
+            return False
+        used = self.c._pages_used(candidates)
+        instance = min(candidates, key=lambda i: used[i.instance_id])
+        with self.c._lock:
+            if instance not in self.c._staying(region, src):
+                return False
+            self.c.draining.add(instance.instance_id)
+            self._move_target(region, src, dst, 1)
+        flipped = False
+        try:
+            ray.get(self.c.router.set_draining.remote(instance.instance_id, True))
+            if not ray.get(instance.leader.wait_idle.remote(FLIP_IDLE_WAIT_S)):
+                ray.get(self.c.router.set_draining.remote(instance.instance_id, False))
+                return False
+            with self.c._topology:
+                self.c._detach(region, instance)
+                ray.get([w.flip_role.remote(dst) for w in instance.group.workers])
+                instance.role = dst
+                self.c._join(region, instance)
+            flipped = True
+        except Exception:
+            logger.exception("flipping %s failed; stopping it", instance.instance_id)
+            self.c._detach(region, instance)  # if it is still listed
+            instance.kill()  # the region, one short, is refilled by the health loop
+            return False
+        finally:
+            with self.c._lock:
+                self.c.draining.discard(instance.instance_id)
+                self.c.starting[region][dst] -= 1
+                if not flipped:
+                    self.c.targets[region][src] += 1
+                    self.c.targets[region][dst] -= 1
+        self.c._event(
+            f"flipped {instance.instance_id} from {src} to {dst} (no room for a new instance)"
+        )
+        return True
+
+    def _move_target(self, region: str, src: Role, dst: Role, n: int) -> None:
+        self.c.targets[region][src] -= n
+        self.c.targets[region][dst] += n
+        self.c.starting[region][dst] += n
