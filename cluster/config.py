@@ -314,7 +314,7 @@ ROUTER_KEYS: dict[str, type] = {
     "policy": str, "max_inflight_per_region": int, "adaptive_admission": bool,
     "retry_budget_ratio": float, "hedge_after_ms": float, "max_migrations": int,
     "migration_wait_s": float, "reservation_ttl_s": float, "without_prefill": str,
-    "stream_idle_timeout_s": float, "max_body_bytes": int,
+    "stream_idle_timeout_s": float, "max_body_bytes": int, "on_transfer_failure": str,
 }  # fmt: skip
 SERVER_KEYS = {"host", "grpc_port", "http_port", "metrics_port", "tls"}
 

@@ -13,8 +13,9 @@ with that error, and reports it through ``on_fatal``.
 
 Health: ``progress_at`` is when the loop last finished a unit of work (a
 command, a timer, a step) or woke up to one; :meth:`EngineLoop.problem` says
-whether the loop is dead, or busy without progress for longer than a deadline
-(a hung collective, a command that never returns). It reads only these two
+whether the loop is dead, busy without progress for longer than a deadline
+(a hung collective, a command that never returns), or went idle with KV pages
+still referenced (a leak: counted each time the engine goes idle). It reads only these two
 fields and the thread, never the engine, so it answers while the loop is stuck.
 """
 
@@ -65,6 +66,7 @@ class EngineLoop:
         # Health (written by the loop thread, read by any): see problem().
         self.progress_at = time.monotonic()
         self._waiting = False  # asleep with nothing to do: no progress is owed
+        self.leaked_pages = 0  # pages referenced when the engine last went idle
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -108,6 +110,8 @@ class EngineLoop:
             return f"engine loop stopped: {type(self.fatal).__name__}: {self.fatal}"
         if not self._thread.is_alive():
             return "engine loop is not running"
+        if self.leaked_pages:
+            return f"{self.leaked_pages} KV pages are held with no request left (a leak)"
         busy_for = 0.0 if self._waiting else time.monotonic() - self.progress_at
         if busy_for > stall_after_s:
             return (
@@ -115,6 +119,11 @@ class EngineLoop:
                 f"(health.stall_timeout_s = {stall_after_s:g})"
             )
         return None
+
+    def _held_pages(self) -> int:
+        """Pages still referenced although no request, reservation or hold is left."""
+        kv = self.engine.kv
+        return kv.num_blocks - kv.num_free_blocks
 
     def stop(self, timeout_s: float = 30.0) -> None:
         with self._wake:
@@ -130,6 +139,7 @@ class EngineLoop:
                     while self._running and not self._ready():
                         if self.engine.is_idle():
                             self._idle.set()
+                            self.leaked_pages = self._held_pages()
                         self._waiting = True
                         self._wake.wait(self._next_timer_in())
                     self._waiting = False

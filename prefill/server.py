@@ -37,6 +37,7 @@ from pdserve.core.request import RequestOutput
 from pdserve.core.step import KVSend, StepPlan
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.loop import EngineLoop, LoadReporter
+from pdserve.transfer.connector import TransferError
 from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.stats import LeaseStats
 
@@ -159,8 +160,8 @@ class PrefillServer:
             engine.release(send.request_id)
             self.stats.aborted += 1
             if transfer is not None and not transfer.first_token.done():
-                transfer.first_token.set_exception(
-                    InstanceFailedError(f"KV transfer of {send.request_id} to {send.peer} failed")
+                transfer.first_token.set_exception(  # the instance is fine: only this request moves
+                    TransferError(f"KV transfer of {send.request_id} to {send.peer} failed")
                 )
             decode = self.decodes.get(send.peer)
             if decode is not None:

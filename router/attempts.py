@@ -45,6 +45,7 @@ from pdserve.router.observe import Observer
 from pdserve.router.placement import Choice, CompletionInput, RegionChooser
 from pdserve.router.state import ClusterView, InstanceView
 from pdserve.router.stream import RequestStream, StreamFailed
+from pdserve.transfer.connector import TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +274,8 @@ class Attempts:
                 self.instance_lost(prefill.instance_id)  # moves this attempt and its siblings
             elif isinstance(cause, RequestFailedError):
                 attempt.stream.fail(cause)  # never retried: it would fail again
+            elif isinstance(cause, TransferError) and self.config.on_transfer_failure == "fail":
+                attempt.stream.fail(cause)
             elif not attempt.closed and not isinstance(cause, RequestAbortedError):
                 await self.migrate(attempt, f"prefill {prefill.instance_id} failed: {cause}")
         finally:

@@ -65,6 +65,8 @@ class RouterConfig:
         prefill instance serves it; "local" if none has one) or "refuse" (429 at once).
     stream_idle_timeout_s: a stream that gets no token for this long fails (UNAVAILABLE),
         so no client waits forever on an instance that went silent.
+    on_transfer_failure: a prompt whose KV did not reach its decode instance is
+        prefilled again on another pair ("recompute") or fails (UNAVAILABLE, "fail").
     """
 
     model_name: str = "pdserve"
@@ -88,6 +90,7 @@ class RouterConfig:
     tls: TlsConfig | None = None
     without_prefill: str = "local"
     stream_idle_timeout_s: float = 300.0
+    on_transfer_failure: str = "recompute"
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -110,6 +113,10 @@ class RouterConfig:
         if self.without_prefill not in WITHOUT_PREFILL:
             raise InvalidArgumentError(
                 "router.without_prefill", f"must be one of {WITHOUT_PREFILL}"
+            )
+        if self.on_transfer_failure not in ("recompute", "fail"):
+            raise InvalidArgumentError(
+                "router.on_transfer_failure", "must be 'recompute' or 'fail'"
             )
         if self.stream_idle_timeout_s <= 0:
             raise InvalidArgumentError("router.stream_idle_timeout_s", "must be > 0")

@@ -45,6 +45,21 @@ def test_a_loop_busy_without_progress_past_the_deadline_is_stalled(loop) -> None
     assert loop.problem(stall_after_s=0.2) is None
 
 
+def test_pages_held_with_no_request_are_a_leak(loop) -> None:
+    leaked = loop.call(lambda engine: engine.kv.pool.allocate(3)).result(timeout=5)
+    loop.call(lambda engine: None).result(timeout=5)  # the loop goes idle after this
+    deadline = time.monotonic() + 5
+    while loop.problem(60.0) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.problem(60.0) == "3 KV pages are held with no request left (a leak)"
+    loop.call(lambda engine: engine.kv.pool.free(leaked)).result(timeout=5)
+    loop.call(lambda engine: None).result(timeout=5)
+    deadline = time.monotonic() + 5
+    while loop.problem(60.0) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.problem(60.0) is None
+
+
 def test_a_dead_loop_says_why(loop) -> None:
     class Killed(BaseException):
         pass

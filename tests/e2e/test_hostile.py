@@ -367,3 +367,37 @@ def test_every_table_returns_to_rest_after_mixed_traffic_with_cancels(cluster, d
         ("attempts", "tasks", "region_inflight", "instance_inflight", "pending_prompt_tokens"), 0
     )
     cluster.assert_idle()
+
+
+def test_a_failed_kv_transfer_is_recomputed_and_the_prefill_stays(cluster, doors) -> None:
+    from pdserve import LLM, SamplingParams
+
+    def break_next_flush(worker) -> None:  # runs inside the prefill rank's actor
+        from pdserve.transfer.connector import TransferError
+
+        sender, original = worker.transfer.sender, worker.transfer.sender.flush
+        broken = [True]
+
+        def flush() -> None:
+            if broken.pop() if broken else False:
+                raise TransferError("this test broke the transfer")
+            original()
+
+        sender.flush = flush
+
+    (prefill,) = cluster.regions["local"].prefill
+    ray.get(prefill.leader.__ray_call__.remote(break_next_flush))
+    prompt = "a prompt long enough to be prefilled on the prefill instance " * 2
+    out = stub(doors).Complete(
+        pb.CompletionRequest(model="tiny", prompt=prompt, sampling=sampling(max_tokens=5)),
+        metadata=AUTH,
+        timeout=60,
+    )
+    want = LLM("builtin:tiny").generate(prompt, SamplingParams(max_tokens=5, temperature=0))
+    assert list(out.token_ids) == want[0].outputs[0].token_ids
+    assert ray.get(cluster._bootstrap[0].stats.remote()).migrations >= 1
+    _, text = get(doors, "/ready")
+    assert (
+        json.loads(text)["instances"]["prefill"] == 1
+    )  # a transfer failure is not a lost instance
+    cluster.assert_idle()
