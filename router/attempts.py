@@ -176,14 +176,15 @@ class Attempts:
     async def _reserve_somewhere(
         self, attempt: Attempt, choice: Choice
     ) -> tuple[InstanceView | None, InstanceView, Reservation]:
-        region, placement, refused = choice.region, choice.placement, set[str]()
+        refused: set[str] = set()
         while True:
-            prefills = self.cluster.table("prefill", region)
-            prefill = prefills.views[placement.prefill] if placement.prefill is not None else None
-            decode = self.cluster.table("decode", region).views[placement.decode]
+            prefill, decode = choice.prefill, choice.decode
+            if not self._usable(decode) or (prefill is not None and not self._usable(prefill)):
+                choice = self._replace(attempt, choice)  # it left while the request waited
+                continue
             if decode.instance_id in refused:
                 raise OverloadedError(
-                    f"every decode instance of {region!r} is full", retry_after_s=0.5
+                    f"every decode instance of {choice.region!r} is full", retry_after_s=0.5
                 )
             # Counted from the choice on, so arrivals placed before this reservation
             # returns see it (and spread).
@@ -201,12 +202,19 @@ class Attempts:
                 refused.add(decode.instance_id)
                 if not self.retries.try_spend():
                     raise
-                try:
-                    placement = self.chooser.score(attempt.inp, region, choice.hashes)
-                except OverloadedError:  # the region's last decode is gone: another region
-                    choice = self.chooser.choose(attempt.inp)
-                    region, placement = choice.region, choice.placement
-                    attempt.region = region
+                choice = self._replace(attempt, choice)
+
+    def _usable(self, view: InstanceView) -> bool:
+        return self.cluster.instances.get(view.instance_id) is view and view.available
+
+    def _replace(self, attempt: Attempt, choice: Choice) -> Choice:
+        """Another placement in the region; another region when its last decode is gone."""
+        try:
+            return self.chooser.place(attempt.inp, choice.region, choice.hashes)
+        except OverloadedError:
+            choice = self.chooser.choose(attempt.inp)
+            attempt.region = choice.region
+            return choice
 
     async def _reserve(
         self, attempt: Attempt, prefill: InstanceView | None, decode: InstanceView
@@ -353,9 +361,7 @@ class Attempts:
         if await stream.wait_first_token(self.config.hedge_after_s) or not self.retries.try_spend():
             return
         try:
-            choice = Choice(
-                first.region, self.chooser.score(first.inp, first.region, hashes), hashes
-            )
+            choice = self.chooser.place(first.inp, first.region, hashes)
             second = await self.launch(stream, first.inp, choice, 0)
         except PdserveError as e:  # no second pair now: the first attempt carries on
             logger.info("hedge of %s not started: %s", stream.request_id, e)

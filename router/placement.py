@@ -25,7 +25,7 @@ from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import Placement, RoutingPolicy, RoutingRequest
 from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
-from pdserve.router.state import ClusterView
+from pdserve.router.state import ClusterView, InstanceView
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,17 @@ class CompletionInput:
 
 @dataclass(frozen=True)
 class Choice:
-    """A region and the policy's placement there; ``hashes`` caches the prompt's block
-    hashes per block size, so a retry in the same request scores without rehashing."""
+    """A region and the instances the policy picked there.
+
+    The instances are held as views, not rows of the region's tables: a table
+    may change while the request waits (an instance lost or added), a view
+    does not. ``hashes`` caches the prompt's block hashes per block size, so a
+    retry in the same request scores without rehashing.
+    """
 
     region: str
-    placement: Placement
+    prefill: InstanceView | None
+    decode: InstanceView
     hashes: dict[int, list[bytes]]
 
 
@@ -101,7 +107,17 @@ class RegionChooser:
                 f"no region can take the request now (home {home!r} is {why})",
                 retry_after_s=1.0,
             )
-        return Choice(best[1], best[2], hashes)
+        return self._resolve(best[1], best[2], hashes)
+
+    def place(self, inp: CompletionInput, region: str, hashes: dict[int, list[bytes]]) -> Choice:
+        """The policy's instances in ``region`` now (OverloadedError: it has no decode)."""
+        return self._resolve(region, self.score(inp, region, hashes), hashes)
+
+    def _resolve(self, region: str, placement: Placement, hashes: dict[int, list[bytes]]) -> Choice:
+        prefills = self.cluster.table("prefill", region).views
+        decode = self.cluster.table("decode", region).views[placement.decode]
+        prefill = prefills[placement.prefill] if placement.prefill is not None else None
+        return Choice(region, prefill, decode, hashes)
 
     def _candidates(self, regions: list[str]) -> list[str]:
         """Regions with a decode instance; per ``without_prefill``, also a prefill one."""
