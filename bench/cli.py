@@ -17,6 +17,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         peer,
         router,
         serve,
+        soak,
         transfer,
     )
 
@@ -29,3 +30,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     serve.add_parser(kinds)
     headline.add_parser(kinds)
     peer.add_parser(kinds)
+    soak.add_parser(kinds)
