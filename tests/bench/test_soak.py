@@ -8,16 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.bench.soak import (
+from pdserve.bench.soak import add_parser, api_key_for, check_args, log_errors
+from pdserve.bench.soak_outcomes import (
     Attempt,
     RssSample,
-    add_parser,
-    api_key_for,
     cancel_phase,
-    check_args,
     check_tokens,
     classify,
-    log_errors,
     plan_attempts,
     result_table,
     rss_summary,
