@@ -180,7 +180,7 @@ class Controller:
             if source == "operator":
                 self._decision(region, "set", cause, reason, source)
             # Claimed with the targets, so the health loop's retries never take them.
-            roles, leaving = self.planning.plan_region(region, used)
+            roles, leaving = self._plan_region(region, used)
         self._reach(region, roles, leaving, raise_errors=True)  # status and health go on
         with self._lock:
             return self._region_status(region)
@@ -242,7 +242,7 @@ class Controller:
         """Start what is missing, then drain and remove the surplus (lock not held)."""
         used = self._pages_used(self._listed(region))
         with self._lock:
-            roles, leaving = self.planning.plan_region(region, used)
+            roles, leaving = self._plan_region(region, used)
         self._reach(region, roles, leaving, raise_errors)
 
     def _reach(
@@ -332,7 +332,7 @@ class Controller:
                     continue  # (a replacement converges its region itself)
                 if retry is not None and now < retry.next_at:
                     continue
-                roles, leaving = self.planning.plan_region(region)
+                roles, leaving = self._plan_region(region)
             threading.Thread(
                 target=self._start_roles, args=(region, roles, False), daemon=True
             ).start()
