@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (see bench/RESULTS.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     from pdserve.bench import (

@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("router", help="router decision time and front-door latency")
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=32)

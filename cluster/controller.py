@@ -185,7 +185,7 @@ class Controller:
         with self._lock:
             return self._region_status(region)
 
-    def flip(self, region: str, src: str, dst: str) -> bool:
+    def flip(self, region: str, src: Role, dst: Role) -> bool:
         """Operator command: turn an idle ``src`` instance of the region into ``dst``."""
         if region not in self.regions:
             raise InvalidArgumentError("region", f"unknown region {region!r}")

@@ -126,7 +126,7 @@ def start_controller(config: ClusterConfig) -> tuple[Any, Endpoints]:
     check_fits(config.needs(), ray.cluster_resources())  # before any actor starts
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     try:
-        actor = (
+        actor: Any = (
             ray.remote(Controller)
             .options(
                 name=CONTROLLER,

@@ -146,11 +146,11 @@ class InstanceWorker(RankWorker):
 
     def receive_pages(self, header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
         """Object-store connector: one message of pages (K part, V part) for this rank."""
-        self.transfer.receiver.receive(header, keys, values)  # type: ignore[attr-defined]
+        self.transfer.receiver.receive(header, keys, values)
 
     def kv_accept(self, pair_id: str) -> None:
         """Point-to-point connector: join a sender's pair group."""
-        self.transfer.receiver.accept(pair_id)  # type: ignore[attr-defined]
+        self.transfer.receiver.accept(pair_id)
 
     def transfer_stats(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return self.transfer.sender.stats.as_dict(), self.transfer.receiver.stats.as_dict()

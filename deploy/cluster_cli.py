@@ -24,7 +24,7 @@ LOCAL_CONFIG = "local.yaml"
 
 def example_config(name: str) -> Path:
     """A config shipped with pdserve (``deploy/configs/<name>``)."""
-    return Path(str(resources.files("pdserve.deploy").joinpath("configs", name)))
+    return Path(str(resources.files("pdserve.deploy") / "configs" / name))
 
 
 @contextlib.contextmanager
@@ -206,7 +206,7 @@ def _stream_one(endpoints: Any, prompt: str, region: str, keys: tuple[str, ...])
     print(f"\n  TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms, {len(times)} chunks\n", flush=True)
 
 
-def add_cluster_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     def ray_address(p: argparse.ArgumentParser, default: str = "auto") -> None:
         p.add_argument(
             "--ray-address", default=default, help="auto, local (embedded) or a Ray address"
