@@ -177,15 +177,17 @@ class Attempts:
         self, attempt: Attempt, choice: Choice
     ) -> tuple[InstanceView | None, InstanceView, Reservation]:
         refused: set[str] = set()
+        full: set[str] = set()  # regions whose every decode instance refused
         while True:
             prefill, decode = choice.prefill, choice.decode
             if not self._usable(decode) or (prefill is not None and not self._usable(prefill)):
                 choice = self._replace(attempt, choice)  # it left while the request waited
                 continue
-            if decode.instance_id in refused:
-                raise OverloadedError(
-                    f"every decode instance of {choice.region!r} is full", retry_after_s=0.5
-                )
+            if decode.instance_id in refused:  # the region is full: another one, or 429
+                full.add(choice.region)
+                choice = self.chooser.choose(attempt.inp, frozenset(full))
+                attempt.region = choice.region
+                continue
             # Counted from the choice on, so arrivals placed before this reservation
             # returns see it (and spread).
             decode.inflight += 1

@@ -76,22 +76,22 @@ class RegionChooser:
         self.region_inflight = region_inflight
         self.decision_s: deque[float] = deque(maxlen=4096)  # recent decision times
 
-    def choose(self, inp: CompletionInput) -> Choice:
-        """The region to serve in, and the policy's placement there (scored once)."""
+    def choose(self, inp: CompletionInput, skip: frozenset[str] = frozenset()) -> Choice:
+        """The region to serve in (none of ``skip``), and the policy's placement there."""
         start = time.perf_counter()
         try:
-            return self._choose(inp)
+            return self._choose(inp, skip)
         finally:
             self.decision_s.append(time.perf_counter() - start)
 
-    def _choose(self, inp: CompletionInput) -> Choice:
+    def _choose(self, inp: CompletionInput, skip: frozenset[str]) -> Choice:
         home = inp.region or self.config.home_region
         regions = [r.name for r in self.config.regions]
         if home not in regions:
             raise InvalidArgumentError("region", f"unknown region; known: {regions}")
         hashes: dict[int, list[bytes]] = {}
         best: tuple[float, str, Placement] | None = None
-        candidates = self._candidates(regions)
+        candidates = [r for r in self._candidates(regions) if r not in skip]
         for region in candidates:
             if not self.admission.admit(region, self.region_inflight[region]):
                 continue
