@@ -5,9 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build of torch is pinned first so the project install does not pull CUDA wheels.
 TORCH_PIN ?= torch==2.13.0
-TYPED := core engine transfer router
+# Packages `make typecheck` checks (a prefix keeps a package and its subpackages).
+TYPED ?= pdserve
 
-.PHONY: demo test lint typecheck pytest fuzz gpu-check venv clean
+.PHONY: demo test lint typecheck pytest fuzz gpu-check soak venv clean
 
 venv: $(STAMP)
 
@@ -25,15 +26,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# mypy resolves `pdserve.<part>` through a tree of links that mirrors the
-# package mapping in pyproject.toml.
+# mypy checks every module of the package map in pyproject.toml under its import
+# name (tests/typecheck.py), with the [tool.mypy] settings there.
 typecheck: $(STAMP)
-	@rm -rf build/typecheck && mkdir -p build/typecheck/pdserve
-	@for d in core engine parallel prefill decode transfer router cluster deploy bench; do \
-		ln -s ../../../$$d build/typecheck/pdserve/$$d; done
-	@ln -s ../../../api/__init__.py build/typecheck/pdserve/__init__.py
-	@ln -s ../../../api/llm.py build/typecheck/pdserve/llm.py
-	cd build/typecheck && ../../$(BIN)/mypy $(foreach p,$(TYPED),-p pdserve.$(p))
+	$(BIN)/python -m tests.typecheck $(TYPED)
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -50,6 +46,12 @@ fuzz: $(STAMP)
 GPU_OUT ?= gpu-results
 gpu-check:
 	$(PYTHON) bench/gpu_check.py --out $(GPU_OUT)
+
+# A local cluster at 80% of its capacity for MINUTES, with client cancels and a worker
+# killed every minute (bench/soak.py); the result table goes in bench/RESULTS.md.
+MINUTES ?= 10
+soak: $(STAMP)
+	$(BIN)/pdserve bench soak --minutes $(MINUTES)
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 
+from pdserve.bench.report import write_json
 from pdserve.core.messages import PrefillRequest, ReserveRequest, TokenBatch
 from pdserve.core.sampling_params import SamplingParams
 
@@ -125,8 +126,7 @@ def run(args: argparse.Namespace) -> int:
     for instance in (prefill, decode, colocated):
         instance.shutdown()
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_json(Path(args.out), report)
     return 0
 
 

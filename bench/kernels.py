@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.bench.report import write_json
+
 if TYPE_CHECKING:
     from pdserve.parallel.attention.backend import AttentionMetadata
 
@@ -160,7 +162,9 @@ def attention_cases(
             )  # fmt: skip
 
         def slow(q=q, cache=cache, meta=meta) -> object:
-            return ref._decode(q, cache[0], cache[1], meta)
+            out = torch.empty_like(q)
+            ref.decode(q, cache[0], cache[1], meta, out)
+            return out
 
         nbytes = 2 * batch * context * kv_row + 2 * q.numel() * elem
         cases.append(Case("decode_attention", f"{batch} x {context} ctx", nbytes, fast, slow))
@@ -178,7 +182,7 @@ def attention_cases(
                 q, cache[0], cache[1], meta.prefill_block_tables, meta.prefill_query_start_loc,
                 meta.prefill_seq_lens, chunk, ref.scale, out=out,
             ),
-            lambda: ref._prefill(q, k, v, cache[0], cache[1], meta, out),
+            lambda: ref.prefill(q, k, v, cache[0], cache[1], meta, out),
         ),
         Case(
             "write_kv", f"{chunk * chunks} tokens", 4 * chunk * chunks * kv_row,
@@ -206,7 +210,7 @@ def time_case(case: Case, bandwidth: float) -> dict[str, Any]:
 def random_model(kernels: str, attention: str, dtype: torch.dtype, device: torch.device) -> Any:
     """The 8B-shaped model with random weights, its layers built on ``kernels``."""
     from pdserve.core.model_config import ModelConfig, RopeConfig
-    from pdserve.parallel.attention.backend import select_backend
+    from pdserve.parallel.attention import select_backend
     from pdserve.parallel.context import SINGLE_RANK
     from pdserve.parallel.kernels import select_kernels
     from pdserve.parallel.models import build_model
@@ -319,9 +323,7 @@ def run(args: argparse.Namespace) -> int:
         "decode_8b": models,
     }
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+        out = write_json(Path(args.out), report)
         print(f"wrote {out}")
     return 0
 

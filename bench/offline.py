@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.report import write_json
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -155,9 +157,7 @@ def run(args: argparse.Namespace) -> int:
         "results": results,
     }
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+        out = write_json(Path(args.out), report)
         print(f"wrote {out}")
     return 0
 

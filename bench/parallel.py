@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.report import write_json
+
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 
 
@@ -103,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
         "results": rows,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_json(Path(args.out), report)
         print(f"wrote {args.out}")
     return 0
 

@@ -28,7 +28,9 @@ import numpy as np
 import ray
 import torch
 
-from pdserve.transfer.connector import PeerEndpoint, connector_classes
+from pdserve.bench.report import write_json
+from pdserve.transfer import connector_classes
+from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.wire import PageHeader, PageSource
 
 BLOCK, HEADS, DIM = 16, 8, 128  # one page of one layer: 2 * 16 * 8 * 128 * 4 B = 128 KiB
@@ -170,12 +172,11 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             print(json.dumps(row))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         cmd = (
             f"pdserve bench transfer --pages {' '.join(map(str, args.pages))} "
             f"--rounds {args.rounds} --repeats {args.repeats}"
         )
-        Path(args.out).write_text(json.dumps({"command": cmd, "results": rows}, indent=2))
+        write_json(Path(args.out), {"command": cmd, "results": rows})
     return 0
 
 

@@ -270,7 +270,9 @@ class EngineCore:
         except InstanceFailedError:
             raise
         except Exception:
-            logger.exception("step %d of %d requests failed; isolating", plan.step_id, len(plan.seqs))
+            logger.exception(
+                "step %d of %d requests failed; isolating", plan.step_id, len(plan.seqs)
+            )
         sampled: dict[str, int] = {}
         failed: list[str] = []
         transfer_ok = True

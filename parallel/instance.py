@@ -72,7 +72,10 @@ class RankGroup:
             ray.get(pg.ready(), timeout=res.start_timeout_s)
             # Control and health calls never queue behind the data path (see
             # pdserve.cluster.worker); RankWorker itself uses neither group.
-            actor = ray.remote(concurrency_groups={"control": 16, "health": 4})(worker_cls)
+            # (Ray's typed overloads of ray.remote omit concurrency_groups.)
+            actor = ray.remote(concurrency_groups={"control": 16, "health": 4})(  # type: ignore[call-overload]
+                worker_cls
+            )
             threads = res.torch_threads or max(1, int(res.num_cpus))
             for rank in range(layout.world_size):
                 spec = RankSpec(rank, layout, model, engine, res.collective_timeout_s, threads)

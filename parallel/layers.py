@@ -240,24 +240,3 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(norm(x + residual), x + residual)``."""
         return self.ops.rms_norm_residual(x, residual, self.weight, self.eps)
-
-
-def rms_norm_residual(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of :meth:`RMSNorm.forward`: ``(norm(x + residual), x + residual)``."""
-    if residual is not None:
-        x = x + residual
-    dtype = x.dtype
-    if dtype == torch.float32:
-        # One fused kernel; the same arithmetic as below for float32.
-        return F.rms_norm(x, weight.shape, weight, eps), x
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype), x
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Reference of ``silu(gate) * up`` for a fused ``[..., 2 * I]`` tensor."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up

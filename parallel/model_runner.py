@@ -20,7 +20,7 @@ import torch
 from pdserve.core.config import EngineConfig
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import StepPlan, StepResult
-from pdserve.parallel.attention.backend import select_backend
+from pdserve.parallel.attention import select_backend
 from pdserve.parallel.batch import PreparedBatch, prepare_batch
 from pdserve.parallel.context import SINGLE_RANK, ParallelContext
 from pdserve.parallel.cpu_linear import pack_linears, packing_available

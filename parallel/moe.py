@@ -1,7 +1,8 @@
 """Sparse mixture-of-experts MLP (Mixtral): top-k routing over SwiGLU experts.
 
-Routing matches the reference: softmax over the router logits in float32, keep
-the top ``k``, renormalise their weights to sum to one. This rank holds the
+Routing matches the reference (:func:`pdserve.parallel.kernels.reference.route`):
+softmax over the router logits in float32, keep the top ``k``, renormalise
+their weights to sum to one. This rank holds the
 experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``.
 
 - ``ep == 1``: every rank holds every expert with its intermediate dimension
@@ -29,13 +30,6 @@ from pdserve.parallel.layers import TensorSource, _copy
 
 # Which checkpoint matrix of an expert a shard id names.
 W1_GATE, W3_UP, W2_DOWN = "w1", "w3", "w2"
-
-
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> ([T, k] float32 weights summing to 1, [T, k] expert ids)."""
-    probs = F.softmax(router_logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), experts
 
 
 class SparseMoE(nn.Module):

@@ -43,7 +43,8 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables at a step's positions (``tables``, once per step); each layer
-    rotates q and k with them through its kernel ops (reference: :func:`rotate_reference`)."""
+    rotates q and k with them through its kernel ops
+    (reference: :func:`pdserve.parallel.kernels.reference.rotate`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -64,9 +65,3 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
             dtype
         )
-
-
-def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated: the same arithmetic as ``x*cos + rotate_half(x)*sin``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,4 +1,4 @@
-"""Shared fixtures: a private model cache, reference models built with transformers."""
+"""Shared fixtures: a private model cache, reference models and outputs from transformers."""
 
 from __future__ import annotations
 
@@ -33,6 +33,28 @@ def reference_models(tmp_path_factory: pytest.TempPathFactory):
             build_reference_model(REFERENCE_SPECS[name], folder)
             built[name] = folder
         return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def references(reference_models):
+    """Factory: ``references(name)`` -> (checkpoint folder, parity prompts, transformers' tokens).
+
+    The tokens are ``transformers``' greedy continuation of each prompt, computed
+    once per model for the whole session.
+    """
+    from pdserve.core.model_config import ModelConfig
+    from tests.reference import hf_greedy, parity_prompts
+
+    cache: dict[str, tuple[Path, list[list[int]], list[list[int]]]] = {}
+
+    def get(name: str) -> tuple[Path, list[list[int]], list[list[int]]]:
+        if name not in cache:
+            folder = reference_models(name)
+            prompts = parity_prompts(ModelConfig.from_dir(folder).vocab_size)
+            cache[name] = (folder, prompts, hf_greedy(folder, prompts))
+        return cache[name]
 
     return get
 

@@ -157,16 +157,3 @@ def register(name: str, sender: type[KVSender], receiver: type[KVReceiver]) -> N
     sender.name = name
     receiver.name = name
     CONNECTORS[name] = (sender, receiver)
-
-
-def connector_classes(name: str) -> tuple[type[KVSender], type[KVReceiver]]:
-    # Importing the implementations registers them.
-    from pdserve.transfer import object_store, p2p, shm  # noqa: F401
-
-    if name not in CONNECTORS:
-        from pdserve.core.errors import InvalidArgumentError
-
-        raise InvalidArgumentError(
-            "connector", f"unknown connector {name!r}; known: {sorted(CONNECTORS)}"
-        )
-    return CONNECTORS[name]

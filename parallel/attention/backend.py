@@ -9,13 +9,13 @@ chunks (``query_len`` tokens each, possibly after a cached prefix)::
 
 Every backend writes the new K/V into the paged cache at ``slot_mapping`` and
 then attends each query to its sequence's whole context through the block table.
-Backends are chosen by name from :data:`ATTENTION_BACKENDS`.
+Backends register by name in :data:`ATTENTION_BACKENDS`;
+:func:`pdserve.parallel.attention.select_backend` chooses one.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,6 +63,11 @@ class AttentionBackend(abc.ABC):
     views (``[num_blocks, block_size, Hkv, D]``). It writes the new keys and
     values into the cache (its only side effect) and returns the attention output.
     It never allocates or frees blocks: the block tables are the scheduler's.
+
+    ``forward`` is the same for every backend: ``write_kv``, then ``decode`` for
+    the decode tokens and ``prefill`` for the prefill chunks, each filling its
+    own rows of the output. A backend implements those three, once per layer and
+    step each (``decode`` and ``prefill`` only when the step has such tokens).
     """
 
     name: ClassVar[str]
@@ -73,7 +78,6 @@ class AttentionBackend(abc.ABC):
         self.head_dim = head_dim
         self.scale = scale
 
-    @abc.abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -83,7 +87,56 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> out: [T, Hq, D]."""
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> out: [T, Hq, D] (contiguous)."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape)
+        nd = meta.num_decode_tokens
+        if nd:
+            self.decode(q[:nd], k_cache, v_cache, meta, out[:nd])
+        if meta.num_prefills:
+            self.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, out[nd:])
+        return out
+
+    @abc.abstractmethod
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store the step's k, v [T, Hkv, D] into the caches at ``slot_mapping`` [T]."""
+
+    @abc.abstractmethod
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """q [Nd, Hq, D], one token per decode sequence, over its whole context -> out [Nd, Hq, D].
+
+        ``out`` is contiguous; the new tokens' K/V are already in the cache.
+        """
+
+    @abc.abstractmethod
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Prefill chunks q [Tp, Hq, D], k/v [Tp, Hkv, D] -> out [Tp, Hq, D].
+
+        Each chunk attends causally to itself after its cached prefix (in the cache).
+        """
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:
@@ -96,37 +149,3 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
 def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     ATTENTION_BACKENDS[cls.name] = cls
     return cls
-
-
-def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """The backend called ``name``, or the device's default for "auto"."""
-    # Import the implementations so they register themselves.
-    from pdserve.parallel.attention import cpu, torch_ref  # noqa: F401
-
-    with contextlib.suppress(ImportError):  # without Triton the other backends still serve
-        from pdserve.parallel.attention import triton  # noqa: F401
-
-    if name == "auto":
-        preferred = {"cuda": ["triton"], "cpu": ["cpu"]}.get(device.type, [])
-        name = next(
-            (
-                n
-                for n in preferred
-                if n in ATTENTION_BACKENDS and ATTENTION_BACKENDS[n].supports(device)
-            ),
-            "torch",
-        )
-    if name not in ATTENTION_BACKENDS:
-        from pdserve.core.errors import InvalidArgumentError
-
-        raise InvalidArgumentError(
-            "attention_backend", f"unknown backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}"
-        )
-    backend = ATTENTION_BACKENDS[name]
-    if not backend.supports(device):
-        from pdserve.core.errors import InvalidArgumentError
-
-        raise InvalidArgumentError(
-            "attention_backend", f"backend {name!r} cannot run on {device.type}"
-        )
-    return backend

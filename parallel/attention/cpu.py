@@ -86,19 +86,24 @@ class CpuAttention(TorchAttention):
     def supports(cls, device: torch.device) -> bool:
         return device.type == "cpu" and kernel_library() is not None
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        # q: [Nd, Hq, D] -> out [Nd, Hq, D]; caches [num_blocks, bs, Hkv, D] (contiguous)
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        # q, out: [Nd, Hq, D]; caches [num_blocks, bs, Hkv, D] (contiguous)
         if q.dtype not in _DTYPE_CODES:
-            return super()._decode(q, k_cache, v_cache, meta)
+            super().decode(q, k_cache, v_cache, meta, out)
+            return
         lib = kernel_library()
         assert lib is not None
         q = q.contiguous()
-        out = torch.empty_like(q)
         tables = meta.decode_block_tables.contiguous()
         lens = meta.decode_seq_lens.contiguous()
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
         failed = lib.paged_decode_attention(
             out.data_ptr(),
             q.data_ptr(),
@@ -118,4 +123,3 @@ class CpuAttention(TorchAttention):
         )
         if failed:
             raise MemoryError("cpu attention kernel could not allocate its scratch memory")
-        return out

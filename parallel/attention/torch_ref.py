@@ -44,27 +44,24 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> t
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def forward(
+    def write_kv(
         self,
-        q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-        if meta.num_prefills:
-            self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, out[nd:])
-        return out
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
         # q: [Nd, Hq, D] -> [Nd, Hq, 1, D]; context [Nd, Hkv, L, D]
         length = meta.max_decode_seq_len
         keys = gather_kv(k_cache, meta.decode_block_tables, length)
@@ -79,9 +76,9 @@ class TorchAttention(AttentionBackend):
             scale=self.scale,
             enable_gqa=True,
         )
-        return o.squeeze(2)
+        out.copy_(o.squeeze(2))
 
-    def _prefill(
+    def prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,

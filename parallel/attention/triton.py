@@ -32,7 +32,36 @@ class TritonAttention(AttentionBackend):
     def supports(cls, device: torch.device) -> bool:
         return runs_on(device)
 
-    def forward(
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.max_decode_seq_len,
+            self.scale,
+            out=out,
+        )
+
+    def prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -40,32 +69,17 @@ class TritonAttention(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        # q: [T, Hq, D], k/v: [T, Hkv, D], caches [num_blocks, bs, Hkv, D] -> [T, Hq, D]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = q.new_empty(q.shape)
-        nd = meta.num_decode_tokens
-        if nd:
-            paged_decode_attention(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                meta.max_decode_seq_len,
-                self.scale,
-                out=out[:nd],
-            )
-        if meta.num_prefills:
-            paged_prefill_attention(
-                q[nd:],
-                k_cache,
-                v_cache,
-                meta.prefill_block_tables,
-                meta.prefill_query_start_loc,
-                meta.prefill_seq_lens,
-                max(meta.prefill_query_lens_list),
-                self.scale,
-                out=out[nd:],
-            )
-        return out
+        out: torch.Tensor,
+    ) -> None:
+        # k, v are in the cache already: the kernel reads every key through the block table.
+        paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_query_start_loc,
+            meta.prefill_seq_lens,
+            max(meta.prefill_query_lens_list),
+            self.scale,
+            out=out,
+        )

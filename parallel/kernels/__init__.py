@@ -5,66 +5,27 @@ the dense and MoE MLPs, the attention's rotary step, the MoE router) are built
 with a :class:`KernelOps` and call it for their arithmetic; the model runner
 picks the ops once (:func:`select_kernels`) and passes them down through
 :func:`~pdserve.parallel.models.build_model`. Implementations register by name in
-:data:`KERNEL_OPS`: "torch" (the reference, bit for bit the layers' own code) and
-"triton" (:mod:`pdserve.parallel.kernels.triton_ops`, for CUDA, or the CPU under
-``TRITON_INTERPRET=1``). The paged attention kernels are used through the
-attention backend registry instead (:mod:`pdserve.parallel.attention.triton`).
+:data:`KERNEL_OPS` (:mod:`~pdserve.parallel.kernels.ops`, the interface):
+"torch" (:mod:`~pdserve.parallel.kernels.reference`, the arithmetic the layers
+are defined by) and "triton" (:mod:`pdserve.parallel.kernels.triton_ops`, for
+CUDA, or the CPU under ``TRITON_INTERPRET=1``). The paged attention kernels are
+used through the attention backend registry instead
+(:mod:`pdserve.parallel.attention.triton`).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import functools
-from typing import ClassVar
 
 import torch
 
 from pdserve.core.errors import InvalidArgumentError
-
-
-class KernelOps(abc.ABC):
-    """The fused ops of one implementation. Stateless: one instance serves every layer.
-
-    Every op returns new tensors and leaves its inputs untouched.
-    """
-
-    name: ClassVar[str]
-
-    @abc.abstractmethod
-    def rms_norm_residual(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, residual [T, H], weight [H] -> (norm(x + residual) * weight, x + residual)."""
-
-    @abc.abstractmethod
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[..., 2 * I] -> silu(gate) * up, [..., I]."""
-
-    @abc.abstractmethod
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D], cos/sin [T, 1, D / 2] -> x rotated by RoPE, [T, H, D]."""
-
-    @abc.abstractmethod
-    def route(self, router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, E] -> ([T, k] float32 weights summing to 1, [T, k] int64 expert ids)."""
-
-    @classmethod
-    def supports(cls, device: torch.device) -> bool:
-        return True
-
-
-KERNEL_OPS: dict[str, type[KernelOps]] = {}
-
-
-def register_kernels(cls: type[KernelOps]) -> type[KernelOps]:
-    KERNEL_OPS[cls.name] = cls
-    return cls
+from pdserve.parallel.kernels.ops import KERNEL_OPS, KernelOps, register_kernels
+from pdserve.parallel.kernels.torch_ops import TorchKernels
 
 
 def _import_implementations() -> None:
-    from pdserve.parallel.kernels import torch_ops  # noqa: F401
-
     with contextlib.suppress(ImportError):  # without Triton the torch ops serve every device
         from pdserve.parallel.kernels import triton_ops  # noqa: F401
 
@@ -92,8 +53,6 @@ def select_kernels(name: str, device: torch.device) -> KernelOps:
 @functools.cache
 def reference_kernels() -> KernelOps:
     """The torch reference ops: what a layer built without explicit ops uses."""
-    from pdserve.parallel.kernels.torch_ops import TorchKernels
-
     return TorchKernels()
 
 

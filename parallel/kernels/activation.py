@@ -1,6 +1,6 @@
 """SiLU-and-multiply of a fused gate/up projection: ``silu(gate) * up``.
 
-Same rounding as :func:`pdserve.parallel.layers.silu_and_mul`: the
+Same rounding as :func:`pdserve.parallel.kernels.reference.silu_and_mul`: the
 SiLU is computed in float32 and rounded to the activation dtype, then
 multiplied by ``up`` and rounded again.
 """

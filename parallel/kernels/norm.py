@@ -1,6 +1,6 @@
 """Fused residual add + RMS normalisation, one pass over each row.
 
-Same contract and rounding as :func:`pdserve.parallel.layers.rms_norm_residual`:
+Same contract and rounding as :func:`pdserve.parallel.kernels.reference.rms_norm_residual`:
 the sum ``x + residual`` is rounded to the activation dtype (it is the new
 residual), normalised in float32, rounded again, then scaled by the weight in
 the activation dtype. For float32 every rounding is exact and this is

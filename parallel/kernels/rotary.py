@@ -1,6 +1,6 @@
 """Rotary position embedding (GPT-NeoX half rotation) applied to q and k in one pass.
 
-Same arithmetic and rounding as :func:`pdserve.parallel.rotary.rotate_reference`:
+Same arithmetic and rounding as :func:`pdserve.parallel.kernels.reference.rotate`:
 ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` with every product and sum
 rounded to the activation dtype. The tables are the caller's, so any frequency
 rule (plain, linear, llama3) is just different tables: either already taken at

@@ -1,6 +1,6 @@
 """Top-k routing of mixture-of-experts tokens, one pass over the router logits.
 
-Same contract as :func:`pdserve.parallel.moe.route`: softmax over the experts in
+Same contract as :func:`pdserve.parallel.kernels.reference.route`: softmax over the experts in
 float32, the ``k`` largest probabilities in descending order, renormalised to
 sum to one. Ties go to the lower expert id.
 """

@@ -1,4 +1,4 @@
-"""The "torch" kernel ops: the layers' own reference code, unchanged.
+"""The "torch" kernel ops: the reference arithmetic of :mod:`~pdserve.parallel.kernels.reference`.
 
 This is what a layer built without explicit ops computes, and the ground truth
 the Triton kernels are tested against.
@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.parallel.kernels import KernelOps, register_kernels
-from pdserve.parallel.layers import rms_norm_residual, silu_and_mul
-from pdserve.parallel.moe import route
-from pdserve.parallel.rotary import rotate_reference
+from pdserve.parallel.kernels import reference
+from pdserve.parallel.kernels.ops import KernelOps, register_kernels
 
 
 @register_kernels
@@ -21,13 +19,13 @@ class TorchKernels(KernelOps):
     def rms_norm_residual(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm_residual(x, residual, weight, eps)
+        return reference.rms_norm_residual(x, residual, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate_up)
+        return reference.silu_and_mul(gate_up)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return rotate_reference(x, cos, sin)
+        return reference.rotate(x, cos, sin)
 
     def route(self, router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(router_logits, top_k)
+        return reference.route(router_logits, top_k)

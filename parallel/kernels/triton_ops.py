@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.parallel.kernels import KernelOps, activation, norm, register_kernels, rotary, routing
+from pdserve.parallel.kernels import activation, norm, rotary, routing
+from pdserve.parallel.kernels.ops import KernelOps, register_kernels
 from pdserve.parallel.kernels.support import runs_on
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
-from pdserve.parallel.attention.backend import select_backend
+from pdserve.parallel.attention import select_backend
 from pdserve.parallel.batch import prepare_batch
 
 BLOCK = 4

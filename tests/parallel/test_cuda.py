@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.core.model_config import ModelConfig
-from tests.reference import MAX_NEW_TOKENS, hf_greedy, parity_prompts
+from tests.reference import MAX_NEW_TOKENS
 
 pytestmark = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -17,10 +16,8 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=Tru
 
 @needs_cuda
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])
-def test_cuda_greedy_matches_transformers(reference_models, name: str) -> None:
-    folder = reference_models(name)
-    prompts = parity_prompts(ModelConfig.from_dir(folder).vocab_size)
-    reference = hf_greedy(folder, prompts)
+def test_cuda_greedy_matches_transformers(references, name: str) -> None:
+    folder, prompts, reference = references(name)
     llm = LLM(str(folder), device="cuda", dtype="float32", max_num_batched_tokens=64)
     assert llm.engine is not None and llm.engine.executor.runner.device.type == "cuda"  # type: ignore[attr-defined]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == reference
@@ -37,10 +34,8 @@ def test_cuda_bfloat16_generates(reference_models) -> None:
 
 
 @needs_two_gpus
-def test_nccl_tensor_parallel_matches_transformers(ray_session, reference_models) -> None:
-    folder = reference_models("llama")
-    prompts = parity_prompts(ModelConfig.from_dir(folder).vocab_size)
-    reference = hf_greedy(folder, prompts)
+def test_nccl_tensor_parallel_matches_transformers(ray_session, references) -> None:
+    folder, prompts, reference = references("llama")
     llm = LLM(
         str(folder), device="cuda", dtype="float32", tensor_parallel_size=2, num_gpus_per_rank=1
     )

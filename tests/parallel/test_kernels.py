@@ -18,15 +18,14 @@ if not torch.cuda.is_available():
 
 from pdserve.core.model_config import ModelConfig, RopeConfig
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
-from pdserve.parallel.attention import torch_ref
-from pdserve.parallel.attention.backend import AttentionMetadata, select_backend
+from pdserve.parallel.attention import AttentionMetadata, select_backend, torch_ref
 from pdserve.parallel.batch import prepare_batch
 from pdserve.parallel.context import SINGLE_RANK as SINGLE_RANK_CTX
 from pdserve.parallel.kernels import KERNEL_OPS, reference_kernels, select_kernels
+from pdserve.parallel.kernels.reference import rms_norm_residual, route, silu_and_mul
+from pdserve.parallel.kernels.reference import rotate as rotate_reference
 from pdserve.parallel.kernels.torch_ops import TorchKernels
-from pdserve.parallel.layers import rms_norm_residual, silu_and_mul
-from pdserve.parallel.moe import route
-from pdserve.parallel.rotary import RotaryEmbedding, rotate_reference
+from pdserve.parallel.rotary import RotaryEmbedding
 from tests.reference import hf_greedy, parity_prompts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -231,7 +230,8 @@ def test_split_k_decode_matches_reference(dtype, heads: int, kv_heads: int, head
     torch_ref.write_kv(k, v, cache[0], cache[1], meta.slot_mapping)
     scale = head_dim**-0.5
     reference = torch_ref.TorchAttention(heads, kv_heads, head_dim, scale)
-    want = reference._decode(q, cache[0], cache[1], meta)
+    want = torch.empty_like(q)
+    reference.decode(q, cache[0], cache[1], meta, want)
     for partition_size in (64, 128):
         got = decode_attention.paged_decode_attention(
             q,

@@ -10,11 +10,11 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.core.errors import InstanceFailedError, InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
-from pdserve.parallel.attention.backend import select_backend
+from pdserve.parallel.attention import select_backend
 from pdserve.parallel.context import ParallelContext
 from pdserve.parallel.loader import SafeSliceSource, load_checkpoint
 from pdserve.parallel.models import build_model
-from tests.reference import MAX_NEW_TOKENS, hf_greedy, parity_prompts
+from tests.reference import MAX_NEW_TOKENS
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
 
@@ -30,20 +30,6 @@ LAYOUTS = [
     ("mixtral", 2, 1, 2),
     ("mixtral", 2, 1, 1),
 ]
-
-
-@pytest.fixture(scope="module")
-def references(reference_models):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            folder = reference_models(name)
-            prompts = parity_prompts(ModelConfig.from_dir(folder).vocab_size)
-            cache[name] = (folder, prompts, hf_greedy(folder, prompts))
-        return cache[name]
-
-    return get
 
 
 @pytest.mark.parametrize(("name", "tp", "pp", "ep"), LAYOUTS, ids=lambda v: str(v))

@@ -15,27 +15,13 @@ FAMILIES = ["llama", "llama_untied", "qwen2", "mixtral"]
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def expected(reference_models):
-    cache: dict[str, tuple[Path, list[list[int]], list[list[int]]]] = {}
-
-    def get(name: str):
-        if name not in cache:
-            folder = reference_models(name)
-            prompts = parity_prompts(ModelConfig.from_dir(folder).vocab_size)
-            cache[name] = (folder, prompts, hf_greedy(folder, prompts))
-        return cache[name]
-
-    return get
-
-
 def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_matches_transformers(name: str, expected) -> None:
-    folder, prompts, reference = expected(name)
+def test_greedy_matches_transformers(name: str, references) -> None:
+    folder, prompts, reference = references(name)
     # A 64-token step budget splits the long prompts into chunks.
     llm = LLM(str(folder), max_num_batched_tokens=64, block_size=16)
     assert _tokens(llm.generate(prompts, GREEDY)) == reference
@@ -49,8 +35,8 @@ def test_greedy_matches_transformers(name: str, expected) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
-def test_greedy_matches_transformers_under_preemption(name: str, expected) -> None:
-    folder, prompts, reference = expected(name)
+def test_greedy_matches_transformers_under_preemption(name: str, references) -> None:
+    folder, prompts, reference = references(name)
     # 24 blocks of 16 tokens hold ~a third of the batch: requests get preempted
     # and recomputed, and must still produce the same tokens.
     llm = LLM(str(folder), num_blocks=24, block_size=16, max_num_batched_tokens=128)
@@ -59,8 +45,8 @@ def test_greedy_matches_transformers_under_preemption(name: str, expected) -> No
     llm.engine.assert_idle()
 
 
-def test_prefix_cache_off_gives_same_tokens(expected) -> None:
-    folder, prompts, reference = expected("qwen2")
+def test_prefix_cache_off_gives_same_tokens(references) -> None:
+    folder, prompts, reference = references("qwen2")
     llm = LLM(str(folder), enable_prefix_caching=False, max_num_batched_tokens=32)
     assert _tokens(llm.generate(prompts, GREEDY)) == reference
     assert llm.engine.kv.stats.hits == 0

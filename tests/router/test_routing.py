@@ -107,3 +107,73 @@ def test_stream_releases_tokens_in_order_whatever_arrives_first() -> None:
     deltas = asyncio.run(run())
     assert [t for d in deltas for t in d.token_ids] == [10, 11, 12, 13]
     assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 4
+
+
+def test_an_instance_lost_while_a_request_waits_is_not_used() -> None:
+    """The placement is chosen, then (while the request waits out the latency to its
+    region) that region's only decode instance is lost: the attempt goes elsewhere."""
+    from pdserve.core.messages import Reservation
+    from pdserve.router.config import RegionSpec, RouterConfig
+    from pdserve.router.placement import CompletionInput
+    from pdserve.router.router import InstanceInfo, Router
+    from tests.fakes import FakeActor
+
+    def decode(name: str) -> FakeActor:
+        def reserve(request, prefill_id, sink) -> Reservation:  # type: ignore[no-untyped-def]
+            return Reservation(request.request_id, name, [], 0, 30.0, local=True)
+
+        return FakeActor(reserve=reserve, abort=lambda rid: True)
+
+    regions = (RegionSpec("east", {"west": 0.02}), RegionSpec("west", {"east": 0.02}))
+    router = Router(RouterConfig(regions=regions, auth_disabled=True), None, None)
+    handles = {"d-east": decode("d-east"), "d-west": decode("d-west")}
+    for name, handle in handles.items():
+        router.register(InstanceInfo(name, "decode", name[2:], handle, 16, 4096))
+    inp = CompletionInput("c", list(range(40)), SamplingParams(max_tokens=4), "west")
+    choice = router.chooser.choose(inp)
+    assert choice.decode.instance_id == "d-west"
+    router.instance_lost("d-west")  # meanwhile
+
+    async def launch() -> str:
+        stream = RequestStream("c.1", inp.prompt_token_ids, inp.params, None)
+        attempt = await router.attempts.launch(stream, inp, choice, 0)
+        assert attempt.decode is not None
+        return attempt.decode.instance_id
+
+    assert asyncio.run(launch()) == "d-east"
+    assert not handles["d-west"].called("reserve")
+
+
+def test_a_full_region_spills_to_another_before_refusing() -> None:
+    from pdserve.core.errors import OverloadedError
+    from pdserve.core.messages import Reservation
+    from pdserve.router.config import RegionSpec, RouterConfig
+    from pdserve.router.placement import CompletionInput
+    from pdserve.router.router import InstanceInfo, Router
+    from tests.fakes import FakeActor
+
+    def reserve_full(request, prefill_id, sink) -> Reservation:  # type: ignore[no-untyped-def]
+        raise OverloadedError("no room", retry_after_s=0.5)
+
+    def reserve_ok(request, prefill_id, sink) -> Reservation:  # type: ignore[no-untyped-def]
+        return Reservation(request.request_id, "d-east", [], 0, 30.0, local=True)
+
+    regions = (RegionSpec("west", {"east": 0.02}), RegionSpec("east", {"west": 0.02}))
+    router = Router(
+        RouterConfig(regions=regions, auth_disabled=True, retry_budget_ratio=1.0), None, None
+    )
+    router.register(
+        InstanceInfo("d-west", "decode", "west", FakeActor(reserve=reserve_full), 16, 4096)
+    )
+    router.register(
+        InstanceInfo("d-east", "decode", "east", FakeActor(reserve=reserve_ok), 16, 4096)
+    )
+    inp = CompletionInput("c", list(range(40)), SamplingParams(max_tokens=4), "west")
+
+    async def launch() -> str:
+        stream = RequestStream("c.1", inp.prompt_token_ids, inp.params, None)
+        attempt = await router.attempts.launch(stream, inp, router.chooser.choose(inp), 0)
+        assert attempt.decode is not None
+        return attempt.decode.instance_id
+
+    assert asyncio.run(launch()) == "d-east"

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import struct
+
+import pytest
 import torch
 
-from pdserve.transfer.wire import PageHeader, PageSource, block_runs, decode, encode
+from pdserve.transfer.wire import (
+    PageHeader,
+    PageSource,
+    block_runs,
+    decode,
+    dtype_name,
+    encode,
+    torch_dtype,
+)
 
 
 def test_message_round_trip_bfloat16() -> None:
@@ -30,3 +41,43 @@ def test_page_source_copies_only_its_heads_into_the_right_pages() -> None:
         assert torch.equal(dst[:, d], src[:, s, :, 3:6])
     assert dst[:, [1, 2, 3, 4, 7]].abs().sum() == 0
     assert torch.equal(source.gather(), src[:, [2, 3, 7], :, 3:6])
+
+
+def test_message_layout_is_length_header_then_raw_payload() -> None:
+    payload = torch.arange(2 * 1 * 2 * 1 * 4, dtype=torch.float32).view(2, 1, 2, 1, 4)
+    header = PageHeader("r", 0, [3], "float32", [2, 1, 2, 1, 4], 0, 1)
+    message = encode(header, payload.transpose(2, 4).contiguous().transpose(2, 4))  # strided
+    (n,) = struct.unpack("<I", message[:4])
+    assert PageHeader.unpack(message[4 : 4 + n]) == header
+    assert message[4 + n :] == payload.numpy().tobytes()
+    assert len(message) == 4 + n + header.nbytes
+
+
+def test_decode_views_a_writable_buffer_and_copies_a_read_only_one() -> None:
+    payload = torch.randn(2, 2, 4, 1, 8)
+    header = PageHeader("r", 1, [0, 1], "float32", list(payload.shape), 0, 1)
+    buffer = bytearray(encode(header, payload))
+    _, view = decode(buffer)
+    buffer[-4:] = b"\0\0\0\0"  # the view sees the buffer change
+    assert view.flatten()[-1] == 0
+    _, copy = decode(bytes(encode(header, payload)))
+    assert torch.equal(copy, payload)
+    copy.zero_()  # a private copy: writable, and nothing else changes
+
+
+@pytest.mark.parametrize(("dtype", "size"), [("float32", 4), ("bfloat16", 2), ("float16", 2)])
+def test_header_sizes_and_dtype_names(dtype: str, size: int) -> None:
+    header = PageHeader("r", 0, [1, 2], dtype, [2, 2, 16, 4, 64], 0, 4)
+    assert header.nbytes == 2 * 2 * 16 * 4 * 64 * size
+    assert dtype_name(torch_dtype(dtype)) == dtype
+
+
+def test_contiguous_parts_only_without_a_copy() -> None:
+    cache = torch.randn(2, 8, 4, 3, 8)
+    parts = PageSource(cache, [2, 3, 4], 0, 3).contiguous_parts()
+    assert parts is not None
+    assert parts[0].data_ptr() == cache[0, 2].data_ptr()
+    assert torch.equal(parts[1], cache[1, 2:5])
+    assert PageSource(cache, [2, 4], 0, 3).contiguous_parts() is None  # a gap
+    assert PageSource(cache, [2, 3], 1, 3).contiguous_parts() is None  # some heads
+    assert PageSource(cache, [2, 3], 1, 3).nbytes == 2 * 2 * 4 * 2 * 8 * 4

@@ -1,0 +1,248 @@
+"""Each connector moves pages where their header says and nowhere else, without Ray.
+
+A decode rank's actor handle is stood in for by :class:`~tests.fakes.FakeActor`
+and the connector module's ``ray`` by :data:`~tests.fakes.FAKE_RAY`. The shared-memory connector maps files in a temporary folder; the p2p
+connector builds a real two-rank gloo pair inside this process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from ray.exceptions import RayActorError
+
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.transfer import connector_classes, object_store, p2p, shm
+from pdserve.transfer.connector import PeerEndpoint, TransferError
+from pdserve.transfer.wire import PageHeader, PageSource
+from tests.fakes import FAKE_RAY, FakeActor
+
+CPU = torch.device("cpu")
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 2, 6, 4, 3, 8
+KV_SHAPE = (LAYERS, 2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+
+
+@pytest.fixture
+def prefill_cache() -> torch.Tensor:
+    """A prefill rank's cache, [layers, 2, blocks, bs, heads, D], every element distinct."""
+    return torch.arange(float(np.prod(KV_SHAPE))).view(KV_SHAPE)
+
+
+# (layer, source blocks, source heads, destination blocks, destination heads):
+# whole consecutive pages (sent and received without a copy), scattered pages,
+# and a head slice (re-sharding between TP sizes).
+SENDS = [
+    (0, [1, 2], (0, 3), [3, 4], (0, 3)),
+    (1, [0, 5], (0, 3), [5, 0], (0, 3)),
+    (1, [2], (1, 3), [1], (0, 2)),
+]
+
+
+def send_all(sender: Any, peer: tuple[str, int], cache: torch.Tensor) -> None:
+    for layer, src, (s0, s1), dst, (d0, d1) in SENDS:
+        shape = [2, len(src), BLOCK_SIZE, s1 - s0, HEAD_DIM]
+        header = PageHeader("r1", layer, dst, "float32", shape, d0, d1)
+        sender.send(peer, header, PageSource(cache[layer], src, s0, s1))
+
+
+def assert_landed(received: torch.Tensor, cache: torch.Tensor) -> None:
+    expected = torch.zeros(KV_SHAPE)
+    for layer, src, (s0, s1), dst, (d0, d1) in SENDS:
+        for s, d in zip(src, dst, strict=True):
+            expected[layer, :, d, :, d0:d1] = cache[layer, :, s, :, s0:s1]
+    assert torch.equal(received, expected)
+
+
+def test_connectors_are_chosen_by_name() -> None:
+    for name in ("shm", "object_store", "p2p"):
+        sender_cls, receiver_cls = connector_classes(name)
+        assert sender_cls.name == receiver_cls.name == name
+    assert connector_classes("p2p")[1].needs_arrival_marks
+    with pytest.raises(InvalidArgumentError, match="unknown connector 'carrier-pigeon'"):
+        connector_classes("carrier-pigeon")
+
+
+def test_receiver_write_places_pages_by_header_and_counts_them() -> None:
+    receiver = object_store.ObjectStoreReceiver("d0", 0)
+    receiver.allocate(KV_SHAPE, torch.float32, CPU)
+    keys, values = (
+        torch.ones(2, BLOCK_SIZE, 2, HEAD_DIM),
+        torch.full((2, BLOCK_SIZE, 2, HEAD_DIM), 2.0),
+    )
+    receiver.write(
+        PageHeader("r1", 1, [4, 2], "float32", [2, 2, BLOCK_SIZE, 2, HEAD_DIM], 1, 3), keys, values
+    )
+    assert receiver.kv_cache is not None
+    written = receiver.kv_cache[1, :, [4, 2], :, 1:3]
+    assert torch.equal(written[0], keys) and torch.equal(written[1], values)
+    assert receiver.kv_cache.sum() == keys.sum() + values.sum()  # nothing else was touched
+    assert (receiver.stats.messages, receiver.stats.bytes) == (1, 2 * keys.numel() * 4)
+
+
+def test_arrival_marks_are_counted_per_request_until_forgotten() -> None:
+    receiver = object_store.ObjectStoreReceiver("d0", 0)
+    assert not receiver.wait_landed("r1", 1, timeout_s=0.01)
+    receiver.record_mark("r1")
+    assert not receiver.wait_landed("r1", 2, timeout_s=0.01)
+    receiver.record_mark("r1")
+    assert receiver.wait_landed("r1", 2, timeout_s=0.01)
+    receiver.forget("r1")
+    assert not receiver.wait_landed("r1", 1, timeout_s=0.01)
+
+
+# -- shared memory ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    return tmp_path
+
+
+def test_shm_sender_copies_into_the_receivers_file(shm_dir: Path, prefill_cache) -> None:
+    receiver = shm.ShmReceiver("d0", 0)
+    cache = receiver.allocate(KV_SHAPE, torch.float32, CPU)
+    endpoint = receiver.endpoint(actor=None)
+    assert endpoint.address == str(receiver.path) and receiver.path.parent == shm_dir
+    assert endpoint.kv_shape == KV_SHAPE and endpoint.dtype == "float32"
+    sender = shm.ShmSender()
+    sender.connect(endpoint)
+    send_all(sender, ("d0", 0), prefill_cache)
+    sender.flush()
+    assert_landed(cache, prefill_cache)
+    assert sender.stats.messages == len(SENDS)
+    sender.disconnect("d0")
+    assert sender.endpoints == {}
+    receiver.close()
+    assert not receiver.path.exists()
+
+
+def test_shm_refuses_a_decode_rank_on_another_node(shm_dir: Path) -> None:
+    endpoint = PeerEndpoint("shm", "d0", 0, KV_SHAPE, "float32", str(shm_dir / "elsewhere"))
+    with pytest.raises(TransferError, match="not on this node"):
+        shm.ShmSender().connect(endpoint)
+
+
+def test_shm_needs_the_cache_in_host_memory(shm_dir: Path) -> None:
+    with pytest.raises(TransferError, match="host memory"):
+        shm.ShmReceiver("d0", 0).allocate(KV_SHAPE, torch.float32, torch.device("cuda"))
+
+
+def test_shm_sweeps_only_files_of_dead_processes(shm_dir: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = shm_dir / f"pdserve-kv-{int(dead.stdout)}-0123456789ab"
+    mine = shm_dir / f"pdserve-kv-{os.getpid()}-0123456789ab"
+    other = shm_dir / "pdserve-kv-notapid"
+    for path in (stale, mine, other):
+        path.write_bytes(b"")
+    assert shm.sweep_stale_files() == 1
+    assert not stale.exists() and mine.exists() and other.exists()
+
+
+# -- Ray object store -------------------------------------------------------------------
+
+
+def _readonly_receive(receiver: object_store.ObjectStoreReceiver) -> Callable[..., None]:
+    """The decode rank's ``receive_pages``, given buffers read-only as Ray hands them over."""
+
+    def receive_pages(header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
+        keys, values = keys.copy(), values.copy()
+        keys.setflags(write=False)
+        values.setflags(write=False)
+        receiver.receive(header, keys, values)
+
+    return receive_pages
+
+
+def test_object_store_messages_land_once_flushed(monkeypatch, prefill_cache) -> None:
+    monkeypatch.setattr(object_store, "ray", FAKE_RAY)
+    receiver = object_store.ObjectStoreReceiver("d0", 0)
+    cache = receiver.allocate(KV_SHAPE, torch.float32, CPU)
+    sender = object_store.ObjectStoreSender()
+    sender.connect(receiver.endpoint(FakeActor(receive_pages=_readonly_receive(receiver))))
+    send_all(sender, ("d0", 0), prefill_cache)
+    sender.flush()
+    assert_landed(cache, prefill_cache)
+    assert receiver.stats.messages == sender.stats.messages == len(SENDS)
+    sender.flush()  # nothing pending: returns at once
+    assert sender.stats.messages == len(SENDS)
+
+
+def test_object_store_reports_a_lost_decode_rank(monkeypatch, prefill_cache) -> None:
+    monkeypatch.setattr(object_store, "ray", FAKE_RAY)
+
+    def dead(*_: Any) -> None:
+        raise RayActorError()
+
+    receiver = object_store.ObjectStoreReceiver("d0", 0)
+    receiver.allocate(KV_SHAPE, torch.float32, CPU)
+    sender = object_store.ObjectStoreSender()
+    sender.connect(receiver.endpoint(FakeActor(receive_pages=dead)))
+    send_all(sender, ("d0", 0), prefill_cache)
+    with pytest.raises(TransferError, match="object-store transfer failed"):
+        sender.flush()
+    assert sender.stats.failures == 1
+
+
+# -- torch.distributed point to point ---------------------------------------------------
+
+
+@pytest.fixture
+def p2p_pair(monkeypatch) -> Iterator[tuple[p2p.P2PSender, p2p.P2PReceiver]]:
+    """A sender paired with a receiver over a real gloo group, both in this process."""
+    monkeypatch.setattr(p2p, "ray", FAKE_RAY)
+    receiver = p2p.P2PReceiver("d0", 0)
+    receiver.allocate(KV_SHAPE, torch.float32, CPU)
+    sender = p2p.P2PSender()
+    sender.connect(receiver.endpoint(FakeActor(kv_accept=receiver.accept)))
+    yield sender, receiver
+    sender.close()
+    for thread in receiver._threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the receiver did not stop on the close message"
+
+
+def test_p2p_pages_are_in_place_when_the_end_mark_arrives(p2p_pair, prefill_cache) -> None:
+    sender, receiver = p2p_pair
+    send_all(sender, ("d0", 0), prefill_cache)
+    sender.finish(("d0", 0), "r1")
+    sender.flush()
+    # The pair delivers in order: once the mark is counted every page before it landed.
+    assert receiver.wait_landed("r1", 1, timeout_s=60)
+    assert receiver.kv_cache is not None
+    assert_landed(receiver.kv_cache, prefill_cache)
+    assert receiver.stats.messages == len(SENDS)
+    assert sender.stats.messages == len(SENDS)  # the mark carries no pages
+
+
+def test_p2p_marks_of_two_requests_are_told_apart(p2p_pair) -> None:
+    sender, receiver = p2p_pair
+    sender.finish(("d0", 0), "a")
+    sender.finish(("d0", 0), "a")
+    sender.finish(("d0", 0), "b")
+    sender.flush()
+    assert receiver.wait_landed("a", 2, timeout_s=60)
+    assert receiver.wait_landed("b", 1, timeout_s=60)
+    assert not receiver.wait_landed("b", 2, timeout_s=0.05)
+
+
+def test_p2p_disconnect_closes_the_pair(p2p_pair) -> None:
+    sender, receiver = p2p_pair
+    sender.disconnect("d0")
+    assert sender.endpoints == {}
+    for thread in receiver._threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()

@@ -1,0 +1,114 @@
+"""A rank's transfer hooks move each layer's pages, re-sharded, over every connector.
+
+Two prefill ranks (TP=2, two KV heads each) stream a request's pages into one
+decode rank (TP=1, all four heads) through :class:`RankTransfer`, all in this
+process: ``on_layer`` after each layer, ``after_step`` to end the routes and
+flush, ``before_step`` on the decode side to wait for the pages. Ray is stood
+in for as in ``test_connectors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.core.layout import Layout
+from pdserve.core.step import KVArrival, KVSend, ScheduledSeq, StepPlan
+from pdserve.transfer import object_store, p2p, shm
+from pdserve.transfer.connector import TransferError
+from pdserve.transfer.rank import RankTransfer
+from pdserve.transfer.routes import plan_routes, routes_into
+from tests.fakes import FAKE_RAY, FakeActor
+
+LAYERS, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 4, 8, 4, 8
+PREFILL = Layout(2, 1, 1, ((0, LAYERS),))
+DECODE = Layout(1, 1, 1, ((0, LAYERS),))
+SRC_BLOCKS, DST_BLOCKS = [1, 2, 5], [6, 0, 3]
+
+
+@pytest.fixture
+def no_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(object_store, "ray", FAKE_RAY)
+    monkeypatch.setattr(p2p, "ray", FAKE_RAY)
+
+
+@pytest.fixture(params=["shm", "object_store", "p2p"])
+def ranks(
+    request: pytest.FixtureRequest, no_ray: None
+) -> Iterator[tuple[list[RankTransfer], RankTransfer]]:
+    """Two paired prefill ranks, each with a cache of distinct values, and the decode rank."""
+    connector = request.param
+    decode = RankTransfer("d0", 0, DECODE, KV_HEADS, connector, arrival_timeout_s=30)
+    shape = (LAYERS, 2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    decode.receiver.allocate(shape, torch.float32, torch.device("cpu"))
+    # The decode rank's actor methods the object-store and p2p connectors call.
+    receiver: Any = decode.receiver
+    actor = FakeActor(
+        receive_pages=lambda *args: receiver.receive(*args),
+        kv_accept=lambda pair_id: receiver.accept(pair_id),
+    )
+    endpoint = decode.receiver.endpoint(actor)
+    prefills = []
+    for rank in range(2):
+        prefill = RankTransfer("p0", rank, PREFILL, KV_HEADS, connector)
+        numel = LAYERS * 2 * BLOCKS * BLOCK_SIZE * 2 * HEAD_DIM
+        cache = torch.arange(float(numel)) + rank * numel
+        prefill.kv_cache = cache.view(LAYERS, 2, BLOCKS, BLOCK_SIZE, 2, HEAD_DIM)
+        prefill.pair(DECODE, [endpoint])
+        prefills.append(prefill)
+    yield prefills, decode
+    for transfer in [*prefills, decode]:
+        transfer.close()
+
+
+def step(final: bool) -> StepPlan:
+    seq = ScheduledSeq("r1", [3] * 10, 0, SRC_BLOCKS)
+    return StepPlan(1, [seq], kv_sends=[KVSend("r1", "d0", SRC_BLOCKS, DST_BLOCKS, final)])
+
+
+def test_pages_land_in_the_decode_rank_resharded_by_head(ranks) -> None:
+    prefills, decode = ranks
+    plan = step(final=True)
+    for prefill in prefills:
+        for layer in range(LAYERS):
+            prefill.on_layer(layer, plan)
+        assert prefill.after_step(plan)
+    if decode.receiver.needs_arrival_marks:
+        # The decode rank waits for one end mark per route into it (two prefill ranks);
+        # other connectors' pages are in place once the senders' flush returned.
+        expected = routes_into(plan_routes(KV_HEADS, PREFILL, DECODE), 0)
+        assert expected == 2
+        decode.before_step(StepPlan(2, [], kv_arrivals=[KVArrival("r1", [expected])]))
+    got = decode.receiver.kv_cache
+    assert got is not None
+    for rank, prefill in enumerate(prefills):
+        assert prefill.kv_cache is not None
+        heads = slice(2 * rank, 2 * rank + 2)
+        assert torch.equal(got[:, :, DST_BLOCKS, :, heads], prefill.kv_cache[:, :, SRC_BLOCKS])
+    untouched = [b for b in range(BLOCKS) if b not in DST_BLOCKS]
+    assert got[:, :, untouched].abs().sum() == 0
+
+
+def test_a_step_without_sends_moves_nothing(ranks) -> None:
+    prefills, decode = ranks
+    plan = StepPlan(1, [ScheduledSeq("r1", [3], 0, SRC_BLOCKS)])
+    prefills[0].on_layer(0, plan)
+    assert prefills[0].after_step(plan)
+    assert decode.receiver.kv_cache is not None
+    assert decode.receiver.kv_cache.abs().sum() == 0
+    assert prefills[0].sender.stats.messages == 0
+
+
+def test_a_missing_end_mark_times_out_on_the_decode_rank(no_ray: None) -> None:
+    decode = RankTransfer("d0", 0, DECODE, KV_HEADS, "p2p", arrival_timeout_s=0.05)
+    assert decode.receiver.needs_arrival_marks
+    try:
+        with pytest.raises(TransferError, match="pages of r1 did not arrive"):
+            decode.before_step(StepPlan(2, [], kv_arrivals=[KVArrival("r1", [1])]))
+    finally:
+        decode.close()
