@@ -146,7 +146,7 @@ def synthetic_prompt(length: int, vocab_size: int, rng: np.random.Generator) -> 
 def trace_path(name: str) -> Path:
     """A shipped trace by name (``azure-code``, ``azure-conv``), or a CSV file path."""
     if name in SHIPPED_TRACES:
-        return Path(str(resources.files("pdserve.bench").joinpath("data", SHIPPED_TRACES[name])))
+        return Path(str(resources.files("pdserve.bench") / "data" / SHIPPED_TRACES[name]))
     path = Path(name).expanduser()
     if not path.is_file():
         raise InvalidArgumentError(

@@ -85,6 +85,13 @@ class InstanceFailedError(PdserveError):
     http_status = 503
 
 
+class TransferError(PdserveError):
+    """KV pages could not be delivered to a decode instance."""
+
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+
+
 class RequestFailedError(PdserveError):
     """One request failed inside an engine; the others on that instance went on.
 

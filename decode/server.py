@@ -199,6 +199,12 @@ class DecodeServer:
         return cached >= self.config.local_prefill_cached_fraction * n
 
     def _commit(self, engine: EngineCore, handoff: HandOff) -> bool:
+        if self.needs_arrival_marks and handoff.prefill_id not in self.prefills:
+            # Its pages' arrival cannot be checked: the sender is no longer paired.
+            if handoff.request_id in self.leases.leases:
+                self.stats.peer_lost += 1
+                self._free_reservation(engine, handoff.request_id, notify=True)
+            return False
         lease = self.leases.take(handoff.request_id)
         if lease is None:
             return False
@@ -233,7 +239,8 @@ class DecodeServer:
     def _abort(self, engine: EngineCore, request_id: str) -> bool:
         lease = self.leases.leases.get(request_id)
         if lease is not None:
-            self.stats.aborted += 1
+            if not lease.revoking:  # one being revoked is counted already (expired, lost)
+                self.stats.aborted += 1
             self._revoke(engine, request_id)
             return True
         out = engine.abort_request(request_id)

@@ -30,6 +30,7 @@ from pdserve.core.errors import (
     InvalidArgumentError,
     RequestAbortedError,
     RequestFailedError,
+    TransferError,
 )
 from pdserve.core.layout import Layout
 from pdserve.core.messages import FirstToken, PrefillRequest
@@ -37,7 +38,6 @@ from pdserve.core.request import RequestOutput
 from pdserve.core.step import KVSend, StepPlan
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.loop import EngineLoop, LoadReporter
-from pdserve.transfer.connector import TransferError
 from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.stats import LeaseStats
 

@@ -31,6 +31,7 @@ from pdserve.core.errors import (
     PdserveError,
     RequestAbortedError,
     RequestFailedError,
+    TransferError,
 )
 from pdserve.core.messages import (
     FirstToken,
@@ -45,7 +46,6 @@ from pdserve.router.observe import Observer
 from pdserve.router.placement import Choice, CompletionInput, RegionChooser
 from pdserve.router.state import ClusterView, InstanceView
 from pdserve.router.stream import RequestStream, StreamFailed
-from pdserve.transfer.connector import TransferError
 
 logger = logging.getLogger(__name__)
 

@@ -52,10 +52,6 @@ _SIM_ON_BENCH = (
     "(core, or a module of sim's own) and let bench import it from there"
 )
 ALLOWED: dict[tuple[str, str], str] = {
-    ("pdserve.router.attempts", "pdserve.transfer.connector"): (
-        "TODO(layering): the router tells a failed KV transfer apart by TransferError; the "
-        "error belongs in core.errors with the other errors a request can meet"
-    ),
     ("pdserve.deploy.cli", "pdserve.bench.cli"): (
         "TODO(layering): the `pdserve bench` subcommand imports the bench CLI (in main); "
         "bench should register its subcommand, or its parser move under deploy/"

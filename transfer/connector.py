@@ -12,7 +12,7 @@ Each connector has two halves, one per process:
   before the bytes land. ``finish`` runs once per route when a request's last
   pages were sent. ``flush`` runs at the end of every step that sent: it
   returns when everything sent so far has landed, or raises
-  :class:`TransferError`. Source pages stay owned by the prefill request
+  :class:`~pdserve.core.errors.TransferError`. Source pages stay owned by the prefill request
   (held until the decode instance acknowledges the hand-off).
 
 A connector whose sender cannot tell that bytes landed (``needs_arrival_marks``)
@@ -29,16 +29,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.core.errors import PdserveError
 from pdserve.transfer.stats import TransferStats
 from pdserve.transfer.wire import PageHeader, PageSource, block_runs
-
-
-class TransferError(PdserveError):
-    """Pages could not be delivered to a decode rank."""
-
-    grpc_code = "UNAVAILABLE"
-    http_status = 503
 
 
 @dataclass(frozen=True)

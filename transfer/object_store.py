@@ -17,7 +17,8 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, TransferError, register
+from pdserve.core.errors import TransferError
+from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
 from pdserve.transfer.wire import PageHeader, PageSource, dtype_name, torch_dtype
 
 

@@ -31,7 +31,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, TransferError, register
+from pdserve.core.errors import TransferError
+from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
 from pdserve.transfer.wire import PageHeader, PageSource, dtype_name, torch_dtype
 
 logger = logging.getLogger(__name__)

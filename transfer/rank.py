@@ -18,10 +18,11 @@ import logging
 
 import torch
 
+from pdserve.core.errors import TransferError
 from pdserve.core.layout import Layout
 from pdserve.core.step import StepPlan
 from pdserve.transfer import connector_classes
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, TransferError
+from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint
 from pdserve.transfer.routes import Route, plan_routes
 from pdserve.transfer.wire import PageHeader, PageSource, dtype_name
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, TransferError, register
+from pdserve.core.errors import TransferError
+from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
 from pdserve.transfer.wire import PageHeader, PageSource, dtype_name, torch_dtype
 
 SHM_DIR = Path(os.environ.get("PDSERVE_SHM_DIR", "/dev/shm"))

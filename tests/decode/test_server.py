@@ -264,13 +264,6 @@ def test_a_dead_rank_fails_every_waiter(server: DecodeServer) -> None:
         server.wait(["r1"], 30)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodeServer._commit takes the lease and activates the request before it looks "
-    "up self.prefills[handoff.prefill_id] for arrival marks: a prefill instance forgotten "
-    "(forget_prefill) after reserving makes commit raise KeyError with the request already "
-    "running, without waiting for its pages",
-)
 def test_a_hand_off_from_a_forgotten_prefill_is_refused_cleanly(
     make_server: Callable[..., DecodeServer],
 ) -> None:
@@ -283,12 +276,6 @@ def test_a_hand_off_from_a_forgotten_prefill_is_refused_cleanly(
     assert idle(server)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodeServer._abort counts stats.aborted for a lease that is already being "
-    "revoked (expired, waiting for its prefill to drop the request), so one reservation "
-    "is counted as both expired and aborted",
-)
 def test_each_reservation_ends_one_way_in_the_lease_stats(server: DecodeServer) -> None:
     gate = threading.Event()
     server.register_prefill("p0", prefill_actor(drop_gate=gate), one_rank(server.loop.engine.model))

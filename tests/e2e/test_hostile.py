@@ -373,7 +373,7 @@ def test_a_failed_kv_transfer_is_recomputed_and_the_prefill_stays(cluster, doors
     from pdserve import LLM, SamplingParams
 
     def break_next_flush(worker) -> None:  # runs inside the prefill rank's actor
-        from pdserve.transfer.connector import TransferError
+        from pdserve.core.errors import TransferError
 
         sender, original = worker.transfer.sender, worker.transfer.sender.flush
         broken = [True]

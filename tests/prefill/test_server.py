@@ -22,11 +22,11 @@ from pdserve.core.errors import (
     InvalidArgumentError,
     RequestAbortedError,
     RequestFailedError,
+    TransferError,
 )
 from pdserve.core.messages import FirstToken, PrefillRequest, Reservation
 from pdserve.engine.engine import EngineCore
 from pdserve.prefill.server import PrefillServer
-from pdserve.transfer.connector import TransferError
 from pdserve.transfer.handoff import HandOff
 from tests.fakes import FakeActor
 from tests.servers import eventually, executor_of, greedy, one_rank, tiny_engine

@@ -19,9 +19,9 @@ import pytest
 import torch
 from ray.exceptions import RayActorError
 
-from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.errors import InvalidArgumentError, TransferError
 from pdserve.transfer import connector_classes, object_store, p2p, shm
-from pdserve.transfer.connector import PeerEndpoint, TransferError
+from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.wire import PageHeader, PageSource
 from tests.fakes import FAKE_RAY, FakeActor
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.core.errors import TransferError
 from pdserve.core.layout import Layout
 from pdserve.core.step import KVArrival, KVSend, ScheduledSeq, StepPlan
 from pdserve.transfer import object_store, p2p, shm
-from pdserve.transfer.connector import TransferError
 from pdserve.transfer.rank import RankTransfer
 from pdserve.transfer.routes import plan_routes, routes_into
 from tests.fakes import FAKE_RAY, FakeActor
