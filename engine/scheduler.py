@@ -131,8 +131,10 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, chosen)
         self._step_id += 1
-        finished, self._finished_since_last_step = self._finished_since_last_step, []
-        return StepPlan(self._step_id, [self._scheduled(r, n) for r, n in chosen], finished)
+        finished = self._finished_since_last_step
+        if chosen:  # an empty plan is not executed: its ranks would never hear of these
+            self._finished_since_last_step = []
+        return StepPlan(self._step_id, [self._scheduled(r, n) for r, n in chosen], list(finished))
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

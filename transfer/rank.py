@@ -118,6 +118,8 @@ class RankTransfer:
     # -- decode side hook -----------------------------------------------------------
 
     def before_step(self, plan: StepPlan) -> None:
+        for request_id in plan.finished_request_ids:  # ended before its pages were awaited
+            self.receiver.forget(request_id)
         for arrival in plan.kv_arrivals:
             expected = arrival.expected[self.rank]
             if not self.receiver.wait_landed(arrival.request_id, expected, self.arrival_timeout_s):

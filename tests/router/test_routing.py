@@ -177,3 +177,11 @@ def test_a_full_region_spills_to_another_before_refusing() -> None:
         return attempt.decode.instance_id
 
     assert asyncio.run(launch()) == "d-east"
+
+
+def test_adaptive_admission_never_rises_above_a_small_ceiling() -> None:
+    admission = Admission(ceiling=2, ttft_slo_s=0.1, adaptive=True)
+    for _ in range(4 * 32):  # windows whose TTFT misses the SLO cut the limit
+        admission.observe("r", 5.0)
+    assert admission.limit("r") <= 2
+    assert admission.admit("r", 1) and not admission.admit("r", 2)

@@ -112,3 +112,31 @@ def test_a_missing_end_mark_times_out_on_the_decode_rank(no_ray: None) -> None:
             decode.before_step(StepPlan(2, [], kv_arrivals=[KVArrival("r1", [1])]))
     finally:
         decode.close()
+
+
+def test_marks_of_a_request_that_ended_before_its_wait_are_dropped(no_ray: None) -> None:
+    """A request aborted, expired or ended at its first token leaves no mark behind."""
+    decode = RankTransfer("d0", 0, DECODE, KV_HEADS, "p2p", arrival_timeout_s=0.05)
+    try:
+        decode.receiver.record_mark("r1")
+        decode.receiver.record_mark("r2")
+        decode.before_step(StepPlan(3, [], finished_request_ids=["r1"]))
+        assert not decode.receiver.wait_landed("r1", 1, 0.0)
+        assert decode.receiver.wait_landed("r2", 1, 0.0)
+    finally:
+        decode.close()
+
+
+def test_requests_that_end_while_nothing_runs_reach_the_ranks_with_the_next_step() -> None:
+    from pdserve.core.config import SchedulerConfig
+    from pdserve.core.request import Request, RequestStatus
+    from pdserve.core.sampling_params import SamplingParams
+    from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(16, 4), 64)
+    scheduler.reserve(Request("gone", [1, 2, 3], SamplingParams()))
+    scheduler.finish("gone", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.schedule().is_empty  # nothing runs: this plan is never executed
+    scheduler.add_request(Request("next", [4, 5, 6], SamplingParams()))
+    assert scheduler.schedule().finished_request_ids == ["gone"]
