@@ -6,6 +6,9 @@
     pdserve submit --address http://HEAD:8265 --config cluster.yaml
     pdserve demo [--once]
     pdserve bench offline --model builtin:small
+    pdserve profile --model builtin:tiny --out profile.json
+    pdserve sim --config cluster.yaml --profile profile.json --rate 2 4
+    pdserve plan --model llama-7b --device h100 --rate east=20
 
 Errors a user can cause (a bad flag value, a missing model) print one line
 naming the field and exit with status 2; nothing prints a traceback for them.
@@ -121,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cluster_parsers(sub)
     add_bench_parser(sub)
+    from pdserve.sim.cli import add_parsers as add_sim_parsers  # profile, sim, plan
+
+    add_sim_parsers(sub)
     return parser
 
 

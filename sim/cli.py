@@ -1,0 +1,246 @@
+"""``pdserve profile``, ``pdserve sim`` and ``pdserve plan``: flags and handlers.
+
+    pdserve profile --model builtin:tiny --out profile.json          # measure this machine
+    pdserve profile --model llama-7b --device h100 --tp 1 --out h100.json   # analytic
+    pdserve sim --config cluster.yaml --profile profile.json --rate 2 4 --num-requests 200
+    pdserve sim --config fleet.yaml --device h100 --trace azure-conv --rate 50
+    pdserve plan --model llama-7b --device h100 --rate east=20 --ttft-slo-ms 1000 --tpot-slo-ms 50
+
+``pdserve sim`` takes the workload and SLO flags of ``pdserve bench serve`` and
+writes the same JSON (per-rate ``summary`` and ``requests``) and plots, so a
+simulated and a measured run of one command line compare key by key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.sim.analytic import DEVICES, Assumptions
+
+RECORDS_LIMIT = 100_000  # runs up to this many requests keep per-request records and ITL
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    _add_profile(sub)
+    _add_sim(sub)
+    from pdserve.sim.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("analytic profiles")
+    g.add_argument("--device", choices=sorted(DEVICES), default=None,
+                   help="time layouts without a profile file from this device's datasheet")  # fmt: skip
+    g.add_argument("--mfu", type=float, default=Assumptions.mfu,
+                   help="assumed share of peak FLOP/s in compute-bound steps")  # fmt: skip
+    g.add_argument("--mbu", type=float, default=Assumptions.mbu,
+                   help="assumed share of memory bandwidth in memory-bound steps")  # fmt: skip
+    g.add_argument("--step-overhead-ms", type=float, default=Assumptions.step_overhead_s * 1e3)
+    g.add_argument("--calibrate", default=None, metavar="PROFILE",
+                   help="a measured profile of the same device: its efficiencies replace --mfu/--mbu")  # fmt: skip
+
+
+def assumptions_from(args: argparse.Namespace) -> Assumptions:
+    base = Assumptions(mfu=args.mfu, mbu=args.mbu, step_overhead_s=args.step_overhead_ms / 1e3)
+    if args.calibrate is None:
+        return base
+    from dataclasses import replace
+
+    from pdserve.sim.analytic import analytic_profile, measured_efficiency, model_shape
+    from pdserve.sim.profile import load_profile
+
+    if args.device is None:
+        raise InvalidArgumentError("calibrate", "needs --device (the analytic profile it corrects)")
+    measured = load_profile(args.calibrate)
+    if measured.device != args.device:
+        raise InvalidArgumentError(
+            "calibrate",
+            f"{args.calibrate} was measured on {measured.device!r}, not {args.device!r}",
+        )
+    shape = measured.model if measured.model.name == args.model else model_shape(args.model)
+    first = analytic_profile(
+        shape, args.device, measured.tensor_parallel_size, measured.pipeline_parallel_size, base
+    )
+    return replace(base, **measured_efficiency(first, measured))
+
+
+# -- pdserve profile --------------------------------------------------------------------
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("profile", help="measure (or derive) an instance's latency model")
+    p.add_argument("--model", default="builtin:tiny", help="builtin:<name>, a folder, or a preset")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measured step")
+    p.add_argument("--out", default="profile.json")
+    add_device_flags(p)
+    p.set_defaults(func=cmd_profile, prog="pdserve profile")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pdserve.bench.report import machine_info
+    from pdserve.bench.serve import command_line
+    from pdserve.sim.analytic import analytic_profile, model_shape
+    from pdserve.sim.profile import save_profile
+
+    command = command_line(args)
+    if args.device is not None:
+        shape = model_shape(args.model)
+        profile = analytic_profile(
+            shape, args.device, args.tensor_parallel_size, args.pipeline_parallel_size,
+            assumptions_from(args), command,
+        )  # fmt: skip
+    else:
+        from pdserve.core.config import build_engine_config
+        from pdserve.sim.measure import MeasureGrid, measured_profile
+
+        config = build_engine_config(
+            args.model, dtype=args.dtype, block_size=args.block_size,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+        )  # fmt: skip
+        profile = measured_profile(
+            config, MeasureGrid(repeats=args.repeats), command, machine_info()
+        )
+    path = save_profile(profile, args.out)
+    print(describe_profile(profile))
+    print(f"wrote {path}")
+    return 0
+
+
+def describe_profile(p: Any) -> str:
+    s = p.step
+    lines = [
+        f"{p.model.name} tp={p.tensor_parallel_size} pp={p.pipeline_parallel_size} on {p.device} "
+        f"({p.source}); KV {p.kv_bytes_per_token} B/token, {p.kv_capacity_tokens} tokens",
+        f"step = {s.overhead_s * 1e3:.3f} ms + {s.s_per_seq * 1e6:.2f} us/seq + "
+        f"{s.combine}(compute {s.s_per_token * 1e6:.3f} us/token + {s.s_per_attn * 1e9:.3f} ns/pair, "
+        f"memory {s.weights_s * 1e3:.3f} ms + {s.s_per_ctx * 1e9:.3f} ns/context token)",
+    ]
+    for name, t in sorted(p.connectors.items()):
+        lines.append(
+            f"transfer {name}: {t.latency_s * 1e6:.1f} us + {t.bytes_per_s / 1e9:.2f} GB/s"
+        )
+    if p.fit_error:
+        lines.append(
+            "fit error (relative): " + ", ".join(f"{k} {v:.3g}" for k, v in p.fit_error.items())
+        )
+    return "\n".join(lines)
+
+
+# -- pdserve sim --------------------------------------------------------------------------
+
+
+def _add_sim(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from pdserve.bench.serve import add_load_flags, add_workload_flags
+
+    p = sub.add_parser("sim", help="simulate a cluster YAML under a workload, in virtual time")
+    p.add_argument("--config", required=True, help="the cluster YAML that `pdserve serve` takes")
+    p.add_argument("--profile", action="append", default=[],
+                   help="profile file (repeatable: one per layout)")  # fmt: skip
+    p.add_argument("--rate", type=float, nargs="+", default=None,
+                   help="mean request rate(s) in req/s; several: a sweep")  # fmt: skip
+    p.add_argument("--region-share", nargs="+", default=None, metavar="REGION=SHARE",
+                   help="share of requests whose home is each region (default: even)")  # fmt: skip
+    p.add_argument(
+        "--full", action="store_true", help="step every instance step by step (no fast mode)"
+    )
+    p.add_argument(
+        "--startup-s", type=float, default=30.0, help="seconds for an added instance to start"
+    )
+    p.add_argument("--out", default="bench/out/sim", help="output folder")
+    p.add_argument("--name", default="sim", help="output file stem")
+    p.add_argument("--no-plots", action="store_true")
+    add_device_flags(p)
+    add_workload_flags(p)
+    add_load_flags(p)
+    p.set_defaults(func=cmd_sim, prog="pdserve sim")
+
+
+def region_shares(names: list[str], given: list[str] | None) -> list[float]:
+    if not given:
+        return [1.0] * len(names)
+    shares = dict.fromkeys(names, 0.0)
+    for item in given:
+        name, _, value = item.partition("=")
+        if name not in shares:
+            raise InvalidArgumentError("region_share", f"unknown region {name!r}; known: {names}")
+        try:
+            shares[name] = float(value)
+        except ValueError:
+            raise InvalidArgumentError("region_share", f"{item!r} is not REGION=NUMBER") from None
+    return [shares[n] for n in names]
+
+
+def _max_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from pdserve.bench.report import header
+    from pdserve.bench.serve import (
+        RunResult,
+        command_line,
+        options_json,
+        slo_from,
+        summary_table,
+        write_outputs,
+    )
+    from pdserve.cluster.config import load_config
+    from pdserve.sim.build import book_for
+    from pdserve.sim.cluster import SimCluster, SimOptions
+    from pdserve.sim.profile import load_profile
+    from pdserve.sim.report import plot_instance_counts, run_json
+    from pdserve.sim.workload import workload_from_args
+
+    config = load_config(args.config)
+    book = book_for(
+        config, [load_profile(p) for p in args.profile], args.device, assumptions_from(args)
+    )
+    shares = region_shares([r.name for r in config.regions], args.region_share)
+    slo = slo_from(args)
+    runs, entries = [], []
+    for rate in args.rate or [None]:
+        work = workload_from_args(args, rate, shares)
+        options = SimOptions(not args.full, len(work) <= RECORDS_LIMIT, args.startup_s)
+        start, cpu = time.perf_counter(), time.process_time()
+        run = SimCluster(config, book, work, options).run()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        entry = run_json(run, rate, slo, wall, "full" if args.full else "fast", RECORDS_LIMIT)
+        entry["sim"]["cpu_s"] = round(cpu, 3)
+        entry["sim"]["max_rss_mib"] = round(_max_rss_mib(), 1)
+        entries.append(entry)
+        records = run.recorder.records() if len(work) <= RECORDS_LIMIT else []
+        runs.append(RunResult(rate, records, entry["summary"]))
+    payload = {**header(command_line(args)), "config": str(args.config),
+               "options": options_json(args), "runs": entries}  # fmt: skip
+    out = Path(args.out)
+    if args.no_plots:
+        from pdserve.bench.report import write_json
+
+        paths = [write_json(out / f"{args.name}.json", payload)]
+    else:
+        paths = write_outputs(out, args.name, payload, {"sim": runs}, slo)
+        paths.append(
+            plot_instance_counts(
+                entries[-1]["instances_over_time"], out / f"{args.name}-instances.png"
+            )
+        )
+    print(summary_table([(f"rate {r.rate:g}" if r.rate else "trace", r) for r in runs]))
+    for e in entries:
+        s = e["sim"]
+        print(f"simulated {s['requests']} requests, {s['virtual_s']:.1f} s of virtual time in "
+              f"{s['wall_s']:.2f} s wall, {s['cpu_s']:.2f} s CPU ({s['mode']} mode, "
+              f"{s['events']} events, peak RSS {s['max_rss_mib']:.0f} MiB)")  # fmt: skip
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,435 @@
+"""A whole serving cluster in virtual time: regions, instances, router, planner.
+
+Events, in time order (:class:`~pdserve.sim.clock.EventQueue`; arrivals are
+read from the workload arrays as time reaches them, never queued in bulk)::
+
+    arrival  -> region (home unless its estimated TTFT + 2 x latency is beaten
+                elsewhere; regions at their admission limit skip) -> the routing
+                policy's prefill and decode rows (router/policies.py objects)
+             -> decode prefills it itself (short or mostly cached prompt: the
+                decode server's rule) or reserve pages on decode, then queue at
+                prefill (retrying other decodes within the retry budget)
+    step     -> Scheduler.update on that instance; first tokens, finishes;
+                a finished prefill holds its pages and schedules a hand-off
+    handoff  -> after the KV transfer time: decode activates the request,
+                prefill releases its pages
+    plan     -> every planner interval: per-region metrics -> Planner.decide;
+                "on" mode adds an instance (ready after ``startup_s``) or
+                drains one (no new requests; removed when idle)
+    ready    -> a new instance joins the router's tables
+
+What the router would learn from load reports it reads here after every step
+of an instance (the live router hears every ~100 ms). Prefix-aware placement
+is not simulated (the policy sees no cached blocks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench.report import Slo
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.planner import Planner, PlannerDecision
+from pdserve.core.request import Request
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.admission import Admission, RetryBudget
+from pdserve.router.policies import Placement, RoutingRequest, make_policy
+from pdserve.router.state import ClusterView
+from pdserve.sim.build import ProfileBook, make_instance
+from pdserve.sim.clock import EventQueue, PlannerPolicy, VirtualClock
+from pdserve.sim.instance import TOKEN, SimInstance
+from pdserve.sim.metrics import RegionWindow, region_metrics
+from pdserve.sim.profile import Profile
+from pdserve.sim.results import Recorder
+from pdserve.sim.workload import SimWorkload
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How the simulator runs (the cluster itself comes from the YAML).
+
+    Attributes:
+        fast: jump over runs of decode steps whose batch cannot change.
+        keep_itl: keep every per-token gap (for ITL percentiles; memory grows with tokens).
+        startup_s: seconds from a planner's add decision to the instance serving.
+        planner: run the config's planner (its mode decides whether it applies changes).
+    """
+
+    fast: bool = True
+    keep_itl: bool = True
+    startup_s: float = 30.0
+    planner: bool = True
+
+    def __post_init__(self) -> None:
+        if self.startup_s < 0:
+            from pdserve.core.errors import InvalidArgumentError
+
+            raise InvalidArgumentError("startup_s", "must be >= 0")
+
+
+@dataclass
+class _Track:
+    """A request in flight: where it is and what it holds."""
+
+    index: int
+    region: str
+    decode: SimInstance
+    prefill: SimInstance | None
+    prompt_len: int
+    cached_on_decode: int = 0
+
+
+@dataclass
+class SimRun:
+    """Everything a finished run measured."""
+
+    recorder: Recorder
+    regions: list[str]
+    instances: list[SimInstance]  # every instance that ever ran
+    counts: list[dict[str, Any]] = field(default_factory=list)  # instance counts over time
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    end_s: float = 0.0
+    events: int = 0
+
+
+class SimCluster:
+    def __init__(
+        self, config: ClusterConfig, book: ProfileBook, workload: SimWorkload,
+        options: SimOptions | None = None, planner: PlannerPolicy | None = None,
+    ) -> None:  # fmt: skip
+        self.config, self.book, self.work = config, book, workload
+        self.options = options or SimOptions()
+        self.clock, self.queue = VirtualClock(), EventQueue()
+        self.view = ClusterView()
+        self.policy = make_policy(config.router.policy)
+        r = config.router
+        self.admission = Admission(r.max_inflight_per_region, r.ttft_slo_s, r.adaptive_admission)
+        self.retries = RetryBudget(r.retry_budget_ratio)
+        self.planner: PlannerPolicy = planner or Planner(
+            config.planner, r.ttft_slo_s, r.tpot_slo_s, {g.name: g for g in config.regions}
+        )
+        self.regions = [g.name for g in config.regions]
+        self.instances: dict[str, SimInstance] = {}
+        self.profiles: dict[str, Profile] = {}
+        self.all: list[SimInstance] = []
+        self.inflight = dict.fromkeys(self.regions, 0)
+        self.windows = {g: RegionWindow() for g in self.regions}
+        self.tracks: dict[str, _Track] = {}
+        self.run_info = SimRun(
+            Recorder(workload.arrival_s, workload.prompt_len, workload.output_len, workload.home,
+                     self.options.keep_itl),
+            self.regions, self.all,
+        )  # fmt: skip
+        self._serial = 0
+        self._next = 0  # the next arrival's index
+        for g in config.regions:
+            for role in ("prefill", "decode"):
+                for _ in range(g.role(role).count):
+                    self._join(self._new_instance(g.name, role))
+
+    # -- instances -------------------------------------------------------------------
+
+    def _new_instance(self, region: str, role: str) -> SimInstance:
+        self._serial += 1
+        g = next(x for x in self.config.regions if x.name == region)
+        inst, profile = make_instance(
+            self.config, self.book, g, role, f"{region}-{role}-{self._serial}"
+        )
+        self.profiles[inst.instance_id] = profile
+        self.all.append(inst)
+        return inst
+
+    def _join(self, inst: SimInstance) -> None:
+        self.instances[inst.instance_id] = inst
+        self.view.add(inst.view)
+
+    def _refresh(self, inst: SimInstance) -> None:
+        inst.view.report = inst.report()
+        self.view.touch(inst.view)
+
+    def _kick(self, inst: SimInstance) -> None:
+        """Start the instance's next step once every event of this instant is in (an
+        engine loop picks up everything queued when it schedules)."""
+        if not inst.busy and not inst.kick_pending:
+            inst.kick_pending = True
+            self.queue.push(self.clock.now(), "kick", inst)
+
+    def _on_kick(self, inst: SimInstance) -> None:
+        inst.kick_pending = False
+        if not inst.busy and inst.instance_id in self.instances:
+            end = inst.start(self.clock.now(), self.options.fast)
+            if end is not None:
+                self.queue.push(end, "step", (inst, inst.generation))
+
+    def _interrupt(self, inst: SimInstance) -> None:
+        if inst.interrupt(self.clock.now()):
+            self.queue.push(inst.pending_end, "step", (inst, inst.generation))
+
+    # -- the loop --------------------------------------------------------------------
+
+    def run(self) -> SimRun:
+        arrivals, n = self.work.arrival_s, len(self.work)
+        if self.options.planner and self.config.planner.mode != "off":
+            self.queue.push(self.config.planner.interval_s, "plan")
+        self._count("start")
+        handlers = {"step": self._on_step, "handoff": self._on_handoff, "plan": self._on_plan,
+                    "ready": self._on_ready, "launch": self._launch,
+                    "kick": self._on_kick}  # fmt: skip
+        while True:
+            t_next = self.queue.peek_time()
+            i = self._next
+            if i < n and arrivals[i] <= t_next:
+                self.clock.advance_to(float(arrivals[i]))
+                self._next += 1
+                self._arrive(i)
+                continue
+            if not len(self.queue) or (i >= n and not self.tracks and self._only_planner()):
+                break
+            at, kind, payload = self.queue.pop()
+            self.clock.advance_to(at)
+            self.run_info.events += 1
+            handlers[kind](payload)
+        self.run_info.end_s = self.clock.now()
+        self._count("end")
+        return self.run_info
+
+    def _only_planner(self) -> bool:
+        return all(not x.busy for x in self.instances.values())
+
+    # -- arrivals and routing ------------------------------------------------------------
+
+    def _arrive(self, i: int) -> None:
+        now = self.clock.now()
+        home = self.regions[int(self.work.home[i])]
+        n, out = int(self.work.prompt_len[i]), int(self.work.output_len[i])
+        choice = self._choose_region(home, n, out)
+        rec = self.run_info.recorder
+        if choice is None:
+            rec.region[i] = self.work.home[i]
+            rec.fail(i, 1, now)
+            return
+        region, placement = choice
+        rec.region[i] = self.regions.index(region)
+        self.retries.on_request()
+        self.inflight[region] += 1
+        lat = self.config.router.latency(home, region)
+        if lat > 0:  # the router waits out the emulated distance before it launches
+            self.queue.push(now + lat, "launch", (i, region, placement))
+        else:
+            self._launch((i, region, placement))
+
+    def _choose_region(self, home: str, n: int, out: int) -> tuple[str, Placement] | None:
+        best: tuple[float, str, Placement] | None = None
+        order = sorted(self.regions, key=lambda g: (g != home, self.config.router.latency(home, g)))
+        for region in order:
+            distance = 2 * self.config.router.latency(home, region)
+            if best is not None and distance >= best[0]:
+                continue  # its cost is at least the distance: it cannot win
+            decodes = self.view.table("decode", region)
+            if not len(decodes) or not self.admission.admit(region, self.inflight[region]):
+                continue
+            prefills = self.view.table("prefill", region)
+            req = RoutingRequest(n, out, np.zeros(len(prefills)), decodes.block_tokens)
+            placement = self.policy.place(req, prefills, decodes)
+            cost = placement.est_ttft_s + distance - (1e-9 if region == home else 0.0)
+            if best is None or cost < best[0]:
+                best = (cost, region, placement)
+        return None if best is None else (best[1], best[2])
+
+    def _launch(self, payload: tuple[int, str, Placement]) -> None:
+        i, region, placement = payload
+        rid, prompt = f"r{i}", self.work.prompt(i)
+        prefills, decodes = self.view.table("prefill", region), self.view.table("decode", region)
+        decode = self.instances[decodes.views[placement.decode].instance_id]
+        params = SamplingParams(max_tokens=int(self.work.output_len[i]), ignore_eos=True)
+        now = self.clock.now()
+        probe = Request(rid, prompt, params, (), now)  # its block hashes are computed once
+        if placement.prefill is None or self._prefill_here(decode, probe):
+            self._interrupt(decode)
+            decode.scheduler.add_request(probe)
+            self.tracks[rid] = _Track(i, region, decode, None, len(prompt))
+            self._placed(decode)
+            self._kick(decode)
+            return
+        prefill = self.instances[prefills.views[placement.prefill].instance_id]
+        reserved = self._reserve(region, decode, probe)
+        if reserved is None:
+            self.inflight[region] -= 1
+            self.run_info.recorder.fail(i, 2, now)
+            return
+        decode, cached = reserved
+        self._interrupt(prefill)
+        request = Request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), (), now)
+        request.hold_kv_on_finish = True
+        if prefill.kv.block_size == decode.kv.block_size:
+            request.block_hashes = list(probe.block_hashes)
+        prefill.scheduler.add_request(request)
+        self.tracks[rid] = _Track(i, region, decode, prefill, len(prompt), cached)
+        prefill.view.pending_prompt_tokens += len(prompt)
+        self._placed(prefill)
+        self._placed(decode)
+        self._kick(prefill)
+
+    def _prefill_here(self, decode: SimInstance, probe: Request) -> bool:
+        """The decode server's rule: short prompts, and mostly cached ones, stay local."""
+        d = self.config.disaggregation
+        if probe.num_tokens <= d.local_prefill_max_tokens:
+            return True
+        cached = len(decode.kv.find_cached_prefix(probe)) * decode.kv.block_size
+        return cached >= d.local_prefill_cached_fraction * probe.num_tokens
+
+    def _reserve(
+        self, region: str, first: SimInstance, probe: Request
+    ) -> tuple[SimInstance, int] | None:
+        """Reserve pages for ``probe`` on ``first``, then (within the retry budget) on the
+        fastest others; the request object itself joins the decode instance."""
+        table = self.view.table("decode", region)
+        others = [self.instances[table.views[j].instance_id]
+                  for j in np.argsort(table.decode_tpot())]  # fmt: skip
+        for attempt, decode in enumerate([first, *[d for d in others if d is not first]]):
+            if attempt and not self.retries.try_spend():
+                return None
+            self._interrupt(decode)
+            if decode.kv.block_size != first.kv.block_size:
+                probe.block_hashes = []
+            cached = decode.scheduler.reserve(probe)
+            if cached is not None:
+                self._refresh(decode)
+                return decode, cached
+        return None
+
+    def _placed(self, inst: SimInstance) -> None:
+        inst.view.inflight += 1
+        self._refresh(inst)
+
+    # -- steps and hand-offs ------------------------------------------------------------
+
+    def _on_step(self, payload: tuple[SimInstance, int]) -> None:
+        inst, generation = payload
+        if generation != inst.generation or not inst.busy:
+            return  # a fast-mode run that was cut: its new end has its own event
+        done = inst.complete(self.options.keep_itl)
+        rec = self.run_info.recorder
+        for rid, count in done.tokens.items():
+            track = self.tracks[rid]
+            times = done.step_ends[-count:] if self.options.keep_itl else [done.end]
+            first = rec.tokens[track.index] == 0
+            rec.tokens_at(track.index, times, count)
+            if first:
+                self._first_token(track, done.end)
+        for request in done.finished:
+            track = self.tracks[request.request_id]
+            if inst.role == "prefill" and track.prefill is inst:
+                self._handoff_after(track, inst)
+            else:
+                self._finished(request.request_id, done.end)
+        self._refresh(inst)
+        if inst.draining and inst.idle:
+            self._remove(inst)
+        else:
+            self._on_kick(inst)  # the step just ended: schedule the next one now
+
+    def _first_token(self, track: _Track, at: float) -> None:
+        self.admission.observe(track.region, at - float(self.work.arrival_s[track.index]))
+        if track.prefill is not None:
+            track.prefill.view.pending_prompt_tokens -= track.prompt_len
+
+    def _handoff_after(self, track: _Track, prefill: SimInstance) -> None:
+        profile = self.profiles[prefill.instance_id]
+        sent = max(0, track.prompt_len - track.cached_on_decode) * profile.kv_bytes_per_token
+        delay = profile.transfer(self.config.connector).time(sent)
+        self.queue.push(self.clock.now() + delay, "handoff", f"r{track.index}")
+
+    def _on_handoff(self, rid: str) -> None:
+        track = self.tracks[rid]
+        assert track.prefill is not None
+        prefill, decode = track.prefill, track.decode
+        prefill.scheduler.release(rid)
+        prefill.view.inflight -= 1
+        self._refresh(prefill)
+        if prefill.draining and prefill.idle:
+            self._remove(prefill)
+        self._interrupt(decode)
+        request = decode.scheduler.activate(rid, TOKEN)
+        if request.num_output_tokens >= request.sampling_params.max_tokens:
+            from pdserve.core.request import RequestStatus
+
+            decode.scheduler.finish(rid, RequestStatus.FINISHED_LENGTH)
+            self._finished(rid, self.clock.now())
+        self._kick(decode)
+
+    def _finished(self, rid: str, at: float) -> None:
+        track = self.tracks.pop(rid)
+        rec = self.run_info.recorder
+        rec.finish(track.index, at)
+        self.inflight[track.region] -= 1
+        track.decode.view.inflight -= 1
+        self._refresh(track.decode)
+        i = track.index
+        ttft = float(rec.first[i] - rec.arrival[i])
+        n = int(rec.tokens[i])
+        tpot = (at - float(rec.first[i])) / (n - 1) if n > 1 else None
+        self.windows[track.region].add(ttft, tpot)
+
+    # -- the planner --------------------------------------------------------------------
+
+    def _on_plan(self, _: Any) -> None:
+        now = self.clock.now()
+        for region in self.regions:
+            members = [x for x in self.instances.values() if x.region == region and not x.draining]
+            m = region_metrics(region, members, self.windows[region])
+            decision = self.planner.decide(m, now)
+            if decision is not None:
+                self._apply(decision, now)
+        if self.tracks or self._next < len(self.work) or self.queue.peek_time() < math.inf:
+            self.queue.push(now + self.config.planner.interval_s, "plan")
+
+    def _apply(self, d: PlannerDecision, now: float) -> None:
+        self.run_info.decisions.append(
+            {"t_s": round(now, 3), "region": d.region, "action": d.action, "reason": d.reason,
+             "applied": d.applied}
+        )  # fmt: skip
+        if not d.applied:
+            return
+        verb, role = d.action.split("_", 1)
+        if verb == "add":
+            inst = self._new_instance(d.region, role)
+            self.queue.push(now + self.options.startup_s, "ready", inst)
+            return
+        members = [x for x in self.instances.values()
+                   if x.region == d.region and x.role == role and not x.draining]  # fmt: skip
+        if len(members) <= 1:
+            return
+        victim = min(members, key=lambda x: x.view.inflight)
+        victim.draining = True
+        self.view.set_available(victim.instance_id, True)
+        if victim.idle:
+            self._remove(victim)
+        self._count(d.action)
+
+    def _on_ready(self, inst: SimInstance) -> None:
+        self._join(inst)
+        self._count("ready")
+
+    def _remove(self, inst: SimInstance) -> None:
+        self.instances.pop(inst.instance_id, None)
+        self.view.remove(inst.instance_id)
+        self._count("removed")
+
+    def _count(self, why: str) -> None:
+        row: dict[str, Any] = {"t_s": round(self.clock.now(), 3), "event": why}
+        for region in self.regions:
+            for role in ("prefill", "decode"):
+                row[f"{region}.{role}"] = sum(
+                    1 for x in self.instances.values()
+                    if x.region == region and x.role == role and not x.draining
+                )  # fmt: skip
+        self.run_info.counts.append(row)
+
+
+def slo_of(config: ClusterConfig) -> Slo:
+    return Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)

@@ -1,0 +1,81 @@
+"""Fitting a :class:`~pdserve.sim.profile.StepModel` to measured steps.
+
+The ``sum`` form of the step model is linear in its coefficients, so a least
+squares fit on the samples' features finds them. Rows are weighted by
+``1 / seconds`` (relative error: a 2 ms decode step matters as much as a
+200 ms prefill), and coefficients that come out negative are dropped and the
+rest refitted (a small active-set non-negative least squares), so every term
+stays physical. ``weights_s`` is folded into ``overhead_s`` (both constant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.sim.profile import Sample, StepModel
+
+TERMS = ("overhead_s", "s_per_token", "s_per_attn", "s_per_ctx", "s_per_seq")
+
+
+def _design(samples: Sequence[Sample]) -> np.ndarray:
+    # columns in TERMS order; [n_samples, 5]
+    return np.array(
+        [[1.0, s.features.new_tokens, s.features.attn, s.features.context, s.features.seqs]
+         for s in samples]
+    )  # fmt: skip
+
+
+def fit_step_model(samples: Sequence[Sample]) -> StepModel:
+    """Non-negative, relative-error least squares fit of the ``sum`` step model."""
+    if len(samples) < len(TERMS):
+        raise InvalidArgumentError(
+            "samples", f"need at least {len(TERMS)} measured steps to fit, got {len(samples)}"
+        )
+    x = _design(samples)
+    y = np.array([s.seconds for s in samples])
+    if not (y > 0).all():
+        raise InvalidArgumentError("samples", "every measured step time must be > 0")
+    w = 1.0 / y
+    active = list(range(len(TERMS)))
+    coef = np.zeros(len(TERMS))
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        del active[int(np.argmin(sol))]
+    return StepModel(**{name: float(c) for name, c in zip(TERMS, coef, strict=True)})
+
+
+def fit_robust(
+    samples: Sequence[Sample], outlier_rel: float = 0.5
+) -> tuple[StepModel, list[Sample]]:
+    """Fit, drop samples the fit misses by more than ``outlier_rel`` (a step that a
+    neighbouring process slowed), refit; returns (model, dropped samples)."""
+    model = fit_step_model(samples)
+    keep = [
+        s for s in samples if abs(model.time(s.features) - s.seconds) <= outlier_rel * s.seconds
+    ]
+    if len(keep) == len(samples) or len(keep) < len(TERMS):
+        return model, []
+    dropped = [s for s in samples if s not in keep]
+    return fit_step_model(keep), dropped
+
+
+def fit_error(model: StepModel, samples: Sequence[Sample]) -> dict[str, float]:
+    """Relative errors |predicted - measured| / measured: mean and max, overall and per phase."""
+    out: dict[str, float] = {}
+    groups = {"all": list(samples)}
+    for s in samples:
+        groups.setdefault(s.phase, []).append(s)
+    for name, group in groups.items():
+        if not group:
+            continue
+        err = np.array([abs(model.time(s.features) - s.seconds) / s.seconds for s in group])
+        out[f"{name}_mean_rel"] = round(float(err.mean()), 4)
+        out[f"{name}_max_rel"] = round(float(err.max()), 4)
+    return out

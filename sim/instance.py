@@ -1,0 +1,237 @@
+"""One simulated instance: the real engine scheduler, timed by a profile.
+
+Each instance owns a real :class:`~pdserve.engine.scheduler.Scheduler` over a
+real :class:`~pdserve.engine.kv_cache_manager.KVCacheManager` (continuous
+batching, chunked prefill, token budget, preemption, prefix caching). Model
+execution is replaced by the profile's step time; every sampled token is
+:data:`TOKEN` and requests stop on length (``ignore_eos``).
+
+A step: ``start(now)`` calls ``Scheduler.schedule`` and returns when the step
+ends; ``complete()`` calls ``Scheduler.update``. In fast mode a step whose
+batch is decode only and cannot change by itself (no prefill chunk, no
+preemption, nothing waiting that could be admitted, enough free blocks) runs
+as a *run* of ``k`` steps: up to the first request that finishes. An event that
+touches the instance mid-run (an arrival, a reservation, a hand-off) first
+calls ``interrupt(now)``, which cuts the run at the step in flight, so the
+batch changes at the same step boundary as in the step-by-step mode. The
+``k - 1`` later steps of a run apply what ``Scheduler.update`` would: slots,
+``num_computed_tokens``, one token each, and the length stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.core.config import SchedulerConfig
+from pdserve.core.messages import LoadReport
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.step import StepPlan
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.scheduler import Scheduler
+from pdserve.router.state import InstanceView
+from pdserve.sim.profile import StepFeatures, StepModel
+
+TOKEN = 7  # every simulated sampled token (never an EOS: requests set ignore_eos)
+EMA = 0.2  # weight of the newest step in the reported mean step time
+
+
+@dataclass
+class InstanceStats:
+    steps: int = 0
+    busy_s: float = 0.0
+    tokens: int = 0
+    batch_sum: int = 0  # sum over steps of the batch size
+    runs: int = 0  # schedule() calls (a fast-mode run counts once)
+
+
+@dataclass
+class StepDone:
+    """What one step (or run of steps) produced."""
+
+    end: float
+    steps: int
+    tokens: dict[str, int] = field(default_factory=dict)  # request id -> new tokens
+    finished: list[Request] = field(default_factory=list)
+    step_ends: list[float] = field(default_factory=list)  # filled when asked for (ITL)
+
+
+class SimInstance:
+    """A prefill or decode instance of one region in virtual time."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        role: str,
+        region: str,
+        step_model: StepModel,
+        scheduler_config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+    ) -> None:
+        self.instance_id = instance_id
+        self.role = role
+        self.region = region
+        self.step_model = step_model
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching)
+        self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len)
+        self.view = InstanceView(instance_id, role, region, None, block_size, max_model_len)
+        self.stats = InstanceStats()
+        self.draining = False
+        self.generation = 0  # bumps when the pending step's end moves
+        self.kick_pending = False  # a "kick" event will start the next step
+        self._plan: StepPlan | None = None
+        self._start = 0.0
+        self._end = 0.0
+        self._steps = 1
+        self._seqs = 0
+        self._context = 0
+        self._mean_step = 0.0
+        self._mean_tokens = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self._plan is not None
+
+    @property
+    def pending_end(self) -> float:
+        return self._end
+
+    def start(self, now: float, fast: bool) -> float | None:
+        """Schedule the next step at ``now``; its end time, or None with nothing to run."""
+        assert self._plan is None, "a step is already running"
+        preemptions = self.scheduler.num_preemptions
+        plan = self.scheduler.schedule()
+        self.stats.runs += 1
+        if plan.is_empty:
+            return None
+        rows = [(s.num_tokens, s.start_pos) for s in plan.seqs]
+        steps = 1
+        if fast and self.scheduler.num_preemptions == preemptions:
+            steps = self._run_length(plan)
+        self._plan, self._start, self._steps = plan, now, steps
+        self._seqs, self._context = len(rows), sum(c for _, c in rows)
+        if steps == 1:
+            duration = self.step_model.time(StepFeatures.of(rows))
+        else:
+            duration = self.step_model.decode_run_time(self._seqs, self._context, steps)
+        self._end = now + duration
+        return self._end
+
+    def _run_length(self, plan: StepPlan) -> int:
+        """Steps the decode-only batch of ``plan`` runs unchanged (1: not such a batch)."""
+        requests = self.scheduler.requests
+        running = self.scheduler.running
+        if len(plan.seqs) != len(running):
+            return 1
+        remaining = []  # (computed tokens, blocks held, steps until it finishes) per request
+        for seq in plan.seqs:
+            if seq.num_tokens != 1 or seq.sampling is None:
+                return 1
+            r = requests[seq.request_id]
+            left = min(
+                r.sampling_params.max_tokens - r.num_output_tokens,
+                self.scheduler.max_model_len - r.num_tokens,
+            )
+            remaining.append((r.num_computed_tokens, len(seq.block_table), left))
+        k = min(left for _, _, left in remaining)
+        if k <= 1:
+            return 1
+        # Blocks the later steps need must be free now: nothing else frees any
+        # (no request finishes before step k) and a shortfall would preempt.
+        lo, hi, bs, free = 1, k, self.kv.block_size, self.kv.num_free_blocks
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            need = sum(max(0, -(-(c + mid) // bs) - held) for c, held, _ in remaining)
+            if need <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def interrupt(self, now: float) -> bool:
+        """Cut a fast-mode run at the step in flight at ``now``; True if the end moved."""
+        if self._plan is None or self._steps == 1 or now >= self._end:
+            return False
+        steps, elapsed = self.step_model.decode_step_end(
+            self._seqs, self._context, now - self._start
+        )
+        if steps >= self._steps:
+            return False
+        self._steps = steps
+        self._end = self._start + elapsed
+        self.generation += 1
+        return True
+
+    def complete(self, want_step_ends: bool = False) -> StepDone:
+        """Apply the finished step (or run) to the scheduler's state."""
+        plan, steps = self._plan, self._steps
+        assert plan is not None
+        self._plan = None
+        done = StepDone(self._end, steps)
+        sampled = {s.request_id: TOKEN for s in plan.seqs if s.sampling is not None}
+        for request in self.scheduler.update(plan, sampled):
+            done.tokens[request.request_id] = 1
+            if request.finished:
+                done.finished.append(request)
+        if steps > 1:
+            self._apply_run(plan, steps - 1, done)
+        if want_step_ends:
+            done.step_ends = self._step_ends(plan, steps)
+        self._account(plan, steps)
+        return done
+
+    def _apply_run(self, plan: StepPlan, more: int, done: StepDone) -> None:
+        for seq in plan.seqs:
+            r = self.scheduler.requests.get(seq.request_id)
+            if r is None or r.status is not RequestStatus.RUNNING:
+                continue
+            ok = self.kv.allocate_slots(r, more)
+            assert ok, "a fast-mode run was planned with too few free blocks"
+            r.num_computed_tokens += more
+            r.token_ids.extend([TOKEN] * more)
+            self.kv.cache_computed_blocks(r)
+            done.tokens[r.request_id] = done.tokens.get(r.request_id, 0) + more
+            if (
+                r.num_output_tokens >= r.sampling_params.max_tokens
+                or r.num_tokens >= self.scheduler.max_model_len
+            ):
+                self.scheduler.finish(r.request_id, RequestStatus.FINISHED_LENGTH)
+                done.finished.append(r)
+
+    def _step_ends(self, plan: StepPlan, steps: int) -> list[float]:
+        if steps == 1:
+            return [self._end]
+        out, t = [], self._start
+        for i in range(steps):
+            t += self.step_model.decode_run_time(self._seqs, self._context + i * self._seqs, 1)
+            out.append(t)
+        out[-1] = self._end
+        return out
+
+    def _account(self, plan: StepPlan, steps: int) -> None:
+        duration = self._end - self._start
+        s = self.stats
+        s.steps += steps
+        s.busy_s += duration
+        tokens = plan.num_tokens * steps
+        s.tokens += tokens
+        s.batch_sum += len(plan.seqs) * steps
+        self._mean_step += EMA * (duration / steps - self._mean_step)
+        self._mean_tokens += EMA * (tokens / steps - self._mean_tokens)
+
+    def report(self) -> LoadReport:
+        """The load report a live instance would push (no KV events)."""
+        sched = self.scheduler
+        return LoadReport(
+            self.instance_id, self.role, waiting=len(sched.waiting), running=len(sched.running),
+            waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
+            step_seconds=self._mean_step, step_tokens=self._mean_tokens,
+        )  # fmt: skip
+
+    @property
+    def idle(self) -> bool:
+        s = self.scheduler
+        return self._plan is None and not (s.requests or s.held)

@@ -1,0 +1,190 @@
+"""``pdserve profile``: time the real one-rank engine and fit its step model.
+
+The model runs in this process behind the engine's own executor
+(:class:`~pdserve.parallel.executor.LocalExecutor`); each sample is one
+:class:`~pdserve.core.step.StepPlan` executed ``repeats`` times (fastest kept):
+
+- prefill: one sequence of ``n`` new tokens over ``c`` cached ones (a chunk
+  after a prefix-cache hit or an earlier chunk), for a grid of (n, c);
+- decode: ``b`` sequences of one new token over ``c`` cached tokens each.
+
+Pages hold whatever the cache holds (timing does not depend on values). The
+KV hand-off is timed on the shared-memory connector's data path: a copy of a
+request's pages into a tensor mapped from a file under ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+from pdserve.core.config import EngineConfig
+from pdserve.core.errors import UnsupportedError
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
+from pdserve.engine.executor import Executor
+from pdserve.sim.fit import fit_error, fit_robust
+from pdserve.sim.profile import (
+    ModelShape,
+    Profile,
+    Sample,
+    StepFeatures,
+    StepModel,
+    TransferModel,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MeasureGrid:
+    """What ``pdserve profile`` times (the default runs in well under two minutes
+    on builtin:tiny and builtin:small on two CPU cores).
+
+    Attributes:
+        prefill_tokens: new tokens of the one prefill sequence.
+        prefill_cached: cached tokens before them.
+        decode_batch: sequences of a decode step.
+        decode_context: cached tokens of each decode sequence.
+        repeats: timed runs per sample (after one warm-up); the fastest is kept (another
+            process can only make a step slower).
+    """
+
+    prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512)
+    prefill_cached: tuple[int, ...] = (0, 256, 768)
+    decode_batch: tuple[int, ...] = (1, 4, 16, 32)
+    decode_context: tuple[int, ...] = (64, 256, 768)
+    repeats: int = 3
+
+
+def _plan(step_id: int, rows: list[tuple[int, int]], block_size: int) -> StepPlan:
+    """A plan of sequences (new, cached), each on its own run of pages."""
+    seqs, next_block = [], 0
+    for i, (n, c) in enumerate(rows):
+        blocks = -(-(n + c) // block_size)
+        table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        seqs.append(ScheduledSeq(f"s{i}", [5] * n, c, table, RowSampling()))
+    return StepPlan(step_id, seqs)
+
+
+def _time_plan(
+    executor: Executor, rows: list[tuple[int, int]], block_size: int, repeats: int
+) -> float:
+    run = executor.execute
+    run(_plan(0, rows, block_size))  # warm-up
+    times = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        run(_plan(r + 1, rows, block_size))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_steps(config: EngineConfig, grid: MeasureGrid) -> tuple[list[Sample], int, ModelConfig]:
+    """Time the grid on a fresh one-rank executor: (samples, KV blocks, model config)."""
+    from pdserve.core.builtin_models import resolve_model
+    from pdserve.parallel.executor import LocalExecutor
+
+    if config.parallel.world_size > 1 or config.parallel.expert_parallel_size > 1:
+        raise UnsupportedError(
+            "pdserve profile measures one-rank instances; for a tp/pp layout use an analytic "
+            "profile (--device h100|a100|h200), calibrated by a one-rank measurement"
+        )
+    model = ModelConfig.from_dir(resolve_model(config.model))
+    executor = LocalExecutor(model, config)
+    bs, capacity = config.cache.block_size, executor.num_kv_blocks * config.cache.block_size
+    for _ in range(2):  # the first pass warms every shape up; the second is kept
+        samples = _measure_grid(executor, model, grid, bs, capacity)
+    logger.info("profiled %d steps", len(samples))
+    return samples, executor.num_kv_blocks, model
+
+
+def _measure_grid(
+    executor: Executor, model: ModelConfig, grid: MeasureGrid, bs: int, capacity: int
+) -> list[Sample]:
+    samples = []
+    for n in grid.prefill_tokens:
+        for c in grid.prefill_cached:
+            if n + c <= min(capacity, model.max_position_embeddings):
+                rows = [(n, c)]
+                secs = _time_plan(executor, rows, bs, grid.repeats)
+                samples.append(Sample("prefill", StepFeatures.of(rows), secs))
+    for b in grid.decode_batch:
+        for c in grid.decode_context:
+            if b * (c + bs) <= capacity and c < model.max_position_embeddings:
+                rows = [(1, c)] * b
+                secs = _time_plan(executor, rows, bs, grid.repeats)
+                samples.append(Sample("decode", StepFeatures.of(rows), secs))
+    return samples
+
+
+def measure_shm_transfer(num_bytes: tuple[int, ...] = (1 << 20, 32 << 20)) -> TransferModel:
+    """Bandwidth from the largest copy into a ``/dev/shm``-mapped tensor, latency from
+    what the smallest copy takes beyond it (fastest of 5 runs each)."""
+    import torch
+
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    best: dict[int, float] = {}
+    with tempfile.NamedTemporaryFile(dir=folder) as f:
+        dst_all = torch.from_file(f.name, shared=True, size=max(num_bytes), dtype=torch.uint8)
+        for n in num_bytes:
+            src = torch.ones(n, dtype=torch.uint8)
+            dst = dst_all[:n]
+            dst.copy_(src)
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                dst.copy_(src)
+                times.append(time.perf_counter() - start)
+            best[n] = min(times)
+    big, small = max(num_bytes), min(num_bytes)
+    bandwidth = big / best[big]
+    return TransferModel(max(0.0, best[small] - small / bandwidth), bandwidth)
+
+
+def measured_profile(
+    config: EngineConfig, grid: MeasureGrid, command: str, machine: dict[str, object]
+) -> Profile:
+    samples, num_blocks, m = measure_steps(config, grid)
+    step, dropped = fit_robust(samples)
+    if dropped:
+        logger.warning("%d of %d steps left out of the fit as outliers", len(dropped), len(samples))
+    shm = measure_shm_transfer()
+    shape = ModelShape(
+        config.model, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
+        m.intermediate_size, m.vocab_size, m.max_position_embeddings, m.num_experts,
+        m.num_experts_per_tok,
+    )  # fmt: skip
+    dtype = config.dtype if config.dtype != "auto" else m.dtype
+    elem = 4 if dtype == "float32" else 2
+    gpu = machine.get("gpu")
+    return Profile(
+        model=shape, tensor_parallel_size=1, pipeline_parallel_size=1,
+        device=_device_name(gpu if isinstance(gpu, str) else None), source="measured",
+        step=step, kv_bytes_per_token=shape.kv_bytes_per_token(elem),
+        kv_capacity_tokens=num_blocks * config.cache.block_size, dtype=dtype,
+        connectors={"shm": shm, "default": shm}, samples=tuple(samples),
+        fit_error={**fit_error(step, samples), **_inliers(step, samples, dropped)}, command=command, machine=machine,
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )  # fmt: skip
+
+
+def _inliers(step: StepModel, samples: list[Sample], dropped: list[Sample]) -> dict[str, float]:
+    """The fit's error over the steps it kept, and how many it left out."""
+    kept = [s for s in samples if s not in dropped]
+    err = fit_error(step, kept)
+    return {"inliers_mean_rel": err["all_mean_rel"], "inliers_max_rel": err["all_max_rel"],
+            "outliers": float(len(dropped))}  # fmt: skip
+
+
+def _device_name(gpu: str | None) -> str:
+    if gpu is None:
+        return "cpu"
+    for name in ("h200", "h100", "a100"):
+        if name in gpu.lower():
+            return name
+    return gpu

@@ -1,0 +1,313 @@
+"""The capacity planner: the cheapest P:D counts and layouts that meet the SLOs.
+
+:func:`plan_region` is the planner-facing API (``pdserve plan`` calls it per
+region; a proactive P:D planner can call it with its forecast rate and the
+observed length mix): for each allowed (prefill TP, decode TP) layout it
+
+1. computes the textbook plan (:mod:`pdserve.sim.textbook`) and rejects the
+   layout if one request alone misses an SLO (naming the SLO and the gap);
+2. simulates the region at the forecast rate grown by the headroom and
+   searches the fewest decode instances meeting the TPOT percentile (prefill
+   ample), then the fewest prefill instances meeting the TTFT percentile,
+   then bumps whichever role still misses when both are at their minimum;
+3. adds the spares (N+1) and simulates the result at the forecast rate for
+   its goodput per device.
+
+The cheapest feasible layout (fewest devices, then most goodput per device)
+wins. With none, :class:`InvalidArgumentError` says which SLO cannot be met,
+by how much, and at which limit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.bench import workload as wl
+from pdserve.cluster.config import ClusterConfig, parse_config
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.sim.build import ProfileBook
+from pdserve.sim.cluster import SimCluster, SimOptions
+from pdserve.sim.textbook import SingleInstance, TextbookPlan, single_instance, textbook_plan
+from pdserve.sim.workload import SimWorkload
+
+
+@dataclass(frozen=True)
+class PlanSlo:
+    ttft_s: float
+    tpot_s: float
+    percentile: float = 90.0
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise InvalidArgumentError("slo", "TTFT and TPOT SLOs must be > 0")
+        if not 0 < self.percentile < 100:
+            raise InvalidArgumentError("percentile", "must be in (0, 100)")
+
+
+@dataclass(frozen=True)
+class LengthMix:
+    """Prompt and output lengths to draw requests from (a trace's, or a synthetic mix)."""
+
+    prompt: np.ndarray  # [M] int64
+    output: np.ndarray  # [M] int64
+
+    def __post_init__(self) -> None:
+        if len(self.prompt) == 0 or len(self.prompt) != len(self.output):
+            raise InvalidArgumentError("lengths", "need as many prompt as output lengths, >= 1")
+
+    def draw(self, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.random.default_rng(seed).integers(0, len(self.prompt), size=n)
+        return self.prompt[idx], self.output[idx]
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """Attributes:
+    max_devices: devices the region may use.
+    prefill_tp / decode_tp: tensor-parallel sizes allowed per role.
+    headroom: planned load over the forecast (0.3: +30%).
+    spares: instances added per role for failures (N+1: 1).
+    num_requests: requests simulated per candidate.
+    max_num_seqs / max_num_batched_tokens / block_size: engine options of every instance.
+    """
+
+    max_devices: int = 64
+    prefill_tp: tuple[int, ...] = (1,)
+    decode_tp: tuple[int, ...] = (1,)
+    headroom: float = 0.3
+    spares: int = 1
+    num_requests: int = 1500
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_devices < 1:
+            raise InvalidArgumentError("max_devices", "must be >= 1")
+        if self.headroom < 0 or self.spares < 0:
+            raise InvalidArgumentError("headroom", "headroom and spares must be >= 0")
+        if not self.prefill_tp or not self.decode_tp:
+            raise InvalidArgumentError("tp", "allow at least one tensor-parallel size per role")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One simulated candidate: its percentiles (s), failures and goodput."""
+
+    prefill: int
+    decode: int
+    ttft_s: float
+    tpot_s: float
+    failed: int
+    goodput_rps: float
+
+    def meets(self, slo: PlanSlo) -> tuple[bool, bool]:
+        """(TTFT met, TPOT met); a refused request (no decode instance had room for its
+        KV) counts against decode."""
+        return (self.ttft_s <= slo.ttft_s, self.failed == 0 and self.tpot_s <= slo.tpot_s)
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    region: str
+    rate: float
+    prefill_tp: int
+    decode_tp: int
+    prefill: int
+    decode: int
+    devices: int
+    at_forecast: Outcome
+    single: SingleInstance
+    textbook: TextbookPlan
+    textbook_devices: int
+    simulations: int
+    tried: list[str] = field(default_factory=list)  # why other layouts lost
+
+
+def cluster_yaml(model: str, region: str, prefill: int, decode: int, tp_p: int, tp_d: int,
+                 limits: PlanLimits, slo: PlanSlo) -> str:  # fmt: skip
+    """The cluster YAML of a plan: what `pdserve serve` and `pdserve sim` take."""
+    return (
+        f"model: {model}\n"
+        f"engine: {{max_num_seqs: {limits.max_num_seqs}, "
+        f"max_num_batched_tokens: {limits.max_num_batched_tokens}, "
+        f"block_size: {limits.block_size}, enable_prefix_caching: false}}\n"
+        f"regions:\n  - name: {region}\n"
+        f"    prefill: {{count: {prefill}, min: {min(prefill, 1)}, max: {max(prefill, 1)}, "
+        f"tensor_parallel_size: {tp_p}}}\n"
+        f"    decode: {{count: {decode}, min: 1, max: {max(decode, 1)}, "
+        f"tensor_parallel_size: {tp_d}}}\n"
+        f"slo: {{ttft_ms: {slo.ttft_s * 1e3:g}, tpot_ms: {slo.tpot_s * 1e3:g}}}\n"
+        f"router: {{max_inflight_per_region: 1000000}}\n"
+        f'planner: {{mode: "off"}}\n'
+    )
+
+
+class _Search:
+    """Simulations of one region and layout at one rate (memoised by counts)."""
+
+    def __init__(self, book: ProfileBook, region: str, rate: float, mix: LengthMix,
+                 tp: tuple[int, int], limits: PlanLimits, slo: PlanSlo) -> None:  # fmt: skip
+        self.book, self.region, self.rate, self.mix = book, region, rate, mix
+        self.tp, self.limits, self.slo = tp, limits, slo
+        self.cache: dict[tuple[int, int], Outcome] = {}
+        n = limits.num_requests
+        arrival = wl.arrival_times("poisson", rate, n, None, seed=limits.seed)
+        prompt, output = mix.draw(n, limits.seed + 1)
+        self.work = SimWorkload(arrival, prompt, output, np.zeros(n, dtype=np.int16))
+
+    def config(self, p: int, d: int) -> ClusterConfig:
+        text = cluster_yaml(
+            self.book.model.name, self.region, p, d, *self.tp, self.limits, self.slo
+        )
+        return parse_config(text, "<plan>")
+
+    def run(self, p: int, d: int) -> Outcome:
+        if (p, d) not in self.cache:
+            sim = SimCluster(self.config(p, d), self.book, self.work,
+                             SimOptions(fast=True, keep_itl=False, planner=False))  # fmt: skip
+            rec = sim.run().recorder
+            ok = rec.error == 0
+            ttft = rec.first[ok] - rec.arrival[ok]
+            n = rec.tokens[ok].astype(np.float64)
+            multi = n > 1
+            tpot = (rec.end[ok][multi] - rec.first[ok][multi]) / (n[multi] - 1)
+            q = self.slo.percentile
+            meets = ttft <= self.slo.ttft_s
+            tp_all = np.where(multi, (rec.end[ok] - rec.first[ok]) / np.maximum(n - 1, 1), 0.0)
+            meets &= tp_all <= self.slo.tpot_s
+            window = float(np.nanmax(rec.end) - rec.arrival.min())
+            self.cache[(p, d)] = Outcome(
+                p, d, float(np.percentile(ttft, q)) if len(ttft) else math.inf,
+                float(np.percentile(tpot, q)) if len(tpot) else 0.0, int((~ok).sum()),
+                float(meets.sum()) / window if window > 0 else 0.0,
+            )  # fmt: skip
+        return self.cache[(p, d)]
+
+    def smallest(self, lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+        """Fewest count in [lo, hi] for which ``fits(count)`` holds (monotone), or None."""
+        lo = min(lo, hi)
+        if not fits(hi):
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+class Infeasible(InvalidArgumentError):
+    """No allowed layout meets an SLO; the message names it and the gap."""
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.0f} ms"
+
+
+def _alone(one: SingleInstance, slo: PlanSlo, tp: tuple[int, int], mix: LengthMix) -> str | None:
+    """Why a layout cannot work even for one request, or None."""
+    prompt = float(np.mean(mix.prompt))
+    if one.prefill_s > slo.ttft_s:
+        return (f"TTFT SLO {_ms(slo.ttft_s)} cannot be met at prefill tp={tp[0]}: a "
+                f"{prompt:.0f}-token prompt alone takes {_ms(one.prefill_s)} to prefill "
+                f"({_ms(one.prefill_s - slo.ttft_s)} over)")  # fmt: skip
+    if one.batch == 0:
+        if one.max_batch == 0:
+            return f"decode tp={tp[1]}: one request of the mix does not fit the KV cache"
+        return (f"TPOT SLO {_ms(slo.tpot_s)} cannot be met at decode tp={tp[1]}: one decode "
+                f"step alone takes {_ms(one.decode_floor_s)} "
+                f"({_ms(one.decode_floor_s - slo.tpot_s)} over)")  # fmt: skip
+    return None
+
+
+def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp: tuple[int, int],
+                limits: PlanLimits, slo: PlanSlo, peak_bw: float) -> RegionPlan:  # fmt: skip
+    """The cheapest counts for one layout; Infeasible names the SLO and the gap."""
+    prefill, decode = book.get(tp[0], 1), book.get(tp[1], 1)
+    prompt, output = float(np.mean(mix.prompt)), float(np.mean(mix.output))
+    one = single_instance(prefill, decode, prompt, output, slo.tpot_s, limits.max_num_seqs, peak_bw)
+    why = _alone(one, slo, tp, mix)
+    if why is not None:
+        raise Infeasible("slo", why)
+    book_plan = textbook_plan(rate, one, output, slo.ttft_s, limits.headroom, limits.spares)
+    cap_p = (limits.max_devices - tp[1] * (1 + limits.spares)) // tp[0] - limits.spares
+    cap_d = (limits.max_devices - tp[0] * (1 + limits.spares)) // tp[1] - limits.spares
+    if cap_p < 1 or cap_d < 1:
+        raise Infeasible("max_devices", f"{limits.max_devices} devices cannot hold one prefill and "
+                         f"one decode instance plus spares at tp={tp[0]}/{tp[1]}")  # fmt: skip
+    search = _Search(book, region, rate * (1 + limits.headroom), mix, tp, limits, slo)
+    ample_p = min(cap_p, max(1, 2 * book_plan.prefill_bare + 1))
+    d = search.smallest(max(1, book_plan.decode_bare // 2), cap_d,
+                        lambda n: search.run(ample_p, n).meets(slo)[1])  # fmt: skip
+    if d is None:
+        _missed(search.run(ample_p, cap_d), slo, "decode", cap_d, tp, limits)
+    assert d is not None
+    p = search.smallest(max(1, book_plan.prefill_bare // 2), cap_p,
+                        lambda n: search.run(n, d).meets(slo)[0])  # fmt: skip
+    if p is None:
+        _missed(search.run(cap_p, d), slo, "prefill", cap_p, tp, limits)
+    assert p is not None
+    while not all(search.run(p, d).meets(slo)):
+        ttft_ok, _ = search.run(p, d).meets(slo)
+        if ttft_ok:
+            d += 1
+        else:
+            p += 1
+        if p > cap_p or d > cap_d:
+            _missed(search.run(min(p, cap_p), min(d, cap_d)), slo, "both", cap_p, tp, limits)
+    p, d = p + limits.spares, d + limits.spares
+    final = _Search(book, region, rate, mix, tp, limits, slo).run(p, d)
+    tb_devices = book_plan.prefill * tp[0] + book_plan.decode * tp[1]
+    return RegionPlan(region, rate, tp[0], tp[1], p, d, p * tp[0] + d * tp[1], final, one,
+                      book_plan, tb_devices, len(search.cache) + 1)  # fmt: skip
+
+
+def _missed(o: Outcome, slo: PlanSlo, role: str, cap: int, tp: tuple[int, int],
+            limits: PlanLimits) -> None:  # fmt: skip
+    q = f"p{slo.percentile:g}"
+    if o.ttft_s > slo.ttft_s:
+        what = (f"TTFT {q} SLO {_ms(slo.ttft_s)} cannot be met: {_ms(o.ttft_s)} "
+                f"({_ms(o.ttft_s - slo.ttft_s)} over)")  # fmt: skip
+    elif o.failed:
+        what = f"{o.failed} requests were refused (no decode instance had room for their KV)"
+    else:
+        what = (f"TPOT {q} SLO {_ms(slo.tpot_s)} cannot be met: {_ms(o.tpot_s)} "
+                f"({_ms(o.tpot_s - slo.tpot_s)} over)")  # fmt: skip
+    raise Infeasible(
+        "slo", f"{what} with {o.prefill} prefill (tp={tp[0]}) and {o.decode} decode (tp={tp[1]}) "
+        f"instances, the most {limits.max_devices} devices allow ({role} at its limit of {cap})",
+    )  # fmt: skip
+
+
+def plan_region(book: ProfileBook, region: str, rate: float, mix: LengthMix, limits: PlanLimits,
+                slo: PlanSlo, peak_bw: float) -> RegionPlan:  # fmt: skip
+    """The cheapest feasible layout and counts for ``rate`` requests/s of ``mix``."""
+    if not rate > 0:
+        raise InvalidArgumentError("rate", f"region {region}: forecast rate must be > 0")
+    best: RegionPlan | None = None
+    errors: list[str] = []
+    for tp_p in limits.prefill_tp:
+        for tp_d in limits.decode_tp:
+            try:
+                plan = plan_layout(book, region, rate, mix, (tp_p, tp_d), limits, slo, peak_bw)
+            except Infeasible as e:
+                errors.append(f"tp={tp_p}/{tp_d}: {e.message}")
+                continue
+            key = (plan.devices, -plan.at_forecast.goodput_rps)
+            if best is None or key < (best.devices, -best.at_forecast.goodput_rps):
+                if best is not None:
+                    errors.append(f"tp={best.prefill_tp}/{best.decode_tp}: {best.devices} devices")
+                best = plan
+            else:
+                errors.append(f"tp={tp_p}/{tp_d}: {plan.devices} devices")
+    if best is None:
+        raise Infeasible("slo", f"region {region} at {rate:g} req/s: " + "; ".join(errors))
+    best.tried.extend(errors)
+    return best

@@ -1,0 +1,200 @@
+"""``pdserve plan``: flags, the forecast and length mix, and the printed plan.
+
+    pdserve plan --model llama-7b --device h100 --rate east=20 west=5,12,30 \\
+        --prompt-len 1000 --output-len 256 --ttft-slo-ms 1000 --tpot-slo-ms 50
+
+A region's forecast is one rate or rates over the day (comma-separated, or a
+JSON file ``{"east": [r0, r1, ...]}``); the plan covers the peak. The length
+mix is ``--prompt-len``/``--output-len`` (with spreads) or a trace's lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench import workload as wl
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.sim.plan import LengthMix, PlanLimits, PlanSlo, RegionPlan, cluster_yaml, plan_region
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from pdserve.sim.cli import add_device_flags
+
+    p = sub.add_parser("plan", help="cheapest P:D counts and layouts per region for a forecast")
+    p.add_argument("--model", required=True, help="a preset (llama-7b ...) or a loadable model")
+    p.add_argument("--profile", action="append", default=[], help="profile file (repeatable)")
+    p.add_argument("--rate", nargs="+", default=[], metavar="REGION=R[,R...]",
+                   help="forecast req/s per region: one rate or rates over the day")  # fmt: skip
+    p.add_argument("--forecast", default=None, help='JSON file {"region": [rates]}')
+    g = p.add_argument_group("length mix")
+    g.add_argument("--prompt-len", type=int, default=1000)
+    g.add_argument("--prompt-len-std", type=float, default=0.0)
+    g.add_argument("--output-len", type=int, default=256)
+    g.add_argument("--output-len-std", type=float, default=0.0)
+    g.add_argument(
+        "--trace", default=None, help="take the lengths of a trace (CSV or shipped name)"
+    )
+    g.add_argument("--length-scale", type=float, default=1.0)
+    g.add_argument("--max-prompt-len", type=int, default=None)
+    g.add_argument("--max-output-len", type=int, default=None)
+    s = p.add_argument_group("SLOs and limits")
+    s.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    s.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    s.add_argument(
+        "--percentile", type=float, default=90.0, help="the SLOs hold at this percentile"
+    )
+    d = PlanLimits()
+    s.add_argument("--max-devices", type=int, default=d.max_devices, help="devices per region")
+    s.add_argument("--prefill-tp", type=int, nargs="+", default=list(d.prefill_tp))
+    s.add_argument("--decode-tp", type=int, nargs="+", default=list(d.decode_tp))
+    s.add_argument("--headroom", type=float, default=d.headroom, help="0.3: plan for +30%% load")
+    s.add_argument("--spares", type=int, default=d.spares, help="spare instances per role (N+1)")
+    s.add_argument(
+        "--num-requests", type=int, default=d.num_requests, help="simulated per candidate"
+    )
+    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    s.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the plan (JSON, with each region's YAML)")
+    add_device_flags(p)
+    p.set_defaults(func=cmd_plan, prog="pdserve plan")
+
+
+def forecast_from(args: argparse.Namespace) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    if args.forecast:
+        try:
+            raw = json.loads(Path(args.forecast).read_text())
+        except (OSError, ValueError) as e:
+            raise InvalidArgumentError("forecast", f"{args.forecast}: {e}") from None
+        if not isinstance(raw, dict):
+            raise InvalidArgumentError("forecast", 'must be a JSON object {"region": [rates]}')
+        for name, rates in raw.items():
+            values = rates if isinstance(rates, list) else [rates]
+            out[str(name)] = [float(r) for r in values]
+    for item in args.rate:
+        name, sep, values = item.partition("=")
+        try:
+            out[name] = [float(v) for v in values.split(",")] if sep else []
+        except ValueError:
+            raise InvalidArgumentError("rate", f"{item!r}: rates must be numbers") from None
+        if not out[name]:
+            raise InvalidArgumentError("rate", f"{item!r} is not REGION=RATE[,RATE...]")
+    if not out:
+        raise InvalidArgumentError("rate", "give a forecast: --rate REGION=RATE or --forecast FILE")
+    return out
+
+
+def mix_from(args: argparse.Namespace) -> LengthMix:
+    if args.trace:
+        t = wl.scale_trace(wl.read_trace(wl.trace_path(args.trace)), 1.0, args.length_scale,
+                           args.max_prompt_len, args.max_output_len)  # fmt: skip
+        return LengthMix(t.prompt_len, t.output_len)
+    n = 4096
+    prompt = wl.sample_lengths(
+        n, args.prompt_len, args.prompt_len_std, None, 1, args.max_prompt_len, args.seed
+    )
+    output = wl.sample_lengths(
+        n, args.output_len, args.output_len_std, None, 1, args.max_output_len, args.seed + 1
+    )
+    return LengthMix(prompt, output)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.sim.analytic import DEVICES, model_shape
+    from pdserve.sim.build import ProfileBook
+    from pdserve.sim.cli import assumptions_from
+    from pdserve.sim.profile import load_profile
+
+    profiles = [load_profile(p) for p in args.profile]
+    shape = (
+        profiles[0].model
+        if profiles and args.model == profiles[0].model.name
+        else model_shape(args.model)
+    )
+    book = ProfileBook(shape, profiles, args.device, assumptions_from(args))
+    slo = PlanSlo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.percentile)
+    limits = PlanLimits(
+        args.max_devices, tuple(args.prefill_tp), tuple(args.decode_tp), args.headroom, args.spares,
+        args.num_requests, args.max_num_seqs, args.max_num_batched_tokens, seed=args.seed,
+    )  # fmt: skip
+    device = args.device or (profiles[0].device if profiles else "cpu")
+    peak_bw = DEVICES[device].mem_bw if device in DEVICES else float("nan")
+    mix = mix_from(args)
+    plans = []
+    for region, rates in forecast_from(args).items():
+        plans.append(plan_region(book, region, max(rates), mix, limits, slo, peak_bw))
+    for plan in plans:
+        print(describe_plan(plan, slo, mix))
+    if args.out:
+        payload = {
+            "model": shape.name,
+            "device": device,
+            "regions": [plan_json(p, shape.name, limits, slo) for p in plans],
+        }
+        Path(args.out).write_text(json.dumps(payload, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def describe_plan(p: RegionPlan, slo: PlanSlo, mix: LengthMix) -> str:
+    one, tb, o = p.single, p.textbook, p.at_forecast
+    q = f"p{slo.percentile:g}"
+    prompt, output = float(np.mean(mix.prompt)), float(np.mean(mix.output))
+    lines = [
+        f"== region {p.region}: {p.rate:g} req/s (peak), {prompt:.0f}-token prompts, "
+        f"{output:.0f} output tokens; SLO {q} TTFT {slo.ttft_s * 1e3:g} ms, TPOT {slo.tpot_s * 1e3:g} ms",
+        f"one instance: prefill of one prompt {one.prefill_s * 1e3:.1f} ms; decode step at batch 1 "
+        f"{one.decode_floor_s * 1e3:.2f} ms (weights at full bandwidth: {one.bandwidth_floor_s * 1e3:.2f} ms); "
+        f"KV holds {one.max_batch} requests; largest batch within the TPOT SLO {one.batch} "
+        f"(step {one.step_at_batch_s * 1e3:.1f} ms)",
+        f"plan (simulated): prefill {p.prefill} x tp={p.prefill_tp}, decode {p.decode} x tp={p.decode_tp} "
+        f"= {p.devices} devices; at the forecast: TTFT {q} {o.ttft_s * 1e3:.0f} ms, TPOT {q} "
+        f"{o.tpot_s * 1e3:.1f} ms, goodput {o.goodput_rps:.2f} req/s = "
+        f"{o.goodput_rps / p.devices:.3f} req/s per device ({p.simulations} simulations)",
+        f"textbook: prefill rho={tb.prefill_rho:.2f} (M/D/1), {tb.prefill_rate:.1f} req/s each -> "
+        f"{tb.prefill_bare} (+30%, N+1: {tb.prefill}); decode {tb.decode_rate:.2f} req/s each at batch "
+        f"{one.batch} -> {tb.decode_bare} (+30%, N+1: {tb.decode}) = {p.textbook_devices} devices",
+        "why they differ: " + _why(p),
+    ]
+    if p.tried:
+        lines.append("other layouts: " + "; ".join(p.tried))
+    return "\n".join(lines)
+
+
+def _why(p: RegionPlan) -> str:
+    tb = p.textbook
+    parts = []
+    dp, dd = p.prefill - tb.prefill, p.decode - tb.decode
+    if dp:
+        parts.append(
+            f"prefill {'+' if dp > 0 else ''}{dp}: the textbook sizes for the mean M/D/1 wait; the "
+            "simulation meets the percentile with chunked prefill, batching of prompts in one "
+            "step, Poisson bursts and the KV hand-off in the TTFT"
+        )
+    if dd:
+        parts.append(
+            f"decode {'+' if dd > 0 else ''}{dd}: the textbook runs every instance at its SLO batch; "
+            "in the simulation batches vary with arrivals, prefill-free decode steps and the "
+            "router's balance, and the percentile (not the mean) must meet the TPOT SLO"
+        )
+    return "; ".join(parts) or "none at these figures"
+
+
+def plan_json(p: RegionPlan, model: str, limits: PlanLimits, slo: PlanSlo) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {
+        "region": p.region, "rate": p.rate, "prefill": p.prefill, "decode": p.decode,
+        "prefill_tp": p.prefill_tp, "decode_tp": p.decode_tp, "devices": p.devices,
+        "at_forecast": asdict(p.at_forecast), "single_instance": asdict(p.single),
+        "textbook": asdict(p.textbook), "textbook_devices": p.textbook_devices,
+        "cluster_yaml": cluster_yaml(model, p.region, p.prefill, p.decode, p.prefill_tp,
+                                     p.decode_tp, limits, slo),
+        "other_layouts": p.tried,
+    }  # fmt: skip

@@ -1,0 +1,300 @@
+"""An instance's latency model and its file (``profile.json``).
+
+One engine step runs a batch of sequences; sequence ``i`` computes ``n_i`` new
+tokens on top of ``c_i`` cached ones. A step is summarised by four features
+(:class:`StepFeatures`) and its time predicted by :class:`StepModel`::
+
+    compute = s_per_token * sum(n_i) + s_per_attn * sum(n_i * (c_i + (n_i + 1) / 2))
+    memory  = weights_s + s_per_ctx * sum(c_i + n_i)
+    t       = overhead_s + s_per_seq * len(batch) + (compute + memory)   # combine="sum"
+                                                  or max(compute, memory) # combine="max"
+
+A prefill step is compute-bound (many new tokens), a decode step memory-bound
+(one new token per sequence over its whole context); one model covers both
+and every mix the scheduler builds. Fitted models (measured on the real engine)
+use ``sum``, which least squares can fit; analytic GPU models use ``max`` (the
+roofline). :class:`TransferModel` gives the KV hand-off time per connector.
+
+A :class:`Profile` records what it describes (model shape, layout, device),
+how it was made (command, machine, date) and, for a measured one, the samples
+and the fit's error. ``load_profile`` checks everything and names the bad field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.core.errors import InvalidArgumentError
+
+COMBINES = ("sum", "max")
+SOURCES = ("measured", "analytic")
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """What one step's time depends on (see the module docstring)."""
+
+    new_tokens: float
+    attn: float  # sum of n_i * (c_i + (n_i + 1) / 2): query-key pairs over the batch
+    context: float  # sum of c_i + n_i: KV tokens read
+    seqs: float
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int]]) -> StepFeatures:
+        """Features of a batch given as (new tokens, cached tokens) per sequence."""
+        return cls(
+            float(sum(n for n, _ in rows)),
+            float(sum(n * (c + (n + 1) / 2) for n, c in rows)),
+            float(sum(n + c for n, c in rows)),
+            float(len(rows)),
+        )
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Step time in seconds from :class:`StepFeatures` (formula in the module docstring)."""
+
+    overhead_s: float = 0.0
+    s_per_token: float = 0.0
+    s_per_attn: float = 0.0
+    weights_s: float = 0.0
+    s_per_ctx: float = 0.0
+    s_per_seq: float = 0.0
+    combine: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.combine not in COMBINES:
+            raise InvalidArgumentError("step.combine", f"must be one of {COMBINES}")
+        for name in ("overhead_s", "s_per_token", "s_per_attn", "weights_s", "s_per_ctx"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise InvalidArgumentError(f"step.{name}", f"must be a number >= 0, got {value!r}")
+
+    def time(self, f: StepFeatures) -> float:
+        compute = self.s_per_token * f.new_tokens + self.s_per_attn * f.attn
+        memory = self.weights_s + self.s_per_ctx * f.context
+        body = compute + memory if self.combine == "sum" else max(compute, memory)
+        return self.overhead_s + self.s_per_seq * f.seqs + body
+
+    def decode_run_time(self, seqs: int, context: int, steps: int) -> float:
+        """Total time of ``steps`` pure decode steps of ``seqs`` sequences whose
+        summed context is ``context`` before the first (it grows by ``seqs`` a step)."""
+        if self.combine == "sum":
+            # step i reads (and attends over) context + (i + 1) * seqs tokens
+            per = self.overhead_s + (self.s_per_seq + self.s_per_token) * seqs + self.weights_s
+            read = steps * (context + seqs) + seqs * steps * (steps - 1) / 2
+            return steps * per + (self.s_per_attn + self.s_per_ctx) * read
+        total = 0.0
+        for i in range(steps):  # max(): no closed form worth the bugs; steps are few per call
+            total += self.time(_decode_features(seqs, context + i * seqs))
+        return total
+
+    def decode_step_end(self, seqs: int, context: int, elapsed: float) -> tuple[int, float]:
+        """(steps, their time) of the pure decode run above whose last step is the
+        one in flight ``elapsed`` seconds after the run started (at least one)."""
+        steps, total = 0, 0.0
+        while True:
+            total += self.time(_decode_features(seqs, context + steps * seqs))
+            steps += 1
+            if total >= elapsed:
+                return steps, total
+
+
+def _decode_features(seqs: int, context: int) -> StepFeatures:
+    # each sequence computes one token over c_i cached ones: attn = sum(c_i + 1)
+    return StepFeatures(float(seqs), float(context + seqs), float(context + seqs), float(seqs))
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """KV hand-off between two instances: ``latency_s + bytes / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0:
+            raise InvalidArgumentError("connectors.latency_s", "must be >= 0")
+        if not self.bytes_per_s > 0:
+            raise InvalidArgumentError("connectors.bytes_per_s", "must be > 0")
+
+    def time(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only model a latency model depends on."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int = 4096
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+
+    @property
+    def params(self) -> int:
+        """Weights read per token (active experts only)."""
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size * max(1, self.num_experts_per_tok)
+        return self.num_layers * (attn + mlp) + 2 * self.vocab_size * self.hidden_size
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def signature(self) -> dict[str, int]:
+        keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")
+        return {k: int(getattr(self, k)) for k in keys}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured step: its features, phase ("prefill"/"decode") and median seconds."""
+
+    phase: str
+    features: StepFeatures
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the simulator needs to time one instance of one layout."""
+
+    model: ModelShape
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    device: str
+    source: str
+    step: StepModel
+    kv_bytes_per_token: int  # K and V of every layer, whole instance
+    kv_capacity_tokens: int  # tokens of KV the instance holds
+    dtype: str = "bfloat16"
+    connectors: dict[str, TransferModel] = field(default_factory=dict)
+    samples: tuple[Sample, ...] = ()
+    fit_error: dict[str, float] = field(default_factory=dict)
+    efficiency: dict[str, float] = field(default_factory=dict)
+    command: str = ""
+    machine: dict[str, Any] = field(default_factory=dict)
+    date: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise InvalidArgumentError("source", f"must be one of {SOURCES}, got {self.source!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "kv_bytes_per_token"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(name, "must be >= 1")
+        if self.kv_capacity_tokens < 1:
+            raise InvalidArgumentError("kv_capacity_tokens", "must be >= 1")
+
+    @property
+    def devices(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def transfer(self, connector: str) -> TransferModel:
+        if connector in self.connectors:
+            return self.connectors[connector]
+        if "default" in self.connectors:
+            return self.connectors["default"]
+        raise InvalidArgumentError(
+            "connector",
+            f"the profile has no transfer model for {connector!r} "
+            f"(it has {sorted(self.connectors)}); profile that connector or add it",
+        )
+
+    def check_matches(self, model: ModelShape, tp: int, pp: int, where: str = "profile") -> None:
+        """Raise InvalidArgumentError unless this profile describes ``model`` at tp x pp."""
+        mine, theirs = self.model.signature(), model.signature()
+        diff = [f"{k}={mine[k]} (model has {theirs[k]})" for k in mine if mine[k] != theirs[k]]
+        if diff:
+            raise InvalidArgumentError(
+                where,
+                f"profiles model {self.model.name!r}, not {model.name!r}: " + ", ".join(diff),
+            )
+        if (self.tensor_parallel_size, self.pipeline_parallel_size) != (tp, pp):
+            raise InvalidArgumentError(
+                where,
+                f"profiles layout tp={self.tensor_parallel_size} pp={self.pipeline_parallel_size}, "
+                f"the config asks for tp={tp} pp={pp}: profile that layout "
+                "(pdserve profile --tp/--pp, or --device for an analytic one)",
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["version"] = PROFILE_VERSION
+        return out
+
+
+def save_profile(profile: Profile, path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile.to_json(), indent=1))
+    return out
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and check a profile file; InvalidArgumentError names the bad field."""
+    file = Path(path)
+    if not file.is_file():
+        raise InvalidArgumentError("profile", f"no such file: {file}")
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError as e:
+        raise InvalidArgumentError("profile", f"{file}: not JSON: {e}") from None
+    try:
+        return profile_from_json(raw)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{file}: {e.field}", e.message) from None
+
+
+def profile_from_json(raw: Any) -> Profile:
+    if not isinstance(raw, dict):
+        raise InvalidArgumentError("profile", "must be a JSON object")
+    if raw.get("version") != PROFILE_VERSION:
+        raise InvalidArgumentError(
+            "version", f"must be {PROFILE_VERSION}, got {raw.get('version')!r}"
+        )
+    try:
+        model = ModelShape(**_obj(raw, "model"))
+        step = StepModel(**_obj(raw, "step"))
+        connectors = {
+            k: TransferModel(**_as_dict(v, f"connectors.{k}"))
+            for k, v in _obj(raw, "connectors").items()
+        }
+        samples = tuple(
+            Sample(s["phase"], StepFeatures(**s["features"]), float(s["seconds"]))
+            for s in raw.get("samples", ())
+        )
+        rest = {
+            k: raw[k]
+            for k in Profile.__dataclass_fields__
+            if k in raw and k not in ("model", "step", "connectors", "samples")
+        }
+        return Profile(model=model, step=step, connectors=connectors, samples=samples, **rest)
+    except TypeError as e:
+        raise InvalidArgumentError("profile", f"missing or unknown field: {e}") from None
+    except (KeyError, ValueError) as e:
+        if isinstance(e, InvalidArgumentError):
+            raise
+        raise InvalidArgumentError("samples", f"malformed sample: {e!r}") from None
+
+
+def _obj(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    if key not in raw:
+        raise InvalidArgumentError(key, "is missing")
+    return _as_dict(raw[key], key)
+
+
+def _as_dict(value: Any, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(key, "must be an object")
+    return value

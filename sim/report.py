@@ -1,0 +1,91 @@
+"""A simulated run as ``pdserve bench serve`` reports a measured one, plus what only a
+simulator sees: per-region and per-role figures and instance counts over time.
+
+:func:`run_json` is one entry of the result file's ``runs`` list: the keys of
+:meth:`pdserve.bench.serve.RunResult.to_json` (``rate``, ``summary``,
+``requests``) and ``per_region``, ``per_role``, ``instances_over_time``,
+``planner_decisions`` and ``sim`` (wall time, events, virtual seconds, mode).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.report import Slo, records_json
+from pdserve.sim.cluster import SimRun
+from pdserve.sim.instance import SimInstance
+
+
+def per_role(instances: list[SimInstance], span_s: float) -> dict[str, Any]:
+    """Per region and role: instances, steps, utilisation, mean batch, preemptions."""
+    out: dict[str, Any] = {}
+    for inst in instances:
+        key = f"{inst.region}.{inst.role}"
+        row = out.setdefault(key, {"instances": 0, "steps": 0, "busy_s": 0.0, "batch_sum": 0,
+                                   "tokens": 0, "preemptions": 0, "schedule_calls": 0})  # fmt: skip
+        s = inst.stats
+        row["instances"] += 1
+        row["steps"] += s.steps
+        row["busy_s"] += s.busy_s
+        row["batch_sum"] += s.batch_sum
+        row["tokens"] += s.tokens
+        row["preemptions"] += inst.scheduler.num_preemptions
+        row["schedule_calls"] += s.runs
+    for row in out.values():
+        row["utilisation"] = (
+            round(row["busy_s"] / (span_s * row["instances"]), 4) if span_s else 0.0
+        )
+        row["mean_batch"] = round(row["batch_sum"] / row["steps"], 2) if row["steps"] else 0.0
+        row["busy_s"] = round(row.pop("busy_s"), 3)
+        row.pop("batch_sum")
+    return out
+
+
+def run_json(
+    run: SimRun, rate: float | None, slo: Slo, wall_s: float, mode: str, records_limit: int
+) -> dict[str, Any]:
+    rec = run.recorder
+    n = len(rec.arrival)
+    per_region = {name: rec.summary(slo, rec.region == i) for i, name in enumerate(run.regions)}
+    return {
+        "rate": rate,
+        "summary": rec.summary(slo),
+        "requests": records_json(rec.records()) if n <= records_limit else [],
+        "per_region": per_region,
+        "per_role": per_role(run.instances, run.end_s),
+        "instances_over_time": run.counts,
+        "planner_decisions": run.decisions,
+        "sim": {
+            "wall_s": round(wall_s, 3),
+            "events": run.events,
+            "virtual_s": round(run.end_s, 3),
+            "mode": mode,
+            "requests": n,
+        },
+    }
+
+
+def plot_instance_counts(counts: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Instances per region and role against virtual time (a step plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    keys = [k for k in counts[0] if k not in ("t_s", "event")] if counts else []
+    times = [row["t_s"] for row in counts]
+    for key in keys:
+        ax.step(times, [row[key] for row in counts], where="post", label=key)
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("instances")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

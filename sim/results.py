@@ -1,0 +1,142 @@
+"""What a simulated run measured, per request, and its bench-compatible summaries.
+
+:class:`Recorder` keeps one row per request in preallocated arrays (arrival,
+first token, end, tokens, region, outcome), so a run of a million requests
+holds tens of megabytes, not a million objects. For runs up to
+``records_limit`` requests it turns the rows into
+:class:`~pdserve.bench.report.RequestRecord` and summarises them with
+:func:`~pdserve.bench.report.summarize`, exactly as ``pdserve bench serve``
+does; larger runs are summarised from the arrays with the same keys and the
+same percentile arithmetic (per-token ITL samples are kept only when asked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench.report import RequestRecord, Slo, percentiles, summarize
+
+ERRORS = (
+    "",
+    "overloaded: no region admitted the request",
+    "overloaded: no decode instance had room",
+)
+
+
+class Recorder:
+    """Per-request outcomes of one run, indexed by the request's workload index."""
+
+    def __init__(
+        self,
+        arrival: np.ndarray,
+        prompt_len: np.ndarray,
+        output_len: np.ndarray,
+        home: np.ndarray,
+        keep_itl: bool,
+    ) -> None:
+        n = len(arrival)
+        self.arrival, self.prompt_len, self.output_len, self.home = (
+            arrival,
+            prompt_len,
+            output_len,
+            home,
+        )
+        self.region = np.full(n, -1, dtype=np.int16)
+        self.first = np.full(n, np.nan)
+        self.end = np.full(n, np.nan)
+        self.tokens = np.zeros(n, dtype=np.int32)
+        self.error = np.zeros(n, dtype=np.int8)  # index into ERRORS; 0: ok
+        self.done = np.zeros(n, dtype=bool)
+        self.itl: dict[int, list[float]] | None = {} if keep_itl else None
+        self._last: dict[int, float] = {}
+
+    def tokens_at(self, i: int, times: Sequence[float], count: int) -> None:
+        """Request ``i`` got ``count`` tokens, the last at ``times[-1]`` (one time per token
+        when ITL samples are kept, else at least the last)."""
+        if self.tokens[i] == 0:
+            self.first[i] = times[0] if self.itl is not None else times[-1]
+        if self.itl is not None:
+            last = self._last.get(i)
+            gaps = self.itl.setdefault(i, [])
+            for t in times[-count:]:
+                if last is not None:
+                    gaps.append(t - last)
+                last = t
+            self._last[i] = last if last is not None else times[-1]
+        self.tokens[i] += count
+
+    def finish(self, i: int, at: float) -> None:
+        self.end[i] = at
+        self.done[i] = True
+        self._last.pop(i, None)
+
+    def fail(self, i: int, code: int, at: float) -> None:
+        self.error[i] = code
+        self.end[i] = at
+        self.done[i] = True
+
+    # -- summaries -------------------------------------------------------------------------
+
+    def records(self, select: np.ndarray | None = None) -> list[RequestRecord]:
+        idx = np.flatnonzero(self.done if select is None else self.done & select)
+        out = []
+        for i in idx:
+            ok = bool(self.error[i] == 0)
+            ttft = float(self.first[i] - self.arrival[i]) if ok else None
+            e2e = float(self.end[i] - self.arrival[i])
+            n = int(self.tokens[i])
+            tpot = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
+            out.append(RequestRecord(
+                int(i), float(self.arrival[i]), float(self.arrival[i]), int(self.prompt_len[i]),
+                int(self.output_len[i]), ok, None if ok else ERRORS[self.error[i]], n, ttft, tpot,
+                e2e, list(self.itl.get(int(i), [])) if self.itl is not None else [],
+            ))  # fmt: skip
+        return out
+
+    def summary(
+        self, slo: Slo, select: np.ndarray | None = None, limit: int = 200_000
+    ) -> dict[str, Any]:
+        mask = self.done if select is None else self.done & select
+        if int(mask.sum()) <= limit:
+            return summarize(self.records(select), slo)
+        return self._array_summary(mask, slo)
+
+    def _array_summary(self, mask: np.ndarray, slo: Slo) -> dict[str, Any]:
+        ok = mask & (self.error == 0)
+        arr, n = self.arrival, self.tokens.astype(np.float64)
+        ttft = self.first[ok] - arr[ok]
+        e2e = self.end[mask] - arr[mask]
+        e2e_ok = self.end[ok] - arr[ok]
+        multi = n[ok] > 1
+        tpot = (e2e_ok[multi] - ttft[multi]) / (n[ok][multi] - 1)
+        window = float(np.max(self.end[mask]) - np.min(arr[mask])) if mask.any() else 0.0
+        meets = np.ones(int(ok.sum()), dtype=bool)
+        if slo.ttft_s is not None:
+            meets &= ttft <= slo.ttft_s
+        if slo.tpot_s is not None:
+            tp = np.where(n[ok] > 1, (e2e_ok - ttft) / np.maximum(n[ok] - 1, 1), 0.0)
+            meets &= tp <= slo.tpot_s
+        span = float(arr[mask].max() - arr[mask].min()) if mask.sum() > 1 else 0.0
+        errors = {ERRORS[c]: int((self.error[mask] == c).sum()) for c in range(1, len(ERRORS))}
+
+        def ms(values: np.ndarray) -> dict[str, float]:
+            return {k: round(v * 1e3, 3) for k, v in percentiles(values).items()}
+
+        total = int(mask.sum())
+        return {
+            "num_requests": total, "num_ok": int(ok.sum()), "num_failed": total - int(ok.sum()),
+            "errors": {k: v for k, v in errors.items() if v},
+            "offered_rate_rps": (total - 1) / span if span > 0 else None,
+            "window_s": round(window, 4),
+            "throughput_rps": int(ok.sum()) / window if window > 0 else 0.0,
+            "output_tok_s": float(n[ok].sum()) / window if window > 0 else 0.0,
+            "input_tok_s": float(self.prompt_len[ok].sum()) / window if window > 0 else 0.0,
+            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": {}, "e2e_ms": ms(e2e),
+            "slo": {"ttft_ms": None if slo.ttft_s is None else slo.ttft_s * 1e3,
+                    "tpot_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3},
+            "attainment": float(meets.sum()) / total if total else 0.0,
+            "goodput_rps": float(meets.sum()) / window if window > 0 else 0.0,
+        }  # fmt: skip

@@ -1,0 +1,50 @@
+"""Small clusters with hand-checkable latency models for the simulator's tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdserve.cluster.config import ClusterConfig, parse_config
+from pdserve.sim.build import ProfileBook
+from pdserve.sim.profile import ModelShape, Profile, StepModel, TransferModel
+from pdserve.sim.workload import SimWorkload
+
+TOY = ModelShape("toy", 2, 64, 4, 2, 16, 128, 256, 4096)
+
+
+def toy_profile(step: StepModel, kv_tokens: int = 1 << 16, latency_s: float = 0.005) -> Profile:
+    """A profile of the toy model: ``step`` times every step; transfers take ``latency_s``."""
+    link = TransferModel(latency_s, 1e18)
+    return Profile(
+        model=TOY, tensor_parallel_size=1, pipeline_parallel_size=1, device="cpu",
+        source="measured", step=step, kv_bytes_per_token=TOY.kv_bytes_per_token(4),
+        kv_capacity_tokens=kv_tokens, connectors={"default": link},
+    )  # fmt: skip
+
+
+def toy_config(
+    prefill: int, decode: int, engine: str = "", planner: str = "advisory"
+) -> ClusterConfig:
+    return parse_config(
+        "model: toy\n"
+        f"engine: {{max_num_seqs: 64, max_num_batched_tokens: 512{engine}}}\n"
+        "regions:\n  - name: east\n"
+        f"    prefill: {{count: {prefill}, min: 0, max: 4}}\n"
+        f"    decode: {{count: {decode}, min: 1, max: 4}}\n"
+        "slo: {ttft_ms: 1000, tpot_ms: 100}\n"
+        "router: {max_inflight_per_region: 100000}\n"
+        f'planner: {{mode: "{planner}", interval_s: 1, cooldown_s: 1}}\n'
+    )
+
+
+def book(profile: Profile) -> ProfileBook:
+    return ProfileBook(TOY, [profile])
+
+
+def workload(
+    arrival: np.ndarray, prompt: int | np.ndarray, output: int | np.ndarray
+) -> SimWorkload:
+    n = len(arrival)
+    p = np.broadcast_to(np.asarray(prompt, dtype=np.int64), (n,)).copy()
+    o = np.broadcast_to(np.asarray(output, dtype=np.int64), (n,)).copy()
+    return SimWorkload(np.asarray(arrival, dtype=np.float64), p, o, np.zeros(n, dtype=np.int16))

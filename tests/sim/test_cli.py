@@ -1,0 +1,119 @@
+"""`pdserve profile`, `pdserve sim` and `pdserve plan` end to end: outputs and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.deploy.cli import main
+from pdserve.sim.profile import StepModel, save_profile
+from tests.sim.helpers import toy_profile
+
+CONFIG = """\
+model: toy
+engine: {max_num_seqs: 32, max_num_batched_tokens: 512}
+regions:
+  - name: east
+    latency_ms: {west: 30}
+    prefill: {count: 1}
+    decode: {count: 2}
+  - name: west
+    prefill: {count: 0, min: 0}
+    decode: {count: 1}
+slo: {ttft_ms: 500, tpot_ms: 50}
+"""
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> tuple[Path, Path]:
+    config = tmp_path / "cluster.yaml"
+    config.write_text(CONFIG)
+    profile = save_profile(
+        toy_profile(StepModel(overhead_s=0.003, s_per_token=2e-5, s_per_ctx=1e-7)),
+        tmp_path / "toy.json",
+    )
+    return config, profile
+
+
+def test_sim_writes_bench_compatible_json(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    config, profile = files
+    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "5", "10",
+               "--num-requests", "60", "--prompt-len", "200", "--output-len", "20",
+               "--out", str(tmp_path / "out"), "--no-plots", "--region-share", "east=3", "west=1"])  # fmt: skip
+    assert rc == 0
+    result = json.loads((tmp_path / "out" / "sim.json").read_text())
+    assert {"command", "date", "machine", "options", "runs"} <= set(result)
+    run = result["runs"][0]
+    assert run["rate"] == 5
+    assert set(run["summary"]["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
+    assert run["summary"]["num_ok"] == 60 and len(run["requests"]) == 60
+    assert set(run["per_region"]) == {"east", "west"}
+    assert {"east.prefill", "east.decode", "west.decode"} <= set(run["per_role"])
+    assert run["instances_over_time"][0]["east.decode"] == 2
+    assert "simulated 60 requests" in capsys.readouterr().out
+
+
+def test_sim_rejects_a_trace_with_missing_columns(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    config, profile = files
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,100\n")
+    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--trace", str(trace)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "needs columns TIMESTAMP, ContextTokens, GeneratedTokens" in err
+    assert "Traceback" not in err
+
+
+def test_sim_rejects_a_profile_of_another_model(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    config, profile = files
+    config.write_text(CONFIG.replace("model: toy", "model: llama-7b"))
+    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "1"])
+    assert rc == 2
+    assert "profile[0]: profiles model 'toy', not 'llama-7b'" in capsys.readouterr().err
+
+
+def test_sim_rejects_a_bad_profile_file(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    config, profile = files
+    raw = json.loads(profile.read_text())
+    del raw["kv_capacity_tokens"]
+    profile.write_text(json.dumps(raw))
+    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "1"])
+    assert rc == 2
+    assert "kv_capacity_tokens" in capsys.readouterr().err
+
+
+def test_profile_analytic_writes_a_loadable_file(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "h100.json"
+    assert (
+        main(["profile", "--model", "llama-7b", "--device", "h100", "--tp", "2", "--out", str(out)])
+        == 0
+    )
+    raw = json.loads(out.read_text())
+    assert raw["tensor_parallel_size"] == 2 and raw["source"] == "analytic"
+    assert "llama-7b tp=2 pp=1 on h100" in capsys.readouterr().out
+
+
+def test_plan_infeasible_names_the_slo_and_the_gap(capsys) -> None:  # type: ignore[no-untyped-def]
+    rc = main(["plan", "--model", "llama-7b", "--device", "h100", "--rate", "east=5",
+               "--prompt-len", "1000", "--ttft-slo-ms", "20", "--tpot-slo-ms", "50"])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "TTFT SLO 20 ms cannot be met" in err and "ms over" in err
+    assert "Traceback" not in err
+
+
+def test_plan_meets_the_slo_and_prints_the_textbook_beside_it(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "llama-7b", "--device", "h100", "--rate", "east=2,4",
+               "--prompt-len", "1000", "--output-len", "32", "--num-requests", "100",
+               "--ttft-slo-ms", "500", "--tpot-slo-ms", "40", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "plan (simulated)" in text and "textbook:" in text
+    region = json.loads(out.read_text())["regions"][0]
+    assert region["rate"] == 4  # the peak of the day's forecast
+    assert region["at_forecast"]["ttft_s"] <= 0.5 and region["at_forecast"]["tpot_s"] <= 0.04
+    assert region["prefill"] >= 2 and region["decode"] >= 2  # N+1
+    assert "model: llama-7b" in region["cluster_yaml"]

@@ -1,0 +1,130 @@
+"""The simulator against hand-computed latencies, fast mode against full mode, no leaks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdserve.bench import workload as wl
+from pdserve.sim.cluster import SimCluster, SimOptions, SimRun
+from pdserve.sim.profile import StepModel
+from tests.sim.helpers import book, toy_config, toy_profile, workload
+
+CONSTANT = StepModel(overhead_s=0.010)  # every step takes 10 ms, whatever it holds
+
+
+def _check_no_leaks(run: SimRun) -> None:
+    for inst in run.instances:
+        inst.scheduler.check_integrity()
+        assert not inst.scheduler.requests and not inst.scheduler.held
+        inst.kv.assert_empty()
+
+
+def _run(config, profile, work, **options) -> SimRun:  # type: ignore[no-untyped-def]
+    run = SimCluster(config, book(profile), work, SimOptions(**options)).run()
+    _check_no_leaks(run)
+    return run
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_colocated_constant_steps_match_hand_computation(fast: bool) -> None:
+    # One instance, requests 10 s apart: each runs alone. Prompt 100 < budget 512:
+    # one prefill step gives the first token (TTFT 10 ms), then 4 decode steps.
+    work = workload(np.arange(5) * 10.0, 100, 5)
+    run = _run(toy_config(0, 1), toy_profile(CONSTANT), work, fast=fast)
+    rec = run.recorder
+    assert (rec.error == 0).all()
+    np.testing.assert_allclose(rec.first - rec.arrival, 0.010)
+    np.testing.assert_allclose(rec.end - rec.arrival, 0.050)
+    records = rec.records()
+    assert all(r.tpot_s == pytest.approx(0.010) for r in records)
+    assert all(r.itl_s == pytest.approx([0.010] * 4) for r in records)
+
+
+def test_chunked_prefill_takes_one_step_per_chunk() -> None:
+    # A 1200-token prompt with a 512-token budget: 3 prefill steps, then 2 decode steps.
+    work = workload(np.zeros(1), 1200, 3)
+    rec = _run(toy_config(0, 1), toy_profile(CONSTANT), work).recorder
+    assert rec.first[0] == pytest.approx(0.030)
+    assert rec.end[0] == pytest.approx(0.050)
+
+
+def test_disaggregated_hand_off_timing() -> None:
+    # Prefill: one 10 ms step -> first token at 10 ms; the KV lands 5 ms later;
+    # decode then runs 10 ms steps for the 4 remaining tokens: end at 55 ms.
+    work = workload(np.arange(3) * 10.0, 100, 5)
+    run = _run(toy_config(1, 1), toy_profile(CONSTANT, latency_s=0.005), work)
+    rec = run.recorder
+    np.testing.assert_allclose(rec.first - rec.arrival, 0.010)
+    np.testing.assert_allclose(rec.end - rec.arrival, 0.055)
+    prefill = next(x for x in run.instances if x.role == "prefill")
+    assert prefill.stats.tokens == 300  # it ran the prompts, decode never did
+
+
+def test_steps_batch_arrivals_together() -> None:
+    # Two requests at once share every step: same TTFT and end as one alone.
+    work = workload(np.zeros(2), 50, 4)
+    rec = _run(toy_config(0, 1), toy_profile(CONSTANT), work).recorder
+    np.testing.assert_allclose(rec.first, 0.010)
+    np.testing.assert_allclose(rec.end, 0.040)
+
+
+def _poisson(n: int, rate: float, seed: int = 0) -> np.ndarray:
+    return wl.arrival_times("poisson", rate, n, None, seed=seed)
+
+
+LINEAR = StepModel(overhead_s=0.004, s_per_token=2e-5, s_per_ctx=2e-7, s_per_seq=5e-5)
+
+
+def _pcts(run: SimRun) -> dict[str, float]:
+    s = run.recorder.summary(run_slo())
+    return {f"{k}.{p}": s[k][p] for k in ("ttft_ms", "tpot_ms", "e2e_ms") for p in ("p50", "p90")}
+
+
+def run_slo():  # type: ignore[no-untyped-def]
+    from pdserve.bench.report import Slo
+
+    return Slo(1.0, 0.1)
+
+
+def test_fast_mode_equals_full_mode_on_one_instance() -> None:
+    # One instance: the fast mode cuts its runs at exactly the step boundaries the
+    # full mode steps through, so every latency agrees to rounding.
+    rng = np.random.default_rng(1)
+    work = workload(_poisson(150, 4.0), rng.integers(20, 400, 150), rng.integers(2, 60, 150))
+    full = _run(toy_config(0, 1), toy_profile(LINEAR), work, fast=False)
+    fast = _run(toy_config(0, 1), toy_profile(LINEAR), work, fast=True)
+    np.testing.assert_allclose(fast.recorder.first, full.recorder.first, rtol=1e-9)
+    np.testing.assert_allclose(fast.recorder.end, full.recorder.end, rtol=1e-9)
+    assert sum(x.stats.runs for x in fast.instances) < sum(x.stats.runs for x in full.instances) / 2
+
+
+def test_fast_mode_close_to_full_mode_disaggregated() -> None:
+    # Several instances: routing reads each instance's reported mean step time,
+    # which a fast-mode run updates once per run, so placements may differ a
+    # little. Percentiles agree within 5%.
+    rng = np.random.default_rng(2)
+    work = workload(_poisson(300, 12.0), rng.integers(50, 600, 300), rng.integers(2, 80, 300))
+    full = _pcts(_run(toy_config(2, 3), toy_profile(LINEAR), work, fast=False))
+    fast = _pcts(_run(toy_config(2, 3), toy_profile(LINEAR), work, fast=True))
+    for key, value in full.items():
+        assert fast[key] == pytest.approx(value, rel=0.05), key
+
+
+def test_preemption_under_a_small_kv_cache_finishes_everything() -> None:
+    # 40 blocks of 16 tokens for 8 requests of up to 300 tokens: the scheduler must
+    # preempt; every request still finishes and every block comes back.
+    work = workload(np.zeros(8), 200, 100)
+    for fast in (False, True):
+        run = _run(toy_config(0, 1, ", num_blocks: 40"), toy_profile(CONSTANT), work, fast=fast)
+        assert (run.recorder.error == 0).all()
+        assert (run.recorder.tokens == 100).all()
+        assert sum(x.scheduler.num_preemptions for x in run.instances) > 0
+
+
+def test_planner_in_on_mode_adds_decode_under_overload() -> None:
+    slow = StepModel(overhead_s=0.002, s_per_seq=0.004)  # TPOT grows with the batch
+    work = workload(_poisson(400, 20.0), 64, 40)
+    run = _run(toy_config(1, 1, planner="on"), toy_profile(slow), work, startup_s=0.5)
+    assert any(d["action"] == "add_decode" for d in run.decisions)
+    assert max(row["east.decode"] for row in run.counts) > 1
