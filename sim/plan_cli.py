@@ -23,7 +23,7 @@ from pdserve.sim.plan import LengthMix, PlanLimits, PlanSlo, RegionPlan, cluster
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from pdserve.sim.cli import add_device_flags
+    from pdserve.sim.flags import add_device_flags
 
     p = sub.add_parser("plan", help="cheapest P:D counts and layouts per region for a forecast")
     p.add_argument("--model", required=True, help="a preset (llama-7b ...) or a loadable model")
@@ -108,7 +108,7 @@ def mix_from(args: argparse.Namespace) -> LengthMix:
 def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.sim.analytic import DEVICES, model_shape
     from pdserve.sim.build import ProfileBook
-    from pdserve.sim.cli import assumptions_from
+    from pdserve.sim.flags import assumptions_from
     from pdserve.sim.profile import load_profile
 
     profiles = [load_profile(p) for p in args.profile]

@@ -23,8 +23,10 @@ from pathlib import Path
 from tests.package_map import package_dirs, source_modules
 
 # Lowest first. ``api`` is the package mapped to ``pdserve`` itself (pdserve,
-# pdserve.llm, pdserve.backends); ``sim`` drives the real engine, router and
-# planner objects, so it sits above them.
+# pdserve.llm, pdserve.backends); ``bench`` is a client of the cluster and the
+# API; ``sim`` drives the real engine, router and planner objects and replays
+# bench's workloads into bench's reports, so it sits above both; ``deploy`` (the
+# command line) above everything it runs.
 LEVELS: list[set[str]] = [
     {"core"},
     {"engine"},
@@ -33,10 +35,10 @@ LEVELS: list[set[str]] = [
     {"prefill", "decode"},
     {"router"},
     {"cluster"},
-    {"sim"},
     {"api"},
-    {"deploy"},
     {"bench"},
+    {"sim"},
+    {"deploy"},
 ]
 
 # The router reaches workers only through Ray actor handles and core messages,
@@ -47,40 +49,10 @@ FORBIDDEN: dict[str, set[str]] = {"router": {"parallel", "transfer", "prefill", 
 # Upward imports that exist today: (importer, imported module) -> what should change.
 # Remove an entry when its import goes; the test fails on an entry that no longer
 # matches an upward import, so the list only shrinks.
-_SIM_ON_BENCH = (
-    "TODO(layering): the simulator reuses the benchmark's {what}; move it below both "
-    "(core, or a module of sim's own) and let bench import it from there"
-)
-ALLOWED: dict[tuple[str, str], str] = {
-    ("pdserve.deploy.cli", "pdserve.bench.cli"): (
-        "TODO(layering): the `pdserve bench` subcommand imports the bench CLI (in main); "
-        "bench should register its subcommand, or its parser move under deploy/"
-    ),
-    ("pdserve.sim.cli", "pdserve.bench.report"): _SIM_ON_BENCH.format(
-        what="report header, machine info and JSON writer"
-    ),
-    ("pdserve.sim.cli", "pdserve.bench.serve"): _SIM_ON_BENCH.format(
-        what="load and workload flags, SLO options and result tables"
-    ),
-    ("pdserve.sim.cluster", "pdserve.bench.report"): _SIM_ON_BENCH.format(what="Slo"),
-    ("pdserve.sim.plan", "pdserve.bench.workload"): _SIM_ON_BENCH.format(what="workloads"),
-    ("pdserve.sim.plan_cli", "pdserve.bench.workload"): _SIM_ON_BENCH.format(what="workloads"),
-    ("pdserve.sim.report", "pdserve.bench.report"): _SIM_ON_BENCH.format(
-        what="Slo and per-request records"
-    ),
-    ("pdserve.sim.results", "pdserve.bench.report"): _SIM_ON_BENCH.format(
-        what="latency records, percentiles and summaries"
-    ),
-    ("pdserve.sim.workload", "pdserve.bench.workload"): _SIM_ON_BENCH.format(what="workloads"),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 # Import loops that exist today: the modules of the loop -> what should change.
-ALLOWED_LOOPS: dict[frozenset[str], str] = {
-    frozenset({"pdserve.sim.cli", "pdserve.sim.plan_cli"}): (
-        "TODO(layering): sim.cli adds plan_cli's subcommand and plan_cli takes cli's device "
-        "flags (both in functions); the shared flags belong in a module both import"
-    ),
-}
+ALLOWED_LOOPS: dict[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)

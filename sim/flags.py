@@ -1,0 +1,45 @@
+"""Command-line flags the sim commands share: the device and its assumed efficiencies."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.sim.analytic import DEVICES, Assumptions
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("analytic profiles")
+    g.add_argument("--device", choices=sorted(DEVICES), default=None,
+                   help="time layouts without a profile file from this device's datasheet")  # fmt: skip
+    g.add_argument("--mfu", type=float, default=Assumptions.mfu,
+                   help="assumed share of peak FLOP/s in compute-bound steps")  # fmt: skip
+    g.add_argument("--mbu", type=float, default=Assumptions.mbu,
+                   help="assumed share of memory bandwidth in memory-bound steps")  # fmt: skip
+    g.add_argument("--step-overhead-ms", type=float, default=Assumptions.step_overhead_s * 1e3)
+    g.add_argument("--calibrate", default=None, metavar="PROFILE",
+                   help="a measured profile of the same device: its efficiencies replace --mfu/--mbu")  # fmt: skip
+
+
+def assumptions_from(args: argparse.Namespace) -> Assumptions:
+    base = Assumptions(mfu=args.mfu, mbu=args.mbu, step_overhead_s=args.step_overhead_ms / 1e3)
+    if args.calibrate is None:
+        return base
+    from dataclasses import replace
+
+    from pdserve.sim.analytic import analytic_profile, measured_efficiency, model_shape
+    from pdserve.sim.profile import load_profile
+
+    if args.device is None:
+        raise InvalidArgumentError("calibrate", "needs --device (the analytic profile it corrects)")
+    measured = load_profile(args.calibrate)
+    if measured.device != args.device:
+        raise InvalidArgumentError(
+            "calibrate",
+            f"{args.calibrate} was measured on {measured.device!r}, not {args.device!r}",
+        )
+    shape = measured.model if measured.model.name == args.model else model_shape(args.model)
+    first = analytic_profile(
+        shape, args.device, measured.tensor_parallel_size, measured.pipeline_parallel_size, base
+    )
+    return replace(base, **measured_efficiency(first, measured))
