@@ -1,1 +1,2 @@
-"""The Ray side: controller, instances per region and role, planner, simulator."""
+"""The Ray side: the cluster config, the controller (instances per region and role,
+health checks and replacement, planning and role flips) and the P:D planner."""

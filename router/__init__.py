@@ -1,1 +1,2 @@
-"""The global router and the front doors (gRPC, OpenAI-compatible HTTP)."""
+"""The global router (region and instance choice, the attempt lifecycle, admission)
+and, in ``frontdoor``, the gRPC and OpenAI-compatible HTTP front doors."""
