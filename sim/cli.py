@@ -24,7 +24,7 @@ from pdserve.sim.flags import add_device_flags, assumptions_from
 RECORDS_LIMIT = 100_000  # runs up to this many requests keep per-request records and ITL
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_profile(sub)
     _add_sim(sub)
     from pdserve.sim.plan_cli import add_plan_parser
@@ -35,7 +35,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 # -- pdserve profile --------------------------------------------------------------------
 
 
-def _add_profile(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure (or derive) an instance's latency model")
     p.add_argument("--model", default="builtin:tiny", help="builtin:<name>, a folder, or a preset")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
@@ -102,7 +102,7 @@ def describe_profile(p: Any) -> str:
 # -- pdserve sim --------------------------------------------------------------------------
 
 
-def _add_sim(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_sim(sub: argparse._SubParsersAction) -> None:
     from pdserve.bench.serve import add_load_flags, add_workload_flags
 
     p = sub.add_parser("sim", help="simulate a cluster YAML under a workload, in virtual time")

@@ -26,6 +26,7 @@ is not simulated (the policy sees no cached blocks).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +177,7 @@ class SimCluster:
         if self.options.planner and self.config.planner.mode != "off":
             self.queue.push(self.config.planner.interval_s, "plan")
         self._count("start")
-        handlers = {"step": self._on_step, "handoff": self._on_handoff, "plan": self._on_plan,
+        handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff, "plan": self._on_plan,
                     "ready": self._on_ready, "launch": self._launch,
                     "kick": self._on_kick}  # fmt: skip
         while True:

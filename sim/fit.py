@@ -11,6 +11,7 @@ stays physical. ``weights_s`` is folded into ``overhead_s`` (both constant).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,8 @@ def fit_step_model(samples: Sequence[Sample]) -> StepModel:
             coef[active] = sol
             break
         del active[int(np.argmin(sol))]
-    return StepModel(**{name: float(c) for name, c in zip(TERMS, coef, strict=True)})
+    terms: dict[str, Any] = {name: float(c) for name, c in zip(TERMS, coef, strict=True)}
+    return StepModel(**terms)
 
 
 def fit_robust(

@@ -249,8 +249,9 @@ def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp:
     if d is None:
         _missed(search.run(ample_p, cap_d), slo, "decode", cap_d, tp, limits)
     assert d is not None
+    decodes: int = d
     p = search.smallest(max(1, book_plan.prefill_bare // 2), cap_p,
-                        lambda n: search.run(n, d).meets(slo)[0])  # fmt: skip
+                        lambda n: search.run(n, decodes).meets(slo)[0])  # fmt: skip
     if p is None:
         _missed(search.run(cap_p, d), slo, "prefill", cap_p, tp, limits)
     assert p is not None

@@ -22,7 +22,7 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.plan import LengthMix, PlanLimits, PlanSlo, RegionPlan, cluster_yaml, plan_region
 
 
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     from pdserve.sim.flags import add_device_flags
 
     p = sub.add_parser("plan", help="cheapest P:D counts and layouts per region for a forecast")

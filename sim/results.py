@@ -13,7 +13,7 @@ same percentile arithmetic (per-token ITL samples are kept only when asked).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -123,7 +123,9 @@ class Recorder:
         errors = {ERRORS[c]: int((self.error[mask] == c).sum()) for c in range(1, len(ERRORS))}
 
         def ms(values: np.ndarray) -> dict[str, float]:
-            return {k: round(v * 1e3, 3) for k, v in percentiles(values).items()}
+            return {
+                k: round(v * 1e3, 3) for k, v in percentiles(cast(Sequence[float], values)).items()
+            }
 
         total = int(mask.sum())
         return {

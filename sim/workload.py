@@ -76,14 +76,14 @@ def workload_from_args(
     num, duration = args.num_requests, args.duration
     if num is None and duration is None:
         num = DEFAULT_NUM_REQUESTS
-    prompts = None
+    prompts: tuple[tuple[int, ...], ...] | None = None
     if args.prompts:
         items = wl.read_jsonl(args.prompts, args.output_len)
         if any(isinstance(p, str) for p, _ in items):
             raise InvalidArgumentError(
                 "prompts", "the simulator needs token ids, not text, in --prompts"
             )
-        prompts = tuple(tuple(p) for p, _ in items)  # type: ignore[arg-type]
+        prompts = tuple(tuple(int(t) for t in p) for p, _ in items)
     if args.trace:
         trace = wl.limit_trace(wl.read_trace(wl.trace_path(args.trace)), num, None)
         trace = wl.scale_trace(
