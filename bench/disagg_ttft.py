@@ -21,13 +21,17 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from pdserve.bench.report import write_json
 from pdserve.core.messages import PrefillRequest, ReserveRequest, TokenBatch
 from pdserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.cluster.instances import Instance
+    from pdserve.core.model_config import ModelConfig
 
 
 class FirstTokenClock:
@@ -67,54 +71,17 @@ def _prompt(i: int, length: int, vocab: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.cluster.instances import pair, start_instance
     from pdserve.core.builtin_models import resolve_model
-    from pdserve.core.config import DisaggregationConfig
     from pdserve.core.model_config import ModelConfig
-    from pdserve.llm import build_engine_config
-    from pdserve.parallel.instance import RankResources
 
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     model = ModelConfig.from_dir(resolve_model(args.model))
-    engine = build_engine_config(
-        args.model, dtype="float32", max_num_batched_tokens=args.prompt_len
-    )
-    res = RankResources(num_cpus=1)
-    remote = DisaggregationConfig(local_prefill_max_tokens=0, local_prefill_cached_fraction=1.0)
-    local = DisaggregationConfig(local_prefill_max_tokens=10**9)
-    colocated = start_instance("decode", model, engine, args.connector, res, local)
-    prefill = start_instance("prefill", model, engine, args.connector, res, remote)
-    decode = start_instance("decode", model, engine, args.connector, res, remote)
-    pair(prefill, decode)
-    clock = ray.remote(FirstTokenClock).options(num_cpus=0).remote()
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    ttft: dict[str, list[float]] = {"colocated": [], "disaggregated": []}
-    for i in range(args.requests + 1):  # request 0 warms both paths up
-        prompt = _prompt(i, args.prompt_len, model.vocab_size)
-        for mode in ("colocated", "disaggregated"):
-            rid = f"{mode}-{i}"
-            start = time.monotonic()
-            if mode == "colocated":
-                ray.get(
-                    colocated.leader.reserve.remote(
-                        ReserveRequest(rid, prompt, params), None, clock
-                    )
-                )
-                first = ray.get(clock.wait_first.remote(rid))
-            else:
-                reservation = ray.get(
-                    decode.leader.reserve.remote(
-                        ReserveRequest(rid, prompt, params), prefill.instance_id, clock
-                    )
-                )
-                ray.get(
-                    prefill.leader.prefill.remote(PrefillRequest(rid, prompt, params, reservation))
-                )
-                first = time.monotonic()
-            if i > 0:
-                ttft[mode].append(first - start)
-            ray.get(clock.wait_done.remote(rid), timeout=120)
+    colocated, prefill, decode = _start_instances(args, model)
+    # Ray types ``.remote()`` as a handle or the class itself (whose methods have
+    # no ``remote``), so actor handles are held as Any.
+    clock: Any = ray.remote(FirstTokenClock).options(num_cpus=0).remote()
+    ttft = _measure(args, model.vocab_size, colocated, prefill, decode, clock)
     rows = {mode: round(statistics.median(v) * 1e3, 1) for mode, v in ttft.items()}
     report = {
         "command": f"pdserve bench ttft --model {args.model} --prompt-len {args.prompt_len} "
@@ -130,7 +97,82 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _start_instances(
+    args: argparse.Namespace, model: ModelConfig
+) -> tuple[Instance, Instance, Instance]:
+    """The colocated decode instance, then a prefill and a decode instance paired together."""
+    from pdserve.cluster.instances import pair, start_instance
+    from pdserve.core.config import DisaggregationConfig
+    from pdserve.llm import build_engine_config
+    from pdserve.parallel.instance import RankResources
+
+    engine = build_engine_config(
+        args.model, dtype="float32", max_num_batched_tokens=args.prompt_len
+    )
+    res = RankResources(num_cpus=1)
+    remote = DisaggregationConfig(local_prefill_max_tokens=0, local_prefill_cached_fraction=1.0)
+    local = DisaggregationConfig(local_prefill_max_tokens=10**9)
+    colocated = start_instance("decode", model, engine, args.connector, res, local)
+    prefill = start_instance("prefill", model, engine, args.connector, res, remote)
+    decode = start_instance("decode", model, engine, args.connector, res, remote)
+    pair(prefill, decode)
+    return colocated, prefill, decode
+
+
+def _measure(
+    args: argparse.Namespace,
+    vocab_size: int,
+    colocated: Instance,
+    prefill: Instance,
+    decode: Instance,
+    clock: Any,
+) -> dict[str, list[float]]:
+    """Seconds to the first token of each request, per mode, one request at a time."""
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    ttft: dict[str, list[float]] = {"colocated": [], "disaggregated": []}
+    for i in range(args.requests + 1):  # request 0 warms both paths up
+        prompt = _prompt(i, args.prompt_len, vocab_size)
+        for mode in ("colocated", "disaggregated"):
+            rid = f"{mode}-{i}"
+            start = time.monotonic()
+            if mode == "colocated":
+                first = _first_token_colocated(colocated, clock, rid, prompt, params)
+            else:
+                first = _first_token_disaggregated(prefill, decode, clock, rid, prompt, params)
+            if i > 0:
+                ttft[mode].append(first - start)
+            ray.get(clock.wait_done.remote(rid), timeout=120)
+    return ttft
+
+
+def _first_token_colocated(
+    colocated: Instance, clock: Any, rid: str, prompt: list[int], params: SamplingParams
+) -> float:
+    """The instance prefills the request itself; ``clock`` records when the first token came."""
+    ray.get(colocated.leader.reserve.remote(ReserveRequest(rid, prompt, params), None, clock))
+    first: float = ray.get(clock.wait_first.remote(rid))
+    return first
+
+
+def _first_token_disaggregated(
+    prefill: Instance,
+    decode: Instance,
+    clock: Any,
+    rid: str,
+    prompt: list[int],
+    params: SamplingParams,
+) -> float:
+    """Reserve pages on ``decode``, then prefill; the first token is the prefill call's answer."""
+    reservation = ray.get(
+        decode.leader.reserve.remote(
+            ReserveRequest(rid, prompt, params), prefill.instance_id, clock
+        )
+    )
+    ray.get(prefill.leader.prefill.remote(PrefillRequest(rid, prompt, params, reservation)))
+    return time.monotonic()
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("ttft", help="TTFT of disaggregated vs colocated serving at low load")
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--prompt-len", type=int, default=512)

@@ -125,8 +125,9 @@ def compare(series: dict[str, list[RunResult]]) -> dict[str, Any]:
         for mode, runs in series.items()
     }
     out: dict[str, Any] = {"per_rate": table, "max_rate_at_90pct_attainment": best}
-    if all(best.get(m) for m in MODES):
-        out["max_rate_ratio"] = round(best["disaggregated"] / best["colocated"], 3)
+    disaggregated, colocated = best.get("disaggregated"), best.get("colocated")
+    if disaggregated and colocated:
+        out["max_rate_ratio"] = round(disaggregated / colocated, 3)
     return out
 
 
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "disagg-vs-colocated",
         help="goodput of disaggregated vs colocated serving on the same cores, over rates",

@@ -31,6 +31,7 @@ from pdserve.bench.report import write_json
 
 if TYPE_CHECKING:
     from pdserve.parallel.attention.backend import AttentionMetadata
+    from pdserve.parallel.attention.torch_ref import TorchAttention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 LAYERS, VOCAB, EXPERTS, TOP_K = 32, 128256, 8, 2
@@ -143,38 +144,64 @@ def layer_cases(tokens: int, dtype: torch.dtype, device: torch.device) -> list[C
 def attention_cases(
     args: argparse.Namespace, dtype: torch.dtype, device: torch.device
 ) -> list[Case]:
+    """Paged decode attention (a batch, then one long sequence), prefill attention, KV writes."""
     from pdserve.parallel.attention import torch_ref
-    from pdserve.parallel.kernels import decode_attention, kv_cache, prefill_attention
 
-    elem = torch.tensor([], dtype=dtype).element_size()
-    kv_row = KV_HEADS * HEAD_DIM * elem  # one token's K (or V) in one layer
     ref = torch_ref.TorchAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
-    cases = []
-    for batch, context in [(args.batch, args.context), (1, args.long_context)]:
-        meta, pages = paged_meta([1] * batch, [context] * batch, device)
-        cache = torch.randn(2, pages, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-        q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device=device)
+    cases = [
+        decode_attention_case(batch, context, dtype, device, ref)
+        for batch, context in [(args.batch, args.context), (1, args.long_context)]
+    ]
+    return cases + prefill_cases(args.prefill_chunk, args.prefill_prefix, dtype, device, ref)
 
-        def fast(q=q, cache=cache, meta=meta) -> object:
-            return decode_attention.paged_decode_attention(
-                q, cache[0], cache[1], meta.decode_block_tables, meta.decode_seq_lens,
-                meta.max_decode_seq_len, ref.scale,
-            )  # fmt: skip
 
-        def slow(q=q, cache=cache, meta=meta) -> object:
-            out = torch.empty_like(q)
-            ref.decode(q, cache[0], cache[1], meta, out)
-            return out
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
 
-        nbytes = 2 * batch * context * kv_row + 2 * q.numel() * elem
-        cases.append(Case("decode_attention", f"{batch} x {context} ctx", nbytes, fast, slow))
-    chunk, prefix, chunks = args.prefill_chunk, args.prefill_prefix, 4
+
+def decode_attention_case(
+    batch: int, context: int, dtype: torch.dtype, device: torch.device, ref: TorchAttention
+) -> Case:
+    """Paged decode attention over ``batch`` sequences of ``context`` tokens each."""
+    from pdserve.parallel.kernels import decode_attention
+
+    elem = _element_size(dtype)
+    kv_row = KV_HEADS * HEAD_DIM * elem  # one token's K (or V) in one layer
+    meta, pages = paged_meta([1] * batch, [context] * batch, device)
+    cache = torch.randn(2, pages, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device=device)
+
+    def fast() -> object:
+        return decode_attention.paged_decode_attention(
+            q, cache[0], cache[1], meta.decode_block_tables, meta.decode_seq_lens,
+            meta.max_decode_seq_len, ref.scale,
+        )  # fmt: skip
+
+    def slow() -> object:
+        out = torch.empty_like(q)
+        ref.decode(q, cache[0], cache[1], meta, out)
+        return out
+
+    nbytes = 2 * batch * context * kv_row + 2 * q.numel() * elem
+    return Case("decode_attention", f"{batch} x {context} ctx", nbytes, fast, slow)
+
+
+def prefill_cases(
+    chunk: int, prefix: int, dtype: torch.dtype, device: torch.device, ref: TorchAttention
+) -> list[Case]:
+    """Paged prefill attention of 4 chunks after ``prefix`` cached tokens, and their KV write."""
+    from pdserve.parallel.attention import torch_ref
+    from pdserve.parallel.kernels import kv_cache, prefill_attention
+
+    elem = _element_size(dtype)
+    kv_row = KV_HEADS * HEAD_DIM * elem  # one token's K (or V) in one layer
+    chunks = 4
     meta, pages = paged_meta([chunk] * chunks, [prefix + chunk] * chunks, device)
     cache = torch.randn(2, pages, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     qkv = torch.randn(chunk * chunks, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
     out = torch.empty_like(q)
-    cases += [
+    return [
         Case(
             "prefill_attention", f"{chunks} x {chunk} after {prefix}",
             2 * chunks * (prefix + chunk) * kv_row + 2 * q.numel() * elem,
@@ -190,7 +217,6 @@ def attention_cases(
             lambda: torch_ref.write_kv(k, v, cache[0], cache[1], meta.slot_mapping),
         ),
     ]  # fmt: skip
-    return cases
 
 
 def time_case(case: Case, bandwidth: float) -> dict[str, Any]:
@@ -334,7 +360,7 @@ _FLAGS = (
 )  # fmt: skip
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("kernels", help="Triton kernels vs torch and the bandwidth floor (GPU)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     p.add_argument("--tokens", type=int, default=4096, help="rows of the row-wise ops")

@@ -170,7 +170,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("offline", help="engine throughput vs transformers.generate")
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--num-requests", type=int, default=32)

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("parallel", help="TP=2 and PP=2 step time against one rank")
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--cpus", type=float, default=2.0, help="CPUs for every layout in total")

@@ -115,9 +115,8 @@ class TransformersClient:
         self.manager.stop(block=True, timeout=60)
 
 
-def run(args: argparse.Namespace) -> int:
-    from pdserve.core.builtin_models import resolve_model
-
+def _apply_defaults(args: argparse.Namespace) -> None:
+    """Fill in the rates and request count that ``--quick`` or nothing at all asks for."""
     if args.quick:
         args.rate = args.rate or [0.5, 1.0]
         args.num_requests = args.num_requests or 4
@@ -125,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
     args.rate = args.rate or [0.5, 1.0, 2.0]
     if args.num_requests is None and args.duration is None:
         args.num_requests = 40
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.core.builtin_models import resolve_model
+
+    _apply_defaults(args)
     path = str(resolve_model(args.model))
     cores = tuple(args.cores)
 
@@ -153,23 +158,33 @@ def run(args: argparse.Namespace) -> int:
     finally:
         peer.stop()
         os.sched_setaffinity(0, saved)
-    payload = {
+    payload = _payload(args, peer.version, [vars(p) for p in pinned], series)
+    paths = write_outputs(Path(args.out), args.name, payload, series, slo_from(args))
+    print(summary_table([(f"{n} {r.rate:g}/s", r) for n, runs in series.items() for r in runs]))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _payload(
+    args: argparse.Namespace,
+    peer_version: str,
+    pinning: list[dict[str, Any]],
+    series: dict[str, list[RunResult]],
+) -> dict[str, Any]:
+    """The JSON report: the command, both servers, the side-by-side table and every run."""
+    return {
         **header(command_line(args)),
         "quick": args.quick,
         "options": options_json(args),
         "peer": {
             "name": "transformers",
-            "version": peer.version,
+            "version": peer_version,
             "server": "ContinuousBatchingManager, in-process",
         },
-        "pdserve": {"mode": args.pdserve_mode, "pinning": [vars(p) for p in pinned]},
+        "pdserve": {"mode": args.pdserve_mode, "pinning": pinning},
         "side_by_side": side_by_side(series),
         "runs": {name: [r.to_json() for r in runs] for name, runs in series.items()},
     }
-    paths = write_outputs(Path(args.out), args.name, payload, series, slo_from(args))
-    print(summary_table([(f"{n} {r.rate:g}/s", r) for n, runs in series.items() for r in runs]))
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
 
 
 def side_by_side(series: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
@@ -195,7 +210,7 @@ def side_by_side(series: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
     return rows
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "peer", help="the serving benchmark against transformers' continuous batching"
     )

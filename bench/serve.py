@@ -22,7 +22,7 @@ import asyncio
 import secrets
 import shlex
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,13 +184,13 @@ def write_outputs(
 ) -> list[Path]:
     """The JSON file, the latency CDFs of every run, and goodput vs rate when swept."""
     paths = [write_json(out / f"{name}.json", payload)]
-    cdfs = {
+    cdfs: dict[str, Sequence[RequestRecord]] = {
         f"{label} {run.rate:g}/s" if run.rate is not None else label: run.records
         for label, runs in series.items()
         for run in runs
     }
     paths.append(plot_latency_cdfs(cdfs, slo, out / f"{name}-latency-cdf.png"))
-    swept = {
+    swept: dict[str, Sequence[tuple[float, dict[str, Any]]]] = {
         label: [(run.rate, run.summary) for run in runs if run.rate is not None]
         for label, runs in series.items()
     }
@@ -301,7 +301,7 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "serve", help="load a running cluster over gRPC or HTTP; goodput under SLOs"
     )

@@ -21,6 +21,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +33,12 @@ import torch
 from pdserve.bench.report import write_json
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import PeerEndpoint
+from pdserve.transfer.object_store import ObjectStoreReceiver
+from pdserve.transfer.p2p import P2PReceiver
 from pdserve.transfer.wire import PageHeader, PageSource
 
 BLOCK, HEADS, DIM = 16, 8, 128  # one page of one layer: 2 * 16 * 8 * 128 * 4 B = 128 KiB
+RAW_GLOO_TIMEOUT = timedelta(minutes=30)  # gloo's own default for a process group
 
 
 class DecodeRankStandIn:
@@ -52,10 +57,12 @@ class DecodeRankStandIn:
         return self.receiver.endpoint(ray.get_runtime_context().current_actor)
 
     def receive_pages(self, header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
-        self.receiver.receive(header, keys, values)  # type: ignore[attr-defined]
+        assert isinstance(self.receiver, ObjectStoreReceiver), "not the object-store connector"
+        self.receiver.receive(header, keys, values)
 
     def kv_accept(self, pair_id: str) -> None:
-        self.receiver.accept(pair_id)  # type: ignore[attr-defined]
+        assert isinstance(self.receiver, P2PReceiver), "not the point-to-point connector"
+        self.receiver.accept(pair_id)
 
     def land(self, payload: np.ndarray) -> int:
         """Raw channel for the object store: receive bytes and copy them into memory."""
@@ -74,10 +81,11 @@ class DecodeRankStandIn:
         store = dist.TCPStore(_node_ip(), 0, 2, is_master=True, wait_for_workers=False)
 
         def serve() -> None:
-            group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2)
+            group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, RAW_GLOO_TIMEOUT)
             buf = torch.empty(nbytes, dtype=torch.uint8)
             for _ in range(count):
-                group.recv([buf], 1, 0).wait()
+                # torch's stub of ProcessGroupGloo leaves out send and recv (it has them)
+                group.recv([buf], 1, 0).wait()  # type: ignore[attr-defined]
             self._raw = group
 
         threading.Thread(target=serve, daemon=True).start()
@@ -89,20 +97,26 @@ def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, Any]:
-    num_blocks = pages * 2
-    actor = (
+def _batch_rate(one_round: Callable[[], object], nbytes: int, rounds: int) -> float:
+    """GB/s of ``rounds`` back-to-back rounds of ``nbytes`` each."""
+    start = time.perf_counter()
+    for _ in range(rounds):
+        one_round()
+    return _rate(nbytes * rounds, time.perf_counter() - start)
+
+
+def _start_stand_in(connector: str, num_blocks: int) -> Any:
+    """Start the decode rank's actor; Ray types the handle as handle-or-class, so Any."""
+    return (
         ray.remote(DecodeRankStandIn)
         .options(num_cpus=0, max_concurrency=8)
         .remote(connector, num_blocks)
     )
-    endpoint = ray.get(actor.endpoint.remote())
-    sender_cls, _ = connector_classes(connector)
-    sender = sender_cls()
-    sender.connect(endpoint)
-    src = torch.randn(2, num_blocks, BLOCK, HEADS, DIM)
-    source = PageSource(src, list(range(pages)), 0, HEADS)
-    header = PageHeader(
+
+
+def _header(pages: int) -> PageHeader:
+    """One message: ``pages`` pages of layer 0, every head, into blocks ``pages..2*pages``."""
+    return PageHeader(
         "bench",
         0,
         list(range(pages, 2 * pages)),
@@ -111,6 +125,19 @@ def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, 
         0,
         HEADS,
     )
+
+
+def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, Any]:
+    """Median GB/s of the connector and of its raw channel, ``repeats`` batches each."""
+    num_blocks = pages * 2
+    actor = _start_stand_in(connector, num_blocks)
+    endpoint: PeerEndpoint = ray.get(actor.endpoint.remote())
+    sender_cls, _ = connector_classes(connector)
+    sender = sender_cls()
+    sender.connect(endpoint)
+    src = torch.randn(2, num_blocks, BLOCK, HEADS, DIM)
+    source = PageSource(src, list(range(pages)), 0, HEADS)
+    header = _header(pages)
     nbytes = header.nbytes
 
     def connector_round() -> None:
@@ -122,14 +149,8 @@ def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, 
     raw_round()
     ours, raw = [], []
     for _ in range(repeats):  # interleaved, so both see the same machine
-        start = time.perf_counter()
-        for _ in range(rounds):
-            connector_round()
-        ours.append(_rate(nbytes * rounds, time.perf_counter() - start))
-        start = time.perf_counter()
-        for _ in range(rounds):
-            raw_round()
-        raw.append(_rate(nbytes * rounds, time.perf_counter() - start))
+        ours.append(_batch_rate(connector_round, nbytes, rounds))
+        raw.append(_batch_rate(raw_round, nbytes, rounds))
     ours_gb, raw_gb = statistics.median(ours), statistics.median(raw)
     sender.close()
     ray.kill(actor)
@@ -142,7 +163,9 @@ def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, 
     }
 
 
-def _raw_channel(connector: str, actor: Any, src: torch.Tensor, nbytes: int, total: int) -> Any:
+def _raw_channel(
+    connector: str, actor: Any, src: torch.Tensor, nbytes: int, total: int
+) -> Callable[[], object]:
     """One message's worth of bytes over the bare channel, as a callable."""
     pages = nbytes // src[:, 0].nbytes  # the same bytes as one message
     payload = src[:, :pages].contiguous()
@@ -151,15 +174,15 @@ def _raw_channel(connector: str, actor: Any, src: torch.Tensor, nbytes: int, tot
         dst = torch.empty_like(payload)
         return lambda: dst.copy_(payload)
     if connector == "object_store":
-        data = payload.view(torch.uint8).numpy()
-        return lambda: ray.get(actor.land.remote(data))
+        array = payload.view(torch.uint8).numpy()
+        return lambda: ray.get(actor.land.remote(array))
     import torch.distributed as dist
 
     host, port = ray.get(actor.raw_gloo_listen.remote(nbytes, total))
     store = dist.TCPStore(host, port, 2, is_master=False)
-    group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, RAW_GLOO_TIMEOUT)
     data = payload.view(torch.uint8).reshape(-1)
-    return lambda: group.send([data], 0, 0).wait()
+    return lambda: group.send([data], 0, 0).wait()  # type: ignore[attr-defined]  # stub lacks send
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("transfer", help="KV connector bandwidth vs the raw channel")
     p.add_argument("--connectors", nargs="+", default=["shm", "p2p", "object_store"])
     p.add_argument("--pages", nargs="+", type=int, default=[8, 32, 128], help="pages per message")

@@ -35,7 +35,9 @@ class RegionInstances:
 def start_router(
     config: RouterConfig, model_path: str, resources: dict[str, Any] | None = None
 ) -> tuple[Any, Endpoints]:
-    actor = (
+    # Ray types ``.remote()`` as a handle or the class itself (whose methods have
+    # no ``remote``), so actor handles are held as Any.
+    actor: Any = (
         ray.remote(RouterActor)
         .options(num_cpus=0, max_concurrency=1000, **(resources or {}))
         .remote(config, model_path)

@@ -44,6 +44,8 @@ from pdserve.prefill.server import PrefillServer
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.handshake import KVSpec, model_fingerprint
+from pdserve.transfer.object_store import ObjectStoreReceiver
+from pdserve.transfer.p2p import P2PReceiver
 from pdserve.transfer.rank import RankTransfer
 from pdserve.transfer.wire import dtype_name
 
@@ -146,11 +148,15 @@ class InstanceWorker(RankWorker):
 
     def receive_pages(self, header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
         """Object-store connector: one message of pages (K part, V part) for this rank."""
-        self.transfer.receiver.receive(header, keys, values)
+        receiver = self.transfer.receiver
+        assert isinstance(receiver, ObjectStoreReceiver), "not an object-store connector rank"
+        receiver.receive(header, keys, values)
 
     def kv_accept(self, pair_id: str) -> None:
         """Point-to-point connector: join a sender's pair group."""
-        self.transfer.receiver.accept(pair_id)
+        receiver = self.transfer.receiver
+        assert isinstance(receiver, P2PReceiver), "not a point-to-point connector rank"
+        receiver.accept(pair_id)
 
     def transfer_stats(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return self.transfer.sender.stats.as_dict(), self.transfer.receiver.stats.as_dict()
@@ -226,8 +232,10 @@ class InstanceWorker(RankWorker):
 
         return server.loop.call(read).result()
 
+    # ray.method's stub types the decorated method as a remote-method handle; at
+    # run time it is this function, so the override matches RankWorker's.
     @ray.method(concurrency_group=CONTROL)
-    def check_idle(self) -> None:
+    def check_idle(self) -> None:  # type: ignore[override]
         assert self.server is not None
         self.server.loop.call(lambda engine: engine.assert_idle()).result()
 
@@ -239,7 +247,7 @@ class InstanceWorker(RankWorker):
         return self.server.loop.problem(stall_after_s)
 
     @ray.method(concurrency_group=HEALTH)
-    def ping(self) -> float:
+    def ping(self) -> float:  # type: ignore[override]  # ray.method's stub, see check_idle
         """Any rank: answers unless the leader's engine loop has stopped."""
         if self.server is not None and self.server.loop.fatal is not None:
             raise InstanceFailedError(

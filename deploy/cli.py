@@ -21,8 +21,12 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from pdserve.core.errors import PdserveError
+
+if TYPE_CHECKING:
+    from pdserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdserve")
 
@@ -43,7 +47,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel-size", "--ep", type=int, default=1)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as keyword arguments of :class:`~pdserve.llm.LLM`."""
     return {
         "dtype": args.dtype,
         "device": args.device,
@@ -70,7 +75,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     from pdserve.core.sampling_params import SamplingParams
 
     return SamplingParams(
