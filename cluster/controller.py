@@ -38,16 +38,10 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pdserve.cluster.config import ClusterConfig, RegionConfig, check_fits
+from pdserve.cluster.config import ClusterConfig, check_fits
 from pdserve.cluster.health import HealthChecks
-from pdserve.cluster.instances import (
-    CALL_TIMEOUT_S,
-    Instance,
-    best_effort,
-    first_line,
-    pair,
-    start_instance,
-)
+from pdserve.cluster.instances import Instance, best_effort, pair
+from pdserve.cluster.membership import Membership
 from pdserve.cluster.planner import Planner
 from pdserve.cluster.planning import Planning
 from pdserve.cluster.scale_log import ScaleLog
@@ -58,12 +52,10 @@ from pdserve.core.builtin_models import resolve_model
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.logs import setup_logging
 from pdserve.core.model_config import ModelConfig
-from pdserve.parallel.instance import RankResources
 from pdserve.router.actor import Endpoints
 
 logger = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT_S = 300.0
 ROLES: tuple[Role, Role] = ("decode", "prefill")  # decode first: prefill instances pair with them
 
 
@@ -99,6 +91,7 @@ class Controller:
         self._ids = 0
         self.health_checks = HealthChecks(self)
         self.planning = Planning(self)
+        self.membership = Membership(self)
 
     # -- start ------------------------------------------------------------------------
 
@@ -181,7 +174,7 @@ class Controller:
                 self._decision(region, "set", cause, reason, source)
             # Claimed with the targets, so the health loop's retries never take them.
             roles, leaving = self._plan_region(region, used)
-        self._reach(region, roles, leaving, raise_errors=True)  # status and health go on
+        self.membership.reach(region, roles, leaving, raise_errors=True)  # status and health go on
         with self._lock:
             return self._region_status(region)
 
@@ -243,16 +236,7 @@ class Controller:
         used = self._pages_used(self._listed(region))
         with self._lock:
             roles, leaving = self._plan_region(region, used)
-        self._reach(region, roles, leaving, raise_errors)
-
-    def _reach(
-        self, region: str, roles: list[Role], leaving: list[Instance], raise_errors: bool
-    ) -> None:
-        """Start the claimed roles, then drain and remove the surplus (lock not held)."""
-        try:
-            self._start_roles(region, roles, raise_errors)
-        finally:
-            self._drain(region, leaving)
+        self.membership.reach(region, roles, leaving, raise_errors)
 
     def _listed(self, region: str) -> list[Instance]:
         with self._lock:
@@ -273,8 +257,9 @@ class Controller:
 
         The surplus to drain are the instances using the fewest KV pages
         (``used``: instance id -> pages, read before the lock). The caller tells
-        the router, starts the claimed roles (:meth:`_start_roles`) and waits for
-        the returned instances to go idle (:meth:`_drain`), all without the lock.
+        the router, starts the claimed roles and waits for the returned instances
+        to go idle (:class:`~pdserve.cluster.membership.Membership`), all without
+        the lock.
         """
         roles: list[Role] = []
         leaving = []
@@ -289,37 +274,8 @@ class Controller:
                 leaving.append(instance)
         return roles, leaving
 
-    def _start_roles(self, region: str, roles: list[Role], raise_errors: bool) -> None:
-        """Start one instance per entry of ``roles`` (claimed by :meth:`_plan_region`)."""
-        error: Exception | None = None
-        for role in roles:
-            try:
-                self._add(self.specs[region], role)
-            except Exception as e:
-                error = error or e
-                self._start_failed(region, role, e)
-            finally:
-                with self._lock:
-                    self.starting[region][role] -= 1
-        with self._lock:
-            if error is None and region in self.retries and not self._short(region):
-                retry = self.retries.pop(region)
-                self._event(f"{region} is whole again after {retry.failures} failed start(s)")
-        if error is not None and raise_errors:
-            raise error
-
     def _short(self, region: str) -> bool:
         return any(self._missing(region, role) > 0 for role in ROLES)
-
-    def _start_failed(self, region: str, role: Role, error: Exception) -> None:
-        with self._lock:
-            retry = self.retries.setdefault(region, RetryState())
-            retry.failures += 1
-            wait = self.health.backoff(retry.failures)
-            retry.next_at = time.monotonic() + wait
-            retry.error = f"starting a {role} instance failed: {first_line(error)}"
-            self._event(f"{region}: {retry.error}; retrying in {wait:.0f} s")
-            self._decision(region, f"retry_{role}", "start_failed", retry.error, "health")
 
     def _retry_due(self) -> None:
         """Start what regions below their targets miss, once their backoff has passed."""
@@ -334,34 +290,12 @@ class Controller:
                     continue
                 roles, leaving = self._plan_region(region)
             threading.Thread(
-                target=self._start_roles, args=(region, roles, False), daemon=True
+                target=self.membership.start_roles, args=(region, roles, False), daemon=True
             ).start()
             if leaving:  # a role above its target while the other is short
-                threading.Thread(target=self._drain, args=(region, leaving), daemon=True).start()
-
-    def _add(self, spec: RegionConfig, role: Role) -> Instance:
-        role_spec = spec.role(role)
-        resources = RankResources(
-            num_cpus=role_spec.num_cpus_per_rank,
-            num_gpus=role_spec.num_gpus_per_rank,
-            labels=dict(spec.node_labels) or None,
-            start_timeout_s=self.health.start_timeout_s,
-        )
-        with self._lock:
-            self._ids += 1
-            instance_id = f"{spec.name}-{role}-{self._ids}"
-        engine = self.config.engine_config(role, spec)
-        instance = start_instance(
-            role, self.model, engine, self.config.connector, resources,
-            self.config.disaggregation, instance_id,
-        )  # fmt: skip
-        try:
-            self._join(spec.name, instance)
-        except BaseException:
-            instance.kill()
-            raise
-        self._event(f"started {instance_id}")
-        return instance
+                threading.Thread(
+                    target=self.membership.drain, args=(region, leaving), daemon=True
+                ).start()
 
     def _join(self, region: str, instance: Instance) -> None:
         """Pair a started instance with the region's other role, register it, list it."""
@@ -375,28 +309,6 @@ class Controller:
             register(self.router, instance, region)
             with self._lock:
                 r.of(instance.role).append(instance)
-
-    def _drain(self, region: str, leaving: list[Instance]) -> None:
-        """Wait (lock not held) for draining instances to finish their work, then remove them."""
-        for instance in leaving:  # the router sends them nothing new
-            ray.get(self.router.set_draining.remote(instance.instance_id, True))
-        waits = [i.leader.wait_idle.remote(DRAIN_TIMEOUT_S) for i in leaving]
-        for instance, ref in zip(leaving, waits, strict=True):
-            try:
-                idle = ray.get(ref, timeout=DRAIN_TIMEOUT_S + CALL_TIMEOUT_S)
-            except Exception:  # it died while draining: the health loop tears it down
-                idle = False
-            if not idle:
-                logger.warning(
-                    "%s still busy after %.0f s of draining; stopping it",
-                    instance.instance_id,
-                    DRAIN_TIMEOUT_S,
-                )
-            if self._detach(region, instance):
-                instance.shutdown()
-                self._event(f"removed {instance.instance_id} after draining")
-            with self._lock:
-                self.draining.discard(instance.instance_id)
 
     def _detach(self, region: str, instance: Instance) -> bool:
         """Take an instance out of the region and the router; False if it was out already."""

@@ -352,25 +352,7 @@ class SnapshotCollector(Collector):
             if s.source != "router"
         }
         for r in snap.regions:
-            for role in ("prefill", "decode"):
-                fams["pdserve_instances"].add_metric(
-                    [r.region, role, "serving"], r.serving.get(role, 0)
-                )
-                fams["pdserve_instances"].add_metric(
-                    [r.region, role, "draining"], r.draining.get(role, 0)
-                )
-                fams["pdserve_instance_restarts_total"].add_metric(
-                    [r.region, role], r.restarts.get(role, 0)
-                )
-            fams["pdserve_instances_target"].add_metric([r.region, "prefill"], r.target_prefill)
-            fams["pdserve_instances_target"].add_metric([r.region, "decode"], r.target_decode)
-            fams["pdserve_pd_ratio"].add_metric(
-                [r.region, "target"], r.target_prefill / max(r.target_decode, 1)
-            )
-            fams["pdserve_pd_ratio"].add_metric(
-                [r.region, "actual"],
-                r.serving.get("prefill", 0) / max(r.serving.get("decode", 0), 1),
-            )
+            _add_region(fams, r)
         for (region, action, reason), n in snap.decisions.items():
             fams["pdserve_planner_decisions_total"].add_metric([region, action, reason], n)
         for i in snap.instances:
@@ -389,3 +371,22 @@ class SnapshotCollector(Collector):
             for outcome, n in i.leases.items():
                 fams["pdserve_leases_total"].add_metric([*who, outcome], n)
         yield from fams.values()
+
+
+def _add_region(fams: dict[str, CounterMetricFamily | GaugeMetricFamily], r: RegionState) -> None:
+    """Adds one region's instance counts, targets and P/D ratios to the families."""
+    for role in ("prefill", "decode"):
+        fams["pdserve_instances"].add_metric([r.region, role, "serving"], r.serving.get(role, 0))
+        fams["pdserve_instances"].add_metric([r.region, role, "draining"], r.draining.get(role, 0))
+        fams["pdserve_instance_restarts_total"].add_metric(
+            [r.region, role], r.restarts.get(role, 0)
+        )
+    fams["pdserve_instances_target"].add_metric([r.region, "prefill"], r.target_prefill)
+    fams["pdserve_instances_target"].add_metric([r.region, "decode"], r.target_decode)
+    fams["pdserve_pd_ratio"].add_metric(
+        [r.region, "target"], r.target_prefill / max(r.target_decode, 1)
+    )
+    fams["pdserve_pd_ratio"].add_metric(
+        [r.region, "actual"],
+        r.serving.get("prefill", 0) / max(r.serving.get("decode", 0), 1),
+    )

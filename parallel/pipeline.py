@@ -114,12 +114,7 @@ class StageExecutor:
             elif batch.sample_ids:
                 in_flight.extend(self._sample(batch, hidden, tokens))
         if g.is_leader and g.sampler_rank != 0:
-            for batch in batches:
-                if batch.sample_ids:
-                    got = torch.empty(len(batch.sample_ids), dtype=torch.int64)
-                    with ctx.comm.timed(got.numel() * 8):
-                        dist.recv(got, src=g.sampler_rank, group=g.cpu_group)
-                    tokens.update(zip(batch.sample_ids, got.tolist(), strict=True))
+            self._receive_tokens(batches, tokens)
         with ctx.comm.timed(0):
             for work, _ in in_flight:
                 if work is not None:
@@ -143,6 +138,16 @@ class StageExecutor:
         with self.ctx.comm.timed(buf.numel() * buf.element_size()):
             dist.recv(buf, src=self.groups.peer(self.ctx.pp_rank - 1))
         return buf[0], buf[1]
+
+    def _receive_tokens(self, batches: list[PreparedBatch], tokens: dict[str, int]) -> None:
+        """On the leader: the sampled token ids of each micro-batch, from the sampler rank."""
+        g = self.groups
+        for batch in batches:
+            if batch.sample_ids:
+                got = torch.empty(len(batch.sample_ids), dtype=torch.int64)
+                with self.ctx.comm.timed(got.numel() * 8):
+                    dist.recv(got, src=g.sampler_rank, group=g.cpu_group)
+                tokens.update(zip(batch.sample_ids, got.tolist(), strict=True))
 
     def _sample(
         self, batch: PreparedBatch, hidden: torch.Tensor, tokens: dict[str, int]

@@ -1,7 +1,8 @@
 """One request's tries on prefill/decode pairs: reserve, first token, migrate, hedge, close.
 
     launch(stream, choice)            attempt id = the router's request id (#n for later tries)
-      reserve pages on decode  ─refused─> another decode of the region (retry budget)
+      reserve pages on decode  ─refused─> another decode of the region (retry budget;
+                                          :mod:`~pdserve.router.reservation`)
       prefill into them        (unless decode prefills the prompt itself)
       first token  <- prefill          rest of the tokens <- decode (``on_tokens``)
     migrate(attempt)   an instance died or ended it early: a new attempt on another
@@ -37,13 +38,13 @@ from pdserve.core.messages import (
     FirstToken,
     PrefillRequest,
     Reservation,
-    ReserveRequest,
     TokenBatch,
 )
 from pdserve.router.admission import RetryBudget
 from pdserve.router.config import RouterConfig
 from pdserve.router.observe import Observer
 from pdserve.router.placement import Choice, CompletionInput, RegionChooser
+from pdserve.router.reservation import Reserver, cause_of
 from pdserve.router.state import ClusterView, InstanceView
 from pdserve.router.stream import RequestStream, StreamFailed
 
@@ -98,6 +99,7 @@ class Attempts:
         self.hedged = 0
         self.migrations = 0
         self.tasks: set[asyncio.Future[None]] = set()  # migrations, first tokens, releases
+        self.reserver = Reserver(config, cluster, chooser, retries, sink, unregister, self.spawn)
 
     # -- events from instances ---------------------------------------------------------------
 
@@ -147,7 +149,7 @@ class Attempts:
         if offset:
             stream.owner = attempt_id  # a migration: only the new attempt feeds the stream
         try:
-            prefill, decode, reservation = await self._reserve_somewhere(attempt, choice)
+            prefill, decode, reservation = await self.reserver.reserve(attempt, choice)
         except BaseException:
             attempt.closed = True
             self.live.pop(attempt_id, None)
@@ -172,87 +174,6 @@ class Attempts:
         if not reservation.local and prefill is not None:
             self._start_prefill(attempt, prefill, reservation)
         return attempt
-
-    async def _reserve_somewhere(
-        self, attempt: Attempt, choice: Choice
-    ) -> tuple[InstanceView | None, InstanceView, Reservation]:
-        refused: set[str] = set()
-        full: set[str] = set()  # regions whose every decode instance refused
-        while True:
-            prefill, decode = choice.prefill, choice.decode
-            if not self._usable(decode) or (prefill is not None and not self._usable(prefill)):
-                choice = self._replace(attempt, choice)  # it left while the request waited
-                continue
-            if decode.instance_id in refused:  # the region is full: another one, or 429
-                full.add(choice.region)
-                choice = self.chooser.choose(attempt.inp, frozenset(full))
-                attempt.region = choice.region
-                continue
-            # Counted from the choice on, so arrivals placed before this reservation
-            # returns see it (and spread).
-            decode.inflight += 1
-            self.cluster.touch(decode)
-            try:
-                return prefill, decode, await self._reserve(attempt, prefill, decode)
-            except BaseException as e:
-                decode.inflight -= 1
-                self.cluster.touch(decode)
-                if not isinstance(e, OverloadedError | InstanceFailedError):
-                    raise
-                if isinstance(e, InstanceFailedError):
-                    self.unregister(decode.instance_id)  # dead: the controller replaces it
-                refused.add(decode.instance_id)
-                if not self.retries.try_spend():
-                    raise
-                choice = self._replace(attempt, choice)
-
-    def _usable(self, view: InstanceView) -> bool:
-        return self.cluster.instances.get(view.instance_id) is view and view.available
-
-    def _replace(self, attempt: Attempt, choice: Choice) -> Choice:
-        """Another placement in the region; another region when its last decode is gone."""
-        try:
-            return self.chooser.place(attempt.inp, choice.region, choice.hashes)
-        except OverloadedError:
-            choice = self.chooser.choose(attempt.inp)
-            attempt.region = choice.region
-            return choice
-
-    async def _reserve(
-        self, attempt: Attempt, prefill: InstanceView | None, decode: InstanceView
-    ) -> Reservation:
-        inp = attempt.inp
-        request = ReserveRequest(
-            attempt.attempt_id,
-            inp.prompt_token_ids,
-            inp.params,
-            self.config.reservation_ttl_s,
-            attempt.offset,
-            prefill_here=prefill is None,  # nobody would send the KV: decode computes it
-        )
-        prefill_id = prefill.instance_id if prefill is not None else None
-        ref = decode.handle.reserve.remote(request, prefill_id, self.sink)
-        pending = asyncio.wrap_future(ref.future())
-        try:
-            reservation: Reservation = await asyncio.shield(pending)
-            return reservation
-        except asyncio.CancelledError:  # the client left: free the pages once they are held
-            self.spawn(self._release_late(pending, decode, attempt.attempt_id))
-            raise
-        except Exception as e:
-            raise cause_of(e) from None
-
-    async def _release_late(
-        self, pending: asyncio.Future[Reservation], decode: InstanceView, attempt_id: str
-    ) -> None:
-        try:
-            await pending
-        except Exception:
-            return  # refused or failed: nothing is held
-        try:
-            await decode.handle.abort.remote(attempt_id)
-        except Exception:
-            logger.info("abort of %s did not reach %s", attempt_id, decode.instance_id)
 
     def _start_prefill(
         self, attempt: Attempt, prefill: InstanceView, reservation: Reservation
@@ -410,15 +331,3 @@ class Attempts:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self.tasks.discard)
-
-
-def cause_of(e: BaseException) -> BaseException:
-    """The pdserve error behind a Ray error, or InstanceFailedError for a dead actor."""
-    if isinstance(e, PdserveError):
-        return e
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, PdserveError):
-        return cause
-    if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
-        return InstanceFailedError(str(e))
-    return e

@@ -1,0 +1,128 @@
+"""How instances join and leave a region: the starts and drains the controller plans.
+
+The controller claims what a region is missing and marks its surplus draining
+under its lock (``Controller._plan_region``); this module carries that out with
+the lock not held:
+
+- each claimed role gets a new instance, started, paired with the region's
+  instances of the other role and registered with the router
+  (``Controller._join``); a start that fails is recorded in the region's
+  :class:`~pdserve.cluster.status.RetryState`, and the health loop retries it
+  once its backoff has passed;
+- each draining instance is taken off the router's choices, waited for until it
+  holds no work (at most ``DRAIN_TIMEOUT_S``), then taken out of the region and
+  the router (``Controller._detach``) and shut down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import ray
+
+from pdserve.cluster.config import RegionConfig
+from pdserve.cluster.instances import CALL_TIMEOUT_S, Instance, first_line, start_instance
+from pdserve.cluster.status import RetryState
+from pdserve.cluster.worker import Role
+from pdserve.parallel.instance import RankResources
+
+if TYPE_CHECKING:
+    from pdserve.cluster.controller import Controller
+
+logger = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 300.0
+
+
+class Membership:
+    """The starts and drains of a :class:`~pdserve.cluster.controller.Controller`,
+    on its state (``c``) and under its locks."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    def reach(
+        self, region: str, roles: list[Role], leaving: list[Instance], raise_errors: bool
+    ) -> None:
+        """Start the claimed roles, then drain and remove the surplus (lock not held)."""
+        try:
+            self.start_roles(region, roles, raise_errors)
+        finally:
+            self.drain(region, leaving)
+
+    def start_roles(self, region: str, roles: list[Role], raise_errors: bool) -> None:
+        """Start one instance per entry of ``roles`` (claimed by ``Controller._plan_region``)."""
+        error: Exception | None = None
+        for role in roles:
+            try:
+                self._add(self.c.specs[region], role)
+            except Exception as e:
+                error = error or e
+                self._start_failed(region, role, e)
+            finally:
+                with self.c._lock:
+                    self.c.starting[region][role] -= 1
+        with self.c._lock:
+            if error is None and region in self.c.retries and not self.c._short(region):
+                retry = self.c.retries.pop(region)
+                self.c._event(f"{region} is whole again after {retry.failures} failed start(s)")
+        if error is not None and raise_errors:
+            raise error
+
+    def _start_failed(self, region: str, role: Role, error: Exception) -> None:
+        with self.c._lock:
+            retry = self.c.retries.setdefault(region, RetryState())
+            retry.failures += 1
+            wait = self.c.health.backoff(retry.failures)
+            retry.next_at = time.monotonic() + wait
+            retry.error = f"starting a {role} instance failed: {first_line(error)}"
+            self.c._event(f"{region}: {retry.error}; retrying in {wait:.0f} s")
+            self.c._decision(region, f"retry_{role}", "start_failed", retry.error, "health")
+
+    def _add(self, spec: RegionConfig, role: Role) -> Instance:
+        role_spec = spec.role(role)
+        resources = RankResources(
+            num_cpus=role_spec.num_cpus_per_rank,
+            num_gpus=role_spec.num_gpus_per_rank,
+            labels=dict(spec.node_labels) or None,
+            start_timeout_s=self.c.health.start_timeout_s,
+        )
+        with self.c._lock:
+            self.c._ids += 1
+            instance_id = f"{spec.name}-{role}-{self.c._ids}"
+        engine = self.c.config.engine_config(role, spec)
+        instance = start_instance(
+            role, self.c.model, engine, self.c.config.connector, resources,
+            self.c.config.disaggregation, instance_id,
+        )  # fmt: skip
+        try:
+            self.c._join(spec.name, instance)
+        except BaseException:
+            instance.kill()
+            raise
+        self.c._event(f"started {instance_id}")
+        return instance
+
+    def drain(self, region: str, leaving: list[Instance]) -> None:
+        """Wait (lock not held) for draining instances to finish their work, then remove them."""
+        for instance in leaving:  # the router sends them nothing new
+            ray.get(self.c.router.set_draining.remote(instance.instance_id, True))
+        waits = [i.leader.wait_idle.remote(DRAIN_TIMEOUT_S) for i in leaving]
+        for instance, ref in zip(leaving, waits, strict=True):
+            try:
+                idle = ray.get(ref, timeout=DRAIN_TIMEOUT_S + CALL_TIMEOUT_S)
+            except Exception:  # it died while draining: the health loop tears it down
+                idle = False
+            if not idle:
+                logger.warning(
+                    "%s still busy after %.0f s of draining; stopping it",
+                    instance.instance_id,
+                    DRAIN_TIMEOUT_S,
+                )
+            if self.c._detach(region, instance):
+                instance.shutdown()
+                self.c._event(f"removed {instance.instance_id} after draining")
+            with self.c._lock:
+                self.c.draining.discard(instance.instance_id)
