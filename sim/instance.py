@@ -151,18 +151,26 @@ class SimInstance:
         return lo
 
     def interrupt(self, now: float) -> bool:
-        """Cut a fast-mode run at the step in flight at ``now``; True if the end moved."""
-        if self._plan is None or self._steps == 1 or now >= self._end:
+        """Cut a fast-mode run at the step in flight at ``now``; True if the end moved.
+
+        The caller is about to change this instance (a reservation may take free
+        blocks), so the blocks of the steps still to run are taken now: the run
+        was planned on the blocks free when it started.
+        """
+        if self._plan is None or self._steps == 1:
             return False
-        steps, elapsed = self.step_model.decode_step_end(
-            self._seqs, self._context, now - self._start
-        )
-        if steps >= self._steps:
-            return False
-        self._steps = steps
-        self._end = self._start + elapsed
-        self.generation += 1
-        return True
+        cut = False
+        if now < self._end:
+            steps, elapsed = self.step_model.decode_step_end(
+                self._seqs, self._context, now - self._start
+            )
+            if steps < self._steps:
+                self._steps, self._end, cut = steps, self._start + elapsed, True
+                self.generation += 1
+        for seq in self._plan.seqs:
+            ok = self.kv.allocate_slots(self.scheduler.requests[seq.request_id], self._steps)
+            assert ok, "a fast-mode run was planned with too few free blocks"
+        return cut
 
     def complete(self, want_step_ends: bool = False) -> StepDone:
         """Apply the finished step (or run) to the scheduler's state."""
