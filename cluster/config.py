@@ -67,27 +67,47 @@ class RegionConfig:
 class PlannerConfig:
     """Attributes:
     mode: "off", "advisory" (recommend and log only) or "on" (apply).
+    policy: "reactive" (act on SLO misses) or "proactive" (forecast each region's
+        traffic and move toward the counts a latency model says it needs; reactive
+        rules still apply on a miss).
     interval_s: how often it looks at the metrics.
     cooldown_s: least time between two changes of one region.
     high: a metric above ``high`` x its SLO (or KV usage above ``kv_high``) asks for more.
     low: a region whose metrics stay under ``low`` x SLO for ``idle_s`` gives one back.
+    profile: proactive: the ``pdserve profile`` file whose latency model sizes a region.
+    horizon_s: proactive: how far ahead the forecast looks (about an instance's start-up).
+    headroom: proactive: capacity planned over the forecast (0.2: +20%).
+    smoothing: proactive: weight of the newest window in the forecast (0 < x <= 1).
     """
 
     mode: str = "advisory"
+    policy: str = "reactive"
     interval_s: float = 5.0
     cooldown_s: float = 30.0
     high: float = 0.9
     low: float = 0.3
     kv_high: float = 0.85
     idle_s: float = 60.0
+    profile: str | None = None
+    horizon_s: float = 60.0
+    headroom: float = 0.2
+    smoothing: float = 0.5
 
     def __post_init__(self) -> None:
         if self.mode not in ("off", "advisory", "on"):
             raise InvalidArgumentError(
                 "planner.mode", f"must be off, advisory or on, got {self.mode!r}"
             )
+        if self.policy not in ("reactive", "proactive"):
+            raise InvalidArgumentError(
+                "planner.policy", f"must be reactive or proactive, got {self.policy!r}"
+            )
         if not 0 < self.low < self.high:
             raise InvalidArgumentError("planner.low", "must be > 0 and below planner.high")
+        if self.horizon_s < 0 or self.headroom < 0:
+            raise InvalidArgumentError("planner.horizon_s", "horizon_s and headroom must be >= 0")
+        if not 0 < self.smoothing <= 1:
+            raise InvalidArgumentError("planner.smoothing", "must be in (0, 1]")
 
 
 @dataclass(frozen=True)

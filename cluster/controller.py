@@ -42,8 +42,8 @@ from pdserve.cluster.config import ClusterConfig, check_fits
 from pdserve.cluster.health import HealthChecks
 from pdserve.cluster.instances import Instance, best_effort, pair
 from pdserve.cluster.membership import Membership
-from pdserve.cluster.planner import Planner
 from pdserve.cluster.planning import Planning
+from pdserve.cluster.proactive import CapacityModel, make_planner
 from pdserve.cluster.scale_log import ScaleLog
 from pdserve.cluster.status import ClusterStatus, InstanceStatus, RegionStatus, RetryState
 from pdserve.cluster.topology import RegionInstances, register, start_router
@@ -62,7 +62,7 @@ ROLES: tuple[Role, Role] = ("decode", "prefill")  # decode first: prefill instan
 class Controller:
     """Ray actor body (started by :func:`pdserve.cluster.serve.start_controller`)."""
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, capacity: CapacityModel | None = None) -> None:
         setup_logging()
         self.config = config
         self.health = config.health
@@ -74,9 +74,10 @@ class Controller:
             r.name: {"prefill": r.prefill.count, "decode": r.decode.count} for r in config.regions
         }
         self.starting = {r.name: {"prefill": 0, "decode": 0} for r in config.regions}
-        self.planner = Planner(
-            config.planner, config.router.ttft_slo_s, config.router.tpot_slo_s, self.specs
-        )
+        self.planner = make_planner(
+            config.planner, config.router.ttft_slo_s, config.router.tpot_slo_s, self.specs,
+            capacity,
+        )  # fmt: skip
         self.router: Any = None
         self.endpoints: Endpoints | None = None
         self.draining: set[str] = set()

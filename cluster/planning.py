@@ -34,14 +34,22 @@ class Planning:
     def plan(self) -> None:
         metrics = ray.get(self.c.router.region_metrics.remote(self.c.config.planner.interval_s * 4))
         for m in metrics:
+            with self.c._lock:
+                starting = dict(self.c.starting[m["region"]])
+            values = {k: m[k] for k in RegionMetrics.__dataclass_fields__ if k in m}
             decision = self.c.planner.decide(
-                RegionMetrics(**{k: m[k] for k in RegionMetrics.__dataclass_fields__})
+                RegionMetrics(
+                    **values,
+                    prefill_starting=starting.get("prefill", 0),
+                    decode_starting=starting.get("decode", 0),
+                )
             )
             if decision is None:
                 continue
-            logger.info("planner: %s %s: %s", decision.region, decision.action, decision.reason)
+            what = decision.action + (f" x{decision.count}" if decision.count > 1 else "")
+            logger.info("planner: %s %s: %s", decision.region, what, decision.reason)
             self.c._event(
-                f"planner {decision.region} {decision.action} ({decision.reason}){'' if decision.applied else ' [advisory]'}"
+                f"planner {decision.region} {what} ({decision.reason}){'' if decision.applied else ' [advisory]'}"
             )
             if decision.applied:
                 self._apply(decision)
@@ -62,7 +70,7 @@ class Planning:
             return
         with self.c._lock:
             targets = dict(self.c.targets[region])
-        targets[role] += 1 if verb == "add" else -1
+        targets[role] += decision.count if verb == "add" else -decision.count
         self.c.scale(
             region,
             targets["prefill"],

@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ClusterConfig, check_fits
 from pdserve.cluster.controller import Controller
+from pdserve.cluster.proactive import CapacityModel
 from pdserve.core.errors import InstanceFailedError, PdserveError
 from pdserve.router.actor import Endpoints
 
@@ -112,13 +113,16 @@ def use_ray_token() -> None:
             Config.initialize("")
 
 
-def start_controller(config: ClusterConfig) -> tuple[Any, Endpoints]:
+def start_controller(
+    config: ClusterConfig, capacity: CapacityModel | None = None
+) -> tuple[Any, Endpoints]:
     """Start the controller on this node (the head, for a Ray job), so the router
     it starts beside it listens where ``pdserve serve`` says it does.
 
     Refuses, before any actor starts, a layout the cluster's CPUs or GPUs cannot
     hold and a Ray cluster that runs a pdserve controller already; if the
     cluster fails to start, the controller is removed and the error says why.
+    ``capacity`` is the latency model a proactive planner sizes regions with.
     """
     with contextlib.suppress(ValueError):
         ray.get_actor(CONTROLLER, namespace=NAMESPACE)
@@ -135,7 +139,7 @@ def start_controller(config: ClusterConfig) -> tuple[Any, Endpoints]:
                 max_concurrency=16,
                 scheduling_strategy=here,
             )
-            .remote(config)
+            .remote(config, capacity)
         )
     except ActorAlreadyExistsError:  # started meanwhile
         raise _already_running() from None
@@ -203,12 +207,15 @@ def auth_warning(config: ClusterConfig) -> str | None:
     )
 
 
-def serve(config: ClusterConfig, address: str, stop: threading.Event | None = None) -> None:
+def serve(
+    config: ClusterConfig, address: str, stop: threading.Event | None = None,
+    capacity: CapacityModel | None = None,
+) -> None:  # fmt: skip
     """Start the cluster and block until ``stop`` is set or a signal arrives."""
     if (warning := auth_warning(config)) is not None:
         logger.warning(warning)
     connect(address, config.ray_num_cpus)
-    controller, endpoints = start_controller(config)
+    controller, endpoints = start_controller(config, capacity)
     print(f"pdserve: serving {config.model} from {config.source}")
     print(describe(endpoints))
     print(

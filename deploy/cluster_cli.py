@@ -62,10 +62,12 @@ def _get(ref: Any) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.config import load_config
     from pdserve.cluster.serve import serve
+    from pdserve.sim.capacity import capacity_for
 
     config = load_config(args.config)
+    capacity = capacity_for(config)  # a proactive planner's model, checked before Ray starts
     with _operator_errors():
-        serve(config, args.ray_address)
+        serve(config, args.ray_address, capacity=capacity)
     return 0
 
 
@@ -75,9 +77,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     from pdserve.cluster.config import load_config
     from pdserve.cluster.serve import use_ray_token
+    from pdserve.sim.capacity import capacity_for
 
     config = Path(args.config).resolve()
-    load_config(config)  # refuse a bad config here, not on the cluster
+    capacity_for(load_config(config))  # refuse a bad config here, not on the cluster
     use_ray_token()
     try:
         client = JobSubmissionClient(args.address)
@@ -158,8 +161,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = load_config(args.config or example_config(LOCAL_CONFIG))
     print("pdserve demo: builtin:tiny has random weights, so the text is meaningless;")
     print("the point is the path: router -> prefill -> KV pages -> decode -> stream.\n")
+    from pdserve.sim.capacity import capacity_for
+
+    capacity = capacity_for(config)
     connect("local", config.ray_num_cpus)
-    controller, endpoints = start_controller(config)
+    controller, endpoints = start_controller(config, capacity)
     print(describe(endpoints), "\n", flush=True)
     regions = [r.name for r in config.regions]
     for i, prompt in enumerate(DEMO_PROMPTS):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,16 +40,21 @@ class Observer:
         self.cluster = SnapshotCollector()
         self.metrics.registry.register(self.cluster)
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
-        # Finished requests per region: (time.monotonic(), TTFT, TPOT or None).
-        self.completed: dict[str, deque[tuple[float, float, float | None]]] = defaultdict(
+        # Finished requests per region: (time.monotonic(), TTFT, TPOT or None, tokens out).
+        self.completed: dict[str, deque[tuple[float, float, float | None, int]]] = defaultdict(
             lambda: deque(maxlen=4096)
         )
+        # Requests per home region as they arrive: (time.monotonic(), prompt tokens).
+        self.arrivals: dict[str, deque[tuple[float, int]]] = defaultdict(lambda: deque(maxlen=8192))
         self._last_bytes: dict[str, tuple[float, float]] = {}  # region -> (time, bytes sent)
 
     # -- requests --------------------------------------------------------------------------------
 
     def _region(self, region: str) -> str:
         return region if region in self.regions else OTHER
+
+    def arrived(self, region: str, prompt_len: int) -> None:
+        self.arrivals[self._region(region)].append((time.monotonic(), prompt_len))
 
     def finished(self, region: str, status: str, stream: RequestStream | None) -> None:
         region = self._region(region)
@@ -71,7 +77,7 @@ class Observer:
             tpot = (stream.token_times[-1] - stream.token_times[0]) / (n - 1)
             m["pdserve_time_per_output_token_seconds"].labels(region).observe(tpot)
         ttft = stream.first_token_at - stream.arrival
-        self.completed[region].append((time.monotonic(), ttft, tpot))
+        self.completed[region].append((time.monotonic(), ttft, tpot, n))
 
     def phases(self, region: str, phases: dict[str, float]) -> None:
         region = self._region(region)
@@ -156,7 +162,7 @@ class Observer:
 
     def _recent(
         self, region: str, window_s: float, now: float
-    ) -> list[tuple[float, float, float | None]]:
+    ) -> list[tuple[float, float, float | None, int]]:
         return [r for r in self.completed[region] if now - r[0] <= window_s]
 
     def region_metrics(self, router: Router, window_s: float) -> list[dict[str, Any]]:
@@ -171,6 +177,7 @@ class Observer:
             usage = [1.0 - v.free_fraction for v in decodes.views]
             ttft = [r[1] for r in recent]
             tpot = [r[2] for r in recent if r[2] is not None]
+            came = [a for a in self.arrivals[spec.name] if now - a[0] <= window_s]
             out.append(
                 {
                     "region": spec.name,
@@ -183,6 +190,10 @@ class Observer:
                     "decode_kv_usage": max(usage, default=0.0),
                     "decode_batch": float(np.mean(decodes.running)) if len(decodes) else 0.0,
                     "inflight": router.region_inflight[spec.name],
+                    "arrival_rate": len(came) / window_s,
+                    "prompt_mean": float(np.mean([a[1] for a in came])) if came else 0.0,
+                    "output_mean": float(np.mean([r[3] for r in recent])) if recent else 0.0,
+                    "arrival_peak_rate": peak_rate([a[0] for a in came], now, window_s),
                 }
             )
         return out
@@ -214,3 +225,12 @@ def _quantiles(values: list[float]) -> dict[str, float] | None:
         return None
     p50, p90, p99 = np.quantile(values, [0.5, 0.9, 0.99])
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def peak_rate(times: Sequence[float], now: float, span: float, bins: int = 4) -> float:
+    """Arrivals a second in the busiest of ``bins`` equal parts of the ``span`` to ``now``
+    (what the mean rate of a bursty trace hides)."""
+    if not len(times) or span <= 0:
+        return 0.0
+    counts, _ = np.histogram(times, bins=bins, range=(now - span, now))
+    return float(counts.max()) / (span / bins)

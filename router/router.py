@@ -179,6 +179,7 @@ class Router:
 
     async def stream(self, inp: CompletionInput) -> AsyncGenerator[StreamDelta, None]:
         """The request's deltas, the last with its finish reason; aborts it if not consumed."""
+        self.obs.arrived(inp.region or self.config.home_region, len(inp.prompt_token_ids))
         try:
             choice = self.chooser.choose(inp)
         except PdserveError as e:

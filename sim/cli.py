@@ -28,8 +28,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_profile(sub)
     _add_sim(sub)
     from pdserve.sim.plan_cli import add_plan_parser
+    from pdserve.sim.replay import add_parser as add_replay_parser
+    from pdserve.sim.validate import add_parser as add_validate_parser
 
     add_plan_parser(sub)
+    add_replay_parser(sub)
+    add_validate_parser(sub)
 
 
 # -- pdserve profile --------------------------------------------------------------------

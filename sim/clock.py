@@ -3,9 +3,8 @@
 :class:`Clock` is what a component asks for the time; :class:`MonotonicClock` is
 the live one, :class:`VirtualClock` the simulator's (it moves only when the
 event loop says so). :class:`EventQueue` orders the simulator's events.
-:class:`PlannerPolicy` is the planner seam: ``decide(metrics, now)`` returns a
-decision or None. :class:`pdserve.cluster.planner.Planner` satisfies it, so the
-simulator runs the same planner object the controller runs, on virtual time.
+The planner seam is :class:`pdserve.cluster.planner.PlannerPolicy`: the
+simulator runs the same planner objects the controller runs, on virtual time.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import heapq
 import itertools
 import time
 from typing import Any, Protocol
-
-from pdserve.cluster.planner import PlannerDecision, RegionMetrics
 
 
 class Clock(Protocol):
@@ -41,18 +38,6 @@ class VirtualClock:
         if t < self._t - 1e-12:
             raise ValueError(f"virtual time cannot go back from {self._t} to {t}")
         self._t = max(t, self._t)
-
-
-class PlannerPolicy(Protocol):
-    """Decides how a region's P:D counts should change from its recent metrics.
-
-    Called once per region per planning interval, from one thread, with the
-    caller's clock reading as ``now``; it may keep state across calls (cooldowns,
-    calm periods) but does no I/O and changes no instance itself: the caller
-    applies the decision (or only records it, in advisory mode).
-    """
-
-    def decide(self, m: RegionMetrics, now: float | None = None) -> PlannerDecision | None: ...
 
 
 class EventQueue:

@@ -26,6 +26,7 @@ is not simulated (the policy sees no cached blocks).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,19 +35,23 @@ import numpy as np
 
 from pdserve.bench.report import Slo
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.planner import Planner, PlannerDecision
+from pdserve.cluster.planner import PlannerDecision, PlannerPolicy
+from pdserve.cluster.proactive import make_planner
 from pdserve.core.request import Request
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission, RetryBudget
 from pdserve.router.policies import Placement, RoutingRequest, make_policy
 from pdserve.router.state import ClusterView
 from pdserve.sim.build import ProfileBook, make_instance
-from pdserve.sim.clock import EventQueue, PlannerPolicy, VirtualClock
+from pdserve.sim.capacity import ProfileCapacity
+from pdserve.sim.clock import EventQueue, VirtualClock
 from pdserve.sim.instance import TOKEN, SimInstance
 from pdserve.sim.metrics import RegionWindow, region_metrics
 from pdserve.sim.profile import Profile
 from pdserve.sim.results import Recorder
 from pdserve.sim.workload import SimWorkload
+
+PLANNER_WINDOWS = 4  # the planner reads the last 4 intervals, as the controller does
 
 
 @dataclass(frozen=True)
@@ -58,12 +63,15 @@ class SimOptions:
         keep_itl: keep every per-token gap (for ITL percentiles; memory grows with tokens).
         startup_s: seconds from a planner's add decision to the instance serving.
         planner: run the config's planner (its mode decides whether it applies changes).
+        request_overhead_s: a request's fixed cost outside the engines' steps (front
+            door, router, RPCs, the first token's way back), added to its TTFT.
     """
 
     fast: bool = True
     keep_itl: bool = True
     startup_s: float = 30.0
     planner: bool = True
+    request_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.startup_s < 0:
@@ -110,15 +118,18 @@ class SimCluster:
         r = config.router
         self.admission = Admission(r.max_inflight_per_region, r.ttft_slo_s, r.adaptive_admission)
         self.retries = RetryBudget(r.retry_budget_ratio)
-        self.planner: PlannerPolicy = planner or Planner(
-            config.planner, r.ttft_slo_s, r.tpot_slo_s, {g.name: g for g in config.regions}
-        )
+        self.planner = planner or make_planner(
+            config.planner, r.ttft_slo_s, r.tpot_slo_s, {g.name: g for g in config.regions},
+            ProfileCapacity(config, book) if config.planner.policy == "proactive" else None,
+        )  # fmt: skip
         self.regions = [g.name for g in config.regions]
         self.instances: dict[str, SimInstance] = {}
         self.profiles: dict[str, Profile] = {}
         self.all: list[SimInstance] = []
         self.inflight = dict.fromkeys(self.regions, 0)
-        self.windows = {g: RegionWindow() for g in self.regions}
+        self.starting: Counter[tuple[str, str]] = Counter()  # (region, role): asked, not ready
+        span = PLANNER_WINDOWS * config.planner.interval_s  # as the controller asks the router
+        self.windows = {g: RegionWindow(span) for g in self.regions}
         self.tracks: dict[str, _Track] = {}
         self.run_info = SimRun(
             Recorder(workload.arrival_s, workload.prompt_len, workload.output_len, workload.home,
@@ -207,6 +218,7 @@ class SimCluster:
         now = self.clock.now()
         home = self.regions[int(self.work.home[i])]
         n, out = int(self.work.prompt_len[i]), int(self.work.output_len[i])
+        self.windows[home].arrived(now, n)
         choice = self._choose_region(home, n, out)
         rec = self.run_info.recorder
         if choice is None:
@@ -217,7 +229,7 @@ class SimCluster:
         rec.region[i] = self.regions.index(region)
         self.retries.on_request()
         self.inflight[region] += 1
-        lat = self.config.router.latency(home, region)
+        lat = self.config.router.latency(home, region) + self.options.request_overhead_s
         if lat > 0:  # the router waits out the emulated distance before it launches
             self.queue.push(now + lat, "launch", (i, region, placement))
         else:
@@ -374,7 +386,7 @@ class SimCluster:
         ttft = float(rec.first[i] - rec.arrival[i])
         n = int(rec.tokens[i])
         tpot = (at - float(rec.first[i])) / (n - 1) if n > 1 else None
-        self.windows[track.region].add(ttft, tpot)
+        self.windows[track.region].add(at, ttft, tpot, n)
 
     # -- the planner --------------------------------------------------------------------
 
@@ -382,7 +394,8 @@ class SimCluster:
         now = self.clock.now()
         for region in self.regions:
             members = [x for x in self.instances.values() if x.region == region and not x.draining]
-            m = region_metrics(region, members, self.windows[region])
+            starting = {role: self.starting[(region, role)] for role in ("prefill", "decode")}
+            m = region_metrics(region, members, self.windows[region], now, starting)
             decision = self.planner.decide(m, now)
             if decision is not None:
                 self._apply(decision, now)
@@ -391,18 +404,25 @@ class SimCluster:
 
     def _apply(self, d: PlannerDecision, now: float) -> None:
         self.run_info.decisions.append(
-            {"t_s": round(now, 3), "region": d.region, "action": d.action, "reason": d.reason,
-             "applied": d.applied}
+            {"t_s": round(now, 3), "region": d.region, "action": d.action, "count": d.count,
+             "reason": d.reason, "applied": d.applied}
         )  # fmt: skip
         if not d.applied:
             return
         verb, role = d.action.split("_", 1)
-        if verb == "add":
-            inst = self._new_instance(d.region, role)
-            self.queue.push(now + self.options.startup_s, "ready", inst)
-            return
+        for _ in range(d.count):
+            if verb == "add":
+                inst = self._new_instance(d.region, role)
+                self.starting[(d.region, role)] += 1
+                self.queue.push(now + self.options.startup_s, "ready", inst)
+            else:
+                self._drain_one(d.region, role)
+        if verb == "remove":
+            self._count(d.action)
+
+    def _drain_one(self, region: str, role: str) -> None:
         members = [x for x in self.instances.values()
-                   if x.region == d.region and x.role == role and not x.draining]  # fmt: skip
+                   if x.region == region and x.role == role and not x.draining]  # fmt: skip
         if len(members) <= 1:
             return
         victim = min(members, key=lambda x: x.view.inflight)
@@ -410,9 +430,9 @@ class SimCluster:
         self.view.set_available(victim.instance_id, True)
         if victim.idle:
             self._remove(victim)
-        self._count(d.action)
 
     def _on_ready(self, inst: SimInstance) -> None:
+        self.starting[(inst.region, inst.role)] -= 1
         self._join(inst)
         self._count("ready")
 

@@ -32,13 +32,15 @@ class SingleInstance:
 
 def single_instance(
     prefill: Profile, decode: Profile, prompt: float, output: float, tpot_slo_s: float,
-    max_num_seqs: int, peak_bw: float,
+    max_num_seqs: int, peak_bw: float, kv_tokens: int | None = None,
 ) -> SingleInstance:  # fmt: skip
+    """``kv_tokens``: the decode KV cache when the config sets it (else the profile's)."""
     prefill_s = prefill.step.time(StepFeatures.of([(round(prompt), 0)]))
     ctx = round(prompt + output / 2)  # mean context over a request's decode
     step = decode.step
     per_seq_tokens = prompt + output
-    max_batch = max(0, int(decode.kv_capacity_tokens // per_seq_tokens))
+    kv = decode.kv_capacity_tokens if kv_tokens is None else kv_tokens
+    max_batch = max(0, int(kv // per_seq_tokens))
     batch, at = 0, 0.0
     for b in range(1, min(max_batch, max_num_seqs) + 1):
         t = step.time(StepFeatures.of([(1, ctx)] * b))
@@ -62,19 +64,27 @@ class TextbookPlan:
     decode_bare: int
 
 
-def safe_utilisation(service_s: float, ttft_slo_s: float) -> float:
-    """Largest M/D/1 utilisation whose mean wait + service meets the TTFT SLO (0: none)."""
-    slack = ttft_slo_s - service_s
+def safe_utilisation(
+    service_s: float, ttft_slo_s: float, arrival_cv2: float = 1.0, tail: float = 1.0
+) -> float:
+    """Largest utilisation whose wait + service meets the TTFT SLO (0: none).
+
+    The wait is Kingman's G/D/1 approximation ``W = cv2 rho S / (2 (1 - rho))``
+    (M/D/1 for Poisson arrivals, ``cv2 = 1``); ``tail`` > 1 plans for a
+    percentile rather than the mean (the wait's p90 is ~2.3 x its mean when its
+    tail is exponential).
+    """
+    slack = (ttft_slo_s - service_s) / tail
     if slack <= 0:
         return 0.0
-    return 2 * slack / (service_s + 2 * slack)
+    return 2 * slack / (arrival_cv2 * service_s + 2 * slack)
 
 
 def textbook_plan(
     rate: float, one: SingleInstance, output: float, ttft_slo_s: float, headroom: float,
-    spares: int,
+    spares: int, arrival_cv2: float = 1.0, tail: float = 1.0,
 ) -> TextbookPlan:  # fmt: skip
-    rho = safe_utilisation(one.prefill_s, ttft_slo_s)
+    rho = safe_utilisation(one.prefill_s, ttft_slo_s, arrival_cv2, tail)
     mu_p = 1.0 / one.prefill_s
     mu_d = one.batch / (one.step_at_batch_s * output) if one.batch else 0.0
     bare_p = math.ceil(rate / (rho * mu_p)) if rho > 0 else 0

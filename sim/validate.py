@@ -1,0 +1,312 @@
+"""``pdserve sim-validate``: the simulator against the real system, point by point.
+
+For each point (a setup, a workload, a rate) the same cluster config runs twice:
+for real, a local cluster (ranks pinned as in ``pdserve bench
+disagg-vs-colocated``) loaded by ``pdserve bench serve``'s load generator; and
+simulated, :class:`~pdserve.sim.cluster.SimCluster` on that config with a
+profile measured on this machine with the ranks' thread counts and cores. Both
+see the same arrivals and lengths (one argument namespace builds both
+workloads). The report gives TTFT and TPOT p50 and p90 of each and their
+relative errors.
+
+Setups: ``colocated`` (one decode-role instance prefilling every prompt itself,
+both cores) and ``disaggregated`` (one prefill and one decode instance, a core
+each). Workloads: ``conv`` and ``code`` (the Azure traces, lengths scaled by
+``--length-scale`` and clamped) and ``long`` (synthetic 1,024-token prompts,
+32-token outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.core.errors import InvalidArgumentError
+
+WORKLOADS: dict[str, list[str]] = {
+    "conv": ["--trace", "azure-conv", "--max-prompt-len", "1024", "--max-output-len", "128"],
+    "code": ["--trace", "azure-code", "--max-prompt-len", "1024", "--max-output-len", "128"],
+    "long": ["--prompt-len", "1024", "--output-len", "32"],
+}
+SETUPS = ("colocated", "disaggregated")
+# (setup, workload, rate req/s) of the default run: each workload at a low rate and
+# near saturation on builtin:small, two cores
+DEFAULT_POINTS = (
+    "colocated:conv:0.3", "colocated:conv:1.2",
+    "disaggregated:code:0.3", "disaggregated:code:1.0",
+    "disaggregated:long:0.2", "colocated:long:0.8",
+)  # fmt: skip
+CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
+TOLERANCE = {"p50": 0.10, "p90": 0.15}  # the issue's bar: relative error of sim vs real
+
+
+@dataclass(frozen=True)
+class Point:
+    setup: str
+    workload: str
+    rate: float
+
+    @classmethod
+    def parse(cls, text: str) -> Point:
+        try:
+            setup, workload, rate = text.split(":")
+            point = cls(setup, workload, float(rate))
+        except ValueError:
+            raise InvalidArgumentError("point", f"{text!r} is not SETUP:WORKLOAD:RATE") from None
+        if setup not in SETUPS or workload not in WORKLOADS or not point.rate > 0:
+            raise InvalidArgumentError(
+                "point", f"{text!r}: setup in {SETUPS}, workload in {sorted(WORKLOADS)}, rate > 0"
+            )
+        return point
+
+    @property
+    def name(self) -> str:
+        return f"{self.setup}:{self.workload}:{self.rate:g}"
+
+
+def bench_flags(workload: list[str], args: argparse.Namespace) -> argparse.Namespace:
+    """``pdserve bench serve``'s workload and load flags, parsed as that command parses them."""
+    from pdserve.bench.serve import add_load_flags, add_workload_flags
+
+    p = argparse.ArgumentParser()
+    add_workload_flags(p)
+    add_load_flags(p)
+    flags = [*workload, "--num-requests", str(args.num_requests), "--seed", str(args.seed),
+             "--no-progress", "--warmup", "2", "--ttft-slo-ms", "100000",
+             "--tpot-slo-ms", "100000"]  # fmt: skip
+    ns = p.parse_args(flags)
+    ns.api_key, ns.model = None, None
+    return ns
+
+
+def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
+    flags = list(WORKLOADS[point.workload])
+    if point.workload in ("conv", "code"):
+        flags += ["--length-scale", str(args.length_scale)]
+    return bench_flags(flags, args)
+
+
+@contextlib.contextmanager
+def pinned_here(cores: tuple[int, ...]) -> Iterator[None]:
+    """This process on ``cores`` with as many torch threads, as a rank would be."""
+    import torch
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, set(cores) & before or before)
+    torch.set_num_threads(len(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
+
+
+def _config_args(args: argparse.Namespace) -> argparse.Namespace:
+    """What :func:`pdserve.bench.headline.cluster_setup` reads."""
+    return argparse.Namespace(
+        model=args.model, connector="shm", max_num_batched_tokens=256,
+        prefill_max_num_batched_tokens=2048, cores=args.cores, ttft_slo_ms=100000.0,
+        tpot_slo_ms=100000.0,
+    )  # fmt: skip
+
+
+def setup_profiles(setup: str, args: argparse.Namespace) -> tuple[str, Any]:
+    """(cluster YAML, profile book) of a setup: the profile measured on the cores and
+    with the threads its ranks get."""
+    from pdserve.bench.headline import cluster_setup
+    from pdserve.bench.report import machine_info
+    from pdserve.cluster.config import parse_config
+    from pdserve.sim.build import book_for
+    from pdserve.sim.measure import MeasureGrid, measured_profile
+
+    text, pins = cluster_setup(setup, _config_args(args))
+    config = parse_config(text, f"<{setup}>")
+    engine = config.engine_config("decode", config.regions[0])
+    with pinned_here(pins["decode"]):
+        profile = measured_profile(engine, MeasureGrid(), f"sim-validate {setup}", machine_info())
+    return text, book_for(config, [profile], None)
+
+
+def simulate(
+    text: str, book: Any, ns: argparse.Namespace, rate: float, overhead: Overhead
+) -> dict[str, Any]:
+    from pdserve.cluster.config import parse_config
+    from pdserve.sim.cluster import SimCluster, SimOptions, slo_of
+    from pdserve.sim.workload import workload_from_args
+
+    config = parse_config(text, "<sim>")
+    work = workload_from_args(ns, rate, [1.0])
+    options = SimOptions(fast=False, planner=False, request_overhead_s=overhead.request_s)
+    run = SimCluster(config, overhead.apply(book), work, options).run()
+    return run.recorder.summary(slo_of(config))
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What the live system spends outside the profiled steps, from the calibration
+    requests: per engine step (the loop, streaming tokens out) and per request (front
+    door, router, RPCs)."""
+
+    step_s: float = 0.0
+    request_s: float = 0.0
+
+    def apply(self, book: Any) -> Any:
+        from pdserve.sim.build import ProfileBook
+
+        profiles = [
+            dataclasses.replace(p, step=dataclasses.replace(
+                p.step, overhead_s=p.step.overhead_s + self.step_s))
+            for p in book.profiles
+        ]  # fmt: skip
+        return ProfileBook(book.model, profiles, book.device, book.assumptions)
+
+
+CALIBRATION = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
+
+
+def calibration_args(args: argparse.Namespace) -> argparse.Namespace:
+    """One request at a time (a fixed gap longer than a request): no queueing, no batching."""
+    ns = bench_flags(CALIBRATION, args)
+    ns.num_requests = args.calibration_requests
+    return ns
+
+
+def calibrate(
+    text: str, book: Any, real: dict[str, Any], rate: float, ns: argparse.Namespace
+) -> Overhead:
+    """The per-step and per-request overhead that make the unloaded simulation match
+    the unloaded measurement (medians of TPOT, then of TTFT)."""
+    bare = simulate(text, book, ns, rate, Overhead())
+    step = max(0.0, (real["tpot_ms"]["p50"] - bare["tpot_ms"]["p50"]) / 1e3)
+    stepped = simulate(text, book, ns, rate, Overhead(step, 0.0))
+    request = max(0.0, (real["ttft_ms"]["p50"] - stepped["ttft_ms"]["p50"]) / 1e3)
+    return Overhead(step, request)
+
+
+def measure(
+    text: str, setup: str, runs: list[tuple[argparse.Namespace, float]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Each (workload flags, rate) measured in turn on one local cluster of the setup."""
+    from pdserve.bench.headline import cluster_setup
+    from pdserve.bench.local import local_cluster
+    from pdserve.bench.serve import serve_rates
+
+    _, pins = cluster_setup(setup, _config_args(args))
+    out = []
+    with local_cluster(text, len(args.cores), pins) as (endpoints, _):
+        target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
+        for i, (ns, rate) in enumerate(runs):
+            out.append(serve_rates(ns, target, [rate], label=setup, first_run=i)[0].summary)
+    return out
+
+
+def _pct(summary: dict[str, Any], metric: str, q: str) -> float | None:
+    value = summary.get(metric, {}).get(q)
+    return None if value is None else float(value)
+
+
+def compare_point(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    """Per metric and percentile: real ms, simulated ms, relative error, within tolerance."""
+    out: dict[str, Any] = {}
+    for metric in ("ttft_ms", "tpot_ms"):
+        for q in ("p50", "p90"):
+            r, s = _pct(real, metric, q), _pct(sim, metric, q)
+            err = None if not r or s is None else (s - r) / r
+            out[f"{metric[:4]}_{q}"] = {
+                "real": r, "sim": s, "error": None if err is None else round(err, 4),
+                "ok": err is not None and abs(err) <= TOLERANCE[q],
+            }  # fmt: skip
+    return out
+
+
+def validate(
+    points: list[Point], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows per point, and each setup's calibrated overheads."""
+    rows, calibrations = [], {}
+    cal_ns, cal_rate = calibration_args(args), CALIBRATION_RATE
+    for setup in SETUPS:
+        mine = [p for p in points if p.setup == setup]
+        if not mine:
+            continue
+        text, book = setup_profiles(setup, args)
+        flags = [workload_args(p, args) for p in mine]
+        start = time.perf_counter()
+        runs = [(cal_ns, cal_rate), *zip(flags, [p.rate for p in mine], strict=True)]
+        real = measure(text, setup, runs, args)
+        overhead = calibrate(text, book, real[0], cal_rate, cal_ns)
+        calibrations[setup] = {"step_overhead_ms": round(overhead.step_s * 1e3, 3),
+                               "request_overhead_ms": round(overhead.request_s * 1e3, 3),
+                               "calibration": real[0], "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
+        for point, ns, measured in zip(mine, flags, real[1:], strict=True):
+            sim = simulate(text, book, ns, point.rate, overhead)
+            rows.append({"point": point.name, "real": measured, "sim": sim,
+                         "compare": compare_point(measured, sim)})  # fmt: skip
+    return rows, calibrations
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    keys = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+    lines = ["| point | " + " | ".join(f"{k} real / sim ms (error)" for k in keys) + " |",
+             "| --- |" + " ---: |" * len(keys)]  # fmt: skip
+    for row in rows:
+        cells = []
+        for k in keys:
+            c = row["compare"][k]
+            err = "n/a" if c["error"] is None else f"{c['error']:+.1%}"
+            real = "n/a" if c["real"] is None else f"{c['real']:.1f}"
+            sim = "n/a" if c["sim"] is None else f"{c['sim']:.1f}"
+            cells.append(f"{real} / {sim} ({err}){'' if c['ok'] else ' *'}")
+        lines.append(f"| {row['point']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim-validate", help="simulated against measured latency, point by point")
+    p.add_argument("--model", default="builtin:small")
+    p.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS),
+                   help="SETUP:WORKLOAD:RATE (setups: colocated, disaggregated; "
+                        "workloads: conv, code, long)")  # fmt: skip
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--length-scale", type=float, default=0.25, help="for the Azure traces")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibration-requests", type=int, default=8)
+    p.add_argument("--cores", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--out", default="bench/out/sim")
+    p.add_argument("--name", default="validation")
+    p.set_defaults(func=cmd_sim_validate, prog="pdserve sim-validate")
+
+
+def cmd_sim_validate(args: argparse.Namespace) -> int:
+    from pdserve.bench.report import header, write_json
+    from pdserve.bench.serve import command_line
+    from pdserve.core.builtin_models import resolve_model
+
+    points = [Point.parse(p) for p in args.points]
+    resolve_model(args.model)
+    rows, calibrations = validate(points, args)
+    errors = [
+        abs(c["error"]) for r in rows for c in r["compare"].values() if c["error"] is not None
+    ]
+    payload = {**header(command_line(args)), "tolerance": TOLERANCE, "points": rows,
+               "calibration": calibrations,
+               "mean_abs_error": round(float(np.mean(errors)), 4) if errors else None}  # fmt: skip
+    path = write_json(Path(args.out) / f"{args.name}.json", payload)
+    print(table(rows))
+    for setup, c in calibrations.items():
+        print(
+            f"{setup}: +{c['step_overhead_ms']} ms a step, +{c['request_overhead_ms']} ms "
+            "a request outside the profiled steps (calibrated on one request at a time)"
+        )
+    print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,147 @@
+"""The proactive P:D planner: its forecast, its moves toward the latency model's counts,
+and the conversation-to-code replay it is measured on (simulated)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.report import Slo
+from pdserve.cluster.config import PlannerConfig, load_config, parse_config
+from pdserve.cluster.planner import Planner, RegionMetrics
+from pdserve.cluster.proactive import Forecast, Forecaster, ProactivePlanner, make_planner
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.sim.build import book_for
+from pdserve.sim.capacity import ProfileCapacity, capacity_for
+from pdserve.sim.replay import compare, outcome, phased_workload, with_policy
+from pdserve.sim.textbook import safe_utilisation
+
+CONFIG = """
+model: llama-7b
+connector: p2p
+engine: {max_num_seqs: 256, max_num_batched_tokens: 8192, enable_prefix_caching: false}
+regions:
+  - name: east
+    prefill: {count: 2, min: 1, max: 12}
+    decode: {count: 2, min: 1, max: 12}
+slo: {ttft_ms: 500, tpot_ms: 50}
+router: {max_inflight_per_region: 100000}
+planner: {mode: "on", policy: proactive, interval_s: 10, cooldown_s: 30, idle_s: 60, horizon_s: 30}
+"""
+
+
+def metrics(**values) -> RegionMetrics:
+    base = dict(region="east", prefill_count=2, decode_count=2, requests=100, ttft_p90_s=0.1,
+                tpot_p90_s=0.02, prefill_queue_s=0.0, decode_kv_usage=0.2, decode_batch=8.0,
+                arrival_rate=10.0, prompt_mean=1000.0, output_mean=200.0,
+                arrival_peak_rate=10.0)  # fmt: skip
+    return RegionMetrics(**{**base, **values})
+
+
+@pytest.fixture(scope="module")
+def config():
+    return parse_config(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def capacity(config) -> ProfileCapacity:
+    return ProfileCapacity(config, book_for(config, [], "h100"))
+
+
+def proactive(config, capacity) -> ProactivePlanner:
+    p = make_planner(config.planner, 0.5, 0.05, {g.name: g for g in config.regions}, capacity)
+    assert isinstance(p, ProactivePlanner)
+    return p
+
+
+def test_forecast_follows_a_steady_rate_and_leans_into_a_ramp() -> None:
+    steady = Forecaster(smoothing=0.5, horizon_s=30)
+    for t in range(10):
+        f = steady.observe(metrics(arrival_rate=20.0), now=10.0 * t)
+    assert f is not None and f.rate == pytest.approx(20.0, rel=1e-6)
+    assert f.prompt_len == 1000.0 and f.output_len == 200.0
+    ramp = Forecaster(smoothing=0.5, horizon_s=30)
+    for t in range(10):  # +1 req/s every 10 s
+        f = ramp.observe(metrics(arrival_rate=10.0 + t), now=10.0 * t)
+    assert f is not None and f.level < 19.0 < f.rate  # ahead of the last window
+    assert Forecaster(0.5, 30).observe(metrics(arrival_rate=5.0, requests=0), 0.0) is None
+
+
+def test_capacity_model_is_the_textbook_plan_at_the_slo_percentile(config, capacity) -> None:
+    conv = capacity.counts("east", Forecast(30.0, 1155.0, 211.0, 30.0, 0.0))
+    code = capacity.counts("east", Forecast(30.0, 2048.0, 28.0, 30.0, 0.0))
+    assert code.prefill > conv.prefill and code.decode < conv.decode  # prompt-heavy
+    one = capacity.single("east", 2048.0, 28.0)
+    rho = safe_utilisation(one.prefill_s, 0.5, tail=math.log(10))
+    assert code.prefill == math.ceil(30.0 / (rho / one.prefill_s))
+    bursty = capacity.counts("east", Forecast(30.0, 2048.0, 28.0, 30.0, 0.0, peak_ratio=2.0))
+    assert bursty.prefill > code.prefill and bursty.decode == code.decode
+
+
+def test_moves_the_whole_gap_at_once_and_counts_what_is_starting(config, capacity) -> None:
+    p = proactive(config, capacity)
+    heavy = metrics(arrival_rate=40.0, arrival_peak_rate=40.0, prompt_mean=2048.0, output_mean=28.0)
+    d = p.decide(heavy, now=0.0)
+    target = p.plans["east"].target
+    assert d is not None and d.action == "add_prefill" and d.cause == "forecast"
+    assert d.count == target.prefill - 2 > 1 and "needs" in d.reason
+    # asked for and starting: nothing more, even with the cooldown over
+    starting = metrics(**{**heavy.__dict__, "prefill_starting": d.count})
+    assert p.decide(starting, now=40.0) is None
+
+
+def test_gives_back_only_after_idle_s_above_target(config, capacity) -> None:
+    p = proactive(config, capacity)
+    light = metrics(prefill_count=6, decode_count=6, arrival_rate=2.0, arrival_peak_rate=2.0)
+    assert p.decide(light, now=0.0) is None  # over target: the clock starts
+    assert p.decide(light, now=30.0) is None  # not yet idle_s (60 s)
+    d = p.decide(light, now=61.0)
+    assert d is not None and d.action.startswith("remove_") and d.count == 1
+    assert p.decide(light, now=70.0) is None  # cooldown and a fresh idle period
+
+
+def test_reactive_rules_still_add_on_a_miss(config, capacity) -> None:
+    p = proactive(config, capacity)
+    # the model is content with the counts, but TTFT is missed now
+    m = metrics(prefill_count=4, decode_count=4, ttft_p90_s=2.0)
+    d = p.decide(m, now=0.0)
+    assert d is not None and d.action == "add_prefill" and d.cause == "ttft_slo"
+
+
+def test_proactive_needs_a_latency_model(config, tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError) as e:
+        make_planner(config.planner, 0.5, 0.05, {g.name: g for g in config.regions})
+    assert e.value.field == "planner.profile"
+    with pytest.raises(InvalidArgumentError) as e:
+        capacity_for(config)
+    assert e.value.field == "planner.profile"
+    file = tmp_path / "c.yaml"
+    file.write_text(CONFIG.replace("policy: proactive,", "policy: proactive, profile: no.json,"))
+
+    with pytest.raises(InvalidArgumentError, match="no such file"):
+        capacity_for(load_config(file))
+    assert isinstance(
+        make_planner(PlannerConfig(), 0.5, 0.05, {g.name: g for g in config.regions}), Planner
+    )
+    with pytest.raises(InvalidArgumentError) as e:
+        PlannerConfig(policy="psychic")
+    assert e.value.field == "planner.policy"
+
+
+def test_replay_conversation_then_code_shifts_toward_prefill(config) -> None:
+    book = book_for(config, [], "h100")
+    work, starts = phased_workload(["azure-conv", "azure-code"], 20.0, 120.0, 4000, 2000)
+    runs = compare(with_policy(config, "reactive"), book, work, ["reactive", "proactive"], 20.0)
+    slo = Slo(0.5, 0.05)
+    out = {p: outcome(run, slo, starts[1]) for p, (run, _) in runs.items()}
+    pro, re_ = out["proactive"], out["reactive"]
+    assert pro["first_add_prefill_after_switch_s"] is not None
+    end = pro["end_counts"]
+    assert end["east.prefill"] > end["east.decode"]  # prompt-heavy: more prefill than decode
+    # the model acts on the new mix before the SLO is missed
+    assert re_["first_add_prefill_after_switch_s"] is None or (
+        pro["first_add_prefill_after_switch_s"] <= re_["first_add_prefill_after_switch_s"]
+    )
+    assert any(d["reason"].startswith("forecast") for d in runs["proactive"][0].decisions)
