@@ -20,13 +20,13 @@ Errors name the field and, when the value came from a file, its line:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pdserve.cluster.config_yaml import Lines, get_list, get_map, known_fields, to_python, typed
 from pdserve.core.config import DisaggregationConfig, EngineConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RegionSpec, RouterConfig, TlsConfig
@@ -202,36 +202,6 @@ def check_fits(needs: dict[str, float], cluster: dict[str, float]) -> None:
             )
 
 
-class _Lines:
-    """Field path -> line in the YAML file, for error messages."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.lines: dict[str, int] = {}
-
-    def error(self, path: str, message: str) -> InvalidArgumentError:
-        line = self.lines.get(path)
-        where = f"{self.source}:{line}: " if line is not None else f"{self.source}: "
-        err = InvalidArgumentError(path, message)
-        err.args = (where + str(err),)
-        return err
-
-
-def _to_python(node: yaml.Node, path: str, lines: _Lines) -> Any:
-    lines.lines.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        out = {}
-        for key, value in node.value:
-            name = str(key.value)
-            sub = f"{path}.{name}" if path else name
-            lines.lines[sub] = key.start_mark.line + 1
-            out[name] = _to_python(value, sub, lines)
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_to_python(v, f"{path}[{i}]", lines) for i, v in enumerate(node.value)]
-    return yaml.safe_load(yaml.serialize(node))
-
-
 def load_config(path: str | Path) -> ClusterConfig:
     file = Path(path)
     if not file.is_file():
@@ -240,12 +210,12 @@ def load_config(path: str | Path) -> ClusterConfig:
 
 
 def parse_config(text: str, source: str = "<config>") -> ClusterConfig:
-    lines = _Lines(source)
+    lines = Lines(source)
     try:
         node = yaml.compose(text)
     except yaml.YAMLError as e:
         raise InvalidArgumentError("config", f"{source}: not valid YAML: {e}") from None
-    raw = _to_python(node, "", lines) if node is not None else {}
+    raw = to_python(node, "", lines) if node is not None else {}
     if not isinstance(raw, dict):
         raise lines.error("config", "must be a mapping")
     try:
@@ -272,13 +242,13 @@ _TOP = {
 }
 
 
-def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
+def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
     for key in raw:
         if key not in _TOP:
             raise lines.error(key, f"unknown field (known: {sorted(_TOP)})")
     if not isinstance(raw.get("model"), str):
         raise lines.error("model", "required: a checkpoint folder or builtin:<name>")
-    regions = tuple(_region(r, i, lines) for i, r in enumerate(_list(raw, "regions", lines)))
+    regions = tuple(_region(r, i, lines) for i, r in enumerate(get_list(raw, "regions", lines)))
     if not regions:
         raise lines.error("regions", "at least one region is required")
     names = [r.name for r in regions]
@@ -289,23 +259,25 @@ def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
                     f"regions[{names.index(r.name)}].latency_ms.{other}", "unknown region"
                 )
     router = _router_config(raw, regions, lines)
-    server = _map(raw, "server", lines)
+    server = get_map(raw, "server", lines)
     config = ClusterConfig(
         model=raw["model"],
-        engine=_map(raw, "engine", lines),
+        engine=get_map(raw, "engine", lines),
         regions=regions,
         connector=str(raw.get("connector", "shm")),
         router=router,
         planner=PlannerConfig(
-            **_known(_map(raw, "planner", lines), PlannerConfig, "planner", lines)
+            **known_fields(get_map(raw, "planner", lines), PlannerConfig, "planner", lines)
         ),
-        health=HealthConfig(**_known(_map(raw, "health", lines), HealthConfig, "health", lines)),
+        health=HealthConfig(
+            **known_fields(get_map(raw, "health", lines), HealthConfig, "health", lines)
+        ),
         disaggregation=DisaggregationConfig(
-            **_known(
-                _map(raw, "disaggregation", lines), DisaggregationConfig, "disaggregation", lines
+            **known_fields(
+                get_map(raw, "disaggregation", lines), DisaggregationConfig, "disaggregation", lines
             )
         ),
-        ray_num_cpus=_map(raw, "ray", lines).get("num_cpus"),
+        ray_num_cpus=get_map(raw, "ray", lines).get("num_cpus"),
         metrics_port=int(server.get("metrics_port", 0)),
         source=lines.source,
     )
@@ -313,7 +285,7 @@ def _build(raw: dict[str, Any], lines: _Lines) -> ClusterConfig:
     return config
 
 
-def _check_engines(config: ClusterConfig, lines: _Lines) -> None:
+def _check_engines(config: ClusterConfig, lines: Lines) -> None:
     """Every engine option of every role, checked now rather than at start-up."""
     for i, region in enumerate(config.regions):
         for role in ("prefill", "decode"):
@@ -340,18 +312,18 @@ SERVER_KEYS = {"host", "grpc_port", "http_port", "metrics_port", "tls"}
 
 
 def _router_config(
-    raw: dict[str, Any], regions: tuple[RegionConfig, ...], lines: _Lines
+    raw: dict[str, Any], regions: tuple[RegionConfig, ...], lines: Lines
 ) -> RouterConfig:
     """The router's config from the ``slo``, ``server``, ``auth`` and ``router`` sections."""
-    slo, server, auth = (_map(raw, k, lines) for k in ("slo", "server", "auth"))
-    extra = _map(raw, "router", lines)
+    slo, server, auth = (get_map(raw, k, lines) for k in ("slo", "server", "auth"))
+    extra = get_map(raw, "router", lines)
     for section, values, known in (("router", extra, ROUTER_KEYS), ("server", server, SERVER_KEYS)):
         for key in values:
             if key not in known:
                 raise lines.error(f"{section}.{key}", f"unknown field (known: {sorted(known)})")
-    tls = _map(server, "tls", lines, "server")
+    tls = get_map(server, "tls", lines, "server")
     options = {
-        key: _typed(value, ROUTER_KEYS[key], f"router.{key}", lines) for key, value in extra.items()
+        key: typed(value, ROUTER_KEYS[key], f"router.{key}", lines) for key, value in extra.items()
     }
     hedge_ms = options.pop("hedge_after_ms", None)
     try:
@@ -368,7 +340,7 @@ def _router_config(
             grpc_port=int(server.get("grpc_port", 0)),
             http_port=int(server.get("http_port", 0)),
             hedge_after_s=None if hedge_ms is None else float(hedge_ms) / 1000,
-            tls=TlsConfig(**_known(tls, TlsConfig, "server.tls", lines)) if tls else None,
+            tls=TlsConfig(**known_fields(tls, TlsConfig, "server.tls", lines)) if tls else None,
             **options,
         )
     except InvalidArgumentError as e:
@@ -378,19 +350,7 @@ def _router_config(
         raise lines.error("server.tls", f"needs cert and key ({e})") from None
 
 
-def _typed(value: Any, kind: type, field: str, lines: _Lines) -> Any:
-    """``value`` as ``kind`` (an int is a float too; a bool is never a number)."""
-    if kind is bool and isinstance(value, bool):
-        return value
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if number and (kind is float or (kind is int and float(value).is_integer())):
-        return kind(value)
-    if kind is str and isinstance(value, str):
-        return value
-    raise lines.error(field, f"must be {'an' if kind is int else 'a'} {kind.__name__}")
-
-
-def _region(raw: Any, i: int, lines: _Lines) -> RegionConfig:
+def _region(raw: Any, i: int, lines: Lines) -> RegionConfig:
     path = f"regions[{i}]"
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise lines.error(f"{path}.name", "each region needs a name")
@@ -407,7 +367,7 @@ def _region(raw: Any, i: int, lines: _Lines) -> RegionConfig:
     )
 
 
-def _role(raw: dict[str, Any], path: str, lines: _Lines) -> RoleSpec:
+def _role(raw: dict[str, Any], path: str, lines: Lines) -> RoleSpec:
     for key in raw:
         if key not in ROLE_KEYS | PARALLEL_KEYS:
             raise lines.error(
@@ -420,7 +380,7 @@ def _role(raw: dict[str, Any], path: str, lines: _Lines) -> RoleSpec:
         num_cpus_per_rank=float(raw.get("num_cpus_per_rank", 1.0)),
         num_gpus_per_rank=float(raw.get("num_gpus_per_rank", 0.0)),
         parallel={k: int(raw[k]) for k in PARALLEL_KEYS if k in raw},
-        engine=_map(raw, "engine", lines, path),
+        engine=get_map(raw, "engine", lines, path),
     )
     for name in ("count", "min", "max"):
         if getattr(spec, name) < 0:
@@ -428,25 +388,3 @@ def _role(raw: dict[str, Any], path: str, lines: _Lines) -> RoleSpec:
     if not spec.min <= spec.count <= spec.max:
         raise lines.error(f"{path}.count", f"must be within [min={spec.min}, max={spec.max}]")
     return spec
-
-
-def _map(raw: dict[str, Any], key: str, lines: _Lines, parent: str = "") -> dict[str, Any]:
-    value = raw.get(key) or {}
-    if not isinstance(value, dict):
-        raise lines.error(f"{parent}.{key}" if parent else key, "must be a mapping")
-    return value
-
-
-def _list(raw: dict[str, Any], key: str, lines: _Lines) -> list[Any]:
-    value = raw.get(key) or []
-    if not isinstance(value, list):
-        raise lines.error(key, "must be a list")
-    return value
-
-
-def _known(values: dict[str, Any], cls: type, prefix: str, lines: _Lines) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in names:
-            raise lines.error(f"{prefix}.{key}", f"unknown field (known: {sorted(names)})")
-    return values

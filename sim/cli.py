@@ -16,10 +16,14 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.flags import add_device_flags, assumptions_from
+
+if TYPE_CHECKING:
+    from pdserve.bench.report import Slo
+    from pdserve.bench.serve import RunResult
 
 RECORDS_LIMIT = 100_000  # runs up to this many requests keep per-request records and ITL
 
@@ -153,6 +157,28 @@ def _max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _write_sim_outputs(
+    args: argparse.Namespace, payload: dict[str, Any], runs: list[RunResult], slo: Slo
+) -> list[Path]:
+    """The JSON of a ``pdserve sim`` run under ``--out`` and, unless ``--no-plots``,
+    bench serve's plots and the last rate's instance counts over virtual time."""
+    from pdserve.bench.serve import write_outputs
+    from pdserve.sim.report import plot_instance_counts
+
+    out = Path(args.out)
+    if args.no_plots:
+        from pdserve.bench.report import write_json
+
+        return [write_json(out / f"{args.name}.json", payload)]
+    paths = write_outputs(out, args.name, payload, {"sim": runs}, slo)
+    paths.append(
+        plot_instance_counts(
+            payload["runs"][-1]["instances_over_time"], out / f"{args.name}-instances.png"
+        )
+    )
+    return paths
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from pdserve.bench.report import header
     from pdserve.bench.serve import (
@@ -161,13 +187,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         options_json,
         slo_from,
         summary_table,
-        write_outputs,
     )
     from pdserve.cluster.config import load_config
     from pdserve.sim.build import book_for
     from pdserve.sim.cluster import SimCluster, SimOptions
     from pdserve.sim.profile import load_profile
-    from pdserve.sim.report import plot_instance_counts, run_json
+    from pdserve.sim.report import run_json
     from pdserve.sim.workload import workload_from_args
 
     config = load_config(args.config)
@@ -191,18 +216,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         runs.append(RunResult(rate, records, entry["summary"]))
     payload = {**header(command_line(args)), "config": str(args.config),
                "options": options_json(args), "runs": entries}  # fmt: skip
-    out = Path(args.out)
-    if args.no_plots:
-        from pdserve.bench.report import write_json
-
-        paths = [write_json(out / f"{args.name}.json", payload)]
-    else:
-        paths = write_outputs(out, args.name, payload, {"sim": runs}, slo)
-        paths.append(
-            plot_instance_counts(
-                entries[-1]["instances_over_time"], out / f"{args.name}-instances.png"
-            )
-        )
+    paths = _write_sim_outputs(args, payload, runs, slo)
     print(summary_table([(f"rate {r.rate:g}" if r.rate else "trace", r) for r in runs]))
     for e in entries:
         s = e["sim"]

@@ -17,6 +17,7 @@ read from the workload arrays as time reaches them, never queued in bulk)::
                 "on" mode adds an instance (ready after ``startup_s``) or
                 drains one (no new requests; removed when idle)
     ready    -> a new instance joins the router's tables
+                (plan and ready: :class:`~pdserve.sim.scaling.SimScaling`)
 
 What the router would learn from load reports it reads here after every step
 of an instance (the live router hears every ~100 ms). Prefix-aware placement
@@ -25,7 +26,6 @@ is not simulated (the policy sees no cached blocks).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +35,7 @@ import numpy as np
 
 from pdserve.bench.report import Slo
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.planner import PlannerDecision, PlannerPolicy
+from pdserve.cluster.planner import PlannerPolicy
 from pdserve.cluster.proactive import make_planner
 from pdserve.core.request import Request
 from pdserve.core.sampling_params import SamplingParams
@@ -46,9 +46,10 @@ from pdserve.sim.build import ProfileBook, make_instance
 from pdserve.sim.capacity import ProfileCapacity
 from pdserve.sim.clock import EventQueue, VirtualClock
 from pdserve.sim.instance import TOKEN, SimInstance
-from pdserve.sim.metrics import RegionWindow, region_metrics
+from pdserve.sim.metrics import RegionWindow
 from pdserve.sim.profile import Profile
 from pdserve.sim.results import Recorder
+from pdserve.sim.scaling import SimScaling
 from pdserve.sim.workload import SimWorkload
 
 PLANNER_WINDOWS = 4  # the planner reads the last 4 intervals, as the controller does
@@ -138,6 +139,7 @@ class SimCluster:
         )  # fmt: skip
         self._serial = 0
         self._next = 0  # the next arrival's index
+        self.scaling = SimScaling(self)
         for g in config.regions:
             for role in ("prefill", "decode"):
                 for _ in range(g.role(role).count):
@@ -149,7 +151,7 @@ class SimCluster:
         self._serial += 1
         g = next(x for x in self.config.regions if x.name == region)
         inst, profile = make_instance(
-            self.config, self.book, g, role, f"{region}-{role}-{self._serial}"
+            self.config, self.book, g, role, f"{region}-{role}-{self._serial}", self.clock.now
         )
         self.profiles[inst.instance_id] = profile
         self.all.append(inst)
@@ -187,9 +189,9 @@ class SimCluster:
         arrivals, n = self.work.arrival_s, len(self.work)
         if self.options.planner and self.config.planner.mode != "off":
             self.queue.push(self.config.planner.interval_s, "plan")
-        self._count("start")
-        handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff, "plan": self._on_plan,
-                    "ready": self._on_ready, "launch": self._launch,
+        self.scaling.count("start")
+        handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff, "plan": self.scaling.on_plan,
+                    "ready": self.scaling.on_ready, "launch": self._launch,
                     "kick": self._on_kick}  # fmt: skip
         while True:
             t_next = self.queue.peek_time()
@@ -206,7 +208,7 @@ class SimCluster:
             self.run_info.events += 1
             handlers[kind](payload)
         self.run_info.end_s = self.clock.now()
-        self._count("end")
+        self.scaling.count("end")
         return self.run_info
 
     def _only_planner(self) -> bool:
@@ -342,7 +344,7 @@ class SimCluster:
                 self._finished(request.request_id, done.end)
         self._refresh(inst)
         if inst.draining and inst.idle:
-            self._remove(inst)
+            self.scaling.remove(inst)
         else:
             self._on_kick(inst)  # the step just ended: schedule the next one now
 
@@ -365,7 +367,7 @@ class SimCluster:
         prefill.view.inflight -= 1
         self._refresh(prefill)
         if prefill.draining and prefill.idle:
-            self._remove(prefill)
+            self.scaling.remove(prefill)
         self._interrupt(decode)
         request = decode.scheduler.activate(rid, TOKEN)
         if request.num_output_tokens >= request.sampling_params.max_tokens:
@@ -387,69 +389,6 @@ class SimCluster:
         n = int(rec.tokens[i])
         tpot = (at - float(rec.first[i])) / (n - 1) if n > 1 else None
         self.windows[track.region].add(at, ttft, tpot, n)
-
-    # -- the planner --------------------------------------------------------------------
-
-    def _on_plan(self, _: Any) -> None:
-        now = self.clock.now()
-        for region in self.regions:
-            members = [x for x in self.instances.values() if x.region == region and not x.draining]
-            starting = {role: self.starting[(region, role)] for role in ("prefill", "decode")}
-            m = region_metrics(region, members, self.windows[region], now, starting)
-            decision = self.planner.decide(m, now)
-            if decision is not None:
-                self._apply(decision, now)
-        if self.tracks or self._next < len(self.work) or self.queue.peek_time() < math.inf:
-            self.queue.push(now + self.config.planner.interval_s, "plan")
-
-    def _apply(self, d: PlannerDecision, now: float) -> None:
-        self.run_info.decisions.append(
-            {"t_s": round(now, 3), "region": d.region, "action": d.action, "count": d.count,
-             "reason": d.reason, "applied": d.applied}
-        )  # fmt: skip
-        if not d.applied:
-            return
-        verb, role = d.action.split("_", 1)
-        for _ in range(d.count):
-            if verb == "add":
-                inst = self._new_instance(d.region, role)
-                self.starting[(d.region, role)] += 1
-                self.queue.push(now + self.options.startup_s, "ready", inst)
-            else:
-                self._drain_one(d.region, role)
-        if verb == "remove":
-            self._count(d.action)
-
-    def _drain_one(self, region: str, role: str) -> None:
-        members = [x for x in self.instances.values()
-                   if x.region == region and x.role == role and not x.draining]  # fmt: skip
-        if len(members) <= 1:
-            return
-        victim = min(members, key=lambda x: x.view.inflight)
-        victim.draining = True
-        self.view.set_available(victim.instance_id, True)
-        if victim.idle:
-            self._remove(victim)
-
-    def _on_ready(self, inst: SimInstance) -> None:
-        self.starting[(inst.region, inst.role)] -= 1
-        self._join(inst)
-        self._count("ready")
-
-    def _remove(self, inst: SimInstance) -> None:
-        self.instances.pop(inst.instance_id, None)
-        self.view.remove(inst.instance_id)
-        self._count("removed")
-
-    def _count(self, why: str) -> None:
-        row: dict[str, Any] = {"t_s": round(self.clock.now(), 3), "event": why}
-        for region in self.regions:
-            for role in ("prefill", "decode"):
-                row[f"{region}.{role}"] = sum(
-                    1 for x in self.instances.values()
-                    if x.region == region and x.role == role and not x.draining
-                )  # fmt: skip
-        self.run_info.counts.append(row)
 
 
 def slo_of(config: ClusterConfig) -> Slo:

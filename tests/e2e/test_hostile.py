@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from pdserve.core.messages import DecodeRequest, PrefillRequest
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
-from tests.e2e.test_router import AUTH, KEY, Cluster, stub
+from tests.e2e.raw_http import get, raw_post, raw_post_any
+from tests.e2e.test_router import AUTH, Cluster, stub
 
 GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -36,43 +37,6 @@ def cluster(ray_session):
 @pytest.fixture(scope="module")
 def doors(cluster):
     return cluster._bootstrap[1]
-
-
-def raw_post(doors, path: str, data: bytes, key: str = KEY) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://{doors.host}:{doors.http_port}{path}", data=data, method="POST"
-    )
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def raw_post_any(doors, path: str, data: bytes) -> tuple[int, bytes]:
-    """Like raw_post, for any answer (a 200 may be a stream)."""
-    req = urllib.request.Request(
-        f"http://{doors.host}:{doors.http_port}{path}", data=data, method="POST"
-    )
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {KEY}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def get(doors, path: str) -> tuple[int, str]:
-    url = f"http://{doors.host}:{doors.http_port}{path}"
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def body(**fields) -> bytes:

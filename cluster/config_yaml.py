@@ -1,0 +1,82 @@
+"""Reading the cluster config's YAML: values with the line each field came from.
+
+:func:`to_python` turns a composed YAML node into plain dicts, lists and
+scalars while recording, in a :class:`Lines`, the line of every field path
+(``regions[0].prefill.count``). The checks here (a section must be a mapping
+or a list, a field must be known to its dataclass, a value must have its type)
+raise errors through :meth:`Lines.error`, which puts ``file:line:`` in front of
+the field. :mod:`pdserve.cluster.config` builds the config from these values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import yaml
+
+from pdserve.core.errors import InvalidArgumentError
+
+
+class Lines:
+    """Field path -> line in the YAML file, for error messages."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.lines: dict[str, int] = {}
+
+    def error(self, path: str, message: str) -> InvalidArgumentError:
+        line = self.lines.get(path)
+        where = f"{self.source}:{line}: " if line is not None else f"{self.source}: "
+        err = InvalidArgumentError(path, message)
+        err.args = (where + str(err),)
+        return err
+
+
+def to_python(node: yaml.Node, path: str, lines: Lines) -> Any:
+    lines.lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        out = {}
+        for key, value in node.value:
+            name = str(key.value)
+            sub = f"{path}.{name}" if path else name
+            lines.lines[sub] = key.start_mark.line + 1
+            out[name] = to_python(value, sub, lines)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [to_python(v, f"{path}[{i}]", lines) for i, v in enumerate(node.value)]
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def typed(value: Any, kind: type, field: str, lines: Lines) -> Any:
+    """``value`` as ``kind`` (an int is a float too; a bool is never a number)."""
+    if kind is bool and isinstance(value, bool):
+        return value
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and (kind is float or (kind is int and float(value).is_integer())):
+        return kind(value)
+    if kind is str and isinstance(value, str):
+        return value
+    raise lines.error(field, f"must be {'an' if kind is int else 'a'} {kind.__name__}")
+
+
+def get_map(raw: dict[str, Any], key: str, lines: Lines, parent: str = "") -> dict[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise lines.error(f"{parent}.{key}" if parent else key, "must be a mapping")
+    return value
+
+
+def get_list(raw: dict[str, Any], key: str, lines: Lines) -> list[Any]:
+    value = raw.get(key) or []
+    if not isinstance(value, list):
+        raise lines.error(key, "must be a list")
+    return value
+
+
+def known_fields(values: dict[str, Any], cls: type, prefix: str, lines: Lines) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise lines.error(f"{prefix}.{key}", f"unknown field (known: {sorted(names)})")
+    return values
