@@ -102,9 +102,10 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        """``now``: the caller's clock reading (the engine's, or a simulator's)."""
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = time.monotonic() if now is None else now
         self.token_ids.append(token_id)
 
     def __repr__(self) -> str:

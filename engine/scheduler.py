@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from pdserve.core.config import SchedulerConfig
 from pdserve.core.request import Request, RequestStatus
@@ -33,7 +34,12 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 class Scheduler:
     """Owns the waiting and running queues of one engine and their KV blocks."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        """``clock``: where the request timestamps come from (a simulator passes its own)."""
+        self.clock = clock
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -85,10 +91,10 @@ class Scheduler:
     def activate(self, request_id: str, first_token: int) -> Request:
         """The reserved request's prompt KV has landed: join the running batch."""
         request = self.reserved.pop(request_id)
-        request.activated_time = time.monotonic()
+        request.activated_time = self.clock()
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_computed_blocks(request)
-        request.append_token(first_token)
+        request.append_token(first_token, self.clock())
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return request
@@ -171,7 +177,7 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
         start = request.num_computed_tokens
         sampling = None
         if start + num_new == request.num_tokens:
@@ -211,7 +217,7 @@ class Scheduler:
             if seq.sampling is None:
                 continue
             token = sampled[seq.request_id]
-            request.append_token(token)
+            request.append_token(token, self.clock())
             out.append(request)
             reason = self._token_stop(request, token)
             if reason is not None:

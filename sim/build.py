@@ -11,6 +11,7 @@ config's ``num_blocks`` or, as on a GPU, what the profile's memory holds).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.cluster.config import ClusterConfig, RegionConfig
@@ -84,8 +85,9 @@ def layout(config: ClusterConfig, region: RegionConfig, role: str) -> tuple[int,
 
 
 def make_instance(
-    config: ClusterConfig, book: ProfileBook, region: RegionConfig, role: str, instance_id: str
-) -> tuple[SimInstance, Profile]:
+    config: ClusterConfig, book: ProfileBook, region: RegionConfig, role: str, instance_id: str,
+    clock: Callable[[], float] | None = None,
+) -> tuple[SimInstance, Profile]:  # fmt: skip
     engine = config.engine_config(role, region)
     tp, pp = layout(config, region, role)
     profile = book.get(tp, pp)
@@ -99,6 +101,6 @@ def make_instance(
         )
     inst = SimInstance(
         instance_id, role, region.name, profile.step, engine.scheduler, num_blocks, bs, max_len,
-        engine.cache.enable_prefix_caching,
+        engine.cache.enable_prefix_caching, clock,
     )  # fmt: skip
     return inst, profile

@@ -20,6 +20,7 @@ batch changes at the same step boundary as in the step-by-step mode. The
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.core.config import SchedulerConfig
@@ -69,13 +70,14 @@ class SimInstance:
         block_size: int,
         max_model_len: int,
         enable_caching: bool,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.role = role
         self.region = region
         self.step_model = step_model
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len)
+        self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len, clock or (lambda: 0.0))
         self.view = InstanceView(instance_id, role, region, None, block_size, max_model_len)
         self.stats = InstanceStats()
         self.draining = False
