@@ -102,7 +102,7 @@ class RegionChooser:
             if best is None or cost < best[0]:
                 best = (cost, region, placement)
         if best is None:
-            why = "at its limit" if home in candidates else "without a decode and prefill instance"
+            why = "at its limit" if home in candidates else self._unserved(home)
             raise OverloadedError(
                 f"no region can take the request now (home {home!r} is {why})",
                 retry_after_s=1.0,
@@ -118,6 +118,20 @@ class RegionChooser:
         decode = self.cluster.table("decode", region).views[placement.decode]
         prefill = prefills[placement.prefill] if placement.prefill is not None else None
         return Choice(region, prefill, decode, hashes)
+
+    def _unserved(self, region: str) -> str:
+        """Why ``region`` cannot take a request: which role it lacks, and whether it has
+        instances of that role that are unhealthy (a stalled or dead engine) or draining."""
+        for role in ("decode", "prefill"):
+            if len(self.cluster.table(role, region)):
+                continue
+            views = [v for v in self.cluster.instances.values()
+                     if v.role == role and v.region == region]  # fmt: skip
+            if not views:
+                return f"without a {role} instance"
+            sick = sum(not v.healthy for v in views)
+            return f"without an available {role} instance ({sick} unhealthy, {len(views) - sick} draining)"
+        return "without a decode and prefill instance"
 
     def _candidates(self, regions: list[str]) -> list[str]:
         """Regions with a decode instance; per ``without_prefill``, also a prefill one."""
