@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.bench import workload as wl
+from pdserve.bench.report import Slo
 from pdserve.cluster.config import ClusterConfig, parse_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.build import ProfileBook
@@ -178,9 +179,7 @@ class _Search:
             multi = n > 1
             tpot = (rec.end[ok][multi] - rec.first[ok][multi]) / (n[multi] - 1)
             q = self.slo.percentile
-            meets = ttft <= self.slo.ttft_s
-            tp_all = np.where(multi, (rec.end[ok] - rec.first[ok]) / np.maximum(n - 1, 1), 0.0)
-            meets &= tp_all <= self.slo.tpot_s
+            meets = rec.slo_met(Slo(self.slo.ttft_s, self.slo.tpot_s))
             window = float(np.nanmax(rec.end) - rec.arrival.min())
             self.cache[(p, d)] = Outcome(
                 p, d, float(np.percentile(ttft, q)) if len(ttft) else math.inf,

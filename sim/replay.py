@@ -77,23 +77,13 @@ def with_policy(config: ClusterConfig, policy: str) -> ClusterConfig:
     )
 
 
-def _met(run: SimRun, slo: Slo) -> np.ndarray:
-    rec = run.recorder
-    ok = (rec.error == 0) & ~np.isnan(rec.end)
-    ttft = rec.first - rec.arrival
-    n = rec.tokens.astype(np.float64)
-    tpot = np.where(n > 1, (rec.end - rec.first) / np.maximum(n - 1, 1), 0.0)
-    with np.errstate(invalid="ignore"):
-        return ok & (ttft <= slo.ttft_s) & (tpot <= slo.tpot_s)
-
-
 def _count(row: dict[str, Any], role: str) -> int:
     return sum(v for k, v in row.items() if k.endswith(f".{role}"))
 
 
 def outcome(run: SimRun, slo: Slo, switch_s: float) -> dict[str, Any]:
     """One policy's figures: SLO attainment, reaction to the switch, device-seconds."""
-    met, rec = _met(run, slo), run.recorder
+    met, rec = run.recorder.slo_met(slo), run.recorder
     after = rec.arrival >= switch_s
     counts = run.counts
     before = [r for r in counts if r["t_s"] <= switch_s]

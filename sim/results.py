@@ -104,6 +104,18 @@ class Recorder:
             return summarize(self.records(select), slo)
         return self._array_summary(mask, slo)
 
+    def slo_met(self, slo: Slo) -> np.ndarray:
+        """Per request: finished without an error and within both SLOs (None: no SLO)."""
+        met = self.done & (self.error == 0)
+        n = self.tokens.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            if slo.ttft_s is not None:
+                met &= self.first - self.arrival <= slo.ttft_s
+            if slo.tpot_s is not None:
+                tpot = np.where(n > 1, (self.end - self.first) / np.maximum(n - 1, 1), 0.0)
+                met &= tpot <= slo.tpot_s
+        return met
+
     def _array_summary(self, mask: np.ndarray, slo: Slo) -> dict[str, Any]:
         ok = mask & (self.error == 0)
         arr, n = self.arrival, self.tokens.astype(np.float64)
@@ -113,12 +125,7 @@ class Recorder:
         multi = n[ok] > 1
         tpot = (e2e_ok[multi] - ttft[multi]) / (n[ok][multi] - 1)
         window = float(np.max(self.end[mask]) - np.min(arr[mask])) if mask.any() else 0.0
-        meets = np.ones(int(ok.sum()), dtype=bool)
-        if slo.ttft_s is not None:
-            meets &= ttft <= slo.ttft_s
-        if slo.tpot_s is not None:
-            tp = np.where(n[ok] > 1, (e2e_ok - ttft) / np.maximum(n[ok] - 1, 1), 0.0)
-            meets &= tp <= slo.tpot_s
+        meets = self.slo_met(slo)[ok]
         span = float(arr[mask].max() - arr[mask].min()) if mask.sum() > 1 else 0.0
         errors = {ERRORS[c]: int((self.error[mask] == c).sum()) for c in range(1, len(ERRORS))}
 

@@ -209,7 +209,8 @@ def calibrate(
     by_step = (tpots(Overhead(step_s=probe)) - base) / probe
     by_seq = (tpots(Overhead(seq_s=probe)) - base) / probe
     gap = np.array([_tpot(r) for r in real]) - base
-    step, seq = np.linalg.solve(np.column_stack([by_step, by_seq]), gap)
+    # least squares: exact for two independent runs, still an answer if they are not
+    step, seq = np.linalg.lstsq(np.column_stack([by_step, by_seq]), gap, rcond=None)[0]
     if seq < 0 or step < 0:  # one overhead explains it: the per-step one, from the single run
         step, seq = max(0.0, gap[0] / by_step[0]), 0.0
     single, rate = runs[0]
