@@ -1,12 +1,18 @@
-"""Built-in models (``builtin:tiny``, ``builtin:small``) and model-name resolution.
+"""Built-in models (``builtin:tiny``, ``builtin:small``, ``builtin:pycode``) and
+model-name resolution.
 
-A built-in model is a Llama-shaped checkpoint with **random weights** and a real
-byte-level BPE tokenizer trained on a short text shipped with pdserve. It is
-generated deterministically on first use and cached (``$PDSERVE_CACHE_DIR`` or
-``~/.cache/pdserve``), so the demo, the tests and the benchmarks need no
-download. Its output is random text: the weights were never trained.
+``builtin:tiny`` and ``builtin:small`` are Llama-shaped checkpoints with **random
+weights** and a real byte-level BPE tokenizer trained on a short text shipped
+with pdserve. They are generated deterministically on first use and cached
+(``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``), so the tests and the
+benchmarks need no download. Their output is random text: the weights were
+never trained.
 
-The folder it writes is an ordinary Hugging Face checkpoint (``config.json``,
+``builtin:pycode`` is trained (on the Python standard library's source, by
+``pdserve.core.pycode_train``) and ships inside the package as a checkpoint
+folder (``core/data/pycode``, ``TRAINED_MODELS``); it is returned as it is.
+
+Each of them is an ordinary Hugging Face checkpoint folder (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
 ``generation_config.json``), loadable by ``transformers`` as well.
 """
@@ -17,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -62,6 +69,14 @@ BUILTIN_MODELS = {
 }
 
 
+# Trained built-in models: package data folders of pdserve.core.
+TRAINED_MODELS = {"pycode": "data/pycode"}
+
+
+def builtin_names() -> list[str]:
+    return sorted("builtin:" + n for n in [*BUILTIN_MODELS, *TRAINED_MODELS])
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
@@ -75,15 +90,17 @@ def resolve_model(name_or_path: str) -> Path:
         raise ModelNotFoundError(
             "model",
             f"{name_or_path!r} is not a checkpoint folder (no config.json) nor one of "
-            f"{sorted('builtin:' + n for n in BUILTIN_MODELS)}",
+            f"{builtin_names()}",
         )
     return path
 
 
 def ensure_builtin(name: str) -> Path:
+    if name in TRAINED_MODELS:
+        return packaged_builtin(name)
     if name not in BUILTIN_MODELS:
         raise ModelNotFoundError(
-            "model", f"unknown built-in model {name!r}; known: {sorted(BUILTIN_MODELS)}"
+            "model", f"unknown built-in model {name!r}; known: {builtin_names()}"
         )
     target = cache_dir() / f"builtin-{name}-v{GENERATOR_VERSION}"
     if (target / "model.safetensors").is_file():
@@ -105,8 +122,24 @@ def ensure_builtin(name: str) -> Path:
     return target
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    corpus = resources.files("pdserve.core").joinpath("data/tiny_corpus.txt").read_text("utf-8")
+def packaged_builtin(name: str) -> Path:
+    """The checkpoint folder of a trained built-in model, shipped with pdserve."""
+    folder = Path(str(resources.files("pdserve.core") / TRAINED_MODELS[name]))
+    if not (folder / "model.safetensors").is_file():
+        raise ModelNotFoundError(
+            "model",
+            f"builtin:{name} is missing from this installation ({folder} has no "
+            f"model.safetensors); reinstall pdserve, or train it with "
+            f"python -m pdserve.core.pycode_train --out {folder}",
+        )
+    return folder
+
+
+def train_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> Tokenizer:
+    """Byte-level BPE over ``texts`` (default: the lines of the shipped tiny corpus)."""
+    if texts is None:
+        corpus = resources.files("pdserve.core").joinpath("data/tiny_corpus.txt")
+        texts = corpus.read_text("utf-8").splitlines()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -116,7 +149,7 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus.splitlines(), trainer)
+    tok.train_from_iterator(texts, trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
@@ -126,11 +159,24 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 
 def write_builtin(spec: BuiltinSpec, folder: Path) -> None:
     tok = train_tokenizer(spec.vocab_target)
-    tok.save(str(folder / "tokenizer.json"))
     vocab = tok.get_vocab_size()
-    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    config = _hf_config(spec, vocab, bos, eos)
+    bos, eos = write_tokenizer_files(tok, folder, spec.max_position_embeddings)
+    config = hf_config(spec, vocab, bos, eos)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(
+        _random_weights(spec, vocab), str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
+
+
+def write_tokenizer_files(
+    tok: Tokenizer, folder: Path, model_max_length: int
+) -> tuple[int | None, int | None]:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``.
+
+    Returns the (BOS, EOS) token ids.
+    """
+    tok.save(str(folder / "tokenizer.json"))
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
     (folder / "generation_config.json").write_text(
         json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2)
     )
@@ -140,19 +186,15 @@ def write_builtin(spec: BuiltinSpec, folder: Path) -> None:
                 "bos_token": BOS,
                 "eos_token": EOS,
                 "chat_template": CHAT_TEMPLATE,
-                "model_max_length": spec.max_position_embeddings,
+                "model_max_length": model_max_length,
             },
             indent=2,
         )
     )
-    save_file(
-        _random_weights(spec, vocab), str(folder / "model.safetensors"), metadata={"format": "pt"}
-    )
+    return bos, eos
 
 
-def _hf_config(
-    spec: BuiltinSpec, vocab: int, bos: int | None, eos: int | None
-) -> dict[str, object]:
+def hf_config(spec: BuiltinSpec, vocab: int, bos: int | None, eos: int | None) -> dict[str, object]:
     """The Hugging Face ``config.json`` of a Llama-shaped built-in model."""
     head_dim = spec.hidden_size // spec.num_heads
     return {

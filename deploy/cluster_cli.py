@@ -159,7 +159,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pdserve.cluster.serve import connect, describe, start_controller
 
     config = load_config(args.config or example_config(LOCAL_CONFIG))
-    print("pdserve demo: builtin:tiny has random weights, so the text is meaningless;")
+    print(f"pdserve demo: {config.model} continues four Python prompts, streamed over gRPC;")
     print("the point is the path: router -> prefill -> KV pages -> decode -> stream.\n")
     from pdserve.sim.capacity import capacity_for
 
@@ -181,10 +181,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 DEMO_PROMPTS = [
-    "The router sees the whole cluster.",
-    "What is a block table? It maps the logical blocks of a sequence to physical pages.",
-    "Once upon a time there was a small server",
-    "Prefill is heavy on arithmetic and short. Decode is light on arithmetic, heavy on memory.",
+    "def fibonacci(n):",
+    "class Router:\n    def __init__(self, regions):",
+    "import os\nimport sys\n\n\ndef main():",
+    "    def __repr__(self):\n        return",
 ]
 
 
@@ -199,7 +199,7 @@ def _stream_one(endpoints: Any, prompt: str, region: str, keys: tuple[str, ...])
         (("authorization", f"Bearer {keys[0]}"),) if keys else ()
     )
     request = pb.CompletionRequest(
-        prompt=prompt, sampling=pb.SamplingOptions(max_tokens=24, temperature=0.8, seed=7)
+        prompt=prompt, sampling=pb.SamplingOptions(max_tokens=40, temperature=0.6, seed=7)
     )
     print(f"[{region}] {prompt!r}\n  -> ", end="", flush=True)
     start = time.monotonic()
