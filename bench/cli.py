@@ -15,6 +15,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         offline,
         parallel,
         peer,
+        quant,
         router,
         serve,
         soak,
@@ -31,3 +32,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     headline.add_parser(kinds)
     peer.add_parser(kinds)
     soak.add_parser(kinds)
+    quant.add_parser(kinds)

@@ -138,6 +138,7 @@ class InstanceWorker(RankWorker):
             m.num_kv_heads,
             m.head_dim,
             self.spec.layout,
+            self.spec.engine.quantization,
         )
 
     def kv_endpoint(self) -> PeerEndpoint:

@@ -13,6 +13,8 @@ from typing import Any
 from pdserve.core.errors import InvalidArgumentError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_EVICTION_POLICIES = ("lru", "idle", "priority")
+_QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def _positive(name: str, value: int) -> None:
@@ -142,6 +144,9 @@ class EngineConfig:
             device's default).
         kernel_backend: fused-layer kernels by registry name; auto: triton on CUDA, torch elsewhere.
         device: "cpu", "cuda" or "auto".
+        quantization: "none"; "int8": weight-only int8 of the dense linears (one
+            symmetric scale per output channel); "int4": 4-bit, one scale per
+            output channel and group of 32 inputs. See ``parallel/quant.py``.
     """
 
     model: str
@@ -151,6 +156,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kernel_backend: str = "auto"
     device: str = "auto"
+    quantization: str = "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -164,6 +170,10 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidArgumentError("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise InvalidArgumentError(
+                "quantization", f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if not isinstance(self.kernel_backend, str) or not self.kernel_backend:
             raise InvalidArgumentError(
                 "kernel_backend",

@@ -35,6 +35,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:tiny", help="checkpoint folder or builtin:<name>")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--quantization",
+        default="none",
+        help="none, int8 (weight-only, per output channel) or int4 (groups of 32)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: by memory)")
@@ -52,6 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": args.dtype,
         "device": args.device,
+        "quantization": args.quantization,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "num_blocks": args.num_blocks,

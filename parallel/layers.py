@@ -23,6 +23,7 @@ from torch import nn
 from pdserve.parallel.context import ParallelContext, split_evenly
 from pdserve.parallel.cpu_linear import packed_linear
 from pdserve.parallel.kernels import KernelOps, reference_kernels
+from pdserve.parallel.quant import QuantizedWeight
 
 
 class TensorSource(Protocol):
@@ -35,17 +36,31 @@ class TensorSource(Protocol):
 
 
 class _Linear(nn.Module):
-    """Weight holder shared by the column and row layers; may be packed for the CPU."""
+    """Weight holder shared by the column and row layers; may be packed or quantized."""
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
 
     def pack(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace the weight by a matmul-ready copy (see ``cpu_linear``); loading ends here."""
         self.packed = reorder(self.weight.data)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
+    def quantize(self, make: Callable[[torch.Tensor], QuantizedWeight]) -> None:
+        """Replace the weight by integers and scales (see ``quant``); loading ends here."""
+        self.quantized = make(self.weight.data)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def held_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The weight's packed or quantized copy, held outside ``parameters()``."""
+        if self.quantized is not None:
+            return self.quantized.tensors
+        return () if self.packed is None else (self.packed,)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.linear(x, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)

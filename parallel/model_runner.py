@@ -27,6 +27,7 @@ from pdserve.parallel.cpu_linear import pack_linears, packing_available
 from pdserve.parallel.kernels import select_kernels
 from pdserve.parallel.loader import load_checkpoint
 from pdserve.parallel.models import build_model
+from pdserve.parallel.quant import quantize_linears, select_path, weights_bytes
 from pdserve.parallel.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,13 @@ class ModelRunner:
             )
         load_checkpoint(self.model, model_config.path)
         self.model.eval()
-        if packing_available(self.device, self.dtype):
+        if config.quantization != "none":
+            path = select_path(config.quantization, kernels.name, self.device, self.dtype)
+            quantize_linears(self.model, path)
+        elif packing_available(self.device, self.dtype):
             pack_linears(self.model)
+        self.weights_bytes = weights_bytes(self.model)
+        logger.info("weights: %d bytes (quantization %s)", self.weights_bytes, config.quantization)
         self.sampler = Sampler(config.seed, self.device)
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)

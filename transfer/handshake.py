@@ -1,8 +1,9 @@
 """The compatibility check a prefill and a decode instance make when they pair.
 
 Each side describes its KV cache in a :class:`KVSpec`. KV pages move between
-them only if the model (its config and weights), the dtype and the page size
-agree; parallel layouts may differ (the transfer layer re-shards heads and
+them only if the model (its config and weights), the dtype, the weight
+quantization (KV computed from int8 weights differs from float KV) and the page
+size agree; parallel layouts may differ (the transfer layer re-shards heads and
 layers). A mismatch is refused with both sides' values, before any page moves:
 never wrong output.
 """
@@ -36,6 +37,7 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     layout: Layout
+    quantization: str = "none"
 
 
 def model_fingerprint(folder: str | Path) -> str:
@@ -61,6 +63,7 @@ def check_compatible(prefill: KVSpec, decode: KVSpec) -> None:
         "num_layers",
         "num_kv_heads",
         "head_dim",
+        "quantization",
     ):
         a, b = getattr(prefill, name), getattr(decode, name)
         if a != b:

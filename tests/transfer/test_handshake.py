@@ -28,6 +28,7 @@ def test_same_model_different_layouts_pass() -> None:
     [
         ("dtype", "bfloat16", "dtype: prefill p0 has float32, decode d0 has bfloat16"),
         ("block_size", 32, "block_size: prefill p0 has 16, decode d0 has 32"),
+        ("quantization", "int8", "quantization: prefill p0 has none, decode d0 has int8"),
         (
             "model_fingerprint",
             "zzz",
@@ -40,6 +41,17 @@ def test_mismatch_is_refused_with_both_values(field: str, value, text: str) -> N
     with pytest.raises(IncompatibleInstancesError) as err:
         check_compatible(BASE, decode)
     assert text in str(err.value)
+
+
+def test_int8_prefill_and_float_decode_are_refused_with_the_reason() -> None:
+    prefill = dataclasses.replace(BASE, quantization="int8")
+    decode = dataclasses.replace(BASE, instance_id="d0")
+    with pytest.raises(IncompatibleInstancesError) as err:
+        check_compatible(prefill, decode)
+    assert str(err.value) == (
+        "cannot transfer KV pages; quantization: prefill p0 has int8, decode d0 has none"
+    )
+    check_compatible(prefill, dataclasses.replace(decode, quantization="int8"))
 
 
 def test_fingerprint_tells_checkpoints_apart(reference_models) -> None:

@@ -1,0 +1,90 @@
+"""Weight-only int8 matmul: ``y = (x @ q.T) * scale`` with int8 ``q`` read as is.
+
+One program computes a ``[BLOCK_M, BLOCK_N]`` tile of the output: it walks K in
+``BLOCK_K`` steps, loads an activation tile and an int8 weight tile, converts the
+weights to the activation dtype in registers (exact: int8 values fit every float
+type) and accumulates ``tl.dot`` in float32. The per-output-channel scale is
+applied once to the accumulator, which equals scaling every weight first since
+the scale is constant along K. Weights stay int8 in memory: a decode step reads a
+quarter of the bytes of float32 weights.
+
+Float32 activations multiply exactly ("ieee"); under the interpreter bfloat16
+is upcast (see :func:`~pdserve.parallel.kernels.support.dot_settings`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.parallel.kernels.support import check_dtype, dot_settings, next_pow2
+
+# ``tl.dot`` needs at least 16 rows; decode batches are padded up to this.
+_MIN_BLOCK_M = 16
+_MAX_BLOCK_M = 64
+_BLOCK_N = 64
+_BLOCK_K = 64
+
+
+@triton.jit
+def _int8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_o,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    dtype = out_ptr.dtype.element_ty
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x_mask = (rows < M)[:, None] & (kk < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=x_mask, other=0.0)
+        w_mask = (kk < K)[:, None] & (cols < N)[None, :]
+        # w: [BLOCK_K, BLOCK_N], the transposed tile of q [N, K]
+        w = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=w_mask, other=0)
+        if UPCAST:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
+    scale = tl.load(s_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    out = acc * scale[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(dtype), mask=mask)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, in] float, qweight [out, in] int8, scale [out] float32 -> [T, out] in x's dtype."""
+    check_dtype(x)
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
+        raise ValueError(f"qweight must be int8 [out, {x.shape[-1]}], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")  # fmt: skip
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    m, n, k = x.shape[0], qweight.shape[0], qweight.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    upcast, precision = dot_settings(x.dtype)
+    block_m = min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, next_pow2(m)))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, _BLOCK_N))
+    _int8_linear_kernel[grid](
+        x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, UPCAST=upcast, PRECISION=precision,
+    )  # fmt: skip
+    return out
