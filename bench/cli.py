@@ -12,6 +12,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         disagg_ttft,
         headline,
         kernels,
+        multiturn,
         offline,
         parallel,
         peer,
@@ -33,3 +34,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     peer.add_parser(kinds)
     soak.add_parser(kinds)
     quant.add_parser(kinds)
+    multiturn.add_parser(kinds)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdserve.core.metrics import ClusterSnapshot, InstanceCounters, RegionState, ScaleEvent
+from pdserve.core.snapshot import ClusterSnapshot, InstanceCounters, RegionState, ScaleEvent
 
 if TYPE_CHECKING:
     from pdserve.cluster.topology import RegionInstances
@@ -62,6 +62,7 @@ class ScaleLog:
             stats.prefix_hits,
             transfers,
             dict(stats.leases),
+            stats.kv_tiers,
         )
 
     def snapshot(

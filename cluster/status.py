@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.cluster.planner import PlannerDecision
-from pdserve.core.metrics import ScaleEvent
+from pdserve.core.snapshot import ScaleEvent
 from pdserve.router.actor import Endpoints
 
 

@@ -38,6 +38,7 @@ from pdserve.core.messages import (
     ReserveRequest,
 )
 from pdserve.core.request import RequestOutput
+from pdserve.core.snapshot import KVTierCounters
 from pdserve.decode.server import DecodeServer
 from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
 from pdserve.prefill.server import PrefillServer
@@ -73,6 +74,7 @@ class InstanceStats:
     num_blocks: int
     prefix_queries: int = 0
     prefix_hits: int = 0
+    kv_tiers: KVTierCounters | None = None
 
 
 HEALTH = "health"  # concurrency group of ping and health
@@ -229,6 +231,7 @@ class InstanceWorker(RankWorker):
                 engine.kv.num_blocks,
                 engine.kv.stats.queries,
                 engine.kv.stats.hits,
+                engine.tier_counters(),
             )
 
         return server.loop.call(read).result()

@@ -32,12 +32,28 @@ class CacheConfig:
         kv_cache_memory_bytes: memory for K and V of all layers on one rank; None
             takes 256 MiB on CPU and 85% of the free memory on a GPU.
         enable_prefix_caching: reuse full blocks whose chained token hash matches.
+        eviction: the device pool's eviction policy: lru, idle or priority.
+        host_tier_bytes: host memory per rank that keeps prefix blocks below the
+            device pool (0: no host tier).
+        host_tier_eviction: the host tier's policy (idle: blocks unused for
+            ``idle_eviction_s`` go down to disk without waiting for pressure).
+        disk_tier_bytes: local disk per rank below the host tier (0: no disk tier).
+        disk_tier_path: folder for the disk tier's files (needed when it is on).
+        disk_tier_eviction: the disk tier's policy.
+        idle_eviction_s: how long a block stays unused before the idle policy moves it.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    eviction: str = "lru"
+    host_tier_bytes: int = 0
+    host_tier_eviction: str = "lru"
+    disk_tier_bytes: int = 0
+    disk_tier_path: str | None = None
+    disk_tier_eviction: str = "lru"
+    idle_eviction_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -45,6 +61,23 @@ class CacheConfig:
             _positive("num_blocks", self.num_blocks)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        for name in ("eviction", "host_tier_eviction", "disk_tier_eviction"):
+            if getattr(self, name) not in _EVICTION_POLICIES:
+                raise InvalidArgumentError(
+                    name, f"must be one of {_EVICTION_POLICIES}, got {getattr(self, name)!r}"
+                )
+        for name in ("host_tier_bytes", "disk_tier_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(name, f"must be an integer >= 0, got {value!r}")
+        if self.disk_tier_bytes and not self.disk_tier_path:
+            raise InvalidArgumentError("disk_tier_path", "is needed when disk_tier_bytes > 0")
+        if not self.idle_eviction_s > 0:
+            raise InvalidArgumentError("idle_eviction_s", "must be > 0")
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return self.enable_prefix_caching and (self.host_tier_bytes + self.disk_tier_bytes) > 0
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,7 @@ here (a test checks it).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from prometheus_client import (
@@ -36,8 +35,6 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -198,6 +195,48 @@ CATALOG: tuple[MetricSpec, ...] = (
         (*_INSTANCE, "outcome"),
         source="instance",
     ),
+    MetricSpec(
+        "pdserve_kv_tier_hits_total",
+        "counter",
+        "Prefix blocks found below the device pool (tier: host, disk) and loaded back.",
+        (*_INSTANCE, "tier"),
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_kv_tier_misses_total",
+        "counter",
+        "Prefix lookups below the device pool that found nothing (the rest is recomputed).",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_kv_tier_failed_loads_total",
+        "counter",
+        "Tier blocks that did not come back intact (missing or failing their checksum).",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_kv_tier_blocks",
+        "gauge",
+        "Prefix blocks a tier of an instance holds now.",
+        (*_INSTANCE, "tier"),
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_kv_tier_bytes_total",
+        "counter",
+        "KV bytes moved by an instance's leader rank to (in) and from (out) a tier.",
+        (*_INSTANCE, "tier", "direction"),
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_kv_tier_seconds_total",
+        "counter",
+        "Seconds the leader rank spent moving KV bytes to (in) and from (out) a tier.",
+        (*_INSTANCE, "tier", "direction"),
+        source="instance",
+    ),
     # -- the controller ---------------------------------------------------------------------------
     MetricSpec(
         "pdserve_instances",
@@ -278,115 +317,3 @@ class Metrics:
 
     def __getitem__(self, name: str) -> Any:
         return self._objects[name]
-
-
-# -- what the controller reports ----------------------------------------------------------------
-
-
-@dataclass
-class InstanceCounters:
-    """One instance's cumulative counters, as its leader reads them."""
-
-    instance_id: str
-    region: str
-    role: str
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    # connector name, direction ("sent"/"received") -> TransferStats.as_dict()
-    transfers: list[dict[str, Any]] = field(default_factory=list)
-    leases: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class ScaleEvent:
-    """A scaling decision: the planner's (applied or advisory) or an operator's."""
-
-    at: float  # time.time()
-    region: str
-    action: str  # add_prefill, remove_decode, flip_to_prefill, set, hold, ...
-    reason: str
-    source: str  # planner, planner-advisory, operator, health
-    prefill: int  # the region's target counts after the decision
-    decode: int
-
-
-@dataclass
-class RegionState:
-    region: str
-    target_prefill: int
-    target_decode: int
-    serving: dict[str, int]  # role -> instances serving
-    draining: dict[str, int]  # role -> instances draining
-    restarts: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class ClusterSnapshot:
-    """What the controller sends the router every health round."""
-
-    at: float
-    regions: list[RegionState]
-    instances: list[InstanceCounters]
-    # Cumulative per (region, action, reason); the newest events for the dashboard.
-    decisions: dict[tuple[str, str, str], int] = field(default_factory=dict)
-    events: list[ScaleEvent] = field(default_factory=list)
-
-
-class SnapshotCollector(Collector):
-    """Renders the latest :class:`ClusterSnapshot` at scrape time."""
-
-    def __init__(self) -> None:
-        self.snapshot: ClusterSnapshot | None = None
-
-    def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot
-        if snap is None:
-            return
-        fams = {
-            s.name: (
-                CounterMetricFamily(s.name.removesuffix("_total"), s.help, labels=s.labels)
-                if s.kind == "counter"
-                else GaugeMetricFamily(s.name, s.help, labels=s.labels)
-            )
-            for s in CATALOG
-            if s.source != "router"
-        }
-        for r in snap.regions:
-            _add_region(fams, r)
-        for (region, action, reason), n in snap.decisions.items():
-            fams["pdserve_planner_decisions_total"].add_metric([region, action, reason], n)
-        for i in snap.instances:
-            who = [i.region, i.role, i.instance_id]
-            fams["pdserve_prefix_cache_queries_total"].add_metric(who, i.prefix_queries)
-            fams["pdserve_prefix_cache_hits_total"].add_metric(who, i.prefix_hits)
-            fams["pdserve_prefix_cache_hit_ratio"].add_metric(
-                who, i.prefix_hits / i.prefix_queries if i.prefix_queries else 0.0
-            )
-            for t in i.transfers:
-                labels = [*who, str(t["connector"]), str(t["direction"])]
-                fams["pdserve_transfer_bytes_total"].add_metric(labels, t["bytes"])
-                fams["pdserve_transfer_seconds_total"].add_metric(labels, t["seconds"])
-                fams["pdserve_transfer_messages_total"].add_metric(labels, t["messages"])
-                fams["pdserve_transfer_failures_total"].add_metric(labels, t["failures"])
-            for outcome, n in i.leases.items():
-                fams["pdserve_leases_total"].add_metric([*who, outcome], n)
-        yield from fams.values()
-
-
-def _add_region(fams: dict[str, CounterMetricFamily | GaugeMetricFamily], r: RegionState) -> None:
-    """Adds one region's instance counts, targets and P/D ratios to the families."""
-    for role in ("prefill", "decode"):
-        fams["pdserve_instances"].add_metric([r.region, role, "serving"], r.serving.get(role, 0))
-        fams["pdserve_instances"].add_metric([r.region, role, "draining"], r.draining.get(role, 0))
-        fams["pdserve_instance_restarts_total"].add_metric(
-            [r.region, role], r.restarts.get(role, 0)
-        )
-    fams["pdserve_instances_target"].add_metric([r.region, "prefill"], r.target_prefill)
-    fams["pdserve_instances_target"].add_metric([r.region, "decode"], r.target_decode)
-    fams["pdserve_pd_ratio"].add_metric(
-        [r.region, "target"], r.target_prefill / max(r.target_decode, 1)
-    )
-    fams["pdserve_pd_ratio"].add_metric(
-        [r.region, "actual"],
-        r.serving.get("prefill", 0) / max(r.serving.get("decode", 0), 1),
-    )

@@ -71,6 +71,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_tier_loads = 0  # times its prefix was copied back from a lower KV tier
         self.num_cached_prompt_tokens = 0
         self.first_token_time: float | None = None
         # First step that computed anything for it; decode role: when its KV landed.

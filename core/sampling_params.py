@@ -20,6 +20,7 @@ MAX_INT = 2**31 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_PRIORITY = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS tokens.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: leave special tokens out of the decoded text.
+        priority: how much the request matters (higher: more); under the priority
+            eviction policy its KV blocks are kept longer than lower ones'.
     """
 
     max_tokens: int = 16
@@ -51,6 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string from callers; store tuples so the
@@ -91,6 +95,11 @@ class SamplingParams:
             if not 0 <= self.seed < 2**63:
                 raise InvalidArgumentError("seed", f"must be in [0, 2**63), got {self.seed}")
         self._validate_stops()
+        _check_int("priority", self.priority)
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidArgumentError(
+                "priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority}"
+            )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "must be a boolean")

@@ -86,6 +86,61 @@ class KVArrival:
     expected: list[int]  # per rank of the decode instance
 
 
+@dataclass(frozen=True, slots=True)
+class TierLoad:
+    """Copy one offloaded block back into device block ``block`` before the step runs.
+
+    ``tier`` is "host" (from host slot ``slot``) or "disk" (the file of ``block_hash``,
+    checked against its checksum; a bad or missing file is a failed load).
+    """
+
+    tier: str
+    slot: int
+    block_hash: bytes
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierWrite:
+    """One write to a lower KV tier, run in the background while the step computes.
+
+    kinds: "store" device ``block`` -> host ``slot``; "save" device ``block`` -> disk
+    file of ``block_hash``; "demote" host ``slot`` -> disk file of ``block_hash``;
+    "drop" delete the disk file of ``block_hash``.
+    """
+
+    kind: str
+    block: int
+    slot: int
+    block_hash: bytes
+
+
+@dataclass(frozen=True)
+class TierOps:
+    """A step's KV-tier work: loads before the forward, writes beside it.
+
+    Every rank runs the same ops on its own shard of each block; all are done
+    when the step returns.
+    """
+
+    loads: list[TierLoad] = field(default_factory=list)
+    writes: list[TierWrite] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.writes)
+
+    def to_list(self) -> list[Any]:
+        return [
+            [[x.tier, x.slot, x.block_hash, x.block] for x in self.loads],
+            [[w.kind, w.block, w.slot, w.block_hash] for w in self.writes],
+        ]
+
+    @classmethod
+    def from_list(cls, v: list[Any]) -> TierOps:
+        loads, writes = v
+        return cls([TierLoad(*x) for x in loads], [TierWrite(*w) for w in writes])
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Everything every rank needs to run one forward pass of a batch."""
@@ -95,6 +150,7 @@ class StepPlan:
     finished_request_ids: list[str] = field(default_factory=list)
     kv_sends: list[KVSend] = field(default_factory=list)
     kv_arrivals: list[KVArrival] = field(default_factory=list)
+    tier_ops: TierOps = field(default_factory=TierOps)
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +158,8 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        """Nothing for the ranks to do (no sequence and no KV-tier work)."""
+        return not self.seqs and not self.tier_ops
 
     def to_msgpack(self) -> bytes:
         seqs = [
@@ -118,12 +175,21 @@ class StepPlan:
         sends = [[k.request_id, k.peer, k.src_blocks, k.dst_blocks, k.final] for k in self.kv_sends]
         arrivals = [[a.request_id, a.expected] for a in self.kv_arrivals]
         return bytes(
-            msgpack.packb([self.step_id, seqs, self.finished_request_ids, sends, arrivals])
+            msgpack.packb(
+                [
+                    self.step_id,
+                    seqs,
+                    self.finished_request_ids,
+                    sends,
+                    arrivals,
+                    self.tier_ops.to_list(),
+                ]
+            )
         )
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> StepPlan:
-        step_id, seqs, finished, sends, arrivals = msgpack.unpackb(data)
+        step_id, seqs, finished, sends, arrivals, tier_ops = msgpack.unpackb(data)
         return cls(
             step_id=step_id,
             seqs=[
@@ -133,6 +199,7 @@ class StepPlan:
             finished_request_ids=finished,
             kv_sends=[KVSend(*k) for k in sends],
             kv_arrivals=[KVArrival(*a) for a in arrivals],
+            tier_ops=TierOps.from_list(tier_ops),
         )
 
 
@@ -151,8 +218,11 @@ class StepResult:
 
     ``kv_transfer_ok`` is False when some rank could not deliver the pages the
     plan's ``kv_sends`` named: those requests must not be handed off.
+    ``loads_ok`` has one flag per ``tier_ops.loads`` entry of the plan: True when
+    every rank copied that block back intact.
     """
 
     step_id: int
     sampled: dict[str, int]
     kv_transfer_ok: bool = True
+    loads_ok: list[bool] = field(default_factory=list)

@@ -46,6 +46,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--eviction", default="lru", help="device KV pool: lru, idle or priority")
+    p.add_argument("--host-tier-bytes", type=int, default=0, help="host KV tier per rank (0: off)")
+    p.add_argument("--disk-tier-bytes", type=int, default=0, help="disk KV tier per rank (0: off)")
+    p.add_argument("--disk-tier-path", default=None, help="folder of the disk KV tier")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
@@ -64,6 +68,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "eviction": args.eviction,
+        "host_tier_bytes": args.host_tier_bytes,
+        "disk_tier_bytes": args.disk_tier_bytes,
+        "disk_tier_path": args.disk_tier_path,
         "attention_backend": args.attention_backend,
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,

@@ -15,95 +15,35 @@ owns the block tables and calls ``check_integrity`` with the expected counts.
 
 from __future__ import annotations
 
-import abc
-from collections import OrderedDict
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.engine.eviction import DEFAULT_CLOCK, Clock, EvictionPolicy, KVBlock, make_policy
 
-
-@dataclass(eq=False, slots=True)
-class KVBlock:
-    """One physical page: ``block_size`` token slots in every layer's K and V."""
-
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: bytes | None = None
-
-
-class EvictionPolicy(abc.ABC):
-    """Orders unreferenced blocks for reuse.
-
-    The pool calls ``add`` when a block's reference count drops to zero, ``remove``
-    when such a block is taken back into use (a prefix-cache hit), and ``pop`` to
-    pick the next block to hand out. Implementations hold no other state.
-    """
-
-    @abc.abstractmethod
-    def add(self, block: KVBlock) -> None: ...
-
-    @abc.abstractmethod
-    def remove(self, block: KVBlock) -> None: ...
-
-    @abc.abstractmethod
-    def pop(self) -> KVBlock: ...
-
-    @abc.abstractmethod
-    def __len__(self) -> int: ...
-
-    @abc.abstractmethod
-    def __contains__(self, block: KVBlock) -> bool: ...
-
-
-class LRUEviction(EvictionPolicy):
-    """Least recently freed first; uncached blocks before cached ones.
-
-    Blocks with no hash hold nothing reusable, so they are handed out before any
-    cached block; among cached blocks the one freed longest ago goes first.
-    """
-
-    def __init__(self) -> None:
-        self._plain: OrderedDict[int, KVBlock] = OrderedDict()
-        self._cached: OrderedDict[int, KVBlock] = OrderedDict()
-
-    def add(self, block: KVBlock) -> None:
-        queue = self._plain if block.block_hash is None else self._cached
-        queue[block.block_id] = block
-
-    def remove(self, block: KVBlock) -> None:
-        if self._plain.pop(block.block_id, None) is None:
-            del self._cached[block.block_id]
-
-    def pop(self) -> KVBlock:
-        if self._plain:
-            return self._plain.popitem(last=False)[1]
-        return self._cached.popitem(last=False)[1]
-
-    def __len__(self) -> int:
-        return len(self._plain) + len(self._cached)
-
-    def __contains__(self, block: KVBlock) -> bool:
-        return block.block_id in self._plain or block.block_id in self._cached
-
-
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUEviction}
+__all__ = ["BlockPool", "KVBlock"]
 
 
 class BlockPool:
     """Fixed set of ``num_blocks`` KV blocks with reference counts and a hash index."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, eviction: str = "lru"):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        eviction: str | EvictionPolicy = "lru",
+        clock: Clock = DEFAULT_CLOCK,
+    ) -> None:
         if num_blocks < 1:
             raise InvalidArgumentError("num_blocks", f"must be >= 1, got {num_blocks}")
-        if eviction not in EVICTION_POLICIES:
-            raise InvalidArgumentError("eviction", f"unknown policy {eviction!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.clock = clock
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._evictable: EvictionPolicy = EVICTION_POLICIES[eviction]()
+        self._evictable = make_policy(eviction) if isinstance(eviction, str) else eviction
         self._by_hash: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        # Told of each cached block that loses its hash to eviction, before it goes.
+        self.on_evict: Callable[[KVBlock, bytes], None] | None = None
         # KV events for routers: (True, hash) cached, (False, hash) evicted.
         # None until someone asks for them (see ``drain_events``).
         self._events: list[tuple[bool, bytes]] | None = None
@@ -132,9 +72,9 @@ class BlockPool:
         for _ in range(n):
             block = self._evictable.pop()
             if block.block_hash is not None:
-                self._drop_hash(block)
-                self.num_evictions += 1
+                self._evicted(block)
             block.ref_cnt = 1
+            block.priority = 0
             out.append(block)
         return out
 
@@ -148,12 +88,18 @@ class BlockPool:
                 self._evictable.remove(block)
             block.ref_cnt += 1
 
-    def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference from each block, in eviction order (first evicted first)."""
+    def free(self, blocks: Iterable[KVBlock], priority: int = 0) -> None:
+        """Drop one reference from each block, in eviction order (first evicted first).
+
+        ``priority`` is the releasing request's; a block keeps the highest it has seen.
+        """
+        now = self.clock()
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
+            block.priority = max(block.priority, priority)
+            block.last_used = now
             if block.ref_cnt == 0:
                 self._evictable.add(block)
 
@@ -182,6 +128,24 @@ class BlockPool:
                 self._evictable.add(block)
                 dropped += 1
         return dropped
+
+    def _evicted(self, block: KVBlock, notify: bool = True) -> None:
+        assert block.block_hash is not None
+        if notify and self.on_evict is not None:
+            self.on_evict(block, block.block_hash)
+        self._drop_hash(block)
+        self.num_evictions += 1
+
+    def evict(self, block: KVBlock, notify: bool = True) -> None:
+        """Drop an unreferenced cached block's hash now; it stays free for reuse."""
+        assert block.ref_cnt == 0 and block.block_hash is not None
+        self._evictable.remove(block)
+        self._evicted(block, notify)
+        self._evictable.add(block)
+
+    def expired(self, now: float) -> list[KVBlock]:
+        """Cached blocks the eviction policy wants moved down a tier now."""
+        return self._evictable.expired(now)
 
     def _drop_hash(self, block: KVBlock) -> None:
         assert block.block_hash is not None

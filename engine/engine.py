@@ -26,41 +26,16 @@ from pdserve.core.request import (
     RequestStatus,
 )
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.snapshot import KVTierCounters
 from pdserve.core.step import StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import Executor
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_cache_manager import KVCacheManager, resolve_max_model_len
+from pdserve.engine.kv_tiers import TIERS
 from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: int) -> int:
-    """The context limit: the config's, else the model's, capped by what the pool holds."""
-    pool_tokens = num_blocks * config.cache.block_size
-    if config.max_model_len is not None:
-        if config.max_model_len > model.max_position_embeddings:
-            raise InvalidArgumentError(
-                "max_model_len",
-                f"{config.max_model_len} exceeds the model's max_position_embeddings "
-                f"({model.max_position_embeddings})",
-            )
-        if config.max_model_len > pool_tokens:
-            raise InvalidArgumentError(
-                "max_model_len",
-                f"{config.max_model_len} tokens do not fit the KV cache "
-                f"({num_blocks} blocks x {config.cache.block_size} = {pool_tokens} tokens); "
-                "raise cache.kv_cache_memory_bytes or lower max_model_len",
-            )
-        return config.max_model_len
-    if model.max_position_embeddings > pool_tokens:
-        logger.info(
-            "max_model_len capped at %d tokens by the KV cache size (model allows %d)",
-            pool_tokens,
-            model.max_position_embeddings,
-        )
-    return min(model.max_position_embeddings, pool_tokens)
 
 
 class EngineCore:
@@ -79,9 +54,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         num_blocks = executor.num_kv_blocks
         self.max_model_len = resolve_max_model_len(config, model, num_blocks)
-        self.kv = KVCacheManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+        self.kv = KVCacheManager.from_config(config.cache, num_blocks, executor.tier_slots)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
@@ -148,7 +121,7 @@ class EngineCore:
     ) -> LoadReport:
         """This engine's load and KV events since the last report."""
         sched = self.scheduler
-        added, removed = self.kv.pool.drain_events()
+        added, removed = self.kv.drain_events()
         return LoadReport(
             instance_id,
             role,
@@ -162,6 +135,16 @@ class EngineCore:
             kv_added=added,
             kv_removed=removed,
         )
+
+    def tier_counters(self) -> KVTierCounters | None:
+        """What the KV tiers did since start (None without tiers)."""
+        tiers = self.kv.tiers
+        if tiers is None:
+            return None
+        moved, seconds = self.executor.tier_io()
+        c = tiers.counters
+        blocks = {name: tiers.num_blocks(name) for name in TIERS if tiers.capacity(name)}
+        return KVTierCounters(dict(c.hits), c.misses, c.failed_loads, blocks, moved, seconds)
 
     def release(self, request_id: str) -> bool:
         """Prefill role: free a finished request's held blocks (kept as prefix cache)."""
@@ -247,6 +230,7 @@ class EngineCore:
         result, failed = self._execute(plan)
         if not result.kv_transfer_ok and self.on_transfer_failure is not None:
             self.on_transfer_failure(plan)
+        self.scheduler.loads_done(plan, result.loads_ok)
         outputs = [out for rid in failed if (out := self._fail(rid)) is not None]
         for request in self.scheduler.update(plan, result.sampled):
             detok = self._detok[request.request_id]
@@ -273,6 +257,8 @@ class EngineCore:
             logger.exception(
                 "step %d of %d requests failed; isolating", plan.step_id, len(plan.seqs)
             )
+        if self.kv.tiers is not None:  # what the failed step wrote down is suspect
+            self.kv.tiers.forget_writes(plan.tier_ops.writes)
         sampled: dict[str, int] = {}
         failed: list[str] = []
         transfer_ok = True

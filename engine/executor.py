@@ -30,6 +30,15 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def num_kv_blocks(self) -> int: ...
 
+    @property
+    def tier_slots(self) -> tuple[int, int]:
+        """Blocks each rank's host and disk KV tiers hold (0: that tier is off)."""
+        return 0, 0
+
+    def tier_io(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
+        """Bytes and seconds the leader rank moved per (tier, direction)."""
+        return {}, {}
+
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
 

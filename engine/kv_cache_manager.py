@@ -20,12 +20,21 @@ block keeps its hash and stays reusable until the pool evicts it.
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.core.config import CacheConfig, EngineConfig
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import Request
+from pdserve.core.step import TierLoad
 from pdserve.engine.block_pool import BlockPool, KVBlock
+from pdserve.engine.eviction import DEFAULT_CLOCK, Clock
+from pdserve.engine.kv_tiers import KVTiers, TierHit
+
+logger = logging.getLogger(__name__)
 
 
 def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -76,13 +85,37 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Owns the block table of every request that holds KV blocks on this instance."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        eviction: str = "lru",
+        tiers: KVTiers | None = None,
+        clock: Clock = DEFAULT_CLOCK,
+    ) -> None:
+        """``tiers``: host and disk tiers below the pool (None: evicted blocks are lost)."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction, clock)
+        self.tiers = tiers if tiers is not None and tiers.enabled and enable_caching else None
+        if self.tiers is not None:
+            self.pool.on_evict = lambda _block, block_hash: self._tiers().evicted(block_hash)
+        # Requests whose offloaded prefix blocks are being copied back this step.
+        self._loading: dict[str, tuple[list[KVBlock], list[bytes], int]] = {}
         self._tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each table are indexed in the prefix cache.
         self._num_cached: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+
+    @classmethod
+    def from_config(
+        cls, cache: CacheConfig, num_blocks: int, tier_slots: tuple[int, int]
+    ) -> KVCacheManager:
+        """The manager of an engine: its pool, eviction policy and lower tiers."""
+        tiers = KVTiers(
+            *tier_slots, cache.host_tier_eviction, cache.disk_tier_eviction, cache.idle_eviction_s
+        )
+        return cls(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.eviction, tiers)
 
     @property
     def num_blocks(self) -> int:
@@ -129,6 +162,68 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def _tiers(self) -> KVTiers:
+        assert self.tiers is not None
+        return self.tiers
+
+    def find_offloaded(self, request: Request, num_device_hits: int) -> list[TierHit]:
+        """Blocks right after the device hits that a lower tier holds (same limit)."""
+        if self.tiers is None or request.num_computed_tokens > 0:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if num_device_hits >= max_blocks:
+            return []
+        return self.tiers.find(request.block_hashes[num_device_hits:max_blocks])
+
+    def start_loads(self, request: Request, hits: Sequence[TierHit]) -> bool:
+        """Take device blocks for ``hits``; the next step copies them back. False: no room."""
+        if not hits or len(hits) > self.pool.num_free_blocks:
+            return False
+        blocks = self.pool.allocate(len(hits))
+        priority = request.sampling_params.priority
+        self._loading[request.request_id] = (blocks, [h.block_hash for h in hits], priority)
+        self._tiers().load(hits, [b.block_id for b in blocks])
+        return True
+
+    def loads_done(self, loads: Sequence[TierLoad], ok: Sequence[bool]) -> list[str]:
+        """Index the blocks that came back intact (up to each request's first failure).
+
+        They are then released as cached blocks for the request to find as an
+        ordinary prefix hit. Returns the requests that were loading.
+        """
+        flags = list(ok) if len(ok) == len(loads) else [False] * len(loads)
+        landed = {load.block: good for load, good in zip(loads, flags, strict=True)}
+        for blocks, hashes, priority in self._loading.values():
+            for block, block_hash in zip(blocks, hashes, strict=True):
+                if not landed.get(block.block_id, False) or not self.pool.cache(block, block_hash):
+                    break
+            self.pool.free(reversed(blocks), priority)
+        if self.tiers is not None:
+            self.tiers.loads_done(loads, flags)
+        loaded, self._loading = list(self._loading), {}
+        return loaded
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Prefix blocks this instance came to hold, and stopped holding, in any tier.
+
+        A block evicted from the device but kept in host memory or on disk is
+        still held: a request for it is served without recomputing it.
+        """
+        added, removed = self.pool.drain_events()
+        if self.tiers is None:
+            return added, removed
+        tier_added, tier_removed = self.tiers.drain_events()
+        held = self._held_anywhere
+        return (
+            [h for h in dict.fromkeys(added + tier_added) if held(h)],
+            [h for h in dict.fromkeys(removed + tier_removed) if not held(h)],
+        )
+
+    def _held_anywhere(self, block_hash: bytes) -> bool:
+        if self.pool.lookup(block_hash) is not None:
+            return True
+        return self.tiers is not None and self.tiers.holds(block_hash)
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()
@@ -183,7 +278,10 @@ class KVCacheManager:
         start = self._num_cached.get(request.request_id, 0)
         end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         for i in range(start, end):
-            self.pool.cache(table[i], request.block_hashes[i])
+            if self.pool.cache(table[i], request.block_hashes[i]) and self.tiers is not None:
+                self.tiers.cached(
+                    table[i].block_id, request.block_hashes[i], request.sampling_params.priority
+                )
         self._num_cached[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
@@ -191,23 +289,59 @@ class KVCacheManager:
         table = self._tables.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         if table:
-            self.pool.free(reversed(table))
+            self.pool.free(reversed(table), request.sampling_params.priority)
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
+        """Forget every unheld cached block, on the device and in every lower tier."""
+        dropped = self.pool.reset_prefix_cache()
+        if self.tiers is not None:
+            dropped += self.tiers.reset()
+        return dropped
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any reference count, queue or index disagrees."""
         refs: dict[int, int] = {}
-        for rid, table in self._tables.items():
+        tables = dict(self._tables)
+        tables.update({f"{rid} (loading)": blocks for rid, (blocks, _, _) in self._loading.items()})
+        for rid, table in tables.items():
             ids = [b.block_id for b in table]
             assert len(ids) == len(set(ids)), f"request {rid} holds a block twice"
             for block_id in ids:
                 refs[block_id] = refs.get(block_id, 0) + 1
         self.pool.check_integrity(refs)
+        if self.tiers is not None and not self._loading:
+            self.tiers.check_integrity()
 
     def assert_empty(self) -> None:
         """Every block is unreferenced: nothing leaked after all requests ended."""
         self.check_integrity()
         assert not self._tables, f"block tables still held by {sorted(self._tables)}"
+        assert not self._loading, f"tier loads still held by {sorted(self._loading)}"
         assert self.pool.num_free_blocks == self.pool.num_blocks
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: int) -> int:
+    """The context limit: the config's, else the model's, capped by what the pool holds."""
+    pool_tokens = num_blocks * config.cache.block_size
+    if config.max_model_len is not None:
+        if config.max_model_len > model.max_position_embeddings:
+            raise InvalidArgumentError(
+                "max_model_len",
+                f"{config.max_model_len} exceeds the model's max_position_embeddings "
+                f"({model.max_position_embeddings})",
+            )
+        if config.max_model_len > pool_tokens:
+            raise InvalidArgumentError(
+                "max_model_len",
+                f"{config.max_model_len} tokens do not fit the KV cache "
+                f"({num_blocks} blocks x {config.cache.block_size} = {pool_tokens} tokens); "
+                "raise cache.kv_cache_memory_bytes or lower max_model_len",
+            )
+        return config.max_model_len
+    if model.max_position_embeddings > pool_tokens:
+        logger.info(
+            "max_model_len capped at %d tokens by the KV cache size (model allows %d)",
+            pool_tokens,
+            model.max_position_embeddings,
+        )
+    return min(model.max_position_embeddings, pool_tokens)

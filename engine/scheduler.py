@@ -17,6 +17,9 @@ Queues: ``waiting`` is fed by ``add_request`` and drained by ``schedule``;
 ``update``/``finish``. Outside the queues, two kinds of request hold blocks:
 ``reserved`` (decode role: pages waiting for KV from a prefill instance) and
 ``held`` (prefill role: finished, pages kept until decode acknowledged them).
+Within one step a third: ``loading``, waiting requests whose offloaded prefix
+blocks (host or disk tier) the step copies back; they rejoin the front of the
+queue when it ends and find those blocks as ordinary prefix hits.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from collections.abc import Callable
 
 from pdserve.core.config import SchedulerConfig
 from pdserve.core.request import Request, RequestStatus
-from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
+from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan, TierOps
 from pdserve.engine.kv_cache_manager import KVCacheManager
+
+MAX_TIER_LOADS = 2
 
 
 class Scheduler:
@@ -48,6 +53,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # waiting, running or reserved
         self.reserved: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
+        # Waiting requests whose offloaded prefix is copied back during this step.
+        self.loading: list[Request] = []
         self._finished_since_last_step: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
@@ -138,9 +145,20 @@ class Scheduler:
             budget = self._admit_waiting(budget, chosen)
         self._step_id += 1
         finished = self._finished_since_last_step
-        if chosen:  # an empty plan is not executed: its ranks would never hear of these
+        tier_ops = self.kv.tiers.take_ops() if self.kv.tiers is not None else TierOps()
+        if chosen or tier_ops:  # an empty plan is not executed: its ranks would never hear
             self._finished_since_last_step = []
-        return StepPlan(self._step_id, [self._scheduled(r, n) for r, n in chosen], list(finished))
+        seqs = [self._scheduled(r, n) for r, n in chosen]
+        return StepPlan(self._step_id, seqs, list(finished), tier_ops=tier_ops)
+
+    def loads_done(self, plan: StepPlan, ok: list[bool]) -> None:
+        """The plan's tier loads ran (``ok``: a flag per load); requeue the loading requests."""
+        if not plan.tier_ops.loads and not self.loading:
+            return
+        self.kv.loads_done(plan.tier_ops.loads, ok)
+        for request in reversed(self.loading):
+            self.waiting.appendleft(request)
+        self.loading.clear()
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -162,6 +180,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = self.kv.find_cached_prefix(request)
+            if self._load_offloaded(request, len(prefix)):
+                continue
             computed = len(prefix) * self.kv.block_size
             num_new = min(request.num_tokens - computed, budget)
             if self.config.max_prefill_chunk:
@@ -174,6 +194,25 @@ class Scheduler:
             chosen.append((request, num_new))
             budget -= num_new
         return budget
+
+    def _load_offloaded(self, request: Request, num_device_hits: int) -> bool:
+        """Start copying the request's offloaded prefix back; it waits out this step.
+
+        A request loads at most ``MAX_TIER_LOADS`` times: if its blocks keep being
+        evicted before it is admitted, it recomputes them instead.
+        """
+        if request.num_tier_loads >= MAX_TIER_LOADS:
+            return False
+        hits = self.kv.find_offloaded(request, num_device_hits)
+        # Leave a block per running request, so loading does not preempt one next step.
+        if not hits or len(hits) + len(self.running) > self.kv.num_free_blocks:
+            return False
+        if not self.kv.start_loads(request, hits):
+            return False
+        self.waiting.popleft()
+        self.loading.append(request)
+        request.num_tier_loads += 1
+        return True
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
         if request.first_scheduled_time is None:
@@ -245,6 +284,8 @@ class Scheduler:
             return None
         if request in self.running:
             self.running.remove(request)
+        elif request in self.loading:  # its blocks go back when the step's loads end
+            self.loading.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.reserved.pop(request_id, None)
@@ -261,6 +302,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Queues and block tables agree; raises AssertionError otherwise."""
         self.kv.check_integrity()
+        assert not self.loading, "tier loads outlive their step"
         queued = {r.request_id for r in self.waiting} | {r.request_id for r in self.running}
         assert queued | set(self.reserved) == set(self.requests), "a request is lost or in no queue"
         assert len(self.waiting) + len(self.running) + len(self.reserved) == len(self.requests), (

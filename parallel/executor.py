@@ -24,8 +24,15 @@ class LocalExecutor(Executor):
     def num_kv_blocks(self) -> int:
         return self.runner.num_blocks
 
+    @property
+    def tier_slots(self) -> tuple[int, int]:
+        return self.runner.tier_slots()
+
+    def tier_io(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
+        return self.runner.tier_io()
+
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
 
     def shutdown(self) -> None:
-        pass
+        self.runner.close()

@@ -25,6 +25,7 @@ from pdserve.parallel.batch import PreparedBatch, prepare_batch
 from pdserve.parallel.context import SINGLE_RANK, ParallelContext
 from pdserve.parallel.cpu_linear import pack_linears, packing_available
 from pdserve.parallel.kernels import select_kernels
+from pdserve.parallel.kv_tiers import TierStore, tier_slots
 from pdserve.parallel.loader import load_checkpoint
 from pdserve.parallel.models import build_model
 from pdserve.parallel.quant import quantize_linears, select_path, weights_bytes
@@ -85,6 +86,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.tiers: TierStore | None = None
 
     def allocate_kv(self, num_blocks: int, allocator: KVAllocator | None = None) -> None:
         """Allocate the paged KV cache; every rank of an instance gets the same count.
@@ -109,6 +111,10 @@ class ModelRunner:
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(len(self.model.layers))
         ]
         self.num_blocks = num_blocks
+        host_slots, disk_slots = self.tier_slots()
+        if self.tiers is None and host_slots + disk_slots > 0:
+            rank = f"tp{self.ctx.tp_rank}pp{self.ctx.pp_rank}"
+            self.tiers = TierStore(self.config.cache, host_slots, disk_slots, rank)
         logger.info(
             "rank tp=%d/%d pp=%d/%d: layers %s, %d KV blocks of %d tokens, %s on %s",
             self.ctx.tp_rank, self.ctx.tp_size, self.ctx.pp_rank, self.ctx.pp_size,
@@ -128,6 +134,33 @@ class ModelRunner:
             * self.model_config.head_dim
             * elem
         )
+
+    def tier_slots(self) -> tuple[int, int]:
+        """Host and disk tier blocks per rank, sized as if the rank held every layer.
+
+        Every rank of an instance gets the same counts that way, whatever its stage.
+        """
+        full = self.bytes_per_block() // max(self.layer_range[1] - self.layer_range[0], 1)
+        return tier_slots(self.config.cache, full * self.model_config.num_layers)
+
+    def start_tier_ops(self, plan: StepPlan) -> list[bool]:
+        """Copy the plan's offloaded blocks back; start its writes. A flag per load."""
+        if self.tiers is None or not plan.tier_ops:
+            return []
+        return self.tiers.start(plan.tier_ops, self.kv_cache)
+
+    def tier_io(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
+        if self.tiers is None:
+            return {}, {}
+        return dict(self.tiers.io.bytes), dict(self.tiers.io.seconds)
+
+    def finish_tier_ops(self) -> None:
+        if self.tiers is not None:
+            self.tiers.finish()
+
+    def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
 
     def max_num_blocks(self) -> int:
         """Blocks that fit this rank's KV budget (or the configured count)."""
@@ -149,9 +182,16 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the whole model (one stage, one rank) on a plan and sample."""
-        batch = self.prepare(plan)
-        hidden, _ = self.model(batch.input_ids, batch.positions, self.caches, batch.meta)
-        return self.sample(plan, batch, hidden)
+        loads_ok = self.start_tier_ops(plan)
+        try:
+            if not plan.seqs:
+                return StepResult(plan.step_id, {}, loads_ok=loads_ok)
+            batch = self.prepare(plan)
+            hidden, _ = self.model(batch.input_ids, batch.positions, self.caches, batch.meta)
+            result = self.sample(plan, batch, hidden)
+        finally:
+            self.finish_tier_ops()
+        return StepResult(plan.step_id, result.sampled, loads_ok=loads_ok)
 
     def sample(self, plan: StepPlan, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
         if not batch.sample_ids:

@@ -79,11 +79,32 @@ class StageExecutor:
         self.hooks = hooks
 
     @torch.no_grad()
-    def run(self, plan: StepPlan) -> tuple[dict[str, int], bool]:
+    def run(self, plan: StepPlan) -> tuple[dict[str, int], bool, list[bool]]:
         """Execute the plan; on the leader, return the sampled token of each row.
 
-        The flag says whether every rank delivered the plan's KV pages.
+        The flag says whether every rank delivered the plan's KV pages; the list
+        has a flag per KV-tier load, True where every rank loaded that block.
         """
+        loads_ok = self._tier_loads(plan)
+        try:
+            if not plan.seqs:  # tier work only; ranks still hear of finished requests
+                if self.hooks is not None:
+                    self.hooks.before_step(plan)
+                return {}, True, loads_ok
+            tokens, ok = self._forward(plan)
+        finally:
+            self.runner.finish_tier_ops()
+        return tokens, ok, loads_ok
+
+    def _tier_loads(self, plan: StepPlan) -> list[bool]:
+        ok = self.runner.start_tier_ops(plan)
+        if ok and self.groups.layout.world_size > 1:
+            flags = torch.tensor(ok, dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.groups.cpu_group)
+            ok = [bool(f) for f in flags.tolist()]
+        return ok
+
+    def _forward(self, plan: StepPlan) -> tuple[dict[str, int], bool]:
         g, ctx, hooks = self.groups, self.ctx, self.hooks
         if hooks is not None:
             hooks.before_step(plan)

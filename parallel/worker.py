@@ -88,11 +88,18 @@ class GroupExecutor(Executor):
     def num_kv_blocks(self) -> int:
         return self._num_blocks
 
+    @property
+    def tier_slots(self) -> tuple[int, int]:
+        return self.stage.runner.tier_slots()
+
+    def tier_io(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
+        return self.stage.runner.tier_io()
+
     def execute(self, plan: StepPlan) -> StepResult:
         try:
             send_plan(self.groups, plan.to_msgpack())
-            tokens, transfer_ok = self.stage.run(plan)
-            return StepResult(plan.step_id, tokens, transfer_ok)
+            tokens, transfer_ok, loads_ok = self.stage.run(plan)
+            return StepResult(plan.step_id, tokens, transfer_ok, loads_ok)
         except (RuntimeError, dist.DistError) as e:
             raise InstanceFailedError(
                 f"instance {self.groups.layout.describe()} lost a rank during step {plan.step_id}: {e}"
@@ -196,4 +203,6 @@ class RankWorker:
             self.engine.shutdown()  # broadcasts stop to the followers
         if self._loop is not None:
             self._loop.join(timeout=self.spec.collective_timeout_s)
+        if self.runner is not None:
+            self.runner.close()
         destroy_groups()

@@ -15,8 +15,8 @@ from typing import Any
 
 from pdserve.core.logs import setup_logging
 from pdserve.core.messages import LoadReport, TokenBatch
-from pdserve.core.metrics import ClusterSnapshot
 from pdserve.core.model_config import ModelConfig
+from pdserve.core.snapshot import ClusterSnapshot
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontdoor.auth import ApiKeys

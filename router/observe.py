@@ -19,7 +19,8 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.core.messages import LoadReport
-from pdserve.core.metrics import PHASES, ClusterSnapshot, Metrics, SnapshotCollector
+from pdserve.core.metrics import PHASES, Metrics
+from pdserve.core.snapshot import ClusterSnapshot, SnapshotCollector
 
 if TYPE_CHECKING:
     from pdserve.router.router import Router
@@ -46,7 +47,8 @@ class Observer:
         )
         # Requests per home region as they arrive: (time.monotonic(), prompt tokens).
         self.arrivals: dict[str, deque[tuple[float, int]]] = defaultdict(lambda: deque(maxlen=8192))
-        self._last_bytes: dict[str, tuple[float, float]] = {}  # region -> (time, bytes sent)
+        # (region, counter) -> (time, value) at the last sample, for rates.
+        self._last: dict[tuple[str, str], tuple[float, float]] = {}
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -120,11 +122,7 @@ class Observer:
         now_wall, now = time.time(), time.monotonic()
         snap = self.cluster.snapshot
         states = {r.region: r for r in snap.regions} if snap else {}
-        sent: dict[str, float] = {}
-        for i in snap.instances if snap else []:
-            for t in i.transfers:
-                if t["direction"] == "sent":
-                    sent[i.region] = sent.get(i.region, 0.0) + float(t["bytes"])
+        totals = _region_totals(snap)
         point: dict[str, Any] = {"t": now_wall, "regions": {}}
         for spec in router.config.regions:
             name = spec.name
@@ -135,11 +133,7 @@ class Observer:
             ttft = [r[1] for r in recent]
             tpot = [r[2] for r in recent if r[2] is not None]
             state = states.get(name)
-            bw = 0.0
-            if name in sent:
-                t0, b0 = self._last_bytes.get(name, (now, sent[name]))
-                bw = (sent[name] - b0) / (now - t0) if now > t0 else 0.0
-                self._last_bytes[name] = (now, sent[name])
+            rates = {k: self._rate(name, k, v, now) for k, v in totals.get(name, {}).items()}
             point["regions"][name] = {
                 "prefill": len(pre),
                 "decode": len(dec),
@@ -155,10 +149,18 @@ class Observer:
                 "ttft": _quantiles(ttft),
                 "tpot": _quantiles(tpot),
                 "requests_per_s": len(recent) / WINDOW_S,
-                "transfer_bytes_per_s": max(bw, 0.0),
+                "transfer_bytes_per_s": rates.get("sent", 0.0),
+                "tier_hits_per_s": {tier: rates.get(tier, 0.0) for tier in ("host", "disk")},
+                "tier_misses_per_s": rates.get("misses", 0.0),
             }
         self.history.append(point)
         return point
+
+    def _rate(self, region: str, counter: str, value: float, now: float) -> float:
+        """Per second since the last sample (0 on the first, or after a counter reset)."""
+        t0, v0 = self._last.get((region, counter), (now, value))
+        self._last[(region, counter)] = (now, value)
+        return max((value - v0) / (now - t0), 0.0) if now > t0 else 0.0
 
     def _recent(
         self, region: str, window_s: float, now: float
@@ -218,6 +220,21 @@ class Observer:
                 for e in (snap.events if snap else [])
             ],
         }
+
+
+def _region_totals(snap: ClusterSnapshot | None) -> dict[str, dict[str, float]]:
+    """Per region: KV bytes sent, tier hits (per tier) and misses, summed over instances."""
+    out: dict[str, dict[str, float]] = {}
+    for i in snap.instances if snap else []:
+        total = out.setdefault(i.region, {})
+        for t in i.transfers:
+            if t["direction"] == "sent":
+                total["sent"] = total.get("sent", 0.0) + float(t["bytes"])
+        if i.kv_tiers is not None:
+            for tier, n in i.kv_tiers.hits.items():
+                total[tier] = total.get(tier, 0.0) + n
+            total["misses"] = total.get("misses", 0.0) + i.kv_tiers.misses
+    return out
 
 
 def _quantiles(values: list[float]) -> dict[str, float] | None:

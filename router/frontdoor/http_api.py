@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
           "stop", "seed", "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "region", "request_id",
-          "presence_penalty", "frequency_penalty", "logprobs"}  # fmt: skip
+          "priority", "presence_penalty", "frequency_penalty", "logprobs"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "top_logprobs"}
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -133,6 +133,7 @@ class HttpApi:
                 "min_tokens",
                 "ignore_eos",
                 "stop_token_ids",
+                "priority",
             )
         }
         if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:

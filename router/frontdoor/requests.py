@@ -43,6 +43,7 @@ SAMPLING_FIELDS = {
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
+    "priority": "priority",
 }
 
 

@@ -135,3 +135,34 @@ def _shapes(folder):
     from pdserve.parallel.loader import iter_checkpoint
 
     return dict(iter_checkpoint(folder))
+
+
+def test_kv_tiers_on_two_ranks_reload_each_shard_and_agree_on_misses(
+    ray_session, references, tmp_path
+) -> None:
+    """Each TP rank keeps its shard of every offloaded block; a block missing on one rank
+    is a miss on both (recomputed), never half a block."""
+    folder, prompts, reference = references("llama")
+    llm = LLM(
+        str(folder),
+        tensor_parallel_size=2,
+        num_cpus_per_rank=0.5,
+        num_blocks=20,
+        host_tier_bytes=40_000,
+        disk_tier_bytes=1 << 20,
+        disk_tier_path=str(tmp_path),
+    )
+    try:
+        for _ in range(2):
+            got = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+            assert got == reference
+        rank1 = sorted(tmp_path.glob("pdserve-kv-*-tp1pp0-*"))
+        assert len(rank1) == 1 and list(rank1[0].glob("*.kv"))
+        for path in rank1[0].glob("*.kv"):
+            path.unlink()
+        got = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+        assert got == reference
+        llm.check_idle()
+    finally:
+        llm.shutdown()
+    assert not list(tmp_path.glob("pdserve-kv-*"))

@@ -24,6 +24,10 @@ const CHARTS = [
       { label: "p50", get: r => r.tpot && r.tpot.p50 }, { label: "p99", get: r => r.tpot && r.tpot.p99 }] },
   { id: "bw", title: "KV transfer (MB/s)", lines: [
       { label: "sent", get: r => r.transfer_bytes_per_s / 1e6 }] },
+  { id: "tiers", title: "prefix blocks from KV tiers (/s)", lines: [
+      { label: "host hits", get: r => r.tier_hits_per_s && r.tier_hits_per_s.host },
+      { label: "disk hits", get: r => r.tier_hits_per_s && r.tier_hits_per_s.disk },
+      { label: "misses", get: r => r.tier_misses_per_s }] },
 ];
 
 function regionBox(name) {

@@ -1,0 +1,167 @@
+"""Eviction policies: which unreferenced KV block is handed out (or moved down a tier) next.
+
+Every tier of the KV hierarchy (the device pool, host memory, local disk) keeps
+its unreferenced blocks in one :class:`EvictionPolicy`; the tier calls ``add``
+when a block's last reference goes, ``remove`` when a block is taken back into
+use (a prefix hit), and ``pop`` for the next victim. Three policies:
+
+    lru       freed longest ago first
+    idle      like lru, and a block unused for ``idle_s`` seconds is *expired*:
+              the tier moves it down a level without waiting for pressure
+    priority  blocks last used by the lowest-priority request first; lru within
+              one priority
+
+In every policy a block that holds no hash (nothing reusable) goes before any
+cached one.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.core.errors import InvalidArgumentError
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    """One page of a tier: ``block_size`` token slots in every layer's K and V.
+
+    ``priority`` is the highest priority of the requests that used the block
+    since it was last handed out; ``last_used`` is when its last holder let go.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    priority: int = 0
+    last_used: float = 0.0
+
+
+class EvictionPolicy(abc.ABC):
+    """Orders unreferenced blocks for reuse. Implementations hold no other state."""
+
+    @abc.abstractmethod
+    def add(self, block: KVBlock) -> None: ...
+
+    @abc.abstractmethod
+    def remove(self, block: KVBlock) -> None: ...
+
+    @abc.abstractmethod
+    def pop(self) -> KVBlock: ...
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def __contains__(self, block: KVBlock) -> bool: ...
+
+    def expired(self, now: float) -> list[KVBlock]:
+        """Cached blocks to move down a tier now, without pressure (none by default)."""
+        return []
+
+
+class LRUEviction(EvictionPolicy):
+    """Least recently freed first; uncached blocks before cached ones."""
+
+    def __init__(self) -> None:
+        self._plain: OrderedDict[int, KVBlock] = OrderedDict()
+        self._cached: OrderedDict[int, KVBlock] = OrderedDict()
+
+    def add(self, block: KVBlock) -> None:
+        queue = self._plain if block.block_hash is None else self._cached
+        queue[block.block_id] = block
+
+    def remove(self, block: KVBlock) -> None:
+        if self._plain.pop(block.block_id, None) is None:
+            del self._cached[block.block_id]
+
+    def pop(self) -> KVBlock:
+        if self._plain:
+            return self._plain.popitem(last=False)[1]
+        return self._cached.popitem(last=False)[1]
+
+    def __len__(self) -> int:
+        return len(self._plain) + len(self._cached)
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.block_id in self._plain or block.block_id in self._cached
+
+
+class IdleEviction(LRUEviction):
+    """LRU order, and cached blocks unused for ``idle_s`` seconds expire."""
+
+    def __init__(self, idle_s: float) -> None:
+        super().__init__()
+        self.idle_s = idle_s
+
+    def expired(self, now: float) -> list[KVBlock]:
+        out = []
+        for block in self._cached.values():  # oldest first: stop at the first fresh one
+            if now - block.last_used < self.idle_s:
+                break
+            out.append(block)
+        return out
+
+
+class PriorityEviction(EvictionPolicy):
+    """Lowest priority first, least recently freed first within a priority."""
+
+    def __init__(self) -> None:
+        self._plain: OrderedDict[int, KVBlock] = OrderedDict()
+        self._cached: dict[int, OrderedDict[int, KVBlock]] = {}
+        self._where: dict[int, int] = {}  # block id -> its priority queue
+
+    def add(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            self._plain[block.block_id] = block
+            return
+        self._cached.setdefault(block.priority, OrderedDict())[block.block_id] = block
+        self._where[block.block_id] = block.priority
+
+    def remove(self, block: KVBlock) -> None:
+        if self._plain.pop(block.block_id, None) is not None:
+            return
+        priority = self._where.pop(block.block_id)
+        queue = self._cached[priority]
+        del queue[block.block_id]
+        if not queue:
+            del self._cached[priority]
+
+    def pop(self) -> KVBlock:
+        if self._plain:
+            return self._plain.popitem(last=False)[1]
+        lowest = min(self._cached)
+        queue = self._cached[lowest]
+        block = queue.popitem(last=False)[1]
+        del self._where[block.block_id]
+        if not queue:
+            del self._cached[lowest]
+        return block
+
+    def __len__(self) -> int:
+        return len(self._plain) + len(self._where)
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.block_id in self._plain or block.block_id in self._where
+
+
+EVICTION_POLICIES = ("lru", "idle", "priority")
+
+
+def make_policy(name: str, idle_s: float = 60.0, field: str = "eviction") -> EvictionPolicy:
+    """The policy called ``name``; ``field`` names the config entry in the error."""
+    if name == "lru":
+        return LRUEviction()
+    if name == "idle":
+        return IdleEviction(idle_s)
+    if name == "priority":
+        return PriorityEviction()
+    raise InvalidArgumentError(field, f"unknown policy {name!r}; one of {EVICTION_POLICIES}")
+
+
+Clock = Callable[[], float]
+DEFAULT_CLOCK: Clock = time.monotonic
