@@ -21,21 +21,36 @@ FLOOR = 4
 
 
 class Admission:
-    def __init__(self, ceiling: int, ttft_slo_s: float, adaptive: bool) -> None:
+    """Per-region in-flight caps; requests of negative priority get only a share of it.
+
+    A request with ``priority < 0`` (offline batch work, best-effort clients) is
+    admitted only while the region's requests in flight are under
+    ``low_priority_share`` of its cap, so the rest of the cap stays free for
+    online traffic: under overload the low-priority requests are refused first.
+    """
+
+    def __init__(
+        self, ceiling: int, ttft_slo_s: float, adaptive: bool, low_priority_share: float = 0.5
+    ) -> None:
         self.ceiling = ceiling
         self.ttft_slo_s = ttft_slo_s
         self.adaptive = adaptive
+        self.low_priority_share = low_priority_share
         self.limits: dict[str, float] = {}
         self._ttfts: dict[str, deque[float]] = {}
         self.rejected = 0
+        self.rejected_low_priority = 0
 
-    def limit(self, region: str) -> int:
-        return int(self.limits.get(region, self.ceiling))
+    def limit(self, region: str, priority: int = 0) -> int:
+        cap = self.limits.get(region, self.ceiling)
+        return int(cap * self.low_priority_share) if priority < 0 else int(cap)
 
-    def admit(self, region: str, inflight: int) -> bool:
-        if inflight < self.limit(region):
+    def admit(self, region: str, inflight: int, priority: int = 0) -> bool:
+        if inflight < self.limit(region, priority):
             return True
         self.rejected += 1
+        if priority < 0:
+            self.rejected_low_priority += 1
         return False
 
     def observe(self, region: str, ttft_s: float) -> None:

@@ -52,6 +52,8 @@ class RouterConfig:
     ttft_slo_s, tpot_slo_s: the service-level objectives.
     max_inflight_per_region: admission ceiling of requests in flight per region.
     adaptive_admission: lower the ceiling while observed TTFT misses its SLO.
+    low_priority_share: share of the ceiling open to requests of negative priority
+        (batch jobs), so online traffic keeps the rest.
     retry_budget_ratio: retries allowed per request admitted (a token bucket).
     hedge_after_s: start a second attempt when the first token is this late (None: off).
     max_migrations: times one request may move to another pair after an instance failed.
@@ -78,6 +80,7 @@ class RouterConfig:
     tpot_slo_s: float = 0.2
     max_inflight_per_region: int = 256
     adaptive_admission: bool = True
+    low_priority_share: float = 0.5
     retry_budget_ratio: float = 0.1
     hedge_after_s: float | None = None
     max_migrations: int = 2
@@ -108,6 +111,8 @@ class RouterConfig:
                     raise InvalidArgumentError(f"regions.{r.name}.latency", "must be >= 0")
         if self.max_inflight_per_region < 1:
             raise InvalidArgumentError("max_inflight_per_region", "must be >= 1")
+        if not 0 < self.low_priority_share <= 1:
+            raise InvalidArgumentError("router.low_priority_share", "must be in (0, 1]")
         if not 0 <= self.retry_budget_ratio <= 1:
             raise InvalidArgumentError("retry_budget_ratio", "must be in [0, 1]")
         if self.without_prefill not in WITHOUT_PREFILL:

@@ -93,7 +93,8 @@ class RegionChooser:
         best: tuple[float, str, Placement] | None = None
         candidates = [r for r in self._candidates(regions) if r not in skip]
         for region in candidates:
-            if not self.admission.admit(region, self.region_inflight[region]):
+            inflight = self.region_inflight[region]
+            if not self.admission.admit(region, inflight, inp.params.priority):
                 continue
             placement = self.score(inp, region, hashes)
             cost = placement.est_ttft_s + 2 * self.config.latency(home, region)
@@ -103,6 +104,8 @@ class RegionChooser:
                 best = (cost, region, placement)
         if best is None:
             why = "at its limit" if home in candidates else self._unserved(home)
+            if inp.params.priority < 0 and home in candidates:
+                why = "at its limit for requests of negative priority"
             raise OverloadedError(
                 f"no region can take the request now (home {home!r} is {why})",
                 retry_after_s=1.0,

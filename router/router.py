@@ -63,7 +63,10 @@ class Router:
         self.cluster = ClusterView()
         self.prefixes = PrefixIndex()
         self.admission = Admission(
-            config.max_inflight_per_region, config.ttft_slo_s, config.adaptive_admission
+            config.max_inflight_per_region,
+            config.ttft_slo_s,
+            config.adaptive_admission,
+            config.low_priority_share,
         )
         self.retries = RetryBudget(config.retry_budget_ratio)
         self.region_inflight: dict[str, int] = defaultdict(int)

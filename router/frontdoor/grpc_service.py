@@ -29,6 +29,7 @@ from pdserve.router.frontdoor.requests import (
     off_loop,
     prompt_tokens,
     sampling_params,
+    with_priority,
 )
 from pdserve.router.frontdoor.tls import grpc_credentials
 from pdserve.router.router import CompletionInput, Router
@@ -134,6 +135,8 @@ class CompletionService(pb_grpc.CompletionServicer):
         params = _sampling(sampling, self.vocab_size)
         asked = sampling is not None and sampling.HasField("max_tokens")
         params = fit_context(params, len(ids), self.router.max_model_len, asked)
+        if "x-pdserve-priority" in meta:
+            params = with_priority(params, meta["x-pdserve-priority"])
         region = request.region or meta.get("x-pdserve-region")
         return completion_input(ids, params, region, request.request_id or None)
 

@@ -71,6 +71,15 @@ def sampling_params(values: dict[str, Any], vocab_size: int | None = None) -> Sa
     return params
 
 
+def with_priority(params: SamplingParams, value: str) -> SamplingParams:
+    """``params`` with the priority a header or metadata entry names (an integer)."""
+    try:
+        priority = int(value)
+    except ValueError:
+        raise InvalidArgumentError("priority", f"must be an integer, got {value!r}") from None
+    return dataclasses.replace(params, priority=priority)
+
+
 def prompt_tokens(
     tokenizer: Tokenizer | None,
     prompt: str | list[int] | None,

@@ -185,3 +185,11 @@ def test_adaptive_admission_never_rises_above_a_small_ceiling() -> None:
         admission.observe("r", 5.0)
     assert admission.limit("r") <= 2
     assert admission.admit("r", 1) and not admission.admit("r", 2)
+
+
+def test_negative_priorities_get_a_share_of_the_cap_and_are_refused_first() -> None:
+    adm = Admission(ceiling=10, ttft_slo_s=1.0, adaptive=False, low_priority_share=0.4)
+    assert adm.limit("r") == 10 and adm.limit("r", priority=-1) == 4
+    assert adm.admit("r", 3, priority=-5) and not adm.admit("r", 4, priority=-5)
+    assert adm.admit("r", 9) and adm.admit("r", 9, priority=3) and not adm.admit("r", 10)
+    assert (adm.rejected, adm.rejected_low_priority) == (2, 1)

@@ -1,0 +1,100 @@
+"""``pdserve batch`` against a real cluster: results per line, errors per line, resumable."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from pdserve.deploy.batch import BatchRunner
+from tests.e2e.test_router import KEY, Cluster
+
+COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 3, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    c = Cluster({"local": (1, 1)})
+    yield c
+    c.shutdown()
+
+
+def _line(cid: str, body: dict, url: str = "/v1/completions") -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def _input(tmp_path):
+    lines = [_line(f"c{i}", {**COMPLETION, "max_tokens": 2 + i}) for i in range(5)]
+    lines += [
+        _line("chat", CHAT, "/v1/chat/completions"),
+        "{not json",
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": COMPLETION}),
+        _line("c0", COMPLETION),  # a repeated custom_id
+        _line("embed", COMPLETION, "/v1/embeddings"),
+        _line("cold", {**COMPLETION, "temperature": -1}),  # the server refuses it
+        "",
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run(cluster, src, out):
+    doors = cluster._bootstrap[1]
+    runner = BatchRunner(f"http://{doors.host}:{doors.http_port}", KEY, concurrency=3)
+    return asyncio.run(runner.run(src, out, progress=False))
+
+
+def _records(out) -> dict[int, dict]:
+    records = {}
+    for text in out.read_text().splitlines():
+        try:
+            record = json.loads(text)
+        except ValueError:
+            continue
+        assert record["line"] not in records, f"line {record['line']} answered twice"
+        records[record["line"]] = record
+    return records
+
+
+def test_every_line_gets_one_result_and_bad_lines_do_not_fail_the_job(cluster, tmp_path):
+    src, out = _input(tmp_path), tmp_path / "out.jsonl"
+    summary = _run(cluster, src, out)
+    assert (summary.lines, summary.succeeded, summary.failed) == (11, 6, 5)
+    records = _records(out)
+    assert sorted(records) == list(range(1, 12))
+    for n in range(1, 6):
+        response = records[n]["response"]
+        assert records[n]["custom_id"] == f"c{n - 1}" and records[n]["error"] is None
+        assert response["status_code"] == 200
+        assert response["body"]["usage"]["completion_tokens"] == n + 1
+    assert records[6]["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
+    codes = {n: records[n]["error"]["code"] for n in range(7, 12)}
+    assert codes == {
+        7: "invalid_json",
+        8: "invalid_request",
+        9: "duplicate_custom_id",
+        10: "invalid_url",
+        11: "http_400",
+    }
+    assert "temperature" in records[11]["error"]["message"]
+    assert _run(cluster, src, out).skipped == 11, "a finished job resumes to nothing"
+
+
+def test_an_interrupted_job_resumes_without_running_a_line_twice(cluster, tmp_path):
+    src, out = _input(tmp_path), tmp_path / "out.jsonl"
+    _run(cluster, src, out)
+    kept = out.read_text().splitlines()[:4]
+    out.write_text("\n".join(kept) + '\n{"id": "batch_req_cut", "custom_')  # cut mid-record
+    summary = _run(cluster, src, out)
+    assert summary.skipped == 4
+    sendable = {1, 2, 3, 4, 5, 6, 11}  # the lines that reach the server
+    assert summary.sent == len(sendable - _lines(kept))
+    records = _records(out)
+    assert sorted(records) == list(range(1, 12))
+
+
+def _lines(texts: list[str]) -> set[int]:
+    return {json.loads(t)["line"] for t in texts}
