@@ -26,7 +26,15 @@ from typing import Any
 
 import yaml
 
-from pdserve.cluster.config_yaml import Lines, get_list, get_map, known_fields, to_python, typed
+from pdserve.cluster.config_yaml import (
+    Lines,
+    api_key_entries,
+    get_list,
+    get_map,
+    known_fields,
+    to_python,
+    typed,
+)
 from pdserve.core.config import DisaggregationConfig, EngineConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RegionSpec, RouterConfig, TlsConfig
@@ -322,7 +330,7 @@ def _router_config(
         for key in values:
             if key not in known:
                 raise lines.error(f"{section}.{key}", f"unknown field (known: {sorted(known)})")
-    tls = get_map(server, "tls", lines, "server")
+    tls, keys = get_map(server, "tls", lines, "server"), api_key_entries(auth, lines)
     options = {
         key: typed(value, ROUTER_KEYS[key], f"router.{key}", lines) for key, value in extra.items()
     }
@@ -333,7 +341,8 @@ def _router_config(
             regions=tuple(
                 RegionSpec(r.name, {k: v / 1000 for k, v in r.latency_ms.items()}) for r in regions
             ),
-            api_keys=tuple(auth.get("api_keys", ())),
+            api_keys=tuple(key for key, _ in keys),
+            api_key_priorities=tuple((k, p) for k, p in keys if p is not None),
             auth_disabled=bool(auth.get("disabled", False)),
             ttft_slo_s=float(slo.get("ttft_ms", 2000)) / 1000,
             tpot_slo_s=float(slo.get("tpot_ms", 200)) / 1000,

@@ -80,3 +80,23 @@ def known_fields(values: dict[str, Any], cls: type, prefix: str, lines: Lines) -
         if key not in names:
             raise lines.error(f"{prefix}.{key}", f"unknown field (known: {sorted(names)})")
     return values
+
+
+def api_key_entries(auth: dict[str, Any], lines: Lines) -> list[tuple[str, int | None]]:
+    """``auth.api_keys``: each a key, or ``{key: ..., priority: N}`` (a default priority)."""
+    out: list[tuple[str, int | None]] = []
+    for i, entry in enumerate(get_list(auth, "api_keys", lines)):
+        where = f"auth.api_keys[{i}]"
+        if isinstance(entry, str):
+            out.append((entry, None))
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
+            raise lines.error(where, "must be a key, or a mapping with key and priority")
+        unknown = set(entry) - {"key", "priority"}
+        if unknown:
+            raise lines.error(where, f"unknown fields {sorted(unknown)} (known: key, priority)")
+        priority = entry.get("priority")
+        if priority is not None:
+            priority = typed(priority, int, f"{where}.priority", lines)
+        out.append((entry["key"], priority))
+    return out

@@ -48,6 +48,8 @@ class RouterConfig:
     policy: "cost_model" (default), "least_loaded" or "round_robin".
     regions: the regions and their latencies; the first is the default home.
     api_keys: accepted API keys (more come from ``$PDSERVE_API_KEYS``).
+    api_key_priorities: (key, priority) pairs: the priority of a request sent with
+        that key when the request sets none.
     auth_disabled: serve without keys (local use only; must be said explicitly).
     ttft_slo_s, tpot_slo_s: the service-level objectives.
     max_inflight_per_region: admission ceiling of requests in flight per region.
@@ -75,6 +77,7 @@ class RouterConfig:
     policy: str = "cost_model"
     regions: tuple[RegionSpec, ...] = (RegionSpec("local"),)
     api_keys: tuple[str, ...] = ()
+    api_key_priorities: tuple[tuple[str, int], ...] = ()
     auth_disabled: bool = False
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.2

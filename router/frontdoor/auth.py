@@ -3,6 +3,8 @@
 Both front doors check the same keys: gRPC in the ``authorization`` metadata,
 HTTP in the ``Authorization`` header, as ``Bearer <key>``. With no key
 configured the router refuses to start unless auth was disabled explicitly.
+A key may carry a default priority for the requests that set none (a batch
+client's key, say, at -1).
 """
 
 from __future__ import annotations
@@ -14,11 +16,17 @@ from pdserve.core.errors import AuthenticationError, InvalidArgumentError
 
 
 class ApiKeys:
-    def __init__(self, keys: tuple[str, ...], disabled: bool) -> None:
+    def __init__(
+        self,
+        keys: tuple[str, ...],
+        disabled: bool,
+        priorities: tuple[tuple[str, int], ...] = (),
+    ) -> None:
         env = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k.strip()]
         self.keys = tuple(keys) + tuple(env)
         self._keys = tuple(k.encode("utf-8", "surrogatepass") for k in self.keys)
         self.disabled = disabled
+        self._priorities = {k.encode("utf-8", "surrogatepass"): p for k, p in priorities}
         if not self.keys and not disabled:
             raise InvalidArgumentError(
                 "api_keys",
@@ -26,10 +34,13 @@ class ApiKeys:
                 "explicitly for local use",
             )
 
-    def check(self, authorization: str | None) -> None:
-        """Raise AuthenticationError unless ``authorization`` is ``Bearer <known key>``."""
+    def check(self, authorization: str | None) -> int | None:
+        """Raise AuthenticationError unless ``authorization`` is ``Bearer <known key>``.
+
+        Returns the key's default priority (None: it has none, or auth is off).
+        """
         if self.disabled:
-            return
+            return None
         if not authorization:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
         scheme, _, key = authorization.partition(" ")
@@ -39,3 +50,4 @@ class ApiKeys:
         # Bytes, so any key compares in constant time (str needs ASCII); every key is tried.
         if not sum(hmac.compare_digest(given, k) for k in self._keys):
             raise AuthenticationError("unknown API key")
+        return self._priorities.get(given)

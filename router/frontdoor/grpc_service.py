@@ -9,6 +9,7 @@ the request on its instances.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ class CompletionService(pb_grpc.CompletionServicer):
 
     def _parse(self, request: pb.CompletionRequest | Malformed, context: Any) -> CompletionInput:
         meta = _metadata(context)
-        self.keys.check(meta.get("authorization"))
+        key_priority = self.keys.check(meta.get("authorization"))
         if isinstance(request, Malformed):
             raise InvalidArgumentError("request", f"not a valid CompletionRequest: {request.error}")
         if request.model and request.model != self.router.config.model_name:
@@ -137,6 +138,8 @@ class CompletionService(pb_grpc.CompletionServicer):
         params = fit_context(params, len(ids), self.router.max_model_len, asked)
         if "x-pdserve-priority" in meta:
             params = with_priority(params, meta["x-pdserve-priority"])
+        elif key_priority is not None:
+            params = dataclasses.replace(params, priority=key_priority)
         region = request.region or meta.get("x-pdserve-region")
         return completion_input(ids, params, region, request.request_id or None)
 

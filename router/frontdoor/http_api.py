@@ -83,7 +83,7 @@ class HttpApi:
             return error_response(e)
 
     async def _body(self, request: web.Request, allowed: set[str]) -> dict[str, Any]:
-        self.keys.check(request.headers.get("Authorization"))
+        request["key_priority"] = self.keys.check(request.headers.get("Authorization"))
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise InvalidArgumentError("body", f"larger than {self.max_body_bytes} bytes")
         raw = await request.read()
@@ -138,6 +138,8 @@ class HttpApi:
         }
         if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:
             values["max_tokens"] = body["max_completion_tokens"]
+        if values["priority"] is None:
+            values["priority"] = request.get("key_priority")
         params = sampling_params(values, self.vocab_size)
         asked = values["max_tokens"] is not None
         params = fit_context(params, len(ids), self.router.max_model_len, asked)

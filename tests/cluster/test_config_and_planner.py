@@ -72,6 +72,20 @@ def test_shipped_configs_load() -> None:
             ),
             "cfg.yaml:2: server.tls.cert",
         ),
+        (
+            (
+                "model: builtin:tiny",
+                "model: builtin:tiny\nauth: {api_keys: [k1, {key: k2, prio: 1}]}",
+            ),
+            "auth.api_keys[1]",
+        ),
+        (
+            (
+                "model: builtin:tiny",
+                "model: builtin:tiny\nauth: {api_keys: [{key: k, priority: x}]}",
+            ),
+            "auth.api_keys[0].priority",
+        ),
     ],
 )
 def test_errors_name_the_field_and_the_line(edit, where) -> None:
@@ -171,3 +185,14 @@ def test_router_options_and_tls_reach_the_router(tmp_path) -> None:
     assert (router.without_prefill, router.stream_idle_timeout_s) == ("spill", 30.0)
     assert router.hedge_after_s == 0.25
     assert router.tls is not None and router.tls.cert == str(tmp_path / "c.pem")
+
+
+def test_an_api_key_may_carry_a_default_priority() -> None:
+    from pdserve.router.frontdoor.auth import ApiKeys
+
+    text = GOOD + "auth: {api_keys: [online, {key: batch, priority: -2}]}\n"
+    router = parse_config(text).router
+    assert router.api_keys == ("online", "batch")
+    assert router.api_key_priorities == (("batch", -2),)
+    keys = ApiKeys(router.api_keys, False, router.api_key_priorities)
+    assert keys.check("Bearer batch") == -2 and keys.check("Bearer online") is None
