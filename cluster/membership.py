@@ -102,7 +102,11 @@ class Membership:
         except BaseException:
             instance.kill()
             raise
-        self.c._event(f"started {instance_id}")
+        phases = instance.group.start_phases
+        with self.c._lock:
+            self.c.scale_log.started(spec.name, role, phases)
+        took = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
+        self.c._event(f"started {instance_id} in {sum(phases.values()):.1f} s ({took})")
         return instance
 
     def drain(self, region: str, leaving: list[Instance]) -> None:

@@ -25,6 +25,8 @@ class ScaleLog:
         self.events: list[ScaleEvent] = []
         self.counts: dict[tuple[str, str, str], int] = {}  # (region, action, cause) -> n
         self.restarts: dict[tuple[str, str], int] = {}  # (region, role) -> n
+        # (region, role) -> seconds per start-up phase of its latest instance
+        self.start_phases: dict[tuple[str, str], dict[str, float]] = {}
         self.counters: list[InstanceCounters] = []
 
     def decision(
@@ -44,6 +46,10 @@ class ScaleLog:
             )
         )
         del self.events[:-KEEP]
+
+    def started(self, region: str, role: str, phases: dict[str, float]) -> None:
+        """An instance came up; ``phases``: seconds per start-up phase."""
+        self.start_phases[(region, role)] = dict(phases)
 
     def restarted(self, region: str, role: str) -> None:
         self.restarts[(region, role)] = self.restarts.get((region, role), 0) + 1
@@ -80,7 +86,10 @@ class ScaleLog:
                 side[i.role] = side.get(i.role, 0) + 1
             restarts = {role: n for (reg, role), n in self.restarts.items() if reg == name}
             t = targets[name]
-            states.append(RegionState(name, t["prefill"], t["decode"], serving, drains, restarts))
+            starts = {role: p for (reg, role), p in self.start_phases.items() if reg == name}
+            states.append(
+                RegionState(name, t["prefill"], t["decode"], serving, drains, restarts, starts)
+            )
         return ClusterSnapshot(
             time.time(), states, list(self.counters), dict(self.counts), self.events[-100:]
         )

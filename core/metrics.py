@@ -273,6 +273,14 @@ CATALOG: tuple[MetricSpec, ...] = (
         ("region", "role"),
         source="controller",
     ),
+    MetricSpec(
+        "pdserve_instance_start_seconds",
+        "gauge",
+        "Seconds the latest instance of a region and role took per start-up phase: schedule "
+        "(resources reserved), spawn (rank processes up), load (weights), warmup (KV, engine).",
+        ("region", "role", "phase"),
+        source="controller",
+    ),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}

@@ -67,6 +67,8 @@ class RegionState:
     serving: dict[str, int]  # role -> instances serving
     draining: dict[str, int]  # role -> instances draining
     restarts: dict[str, int] = field(default_factory=dict)
+    # role -> seconds per start-up phase (schedule, spawn, load, warmup) of its latest start
+    start_phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,6 +149,9 @@ def _add_region(fams: dict[str, CounterMetricFamily | GaugeMetricFamily], r: Reg
         fams["pdserve_instance_restarts_total"].add_metric(
             [r.region, role], r.restarts.get(role, 0)
         )
+    for role, phases in r.start_phases.items():
+        for phase, seconds in phases.items():
+            fams["pdserve_instance_start_seconds"].add_metric([r.region, role, phase], seconds)
     fams["pdserve_instances_target"].add_metric([r.region, "prefill"], r.target_prefill)
     fams["pdserve_instances_target"].add_metric([r.region, "decode"], r.target_decode)
     fams["pdserve_pd_ratio"].add_metric(

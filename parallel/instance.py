@@ -9,6 +9,7 @@ multi-node cluster the group lands where Ray finds room.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +45,22 @@ class RankResources:
 class RankGroup:
     """Handles to the ranks of one instance; rank 0 (the leader) serves requests."""
 
-    def __init__(self, layout: Layout, workers: list[Any], pg: Any, info: EngineInfo) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        workers: list[Any],
+        pg: Any,
+        info: EngineInfo,
+        start_phases: dict[str, float] | None = None,
+    ) -> None:
         self.layout = layout
         self.workers = workers
         self.leader = workers[0]
         self.placement_group = pg
         self.info = info
+        # Seconds each start-up phase took: schedule (the placement group is
+        # ready), spawn (rank processes up), load (weights), warmup (KV, engine).
+        self.start_phases = start_phases or {}
 
     @classmethod
     def start(
@@ -68,8 +79,10 @@ class RankGroup:
         bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
         pg = _placement_group([bundle] * layout.world_size, res.labels)
         workers: list[Any] = []
+        clock = PhaseClock()
         try:
             ray.get(pg.ready(), timeout=res.start_timeout_s)
+            clock.mark("schedule")
             # Control and health calls never queue behind the data path (see
             # pdserve.cluster.worker); RankWorker itself uses neither group.
             # (Ray's typed overloads of ray.remote omit concurrency_groups.)
@@ -90,17 +103,27 @@ class RankGroup:
                     ).remote(spec, *worker_args)
                 )
             address = _get(workers[0].rendezvous.remote(), res.start_timeout_s)
+            _get([w.ping.remote() for w in workers], res.start_timeout_s)
+            clock.mark("spawn")
             capacities = _get([w.join.remote(address) for w in workers], res.start_timeout_s)
+            clock.mark("load")
             num_blocks = min(capacities)
             _get([w.allocate_kv.remote(num_blocks) for w in workers], res.start_timeout_s)
             info = _get(workers[0].start_engine.remote(), res.start_timeout_s)
+            clock.mark("warmup")
         except BaseException:
             for w in workers:
                 ray.kill(w)
             remove_placement_group(pg)
             raise
-        logger.info("instance %s up: %d KV blocks per rank", layout.describe(), info.num_kv_blocks)
-        return cls(layout, workers, pg, info)
+        logger.info(
+            "instance %s up in %.2f s (%s): %d KV blocks per rank",
+            layout.describe(),
+            sum(clock.phases.values()),
+            ", ".join(f"{k} {v:.2f} s" for k, v in clock.phases.items()),
+            info.num_kv_blocks,
+        )
+        return cls(layout, workers, pg, info, clock.phases)
 
     def generate(
         self, items: list[GenerateItem], timeout_s: float | None = None
@@ -119,6 +142,19 @@ class RankGroup:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.placement_group)
+
+
+class PhaseClock:
+    """Seconds between successive marks, by the name of the phase each mark ends."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = now - self._last
+        self._last = now
 
 
 def _placement_group(bundles: list[dict[str, float]], labels: dict[str, str] | None) -> Any:

@@ -33,7 +33,7 @@ KEY = "observability-test-key"
 CONFIG = f"""\
 model: builtin:tiny
 connector: shm
-engine: {{dtype: float32, max_num_batched_tokens: 256}}
+engine: {{dtype: float32, max_num_batched_tokens: 256, host_tier_bytes: 4000000}}
 regions:
   - name: east
     prefill: {{count: 1, min: 1, max: 2, num_cpus_per_rank: 0.25}}
@@ -159,6 +159,11 @@ def test_metrics_endpoint_serves_the_catalog(cluster: Cluster) -> None:
     assert cluster.value("pdserve_prefix_cache_queries_total", role="prefill") >= 4 * 40
     assert 0.0 <= cluster.value("pdserve_kv_usage_ratio", role="decode") <= 1.0
     assert cluster.value("pdserve_queue_length", role="prefill") == 0
+    # Prefix blocks are written down to each instance's host tier as they are cached.
+    assert cluster.value("pdserve_kv_tier_bytes_total", role="prefill", direction="in") > 0
+    assert cluster.value("pdserve_kv_tier_blocks", role="prefill", tier="host") > 0
+    for phase in ("schedule", "spawn", "load", "warmup"):
+        assert cluster.value("pdserve_instance_start_seconds", role="decode", phase=phase) > 0
 
     # A refused request is counted by reason, and the server stays up.
     bad = pb.CompletionRequest(prompt_token_ids=pb.TokenIds(ids=prompt(9)))
@@ -239,6 +244,8 @@ def test_dashboard_draws_and_shows_a_scale_in_chromium(cluster: Cluster) -> None
         wait_for(drawn, timeout_s=30, what="the P:D chart to draw")
         ttft = browser.find_element(By.CSS_SELECTOR, 'canvas[data-chart="ttft"]')
         assert int(ttft.get_attribute("data-points")) > 0  # requests ran before the page opened
+        tiers = browser.find_element(By.CSS_SELECTOR, 'canvas[data-chart="tiers"]')
+        assert int(tiers.get_attribute("data-points")) > 0  # the instances' host tiers
 
         # `pdserve scale` (the controller call behind it) shows up within seconds,
         # while the new instance is still starting.
