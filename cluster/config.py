@@ -312,7 +312,7 @@ def _check_engines(config: ClusterConfig, lines: Lines) -> None:
 # The ``router`` section: its keys and their types (hedge_after_ms becomes hedge_after_s).
 ROUTER_KEYS: dict[str, type] = {
     "policy": str, "max_inflight_per_region": int, "adaptive_admission": bool,
-    "low_priority_share": float,
+    "low_priority_share": float, "low_priority_degrade_at": float, "low_priority_max_tokens": int,
     "retry_budget_ratio": float, "hedge_after_ms": float, "max_migrations": int,
     "migration_wait_s": float, "reservation_ttl_s": float, "without_prefill": str,
     "stream_idle_timeout_s": float, "max_body_bytes": int, "on_transfer_failure": str,

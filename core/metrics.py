@@ -114,6 +114,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         ("reason",),
     ),
     MetricSpec(
+        "pdserve_degraded_requests_total",
+        "counter",
+        "Requests of negative priority admitted under overload with a capped max_tokens.",
+        ("region",),
+    ),
+    MetricSpec(
         "pdserve_migrations_total",
         "counter",
         "Requests moved to another pair after an instance was lost, by the phase it was in.",

@@ -56,6 +56,8 @@ class RouterConfig:
     adaptive_admission: lower the ceiling while observed TTFT misses its SLO.
     low_priority_share: share of the ceiling open to requests of negative priority
         (batch jobs), so online traffic keeps the rest.
+    low_priority_degrade_at, low_priority_max_tokens: from this fraction of their
+        share on, requests of negative priority get at most this many tokens.
     retry_budget_ratio: retries allowed per request admitted (a token bucket).
     hedge_after_s: start a second attempt when the first token is this late (None: off).
     max_migrations: times one request may move to another pair after an instance failed.
@@ -84,6 +86,8 @@ class RouterConfig:
     max_inflight_per_region: int = 256
     adaptive_admission: bool = True
     low_priority_share: float = 0.5
+    low_priority_degrade_at: float = 0.75
+    low_priority_max_tokens: int = 64
     retry_budget_ratio: float = 0.1
     hedge_after_s: float | None = None
     max_migrations: int = 2
@@ -116,6 +120,10 @@ class RouterConfig:
             raise InvalidArgumentError("max_inflight_per_region", "must be >= 1")
         if not 0 < self.low_priority_share <= 1:
             raise InvalidArgumentError("router.low_priority_share", "must be in (0, 1]")
+        if not 0 <= self.low_priority_degrade_at <= 1:
+            raise InvalidArgumentError("router.low_priority_degrade_at", "must be in [0, 1]")
+        if self.low_priority_max_tokens < 1:
+            raise InvalidArgumentError("router.low_priority_max_tokens", "must be >= 1")
         if not 0 <= self.retry_budget_ratio <= 1:
             raise InvalidArgumentError("retry_budget_ratio", "must be in [0, 1]")
         if self.without_prefill not in WITHOUT_PREFILL:

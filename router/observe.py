@@ -88,6 +88,9 @@ class Observer:
             if phase in PHASES:
                 hist.labels(region, phase).observe(seconds)
 
+    def degraded(self, region: str) -> None:
+        self.metrics["pdserve_degraded_requests_total"].labels(self._region(region)).inc()
+
     def rejected(self, reason: str) -> None:
         self.metrics["pdserve_rejections_total"].labels(reason).inc()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -183,6 +184,7 @@ class Router:
     async def stream(self, inp: CompletionInput) -> AsyncGenerator[StreamDelta, None]:
         """The request's deltas, the last with its finish reason; aborts it if not consumed."""
         self.obs.arrived(inp.region or self.config.home_region, len(inp.prompt_token_ids))
+        inp, capped = self._degrade(inp)
         try:
             choice = self.chooser.choose(inp)
         except PdserveError as e:
@@ -205,9 +207,28 @@ class Router:
             self.tokenizer,
             self.config.stream_idle_timeout_s,
         )
+        stream.max_tokens_capped = capped
         async with contextlib.aclosing(self._serve(stream, inp, choice)) as deltas:
             async for delta in deltas:
                 yield delta
+
+    def _degrade(self, inp: CompletionInput) -> tuple[CompletionInput, int | None]:
+        """Under overload, a request of negative priority gets a smaller ``max_tokens``.
+
+        From ``low_priority_degrade_at`` of the low-priority cap of its home
+        region on, its ``max_tokens`` is capped at ``low_priority_max_tokens``
+        (reported in its usage), before admission refuses it at the cap itself.
+        """
+        cfg = self.config
+        if inp.params.priority >= 0 or inp.params.max_tokens <= cfg.low_priority_max_tokens:
+            return inp, None
+        home = inp.region or cfg.home_region
+        limit = self.admission.limit(home, inp.params.priority)
+        if self.region_inflight[home] < cfg.low_priority_degrade_at * limit:
+            return inp, None
+        self.obs.degraded(home)
+        params = dataclasses.replace(inp.params, max_tokens=cfg.low_priority_max_tokens)
+        return dataclasses.replace(inp, params=params), cfg.low_priority_max_tokens
 
     async def _serve(
         self, stream: RequestStream, inp: CompletionInput, choice: Choice

@@ -25,6 +25,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0
+    max_tokens_capped: int | None = None  # the router lowered max_tokens to this (overload)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class RequestStream:
     ) -> None:
         self.request_id = request_id
         self.idle_timeout_s = idle_timeout_s  # longest wait for the next delta
+        self.max_tokens_capped: int | None = None
         self.prompt_token_ids = prompt_token_ids
         self.prompt_len = len(prompt_token_ids)
         self.migrations = 0
@@ -152,7 +154,9 @@ class RequestStream:
             return False
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_len, len(self.tokens), self.cached_prompt_tokens)
+        return Usage(
+            self.prompt_len, len(self.tokens), self.cached_prompt_tokens, self.max_tokens_capped
+        )
 
     async def deltas(self):  # type: ignore[no-untyped-def]
         """Yield deltas until the finishing one; raise what ``fail`` was given."""

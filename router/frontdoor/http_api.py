@@ -291,9 +291,12 @@ class _Shape:
 
 
 def _usage(u: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
+    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+           "total_tokens": u.prompt_tokens + u.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
+    if u.max_tokens_capped is not None:  # overload: the router lowered max_tokens
+        out["max_tokens_capped"] = u.max_tokens_capped
+    return out
 
 
 async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:

@@ -193,3 +193,29 @@ def test_negative_priorities_get_a_share_of_the_cap_and_are_refused_first() -> N
     assert adm.admit("r", 3, priority=-5) and not adm.admit("r", 4, priority=-5)
     assert adm.admit("r", 9) and adm.admit("r", 9, priority=3) and not adm.admit("r", 10)
     assert (adm.rejected, adm.rejected_low_priority) == (2, 1)
+
+
+def test_under_overload_negative_priorities_get_a_capped_max_tokens_first() -> None:
+    from pdserve.router.config import RegionSpec, RouterConfig
+    from pdserve.router.placement import CompletionInput
+    from pdserve.router.router import Router
+
+    config = RouterConfig(
+        regions=(RegionSpec("r"),),
+        auth_disabled=True,
+        max_inflight_per_region=40,
+        adaptive_admission=False,
+        low_priority_share=0.5,
+        low_priority_degrade_at=0.5,
+        low_priority_max_tokens=8,
+    )
+    router = Router(config, None, None)
+    batch = CompletionInput("b", [1, 2, 3], SamplingParams(max_tokens=100, priority=-1))
+    online = CompletionInput("o", [1, 2, 3], SamplingParams(max_tokens=100))
+    router.region_inflight["r"] = 9  # under half of the low-priority cap of 20
+    assert router._degrade(batch) == (batch, None)
+    router.region_inflight["r"] = 10
+    degraded, capped = router._degrade(batch)
+    assert capped == 8 and degraded.params.max_tokens == 8 and degraded.params.priority == -1
+    assert router._degrade(online) == (online, None), "online traffic is never capped"
+    assert not router.admission.admit("r", 20, priority=-1) and router.admission.admit("r", 20)
