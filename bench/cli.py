@@ -16,6 +16,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         offline,
         parallel,
         peer,
+        priority,
         quant,
         router,
         serve,
@@ -35,3 +36,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     soak.add_parser(kinds)
     quant.add_parser(kinds)
     multiturn.add_parser(kinds)
+    priority.add_parser(kinds)

@@ -114,11 +114,19 @@ class HttpClient:
     counts are unknown; the usage in the last chunk gives the total."""
 
     def __init__(
-        self, base_url: str, api_key: str | None, model: str, temperature: float, timeout_s: float
+        self,
+        base_url: str,
+        api_key: str | None,
+        model: str,
+        temperature: float,
+        timeout_s: float,
+        extra_body: dict[str, Any] | None = None,
     ) -> None:
+        """``extra_body``: fields every request carries (e.g. ``{"priority": -1}``)."""
         import aiohttp
 
         self._aiohttp = aiohttp
+        self.extra_body = dict(extra_body or {})
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = aiohttp.ClientSession(
@@ -149,6 +157,7 @@ class HttpClient:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **self.extra_body,
         }
         reported: int | None = None
         url = f"{self.base_url}/v1/completions"

@@ -1,0 +1,189 @@
+"""Online traffic beside low-priority load: overload at 2x, and a batch job.
+
+    pdserve bench priority --duration 30
+
+One local cluster (one region, one prefill and one decode instance), three
+runs of the same online workload (priority 0, Poisson at ``--rate``, by
+default the capacity measured first: completed requests per second with all
+``--probe-requests`` sent at once), side by side:
+
+- ``online``: alone, the baseline;
+- ``2x``: beside as many requests again of priority -1 (twice the offered load);
+- ``batch``: while ``pdserve batch`` runs a file of ``--batch-lines`` requests.
+
+Reported per run: online TTFT and TPOT p90 and SLO attainment; for the
+low-priority requests, how many were served, capped (fewer tokens than asked:
+admitted under overload with a capped ``max_tokens``) or refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench import workload as wl
+from pdserve.bench.loadgen import HttpClient, LoadOptions, run_load
+from pdserve.bench.report import RequestRecord, Slo, attainment, summarize, write_json
+
+CONFIG = """\
+model: {model}
+connector: shm
+engine: {{dtype: float32, max_num_batched_tokens: 512}}
+regions:
+  - name: local
+    prefill: {{count: 1, num_cpus_per_rank: 0.5}}
+    decode: {{count: 1, num_cpus_per_rank: 0.5}}
+slo: {{ttft_ms: {ttft_ms}, tpot_ms: {tpot_ms}}}
+server: {{host: 127.0.0.1, grpc_port: 0, http_port: 0}}
+auth: {{disabled: true}}
+router: {{max_inflight_per_region: {cap}, low_priority_share: 0.5, low_priority_max_tokens: 16}}
+"""
+
+
+def _specs(args: argparse.Namespace, seed: int, vocab: int) -> list[wl.RequestSpec]:
+    arrivals = wl.arrival_times("poisson", args.rate, None, args.duration, seed=seed)
+    n = len(arrivals)
+    prompts = np.full(n, args.prompt_len)
+    outputs = np.full(n, args.output_len)
+    return wl.build_requests(arrivals, prompts, outputs, vocab, (args.seed, seed))
+
+
+def _low_priority(records: list[RequestRecord]) -> dict[str, int]:
+    served = [r for r in records if r.ok]
+    return {
+        "sent": len(records),
+        "served": len(served),
+        "capped": sum(r.output_len < r.max_tokens for r in served),
+        "refused": sum(not r.ok and "429" in (r.error or "") for r in records),
+    }
+
+
+async def _run(base: str, args: argparse.Namespace, mode: str, slo: Slo) -> dict[str, Any]:
+    online = HttpClient(base, None, "", 0.0, 600.0)
+    low = HttpClient(base, None, "", 0.0, 600.0, {"priority": -1})
+    for client in (online, low):
+        client.model = await client.model_name()
+    quiet = LoadOptions(progress=False)
+    try:
+        jobs: list[Any] = [run_load(online, _specs(args, 1, args.vocab), options=quiet)]
+        if mode == "2x":
+            jobs.append(run_load(low, _specs(args, 2, args.vocab), options=quiet))
+        elif mode == "batch":
+            jobs.append(_batch_job(base, args, online.model))
+        results = await asyncio.gather(*jobs)
+    finally:
+        await online.close()
+        await low.close()
+    records = results[0]
+    out: dict[str, Any] = {
+        "online": summarize(records, slo),
+        "online_attainment": attainment(records, slo),
+    }
+    if mode == "2x":
+        out["low_priority"] = _low_priority(results[1])
+    elif mode == "batch":
+        out["batch"] = results[1]
+    return out
+
+
+async def _batch_job(base: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+    from pdserve.deploy.batch import BatchRunner
+
+    with tempfile.TemporaryDirectory() as folder:
+        src, out = Path(folder) / "in.jsonl", Path(folder) / "out.jsonl"
+        body = {"model": model, "max_tokens": args.output_len, "ignore_eos": True}
+        lines = [
+            {"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+             "body": {**body, "prompt": spec.prompt_token_ids and list(spec.prompt_token_ids)}}
+            for i, spec in enumerate(_specs(args, 3, args.vocab)[: args.batch_lines])
+        ]  # fmt: skip
+        src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        runner = BatchRunner(base, None, concurrency=args.batch_concurrency)
+        summary = await runner.run(src, out, progress=False)
+        return {
+            "lines": summary.lines,
+            "succeeded": summary.succeeded,
+            "retries": summary.retries,
+            "errors": summary.errors,
+        }
+
+
+async def _capacity(base: str, args: argparse.Namespace) -> float:
+    """Requests per second the cluster completes when everything is sent at once."""
+    client = HttpClient(base, None, "", 0.0, 600.0)
+    client.model = await client.model_name()
+    arrivals = np.zeros(args.probe_requests)
+    n = len(arrivals)
+    specs = wl.build_requests(
+        arrivals, np.full(n, args.prompt_len), np.full(n, args.output_len), args.vocab, (9,)
+    )
+    try:
+        records = await run_load(client, specs, options=LoadOptions(progress=False))
+    finally:
+        await client.close()
+    return float(summarize(records, Slo())["throughput_rps"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.bench.local import local_cluster
+    from pdserve.core.builtin_models import resolve_model
+    from pdserve.core.model_config import ModelConfig
+
+    args.vocab = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
+    slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+    text = CONFIG.format(
+        model=args.model, ttft_ms=args.ttft_slo_ms, tpot_ms=args.tpot_slo_ms, cap=args.cap
+    )
+    results: dict[str, Any] = {}
+    with local_cluster(text, num_cpus=4) as (endpoints, _):
+        base = f"http://{endpoints.host}:{endpoints.http_port}"
+        if args.rate is None:
+            results["capacity_rps"] = asyncio.run(_capacity(base, args))
+            args.rate = results["capacity_rps"]
+            print(f"capacity {args.rate:.2f} req/s: online at that rate, 2x with priority -1")
+        for mode in ("online", "2x", "batch"):
+            results[mode] = asyncio.run(_run(base, args, mode, slo))
+            print(_line(mode, results[mode]), flush=True)
+    write_json(Path(args.out), {"options": {k: v for k, v in vars(args).items() if k != "func"},
+                                "results": results})  # fmt: skip
+    return 0
+
+
+def _line(mode: str, r: dict[str, Any]) -> str:
+    o = r["online"]
+    text = (
+        f"{mode:7s} online: TTFT p90 {o['ttft_ms'].get('p90', float('nan')):8.1f} ms, "
+        f"TPOT p90 {o['tpot_ms'].get('p90', float('nan')):6.1f} ms, "
+        f"SLO met {r['online_attainment']:.0%} of {o['num_requests']}"
+    )
+    if "low_priority" in r:
+        text += f" | priority -1: {r['low_priority']}"
+    if "batch" in r:
+        text += f" | batch: {r['batch']}"
+    return text
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("priority", help="online SLOs beside low-priority load and a batch job")
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument(
+        "--rate", type=float, default=None, help="online req/s (default: the measured capacity)"
+    )
+    p.add_argument("--probe-requests", type=int, default=48)
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--cap", type=int, default=16, help="router.max_inflight_per_region")
+    p.add_argument("--batch-lines", type=int, default=200)
+    p.add_argument("--batch-concurrency", type=int, default=8)
+    p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    p.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/out/priority.json")
+    p.set_defaults(func=run)
