@@ -7,7 +7,8 @@ engine loop died or stalled is marked unhealthy (status shows why), killed,
 reported to the router (which moves its requests) and replaced, on a thread
 of its own. The same loop reads the instances' counters for the metrics,
 retries failed starts that are due, and sends the router the cluster's
-snapshot.
+snapshot; every few rounds it also reads MoE instances' expert counters from
+all their ranks.
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import RayActorError
 
+from pdserve.cluster.expert_load import ExpertLoadReader
 from pdserve.cluster.instances import Instance, best_effort, first_line
 from pdserve.cluster.status import InstanceStatus
+from pdserve.core.snapshot import ExpertLoad
 
 if TYPE_CHECKING:
     from pdserve.cluster.controller import Controller
 
 logger = logging.getLogger(__name__)
+
+EXPERT_LOAD_EVERY = 5  # health rounds between reads of the MoE ranks' expert counters
 
 
 class HealthChecks:
@@ -34,6 +39,9 @@ class HealthChecks:
 
     def __init__(self, controller: Controller) -> None:
         self.c = controller
+        self._reader = ExpertLoadReader()
+        self._experts: dict[str, ExpertLoad] = {}
+        self._rounds = 0
 
     def check(self) -> None:
         with self.c._lock:
@@ -57,9 +65,20 @@ class HealthChecks:
             for (name, instance), ref in zip(everyone, stats, strict=True)
             if ref in counted and (s := best_effort([ref])[0]) is not None
         ]
+        self._expert_load(everyone, read)
         self.c.scale_log.counters = read
         self.c._retry_due()
         self.c._push_snapshot()
+
+    def _expert_load(self, everyone: list[tuple[str, Instance]], read: list[Any]) -> None:
+        """Every ``EXPERT_LOAD_EVERY`` rounds, MoE instances' expert counters from all ranks."""
+        if not self.c.model.is_moe:
+            return
+        if self._rounds % EXPERT_LOAD_EVERY == 0:
+            self._experts = self._reader.read([i for _, i in everyone], self.c.health.interval_s)
+        self._rounds += 1
+        for counters in read:
+            counters.expert_load = self._experts.get(counters.instance_id)
 
     def _problem(self, ref: Any, answered: bool) -> str | None:
         """Why a leader's health answer says it cannot serve, or None."""

@@ -202,6 +202,21 @@ CATALOG: tuple[MetricSpec, ...] = (
         source="instance",
     ),
     MetricSpec(
+        "pdserve_moe_expert_tokens_total",
+        "counter",
+        "Tokens routed to each expert of each MoE layer of an instance (all its ranks).",
+        (*_INSTANCE, "layer", "expert"),
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_moe_imbalance_ratio",
+        "gauge",
+        "Max over mean tokens per expert (over=expert) or per EP rank (over=rank) of an MoE "
+        "layer, over the tokens routed since the previous read.",
+        (*_INSTANCE, "layer", "over"),
+        source="instance",
+    ),
+    MetricSpec(
         "pdserve_kv_tier_hits_total",
         "counter",
         "Prefix blocks found below the device pool (tier: host, disk) and loaded back.",

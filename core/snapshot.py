@@ -31,6 +31,16 @@ class InstanceCounters:
     transfers: list[dict[str, Any]] = field(default_factory=list)
     leases: dict[str, int] = field(default_factory=dict)
     kv_tiers: KVTierCounters | None = None
+    expert_load: ExpertLoad | None = None
+
+
+@dataclass
+class ExpertLoad:
+    """One MoE instance's expert load (see ``pdserve.cluster.expert_load``)."""
+
+    tokens: dict[int, list[int]]  # layer -> tokens routed to each expert since start
+    by_expert: dict[int, float]  # layer -> max over mean per expert, recent tokens
+    by_rank: dict[int, float]  # layer -> max over mean per EP rank, recent tokens
 
 
 @dataclass
@@ -123,6 +133,8 @@ class SnapshotCollector(Collector):
                 fams["pdserve_leases_total"].add_metric([*who, outcome], n)
             if i.kv_tiers is not None:
                 _add_tiers(fams, who, i.kv_tiers)
+            if i.expert_load is not None:
+                _add_experts(fams, who, i.expert_load)
         yield from fams.values()
 
 
@@ -161,3 +173,14 @@ def _add_region(fams: dict[str, CounterMetricFamily | GaugeMetricFamily], r: Reg
         [r.region, "actual"],
         r.serving.get("prefill", 0) / max(r.serving.get("decode", 0), 1),
     )
+
+
+def _add_experts(
+    fams: dict[str, CounterMetricFamily | GaugeMetricFamily], who: list[str], load: ExpertLoad
+) -> None:
+    for layer, tokens in load.tokens.items():
+        for expert, n in enumerate(tokens):
+            fams["pdserve_moe_expert_tokens_total"].add_metric([*who, str(layer), str(expert)], n)
+    for over, values in (("expert", load.by_expert), ("rank", load.by_rank)):
+        for layer, ratio in values.items():
+            fams["pdserve_moe_imbalance_ratio"].add_metric([*who, str(layer), over], ratio)

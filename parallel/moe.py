@@ -72,6 +72,9 @@ class SparseMoE(nn.Module):
             torch.empty(self.local_experts, hidden_size, self.inter, dtype=dtype),
             requires_grad=False,
         )
+        # Tokens this rank routed to each expert since start, counted on the device
+        # and read out only when someone asks (see ``expert_load``).
+        self.routed = torch.zeros(num_experts, dtype=torch.int64, device=self.gate.device)
 
     def owns(self, expert: int) -> bool:
         return self.expert_start <= expert < self.expert_start + self.local_experts
@@ -120,13 +123,27 @@ class SparseMoE(nn.Module):
         if self.ctx.ep_size > 1:
             return self._forward_expert_parallel(x)
         weights, experts = self.ops.route(F.linear(x, self.gate), self.top_k)
+        self._count(experts)
         return self.ctx.tp_all_reduce(self.expert_outputs(x, weights, experts))
+
+    def _count(self, experts: torch.Tensor) -> None:
+        self.routed += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+
+    @property
+    def counts_all_tokens(self) -> bool:
+        """This rank's counters see its share of the tokens exactly once.
+
+        With experts split over ranks each routes its own slice of the tokens;
+        otherwise every TP rank routes all of them, and the first one counts.
+        """
+        return self.ctx.ep_size > 1 or self.ctx.tp_rank == 0
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
         group, ep, rank = self.ctx.ep_group, self.ctx.ep_size, self.ctx.ep_rank
         lo, hi = split_evenly(x.shape[0], ep, rank)
         mine = x[lo:hi]  # [t, H]: the tokens this rank routes
         weights, experts = self.ops.route(F.linear(mine, self.gate), self.top_k)  # [t, k]
+        self._count(experts)
         pair_token = torch.arange(mine.shape[0], device=x.device).repeat_interleave(self.top_k)
         pair_expert = experts.reshape(-1)
         order = torch.argsort(pair_expert // self.local_experts, stable=True)
@@ -192,3 +209,17 @@ def _all_gather_rows(
         lo, hi = split_evenly(total, parts, r)
         pieces.append(g[: hi - lo])
     return torch.cat(pieces)
+
+
+def expert_load(model: nn.Module, layer_start: int) -> dict[int, list[int]]:
+    """Tokens routed per expert since start, per global layer, as this rank counted them.
+
+    Empty on a rank whose counts would repeat another's (a TP rank past the
+    first when experts are not split), and for dense models.
+    """
+    out: dict[int, list[int]] = {}
+    for i, layer in enumerate(getattr(model, "layers", ())):
+        moe = getattr(layer, "mlp", None)
+        if isinstance(moe, SparseMoE) and moe.counts_all_tokens:
+            out[layer_start + i] = moe.routed.tolist()
+    return out

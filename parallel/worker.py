@@ -45,6 +45,7 @@ from pdserve.parallel.groups import (
     store_address,
 )
 from pdserve.parallel.model_runner import KVAllocator, ModelRunner, resolve_device
+from pdserve.parallel.moe import expert_load
 from pdserve.parallel.pipeline import StageExecutor, StepHooks
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,11 @@ class RankWorker:
 
     def ping(self) -> float:
         return time.monotonic()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens this rank routed per expert since start, per global MoE layer."""
+        assert self.runner is not None
+        return expert_load(self.runner.model, self.runner.layer_range[0])
 
     def shutdown(self) -> None:
         if self.engine is not None:

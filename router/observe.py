@@ -126,6 +126,7 @@ class Observer:
         snap = self.cluster.snapshot
         states = {r.region: r for r in snap.regions} if snap else {}
         totals = _region_totals(snap)
+        moe = _moe_imbalance(snap)
         point: dict[str, Any] = {"t": now_wall, "regions": {}}
         for spec in router.config.regions:
             name = spec.name
@@ -155,6 +156,7 @@ class Observer:
                 "transfer_bytes_per_s": rates.get("sent", 0.0),
                 "tier_hits_per_s": {tier: rates.get(tier, 0.0) for tier in ("host", "disk")},
                 "tier_misses_per_s": rates.get("misses", 0.0),
+                "moe_imbalance": moe.get(name),
             }
         self.history.append(point)
         return point
@@ -237,6 +239,19 @@ def _region_totals(snap: ClusterSnapshot | None) -> dict[str, dict[str, float]]:
             for tier, n in i.kv_tiers.hits.items():
                 total[tier] = total.get(tier, 0.0) + n
             total["misses"] = total.get("misses", 0.0) + i.kv_tiers.misses
+    return out
+
+
+def _moe_imbalance(snap: ClusterSnapshot | None) -> dict[str, dict[str, float]]:
+    """Per region, the worst MoE layer's imbalance over EP ranks and over experts."""
+    out: dict[str, dict[str, float]] = {}
+    for i in snap.instances if snap else []:
+        load = i.expert_load
+        if load is None or not load.by_rank:
+            continue
+        worst = out.setdefault(i.region, {"rank": 0.0, "expert": 0.0})
+        worst["rank"] = max(worst["rank"], *load.by_rank.values())
+        worst["expert"] = max(worst["expert"], *load.by_expert.values())
     return out
 
 

@@ -28,6 +28,9 @@ const CHARTS = [
       { label: "host hits", get: r => r.tier_hits_per_s && r.tier_hits_per_s.host },
       { label: "disk hits", get: r => r.tier_hits_per_s && r.tier_hits_per_s.disk },
       { label: "misses", get: r => r.tier_misses_per_s }] },
+  { id: "moe", title: "MoE imbalance, worst layer (max/mean)", lines: [
+      { label: "per EP rank", get: r => r.moe_imbalance && r.moe_imbalance.rank },
+      { label: "per expert", get: r => r.moe_imbalance && r.moe_imbalance.expert }] },
 ];
 
 function regionBox(name) {
