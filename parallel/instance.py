@@ -83,25 +83,12 @@ class RankGroup:
         try:
             ray.get(pg.ready(), timeout=res.start_timeout_s)
             clock.mark("schedule")
-            # Control and health calls never queue behind the data path (see
-            # pdserve.cluster.worker); RankWorker itself uses neither group.
-            # (Ray's typed overloads of ray.remote omit concurrency_groups.)
-            actor = ray.remote(concurrency_groups={"control": 16, "health": 4})(  # type: ignore[call-overload]
-                worker_cls
-            )
             threads = res.torch_threads or max(1, int(res.num_cpus))
-            for rank in range(layout.world_size):
-                spec = RankSpec(rank, layout, model, engine, res.collective_timeout_s, threads)
-                workers.append(
-                    actor.options(
-                        num_cpus=res.num_cpus,
-                        num_gpus=res.num_gpus,
-                        max_concurrency=64,  # the default group: the data path
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            pg, placement_group_bundle_index=rank
-                        ),
-                    ).remote(spec, *worker_args)
-                )
+            specs = [
+                RankSpec(rank, layout, model, engine, res.collective_timeout_s, threads)
+                for rank in range(layout.world_size)
+            ]
+            workers.extend(_spawn(worker_cls, worker_args, specs, res, pg))
             address = _get(workers[0].rendezvous.remote(), res.start_timeout_s)
             _get([w.ping.remote() for w in workers], res.start_timeout_s)
             clock.mark("spawn")
@@ -142,6 +129,33 @@ class RankGroup:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.placement_group)
+
+
+def _spawn(
+    worker_cls: type[RankWorker],
+    worker_args: tuple[Any, ...],
+    specs: list[RankSpec],
+    res: RankResources,
+    pg: Any,
+) -> list[Any]:
+    """One actor per rank, each in its bundle of the instance's placement group."""
+    # Control and health calls never queue behind the data path (see
+    # pdserve.cluster.worker); RankWorker itself uses neither group.
+    # (Ray's typed overloads of ray.remote omit concurrency_groups.)
+    actor = ray.remote(concurrency_groups={"control": 16, "health": 4})(  # type: ignore[call-overload]
+        worker_cls
+    )
+    return [
+        actor.options(
+            num_cpus=res.num_cpus,
+            num_gpus=res.num_gpus,
+            max_concurrency=64,  # the default group: the data path
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=spec.rank
+            ),
+        ).remote(spec, *worker_args)
+        for spec in specs
+    ]
 
 
 class PhaseClock:
