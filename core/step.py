@@ -117,7 +117,7 @@ class TierWrite:
 
 @dataclass(frozen=True)
 class TierOps:
-    """A step's KV-tier work: loads before the forward, writes beside it.
+    """A step's KV-tier work: loads before the forward, writes (mostly) beside it.
 
     Every rank runs the same ops on its own shard of each block; all are done
     when the step returns.
@@ -125,6 +125,9 @@ class TierOps:
 
     loads: list[TierLoad] = field(default_factory=list)
     writes: list[TierWrite] = field(default_factory=list)
+    # The first ``sync_writes`` writes read device blocks this step reuses: they
+    # run before the loads and the forward; the rest run beside the forward.
+    sync_writes: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.writes)
@@ -133,12 +136,13 @@ class TierOps:
         return [
             [[x.tier, x.slot, x.block_hash, x.block] for x in self.loads],
             [[w.kind, w.block, w.slot, w.block_hash] for w in self.writes],
+            self.sync_writes,
         ]
 
     @classmethod
     def from_list(cls, v: list[Any]) -> TierOps:
-        loads, writes = v
-        return cls([TierLoad(*x) for x in loads], [TierWrite(*w) for w in writes])
+        loads, writes, sync = v
+        return cls([TierLoad(*x) for x in loads], [TierWrite(*w) for w in writes], sync)
 
 
 @dataclass(frozen=True)

@@ -100,8 +100,9 @@ class KVCacheManager:
         self.tiers = tiers if tiers is not None and tiers.enabled and enable_caching else None
         if self.tiers is not None:
             self.pool.on_evict = lambda _block, block_hash: self._tiers().evicted(block_hash)
-        # Requests whose offloaded prefix blocks are being copied back this step.
-        self._loading: dict[str, tuple[list[KVBlock], list[bytes], int]] = {}
+        # Requests whose offloaded prefix blocks are copied back this step:
+        # (device prefix held, blocks being loaded, their hashes, priority).
+        self._loading: dict[str, tuple[list[KVBlock], list[KVBlock], list[bytes], int]] = {}
         self._tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each table are indexed in the prefix cache.
         self._num_cached: dict[str, int] = {}
@@ -176,13 +177,26 @@ class KVCacheManager:
             return []
         return self.tiers.find(request.block_hashes[num_device_hits:max_blocks])
 
-    def start_loads(self, request: Request, hits: Sequence[TierHit]) -> bool:
-        """Take device blocks for ``hits``; the next step copies them back. False: no room."""
-        if not hits or len(hits) > self.pool.num_free_blocks:
+    def start_loads(
+        self, request: Request, device_prefix: Sequence[KVBlock], hits: Sequence[TierHit]
+    ) -> bool:
+        """Take device blocks for ``hits``; the next step copies them back. False: no room.
+
+        The request's device prefix is held meanwhile, so taking blocks for the
+        loads cannot evict it.
+        """
+        reclaimed = sum(1 for b in device_prefix if b.ref_cnt == 0)
+        if not hits or len(hits) > self.pool.num_free_blocks - reclaimed:
             return False
+        self.pool.touch(device_prefix)
         blocks = self.pool.allocate(len(hits))
         priority = request.sampling_params.priority
-        self._loading[request.request_id] = (blocks, [h.block_hash for h in hits], priority)
+        self._loading[request.request_id] = (
+            list(device_prefix),
+            blocks,
+            [h.block_hash for h in hits],
+            priority,
+        )
         self._tiers().load(hits, [b.block_id for b in blocks])
         return True
 
@@ -194,11 +208,11 @@ class KVCacheManager:
         """
         flags = list(ok) if len(ok) == len(loads) else [False] * len(loads)
         landed = {load.block: good for load, good in zip(loads, flags, strict=True)}
-        for blocks, hashes, priority in self._loading.values():
+        for prefix, blocks, hashes, priority in self._loading.values():
             for block, block_hash in zip(blocks, hashes, strict=True):
                 if not landed.get(block.block_id, False) or not self.pool.cache(block, block_hash):
                     break
-            self.pool.free(reversed(blocks), priority)
+            self.pool.free(reversed(prefix + blocks), priority)
         if self.tiers is not None:
             self.tiers.loads_done(loads, flags)
         loaded, self._loading = list(self._loading), {}
@@ -302,7 +316,8 @@ class KVCacheManager:
         """Raise AssertionError if any reference count, queue or index disagrees."""
         refs: dict[int, int] = {}
         tables = dict(self._tables)
-        tables.update({f"{rid} (loading)": blocks for rid, (blocks, _, _) in self._loading.items()})
+        for rid, (prefix, blocks, _, _) in self._loading.items():
+            tables[f"{rid} (loading)"] = prefix + blocks
         for rid, table in tables.items():
             ids = [b.block_id for b in table]
             assert len(ids) == len(set(ids)), f"request {rid} holds a block twice"

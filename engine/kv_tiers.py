@@ -9,7 +9,8 @@ with each step (:class:`~pdserve.core.step.TierOps`)::
     host / disk --load (a prefix hit below the device)--> a device block
 
 Each tier is a :class:`BlockPool` of slots with its own eviction policy; a slot
-holds one block hash. Writes run on the ranks beside the step's forward and are
+holds one block hash. Writes run on the ranks beside the step's forward (those
+that read a device block the step itself reuses run just before it) and are
 done when the step returns, so between steps the index and the bytes agree. A
 load that fails (a disk file missing or failing its checksum) is a cache miss:
 the block is recomputed, never used.
@@ -75,6 +76,9 @@ class KVTiers:
         self._loads: list[TierLoad] = []
         self._loading: list[tuple[BlockPool, KVBlock]] = []
         self._writes: list[TierWrite] = []
+        # Stores queued for the next step, by hash: their index in ``_writes``.
+        self._queued: dict[bytes, int] = {}
+        self._sync = 0  # leading writes that must land before the step writes KV
 
     def _tier(self, slots: int, policy: str, idle_s: float, field: str) -> BlockPool | None:
         if slots <= 0:
@@ -91,18 +95,31 @@ class KVTiers:
         """A device block became a full prefix block: copy it down at the next step."""
         self._pending[block_hash] = (block_id, priority)
 
-    def evicted(self, block_hash: bytes) -> None:
-        """The device pool reused a block before its copy went down: forget the copy."""
-        self._pending.pop(block_hash, None)
-
-    def take_ops(self) -> TierOps:
-        """The ops of the step about to run (loads first, then writes, in order)."""
+    def begin_step(self) -> None:
+        """Queue the copies of the blocks cached since the last step (before allocating)."""
         for block_hash, (block_id, priority) in self._pending.items():
             self._store(block_id, block_hash, priority)
         self._pending.clear()
+
+    def evicted(self, block_hash: bytes) -> None:
+        """The device pool hands out a cached block.
+
+        Between steps its bytes may be overwritten at once (a KV transfer into a
+        reservation), so a copy not yet queued is forgotten. Within a step's
+        scheduling, a queued copy must land before the step writes into the
+        block: it and every write queued before it run ahead of the forward.
+        """
+        self._pending.pop(block_hash, None)
+        index = self._queued.get(block_hash)
+        if index is not None:
+            self._sync = max(self._sync, index + 1)
+
+    def take_ops(self) -> TierOps:
+        """The ops of the step about to run: leading writes, loads, the other writes."""
+        self.begin_step()
         self._sweep_idle()
-        ops = TierOps(self._loads, self._writes)
-        self._loads, self._writes = [], []
+        ops = TierOps(self._loads, self._writes, self._sync)
+        self._loads, self._writes, self._queued, self._sync = [], [], {}, 0
         return ops
 
     def _store(self, block_id: int, block_hash: bytes, priority: int) -> None:
@@ -112,6 +129,7 @@ class KVTiers:
         slot = top.allocate(1)[0]  # may demote or drop the victim first
         top.cache(slot, block_hash)
         kind = "store" if top is self.host else "save"
+        self._queued[block_hash] = len(self._writes)
         self._writes.append(TierWrite(kind, block_id, slot.block_id, block_hash))
         top.free([slot], priority)
         self.counters.stores += 1

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pdserve.core.config import SchedulerConfig
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan, TierOps
+from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
 
 MAX_TIER_LOADS = 2
@@ -116,6 +117,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Pick this step's batch and reserve its KV slots."""
+        if self.kv.tiers is not None:
+            self.kv.tiers.begin_step()  # before allocating: victims' copies go first
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         preempted = False
@@ -180,7 +183,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = self.kv.find_cached_prefix(request)
-            if self._load_offloaded(request, len(prefix)):
+            if self._load_offloaded(request, prefix):
                 continue
             computed = len(prefix) * self.kv.block_size
             num_new = min(request.num_tokens - computed, budget)
@@ -195,7 +198,7 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _load_offloaded(self, request: Request, num_device_hits: int) -> bool:
+    def _load_offloaded(self, request: Request, prefix: list[KVBlock]) -> bool:
         """Start copying the request's offloaded prefix back; it waits out this step.
 
         A request loads at most ``MAX_TIER_LOADS`` times: if its blocks keep being
@@ -203,11 +206,11 @@ class Scheduler:
         """
         if request.num_tier_loads >= MAX_TIER_LOADS:
             return False
-        hits = self.kv.find_offloaded(request, num_device_hits)
+        hits = self.kv.find_offloaded(request, len(prefix))
         # Leave a block per running request, so loading does not preempt one next step.
         if not hits or len(hits) + len(self.running) > self.kv.num_free_blocks:
             return False
-        if not self.kv.start_loads(request, hits):
+        if not self.kv.start_loads(request, prefix, hits):
             return False
         self.waiting.popleft()
         self.loading.append(request)

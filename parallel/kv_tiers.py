@@ -9,10 +9,11 @@ rank keeps its own shard of every offloaded block::
                 [4-byte header length][msgpack header][raw bytes]; the header
                 carries the hash, dtype, shape and a blake2b checksum of the bytes
 
-Each step the rank runs the plan's loads first (a disk file that is missing,
-for another hash, or fails its checksum is a failed load, reported to the
-engine as a cache miss), then starts the writes on a background thread while
-the forward runs, and waits for them before the step returns.
+Each step the rank first runs the writes that read device blocks the step
+reuses, then the plan's loads (a disk file that is missing, for another hash,
+or fails its checksum is a failed load, reported to the engine as a cache
+miss), then starts the other writes on a background thread while the forward
+runs, and waits for them before the step returns.
 """
 
 from __future__ import annotations
@@ -93,10 +94,12 @@ class TierStore:
     # -- the step ---------------------------------------------------------------------
 
     def start(self, ops: TierOps, kv_cache: torch.Tensor) -> list[bool]:
-        """Run the loads; start the writes. Returns a flag per load."""
+        """Run the leading writes and the loads; start the other writes. A flag per load."""
+        self._write_all(ops.writes[: ops.sync_writes], kv_cache)
         ok = [self._load(load, kv_cache) for load in ops.loads]
-        if ops.writes:
-            self._writing = self._pool.submit(self._write_all, ops.writes, kv_cache)
+        if len(ops.writes) > ops.sync_writes:
+            rest = ops.writes[ops.sync_writes :]
+            self._writing = self._pool.submit(self._write_all, rest, kv_cache)
         return ok
 
     def finish(self) -> None:

@@ -161,3 +161,17 @@ def test_router_events_count_a_block_held_in_any_tier():
     assert added == [] and removed == [first.block_hashes[0]], "block 1 is still on the host"
     kv.free(other)
     kv.check_integrity()
+
+
+def test_a_copy_of_a_block_reused_in_the_same_step_lands_before_the_step_writes():
+    tiers = KVTiers(host_slots=4, disk_slots=0)
+    for i, name in enumerate((b"a", b"b", b"c")):
+        tiers.cached(i, name, 0)
+    tiers.begin_step()  # the scheduler queues the copies before it allocates
+    tiers.evicted(b"b")  # ... then hands out device block 1
+    ops = tiers.take_ops()
+    assert [w.block_hash for w in ops.writes] == [b"a", b"b", b"c"]
+    assert ops.sync_writes == 2, "b, and everything queued before it, runs first"
+    tiers.cached(5, b"d", 0)
+    tiers.evicted(b"d")  # between steps (a reservation): the copy is dropped
+    assert tiers.take_ops().writes == []
