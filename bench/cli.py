@@ -21,6 +21,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         router,
         serve,
         soak,
+        spec,
         transfer,
     )
 
@@ -37,3 +38,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     quant.add_parser(kinds)
     multiturn.add_parser(kinds)
     priority.add_parser(kinds)
+    spec.add_parser(kinds)

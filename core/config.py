@@ -15,6 +15,7 @@ from pdserve.core.errors import InvalidArgumentError
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _EVICTION_POLICIES = ("lru", "idle", "priority")
 _QUANTIZATIONS = ("none", "int8", "int4")
+_SPECULATIVE_METHODS = ("none", "ngram")
 
 
 def _positive(name: str, value: int) -> None:
@@ -165,6 +166,57 @@ class DisaggregationConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of running requests (see ``engine/speculative.py``).
+
+    Attributes:
+        method: "none"; "ngram": drafts by prompt lookup in the request's own tokens.
+        num_speculative_tokens: most draft tokens verified per request and step.
+        prompt_lookup_min: shortest tail n-gram looked up in the request's tokens.
+        prompt_lookup_max: longest tail n-gram looked up (tried first).
+        max_batch: a step with more decoding requests than this drafts nothing
+            (``speculative_max_batch``): a verifying row costs ``k + 1`` tokens of
+            compute, which a large batch pays for and a small one hardly does.
+        min_acceptance: a request whose running acceptance rate falls below this
+            drafts only on occasional probe steps (``speculative_min_acceptance``).
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    max_batch: int = 8
+    min_acceptance: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPECULATIVE_METHODS:
+            raise InvalidArgumentError(
+                "speculative_method", f"must be one of {_SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise InvalidArgumentError("prompt_lookup_max", "must be >= prompt_lookup_min")
+        _positive("speculative_max_batch", self.max_batch)
+        if not 0 <= self.min_acceptance <= 1:
+            raise InvalidArgumentError("speculative_min_acceptance", "must be in [0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @staticmethod
+    def flat_names() -> dict[str, str]:
+        """Flat option name (API, CLI) -> field name."""
+        prefixed = ("method", "max_batch", "min_acceptance")
+        return {
+            (f"speculative_{name}" if name in prefixed else name): name
+            for name in SpeculativeConfig.__dataclass_fields__
+        }
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance is built from.
 
@@ -180,6 +232,7 @@ class EngineConfig:
         quantization: "none"; "int8": weight-only int8 of the dense linears (one
             symmetric scale per output channel); "int4": 4-bit, one scale per
             output channel and group of 32 inputs. See ``parallel/quant.py``.
+        speculative: speculative decoding of running requests (off by default).
     """
 
     model: str
@@ -193,6 +246,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -223,9 +277,13 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         "parallel": ParallelConfig.__dataclass_fields__,
     }
     top: dict[str, Any] = {}
+    speculative: dict[str, Any] = {}
+    spec_names = SpeculativeConfig.flat_names()
     for name, value in kwargs.items():
         group = next((g for g, names in fields.items() if name in names), None)
-        if group is not None:
+        if name in spec_names:
+            speculative[spec_names[name]] = value
+        elif group is not None:
             groups[group][name] = value
         elif name in EngineConfig.__dataclass_fields__:
             top[name] = value
@@ -236,5 +294,6 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         cache=CacheConfig(**groups["cache"]),
         scheduler=SchedulerConfig(**groups["scheduler"]),
         parallel=ParallelConfig(**groups["parallel"]),
+        speculative=SpeculativeConfig(**speculative),
         **top,
     )

@@ -42,6 +42,10 @@ class ScheduledSeq:
         block_table: physical block ids covering positions ``0 .. start_pos+len-1``.
         sampling: set when this chunk ends the request's known tokens, so the step
             samples its next token; None for a prompt chunk with more to come.
+        num_draft_tokens: the last this many of ``token_ids`` are speculative
+            drafts (they follow the request's last known token). The step returns
+            the target's token at each draft's position while the drafts agree
+            with it, then one more (``StepResult.extra``).
     """
 
     request_id: str
@@ -49,6 +53,7 @@ class ScheduledSeq:
     start_pos: int
     block_table: list[int]
     sampling: RowSampling | None = None
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +178,7 @@ class StepPlan:
                 s.start_pos,
                 s.block_table,
                 None if s.sampling is None else _sampling_to_list(s.sampling),
+                s.num_draft_tokens,
             ]
             for s in self.seqs
         ]
@@ -197,8 +203,10 @@ class StepPlan:
         return cls(
             step_id=step_id,
             seqs=[
-                ScheduledSeq(rid, toks, start, table, None if s is None else _sampling_from_list(s))
-                for rid, toks, start, table, s in seqs
+                ScheduledSeq(
+                    rid, toks, start, table, None if s is None else _sampling_from_list(s), drafts
+                )
+                for rid, toks, start, table, s, drafts in seqs
             ],
             finished_request_ids=finished,
             kv_sends=[KVSend(*k) for k in sends],
@@ -220,6 +228,9 @@ def _sampling_from_list(v: list[Any]) -> RowSampling:
 class StepResult:
     """Sampled tokens of one step, keyed by request id (sampling rows only).
 
+    ``sampled`` holds each row's first new token; ``extra`` the tokens after it,
+    for rows that verified drafts (the accepted drafts' successors: a row with
+    ``j`` accepted drafts yields ``1 + j`` tokens in all).
     ``kv_transfer_ok`` is False when some rank could not deliver the pages the
     plan's ``kv_sends`` named: those requests must not be handed off.
     ``loads_ok`` has one flag per ``tier_ops.loads`` entry of the plan: True when
@@ -230,3 +241,25 @@ class StepResult:
     sampled: dict[str, int]
     kv_transfer_ok: bool = True
     loads_ok: list[bool] = field(default_factory=list)
+    extra: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_tokens(
+        cls,
+        step_id: int,
+        tokens: dict[str, list[int]],
+        kv_transfer_ok: bool = True,
+        loads_ok: list[bool] | None = None,
+    ) -> StepResult:
+        """A result from each row's new tokens (one, or more after verified drafts)."""
+        return cls(
+            step_id,
+            {rid: t[0] for rid, t in tokens.items()},
+            kv_transfer_ok,
+            loads_ok if loads_ok is not None else [],
+            {rid: t[1:] for rid, t in tokens.items() if len(t) > 1},
+        )
+
+    def tokens(self, request_id: str) -> list[int]:
+        """Every new token of one sampling row, in order."""
+        return [self.sampled[request_id], *self.extra.get(request_id, ())]

@@ -54,6 +54,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "--ep", type=int, default=1)
+    p.add_argument(
+        "--speculative-method", default="none", help="none or ngram (prompt-lookup drafts)"
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,6 +80,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "expert_parallel_size": args.expert_parallel_size,
+        "speculative_method": args.speculative_method,
+        "num_speculative_tokens": args.num_speculative_tokens,
     }
 
 

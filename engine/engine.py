@@ -55,7 +55,9 @@ class EngineCore:
         num_blocks = executor.num_kv_blocks
         self.max_model_len = resolve_max_model_len(config, model, num_blocks)
         self.kv = KVCacheManager.from_config(config.cache, num_blocks, executor.tier_slots)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, self.max_model_len, speculative=config.speculative
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.eos_token_ids = model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
@@ -232,13 +234,28 @@ class EngineCore:
             self.on_transfer_failure(plan)
         self.scheduler.loads_done(plan, result.loads_ok)
         outputs = [out for rid in failed if (out := self._fail(rid)) is not None]
-        for request in self.scheduler.update(plan, result.sampled):
-            detok = self._detok[request.request_id]
-            stop = detok.update(request.token_ids[-1:])
-            if stop is not None and not request.finished:
-                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
-            outputs.append(self._output(request, request.token_ids[-1:]))
+        requests = self.scheduler.requests
+        before = {
+            s.request_id: r.num_tokens for s in plan.seqs if (r := requests.get(s.request_id))
+        }
+        for request in self.scheduler.update(plan, result.sampled, result.extra):
+            new = request.token_ids[before[request.request_id] :]
+            outputs.append(self._output(request, self._detokenize(request, new)))
         return outputs
+
+    def _detokenize(self, request: Request, new: list[int]) -> list[int]:
+        """Feed a step's new tokens to the request's stop strings, one at a time.
+
+        A stop string completed by one token ends the request there: tokens the
+        step yielded after it (accepted drafts) are dropped. Returns the tokens kept.
+        """
+        detok = self._detok[request.request_id]
+        for i, token in enumerate(new):
+            stop = detok.update([token])
+            if stop is not None and (not request.finished or i + 1 < len(new)):
+                self.scheduler.stop_at(request, request.num_tokens - (len(new) - i - 1), stop)
+                return new[: i + 1]
+        return new
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, list[str]]:
         """Run a plan; if it raises, find the requests it raised for.
@@ -260,6 +277,7 @@ class EngineCore:
         if self.kv.tiers is not None:  # what the failed step wrote down is suspect
             self.kv.tiers.forget_writes(plan.tier_ops.writes)
         sampled: dict[str, int] = {}
+        extra: dict[str, list[int]] = {}
         failed: list[str] = []
         transfer_ok = True
         for i, seq in enumerate(plan.seqs):
@@ -280,8 +298,9 @@ class EngineCore:
                 failed.append(rid)
                 continue
             sampled.update(result.sampled)
+            extra.update(result.extra)
             transfer_ok = transfer_ok and result.kv_transfer_ok
-        return StepResult(plan.step_id, sampled, transfer_ok), failed
+        return StepResult(plan.step_id, sampled, transfer_ok, extra=extra), failed
 
     def _fail(self, request_id: str) -> RequestOutput | None:
         """End a request whose step raised; its blocks are freed, never held."""

@@ -298,6 +298,20 @@ class KVCacheManager:
                 )
         self._num_cached[request.request_id] = max(start, end)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the table's blocks past those covering ``num_tokens`` tokens.
+
+        They held rejected drafts' KV only (never indexed: they lie past the
+        request's computed tokens).
+        """
+        table = self._tables.get(request.request_id)
+        keep = self.blocks_for(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(tail), request.sampling_params.priority)
+
     def free(self, request: Request) -> None:
         """Release every block of the request; tail blocks become evictable first."""
         table = self._tables.pop(request.request_id, None)

@@ -7,6 +7,9 @@ Each step shares a token budget (``max_num_batched_tokens``) among requests:
 3. waiting requests, first come first served, each starting from its longest
    prefix-cache hit; a prompt longer than the budget left is split.
 
+A decoding request may carry drafts (``engine/speculative.py``): its row is
+``[last token] + drafts``, all with KV slots and counted in the budget.
+
 When the pool has no block for a running request, the newest running request
 is preempted: its blocks are freed and it goes back to the front of the queue,
 to be recomputed from token 0 (prefix caching usually makes that cheap).
@@ -28,11 +31,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pdserve.core.config import SchedulerConfig
+from pdserve.core.config import SchedulerConfig, SpeculativeConfig
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan, TierOps
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.speculative import Speculator
 
 MAX_TIER_LOADS = 2
 
@@ -43,6 +47,7 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:  # fmt: skip
         """``clock``: where the request timestamps come from (a simulator passes its own)."""
         self.clock = clock
@@ -59,6 +64,8 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
+        self.spec = Speculator(speculative or SpeculativeConfig())
+        self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -124,12 +131,16 @@ class Scheduler:
         preempted = False
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        self._drafts = {}
+        drafting = self.spec.batch_allowed(len(decoding))
         for request in decoding + prefilling:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk(request, budget)
+            if drafting and request.num_tokens - request.num_computed_tokens == 1:
+                num_new += self._draft(request, budget - 1)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -163,6 +174,14 @@ class Scheduler:
             self.waiting.appendleft(request)
         self.loading.clear()
 
+    def _draft(self, request: Request, budget: int) -> int:
+        """Propose drafts that fit the budget, the context limit and the free blocks."""
+        drafts = self.spec.propose(request, budget, self.max_model_len)
+        if not drafts or not self.kv.can_allocate(request, 1 + len(drafts)):
+            return 0
+        self._drafts[request.request_id] = drafts
+        return len(drafts)
+
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
         cap = self.config.max_prefill_chunk or remaining
@@ -176,6 +195,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._drafts.pop(request.request_id, None)
         # Ranks may hold per-request state (e.g. sampling); tell them to drop it.
         self._finished_since_last_step.append(request.request_id)
 
@@ -221,8 +241,10 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         start = request.num_computed_tokens
+        drafts = self._drafts.get(request.request_id, [])
+        num_known = num_new - len(drafts)
         sampling = None
-        if start + num_new == request.num_tokens:
+        if start + num_known == request.num_tokens:
             p = request.sampling_params
             banned: tuple[int, ...] = ()
             if request.num_output_tokens < p.min_tokens:
@@ -237,23 +259,35 @@ class Scheduler:
             )
         return ScheduledSeq(
             request.request_id,
-            request.token_ids[start : start + num_new],
+            request.token_ids[start : start + num_known] + drafts,
             start,
             self.kv.block_table(request.request_id),
             sampling,
+            len(drafts),
         )
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters after a step; return the requests that got a token.
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: dict[str, int],
+        extra: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
+        """Advance counters after a step; return the requests that got tokens.
 
-        Requests that hit a token-level stop (EOS, stop token, max_tokens, the
-        context limit) are finished here and their blocks freed.
+        ``extra``: ``StepResult.extra``. Requests that hit a token-level stop
+        (EOS, stop token, max_tokens, the context limit) are finished here and
+        their blocks freed; a stop cuts a row's tokens where one-token steps would.
         """
         out = []
         for seq in plan.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if seq.num_draft_tokens:
+                tokens = [sampled[seq.request_id], *(extra or {}).get(seq.request_id, ())]
+                self._accept(request, seq, tokens)
+                out.append(request)
+                continue
             request.num_computed_tokens += seq.num_tokens
             self.kv.cache_computed_blocks(request)
             if seq.sampling is None:
@@ -266,6 +300,40 @@ class Scheduler:
                 status, stop_reason = reason
                 self.finish(request.request_id, status, stop_reason)
         return out
+
+    def _accept(self, request: Request, seq: ScheduledSeq, tokens: list[int]) -> None:
+        """Append a verifying row's tokens up to the first stop.
+
+        KV is valid for the last token and each accepted draft, i.e. for every
+        token but the newest; the rejected drafts' blocks past that go back.
+        """
+        self.spec.record(request.request_id, seq.num_draft_tokens, len(tokens) - 1)
+        reason = None
+        now = self.clock()
+        for token in tokens:
+            request.append_token(token, now)
+            reason = self._token_stop(request, token)
+            if reason is not None:
+                break
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv.trim(request, request.num_tokens)
+        self.kv.cache_computed_blocks(request)
+        if reason is not None:
+            self.finish(request.request_id, *reason)
+
+    def stop_at(self, request: Request, num_tokens: int, stop: str) -> None:
+        """A stop string ended the request at its token ``num_tokens - 1``.
+
+        Later tokens of the same step are dropped; if one of them already
+        finished the request (EOS, length), the stop string is the reason now.
+        """
+        del request.token_ids[num_tokens:]
+        del request.block_hashes[num_tokens // self.kv.block_size :]
+        request.num_computed_tokens = min(request.num_computed_tokens, num_tokens - 1)
+        if request.finished:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        else:
+            self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
 
     def _token_stop(self, request: Request, token: int) -> tuple[RequestStatus, int | None] | None:
         p = request.sampling_params
@@ -292,6 +360,7 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.reserved.pop(request_id, None)
+        self.spec.forget(request_id)
         keep = status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
         if request.hold_kv_on_finish and keep:
             self.held[request_id] = request

@@ -1,7 +1,10 @@
 """Turn a :class:`~pdserve.core.step.StepPlan` into the tensors of one forward pass.
 
 Sequences with one new token (decodes, and one-token prompts) go first so the
-attention backend can treat them as one batch; prompt chunks follow.
+attention backend can treat them as one batch; prompt chunks follow. A row that
+verifies drafts (its last token and the drafts) joins the decodes as one decode
+entry per token, each seeing the context up to its own position: every backend
+writes the step's K/V before it attends, so that is the row's causal attention.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from pdserve.parallel.attention.backend import AttentionMetadata
 class PreparedBatch:
     """Model inputs of one step.
 
-    input_ids, positions: [T] int64. sample_indices: [S] int64, the row of each
-    sampling sequence's last token in the flat batch; sample_ids and
-    sample_rows give its request id and sampling settings, in the same order.
+    input_ids, positions: [T] int64. sample_indices: [sum(sample_counts)] int64,
+    the rows of the flat batch whose logits are sampled: each sampling
+    sequence's last token, or for a row with ``k`` drafts its last ``k + 1``
+    tokens. sample_ids, sample_rows and sample_drafts give each sampling
+    sequence's request id, settings and drafts (empty for none), in the same order.
     """
 
     input_ids: torch.Tensor
@@ -29,39 +34,48 @@ class PreparedBatch:
     sample_indices: torch.Tensor
     sample_ids: list[str]
     sample_rows: list[RowSampling]
+    sample_drafts: list[list[int]]
+
+    @property
+    def max_sample_tokens(self) -> int:
+        """Most tokens one sampling row can yield this step."""
+        return 1 + max((len(d) for d in self.sample_drafts), default=0)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def _block_tables(seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
+def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """[N, max_blocks] int32 block tables, padded with block 0."""
-    width = max((len(s.block_table) for s in seqs), default=0)
-    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seqs), width)
+    width = max((len(t) for t in tables), default=0)
+    rows = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+def _decode_entries(decodes: list[ScheduledSeq]) -> tuple[list[int], list[list[int]]]:
+    """Context length and block table of each decode token (several per verifying row)."""
+    lens = [n for s in decodes for n in range(s.start_pos + 1, s.seq_len + 1)]
+    return lens, [s.block_table for s in decodes for _ in range(s.num_tokens)]
 
 
 def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> PreparedBatch:
-    decodes = [s for s in plan.seqs if s.num_tokens == 1]
-    prefills = [s for s in plan.seqs if s.num_tokens > 1]
+    decodes = [s for s in plan.seqs if s.num_tokens == 1 or s.num_draft_tokens]
+    prefills = [s for s in plan.seqs if s.num_tokens > 1 and not s.num_draft_tokens]
     ordered = decodes + prefills
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     sample_indices: list[int] = []
-    sample_ids: list[str] = []
-    sample_rows: list[RowSampling] = []
     for seq in ordered:
         table = seq.block_table
         for pos in range(seq.start_pos, seq.seq_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
         positions.extend(range(seq.start_pos, seq.seq_len))
         input_ids.extend(seq.token_ids)
-        if seq.sampling is not None:
-            sample_indices.append(len(input_ids) - 1)
-            sample_ids.append(seq.request_id)
-            sample_rows.append(seq.sampling)
+        if seq.sampling is not None:  # the last known token's row, then each draft's
+            sample_indices.extend(range(len(input_ids) - 1 - seq.num_draft_tokens, len(input_ids)))
+    sampled = [s for s in ordered if s.sampling is not None]
 
     def ints(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -70,15 +84,16 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
+    decode_lens, decode_tables = _decode_entries(decodes)
     meta = AttentionMetadata(
         slot_mapping=ints(slots, torch.int64),
-        num_decode_tokens=len(decodes),
-        decode_seq_lens=ints([s.seq_len for s in decodes]),
-        decode_block_tables=_block_tables(decodes, device),
-        max_decode_seq_len=max((s.seq_len for s in decodes), default=0),
+        num_decode_tokens=len(decode_lens),
+        decode_seq_lens=ints(decode_lens),
+        decode_block_tables=_block_tables(decode_tables, device),
+        max_decode_seq_len=max(decode_lens, default=0),
         prefill_query_start_loc=ints(starts),
         prefill_seq_lens=ints([s.seq_len for s in prefills]),
-        prefill_block_tables=_block_tables(prefills, device),
+        prefill_block_tables=_block_tables([s.block_table for s in prefills], device),
         prefill_query_lens_list=query_lens,
         prefill_seq_lens_list=[s.seq_len for s in prefills],
     )
@@ -87,6 +102,7 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
         positions=ints(positions, torch.int64),
         meta=meta,
         sample_indices=ints(sample_indices, torch.int64),
-        sample_ids=sample_ids,
-        sample_rows=sample_rows,
+        sample_ids=[s.request_id for s in sampled],
+        sample_rows=[s.sampling for s in sampled if s.sampling is not None],
+        sample_drafts=[s.token_ids[s.num_tokens - s.num_draft_tokens :] for s in sampled],
     )

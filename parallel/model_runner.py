@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -191,11 +192,13 @@ class ModelRunner:
             result = self.sample(plan, batch, hidden)
         finally:
             self.finish_tier_ops()
-        return StepResult(plan.step_id, result.sampled, loads_ok=loads_ok)
+        return replace(result, loads_ok=loads_ok)
 
     def sample(self, plan: StepPlan, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
         if not batch.sample_ids:
             return StepResult(plan.step_id, {})
         logits = self.model.compute_logits(hidden[batch.sample_indices])
-        tokens = self.sampler(logits, batch.sample_rows)
-        return StepResult(plan.step_id, dict(zip(batch.sample_ids, tokens, strict=True)))
+        tokens = self.sampler.verify(logits, batch.sample_rows, batch.sample_drafts)
+        return StepResult.from_tokens(
+            plan.step_id, dict(zip(batch.sample_ids, tokens, strict=True))
+        )

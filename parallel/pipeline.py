@@ -79,8 +79,8 @@ class StageExecutor:
         self.hooks = hooks
 
     @torch.no_grad()
-    def run(self, plan: StepPlan) -> tuple[dict[str, int], bool, list[bool]]:
-        """Execute the plan; on the leader, return the sampled token of each row.
+    def run(self, plan: StepPlan) -> tuple[dict[str, list[int]], bool, list[bool]]:
+        """Execute the plan; on the leader, return the new tokens of each sampling row.
 
         The flag says whether every rank delivered the plan's KV pages; the list
         has a flag per KV-tier load, True where every rank loaded that block.
@@ -104,7 +104,7 @@ class StageExecutor:
             ok = [bool(f) for f in flags.tolist()]
         return ok
 
-    def _forward(self, plan: StepPlan) -> tuple[dict[str, int], bool]:
+    def _forward(self, plan: StepPlan) -> tuple[dict[str, list[int]], bool]:
         g, ctx, hooks = self.groups, self.ctx, self.hooks
         if hooks is not None:
             hooks.before_step(plan)
@@ -113,7 +113,7 @@ class StageExecutor:
             micro = [StepPlan(mb.step_id, mb.seqs, kv_sends=plan.kv_sends) for mb in micro]
         batches = [self.runner.prepare(mb) for mb in micro]
         in_flight: list[tuple[dist.Work | None, torch.Tensor]] = []
-        tokens: dict[str, int] = {}
+        tokens: dict[str, list[int]] = {}
         for mb, batch in zip(micro, batches, strict=True):
             on_layer = partial(hooks.on_layer, micro=mb) if hooks and plan.kv_sends else None
             hidden, residual = self._receive(batch)
@@ -160,27 +160,32 @@ class StageExecutor:
             dist.recv(buf, src=self.groups.peer(self.ctx.pp_rank - 1))
         return buf[0], buf[1]
 
-    def _receive_tokens(self, batches: list[PreparedBatch], tokens: dict[str, int]) -> None:
-        """On the leader: the sampled token ids of each micro-batch, from the sampler rank."""
+    def _receive_tokens(self, batches: list[PreparedBatch], tokens: dict[str, list[int]]) -> None:
+        """On the leader: the new token ids of each micro-batch, from the sampler rank."""
         g = self.groups
         for batch in batches:
             if batch.sample_ids:
-                got = torch.empty(len(batch.sample_ids), dtype=torch.int64)
+                # [S, max_sample_tokens], each row padded with -1
+                got = torch.empty(
+                    (len(batch.sample_ids), batch.max_sample_tokens), dtype=torch.int64
+                )
                 with self.ctx.comm.timed(got.numel() * 8):
                     dist.recv(got, src=g.sampler_rank, group=g.cpu_group)
-                tokens.update(zip(batch.sample_ids, got.tolist(), strict=True))
+                rows = [[t for t in row if t >= 0] for row in got.tolist()]
+                tokens.update(zip(batch.sample_ids, rows, strict=True))
 
     def _sample(
-        self, batch: PreparedBatch, hidden: torch.Tensor, tokens: dict[str, int]
+        self, batch: PreparedBatch, hidden: torch.Tensor, tokens: dict[str, list[int]]
     ) -> list[tuple[dist.Work | None, torch.Tensor]]:
         # Every TP rank joins the logits all-gather; one rank samples.
         logits = self.runner.model.compute_logits(hidden[batch.sample_indices])
         g = self.groups
         if g.rank != g.sampler_rank:
             return []
-        sampled = self.runner.sampler(logits, batch.sample_rows)
+        sampled = self.runner.sampler.verify(logits, batch.sample_rows, batch.sample_drafts)
         if g.is_leader:
             tokens.update(zip(batch.sample_ids, sampled, strict=True))
             return []
-        out = torch.tensor(sampled, dtype=torch.int64)
+        width = batch.max_sample_tokens
+        out = torch.tensor([t + [-1] * (width - len(t)) for t in sampled], dtype=torch.int64)
         return [(dist.isend(out, dst=0, group=g.cpu_group), out)]

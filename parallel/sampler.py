@@ -8,9 +8,22 @@ probability was cut to zero.
 A row with a seed draws its noise from a generator seeded by ``(seed, index of
 the token being sampled)``, so its output depends on nothing but its own seed
 and tokens: not on what it is batched with, not on preemption or migration.
+
+Speculative rows (:meth:`Sampler.verify`) sample the target's token at the last
+token and at every draft (output indices ``i, i+1, ...``, so a seeded row uses
+the noise it would get without drafts), and keep the drafts up to the first
+that differs from the target's token there, plus the target's token at that
+position. For a deterministic (n-gram) draft this is the rejection sampling of
+Leviathan et al. and Chen et al.: draft ``d`` is accepted with probability
+``p(d)``, and on rejection the token comes from ``p`` with ``d`` removed and
+renormalised. So every row keeps the target distribution, greedy rows give
+exactly the tokens of one-token steps, and seeded rows the same tokens for the
+same seed.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -49,6 +62,33 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
         return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+
+    def verify(
+        self, logits: torch.Tensor, rows: list[RowSampling], drafts: list[list[int]]
+    ) -> list[list[int]]:
+        """Each row's new tokens: the accepted drafts' targets and one more.
+
+        logits: [sum(1 + len(d) for d in drafts), V], row by row, a row's
+        positions in order (its last known token, then each draft).
+        """
+        if not any(drafts):
+            return [[t] for t in self(logits, rows)]
+        expanded = [
+            replace(r, output_index=r.output_index + i) if i else r
+            for r, d in zip(rows, drafts, strict=True)
+            for i in range(len(d) + 1)
+        ]
+        targets = self(logits, expanded)
+        out: list[list[int]] = []
+        start = 0
+        for d in drafts:
+            row = targets[start : start + len(d) + 1]
+            accepted = 0
+            while accepted < len(d) and d[accepted] == row[accepted]:
+                accepted += 1
+            out.append(row[: accepted + 1])
+            start += len(d) + 1
+        return out
 
     def _filtered_probs(self, logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
         temps = torch.tensor(

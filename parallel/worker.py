@@ -100,7 +100,7 @@ class GroupExecutor(Executor):
         try:
             send_plan(self.groups, plan.to_msgpack())
             tokens, transfer_ok, loads_ok = self.stage.run(plan)
-            return StepResult(plan.step_id, tokens, transfer_ok, loads_ok)
+            return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok)
         except (RuntimeError, dist.DistError) as e:
             raise InstanceFailedError(
                 f"instance {self.groups.layout.describe()} lost a rank during step {plan.step_id}: {e}"

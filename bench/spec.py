@@ -1,0 +1,158 @@
+"""Speculative decoding (prompt lookup) against plain decoding, side by side in one run.
+
+    pdserve bench spec --model builtin:pycode
+
+B greedy requests whose prompts are the first ``--prompt-tokens`` tokens of
+Python standard-library files, at B = 1 and 16, with speculation off and with
+``ngram`` (``--num-speculative-tokens`` drafts, n-grams of ``--lookup-min`` to
+``--lookup-max`` tokens) twice: with the batch-size rule lifted so every batch
+drafts (``ngram``), and with the engine's own turn-off rules (``ngram+rules``).
+Decode tokens/s is ``B * (N - 1)`` over the time a run of N new tokens takes
+beyond a run of 1 on the same prompts (prefix caching off), median of
+``--repeats`` runs, the engines taking turns; ``decode_tok_per_cpu_s`` is the
+same over this process's CPU time, steadier than wall time on a shared machine
+(one torch thread). Acceptance rate is accepted / proposed drafts;
+``tokens_per_verify`` is what a verifying row yields on average;
+``same_tokens`` says whether the greedy outputs equal the plain run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.bench.report import write_json
+
+_FILES = (
+    "argparse", "ast", "base64", "bisect", "calendar", "collections/__init__", "csv",
+    "dataclasses", "enum", "fractions", "functools", "heapq", "inspect", "json/decoder",
+    "shutil", "textwrap",
+)  # fmt: skip
+
+
+def stdlib_prompts(tokenizer: Any, count: int, tokens: int) -> list[list[int]]:
+    """``tokens``-token pieces of standard-library files: each file's first, then its next."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for i in range(count):
+        text = (root / f"{_FILES[i % len(_FILES)]}.py").read_text(encoding="utf-8")
+        start = i // len(_FILES) * tokens
+        prompts.append(tokenizer.encode(text)[start : start + tokens])
+    return prompts
+
+
+def _run(
+    llm: Any, prompts: list[list[int]], new: int
+) -> tuple[tuple[float, float], list[list[int]]]:
+    """(wall seconds, CPU seconds of this process) of one run, and its tokens."""
+    from pdserve import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params)
+    took = (time.perf_counter() - wall, time.process_time() - cpu)
+    return took, [o.outputs[0].token_ids for o in outs]
+
+
+_METHODS = ("none", "ngram", "ngram+rules")
+
+
+def _engine(args: argparse.Namespace, method: str, batch: int) -> Any:
+    from pdserve import LLM
+
+    options: dict[str, Any] = {"speculative_method": method.removesuffix("+rules")}
+    if method == "ngram":  # lift the batch-size rule
+        options["speculative_max_batch"] = batch
+    return LLM(
+        args.model,
+        enable_prefix_caching=False,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.lookup_min,
+        prompt_lookup_max=args.lookup_max,
+        **options,
+    )
+
+
+def measure(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """Each method's decode tokens/s and acceptance on one batch; runs alternate."""
+    engines = {m: _engine(args, m, len(prompts)) for m in _METHODS}
+    for llm in engines.values():
+        _run(llm, prompts, 2)  # warm-up
+    new = len(prompts) * (args.decode_tokens - 1)
+    rates: dict[str, list[tuple[float, float]]] = {m: [] for m in _METHODS}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(args.repeats):
+        for method, llm in engines.items():
+            one, _ = _run(llm, prompts, 1)
+            full, tokens[method] = _run(llm, prompts, args.decode_tokens)
+            rates[method].append((new / (full[0] - one[0]), new / (full[1] - one[1])))
+    rows = []
+    median = {m: [statistics.median(r[i] for r in rates[m]) for i in (0, 1)] for m in _METHODS}
+    base_wall, base_cpu = median["none"]
+    for method, llm in engines.items():
+        llm.check_idle()
+        stats = llm.engine.scheduler.spec.stats  # warm-up and 1-token runs draft nothing
+        wall, cpu = median[method]
+        rows.append({
+            "method": method,
+            "batch": len(prompts),
+            "decode_tok_s": round(wall, 1),
+            "decode_tok_per_cpu_s": round(cpu, 1),
+            "speedup": round(wall / base_wall, 2),
+            "cpu_speedup": round(cpu / base_cpu, 2),
+            "acceptance_rate": round(stats.acceptance_rate, 3) if stats.proposed else None,
+            "tokens_per_verify": (
+                round((stats.steps + stats.accepted) / stats.steps, 2) if stats.steps else None
+            ),
+            "same_tokens": tokens[method] == tokens["none"],
+        })  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.core.builtin_models import resolve_model
+    from pdserve.core.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    tokenizer = Tokenizer.from_dir(resolve_model(args.model))
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = stdlib_prompts(tokenizer, batch, args.prompt_tokens)
+        for row in measure(args, prompts):
+            rows.append(row)
+            print(json.dumps(row))
+    payload = {
+        "model": args.model,
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": args.threads,
+        "decode_tokens": args.decode_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "lookup": [args.lookup_min, args.lookup_max],
+        "rows": rows,
+    }
+    print(f"wrote {write_json(Path(args.out), payload)}")
+    return 0
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("spec", help="speculative decoding (prompt lookup) vs off")
+    p.add_argument("--model", default="builtin:pycode")
+    p.add_argument("--decode-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--lookup-min", type=int, default=2, help="shortest n-gram looked up")
+    p.add_argument("--lookup-max", type=int, default=4, help="longest n-gram looked up")
+    p.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="decode runs per batch (median)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--out", default="bench/out/spec.json")
+    p.set_defaults(func=run)

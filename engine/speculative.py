@@ -1,0 +1,128 @@
+"""Speculative decoding by prompt lookup: drafts, and when to stop proposing them.
+
+A decoding request's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down
+to ``prompt_lookup_min``) are looked up in its own earlier tokens (prompt and
+output); the tokens that followed their most recent earlier occurrence are the
+drafts. The scheduler schedules ``[last token] + drafts`` in one row; the rank
+returns the target's tokens while they agree with the drafts, plus one more
+(``Sampler.verify``), so a step yields between 1 and ``k + 1`` tokens.
+
+KV of rejected drafts stays in the request's slots past ``num_computed_tokens``
+and is overwritten by later steps; whole blocks past the request's tokens go
+back to the pool after the step.
+
+When it turns itself off:
+
+- per step: a step with more than ``max_batch`` decoding requests drafts
+  nothing. A verifying row costs ``k + 1`` tokens of compute; at a large batch
+  the step is compute-bound and extra tokens cost time, while at a small batch
+  the step's fixed cost dominates and the extra tokens are nearly free.
+- per request: an exponentially weighted acceptance rate (accepted / proposed
+  per verifying step, weight ``EWMA_WEIGHT`` on the newest) starts at 1. Below
+  ``min_acceptance`` the request drafts only every ``PROBE_EVERY`` decode
+  steps, so a request whose text turns repetitive again can come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.core.config import SpeculativeConfig
+from pdserve.core.request import Request
+
+EWMA_WEIGHT = 0.3  # weight of the newest verifying step in a request's acceptance rate
+PROBE_EVERY = 8  # a request below min_acceptance drafts once per this many decode steps
+
+
+def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier match of the tail n-gram.
+
+    The longest tail (``n_max`` tokens) is tried first; a match must end before
+    the tail itself. Empty when no tail of ``n_min..n_max`` tokens recurs.
+    """
+    total = len(token_ids)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        tail = token_ids[total - n :]
+        first = tail[0]
+        # Latest start i < total - n with token_ids[i : i + n] == tail.
+        for i in range(total - n - 1, -1, -1):
+            if token_ids[i] == first and token_ids[i : i + n] == tail:
+                return token_ids[i + n : i + n + k]
+    return []
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did since the engine started."""
+
+    steps: int = 0  # rows that verified drafts
+    proposed: int = 0
+    accepted: int = 0
+    skipped_batches: int = 0  # steps that drafted nothing because the batch was large
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass
+class _Track:
+    rate: float = 1.0
+    steps_since_probe: int = 0
+
+
+class Speculator:
+    """Proposes drafts for decoding requests and tracks how many are accepted."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpeculationStats()
+        self._tracks: dict[str, _Track] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def batch_allowed(self, num_decoding: int) -> bool:
+        """Whether a step with this many decoding requests drafts at all."""
+        if not self.enabled:
+            return False
+        if num_decoding > self.config.max_batch:
+            self.stats.skipped_batches += 1
+            return False
+        return True
+
+    def propose(self, request: Request, budget: int, max_model_len: int) -> list[int]:
+        """Drafts for one decoding request (may be empty).
+
+        At most ``budget`` of them, and none past the context limit or past the
+        request's ``max_tokens`` (the step's own token would be the last).
+        """
+        p = request.sampling_params
+        limit = min(
+            budget,
+            max_model_len - request.num_tokens,
+            p.max_tokens - request.num_output_tokens - 1,
+        )
+        if limit <= 0 or request.num_output_tokens < p.min_tokens:
+            return []  # tokens banned below min_tokens would differ per draft position
+        track = self._tracks.setdefault(request.request_id, _Track())
+        if track.rate < self.config.min_acceptance:
+            track.steps_since_probe += 1
+            if track.steps_since_probe < PROBE_EVERY:
+                return []
+            track.steps_since_probe = 0
+        c = self.config
+        k = min(limit, c.num_speculative_tokens)
+        return propose_ngram(request.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A row verified ``proposed`` drafts and kept ``accepted`` of them."""
+        self.stats.steps += 1
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+        track = self._tracks.setdefault(request_id, _Track())
+        track.rate += EWMA_WEIGHT * (accepted / proposed - track.rate)
+
+    def forget(self, request_id: str) -> None:
+        self._tracks.pop(request_id, None)
