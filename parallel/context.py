@@ -3,7 +3,9 @@
 Layers never look up global state: each is built with a :class:`ParallelContext`
 that says its tensor-, pipeline- and expert-parallel rank and size and holds the
 process groups. On one rank every collective is a no-op, so the same layer code
-runs with and without ``torch.distributed``.
+runs with and without ``torch.distributed``. Where a group's ranks share a host
+(on CPU), its shared-memory communicator (``tp_shm``, ``ep_shm``) carries the
+collective instead of the process group.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from pdserve.parallel.shm_comm import ShmCommunicator
 
 
 @dataclass
@@ -54,6 +59,8 @@ class ParallelContext:
     tp_group: Any = None
     ep_group: Any = None
     pp_group: Any = None
+    tp_shm: ShmCommunicator | None = None
+    ep_shm: ShmCommunicator | None = None
     comm: CommStats = field(default_factory=CommStats, compare=False)
 
     @property
@@ -67,20 +74,33 @@ class ParallelContext:
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             with self.comm.timed(x.numel() * x.element_size()):
-                dist.all_reduce(x, group=self.tp_group)
+                if self.tp_shm is not None:
+                    self.tp_shm.all_reduce(x)
+                else:
+                    dist.all_reduce(x, group=self.tp_group)
         return x
 
     def tp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each TP rank's ``x`` along the last dimension."""
         if self.tp_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         with self.comm.timed(x.numel() * x.element_size() * self.tp_size):
-            dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+            parts = all_gather(x.contiguous(), self.tp_size, self.tp_group, self.tp_shm)
         return torch.cat(parts, dim=-1)
 
 
 SINGLE_RANK = ParallelContext()
+
+
+def all_gather(
+    x: torch.Tensor, size: int, group: Any, shm: ShmCommunicator | None
+) -> list[torch.Tensor]:
+    """Every rank's ``x`` (same shape on all), in rank order, over ``shm`` or ``group``."""
+    if shm is not None:
+        return list(shm.all_gather(x).unbind(0))
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return parts
 
 
 def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:

@@ -6,11 +6,18 @@ instances on one node never race for a fixed port. The backend follows the devic
 CUDA, gloo on CPU; control messages (the step plan, sampled tokens) always go
 over a gloo group. Every collective has the instance's timeout: a dead or stuck
 rank surfaces as an error on the others, never a hang.
+
+On CPU, a group whose ranks all share one host (the whole instance, its TP
+group, its EP group) runs its all-reduces, all-gathers and plan broadcasts
+through a :class:`~pdserve.parallel.shm_comm.ShmCommunicator` instead of gloo,
+unless ``PDSERVE_SHM_COLLECTIVES=0``; which one each group uses is logged.
+Point-to-point transfers, all-to-all and the flag reductions stay on gloo.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +26,9 @@ import torch.distributed as dist
 
 from pdserve.core.layout import Layout
 from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.shm_comm import ShmCommunicator, open_group_shm
+
+logger = logging.getLogger(__name__)
 
 STOP = -1  # plan length that tells followers to leave their loop
 
@@ -42,6 +52,13 @@ class InstanceGroups:
     rank: int
     ctx: ParallelContext
     cpu_group: Any  # gloo group of all ranks, for control messages
+    # Shared-memory stand-in for cpu_group's plan broadcast (None: gloo).
+    control_shm: ShmCommunicator | None = None
+    shm: list[ShmCommunicator] = field(default_factory=list)  # every one this rank maps
+
+    def close(self) -> None:
+        for comm in self.shm:
+            comm.close()
 
     @property
     def is_leader(self) -> bool:
@@ -80,8 +97,11 @@ def init_groups(
     device: torch.device,
     timeout_s: float,
     store: dist.TCPStore | None = None,
+    shm_collectives: bool = True,
 ) -> InstanceGroups:
-    """Join the instance through the leader's store at ``address``; build every group."""
+    """Join the instance through the leader's store at ``address``; build every group.
+
+    ``shm_collectives``: CPU groups on one host may use shared memory."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if store is None:
@@ -96,6 +116,14 @@ def init_groups(
     )
     tp_group = _member_group(layout.tp_groups(), rank, timeout)
     stage_group = _member_group(layout.stage_groups(), rank, timeout)
+    world = list(range(layout.world_size))
+    tp_ranks, stage_ranks = _mine(layout.tp_groups(), rank), _mine(layout.stage_groups(), rank)
+    wanted = [(world, cpu_group), (tp_ranks, tp_group)]
+    wanted += [(stage_ranks, stage_group)] if layout.ep > 1 else []
+    shm = _shared_memory(wanted, rank, timeout_s) if shm_collectives and backend == "gloo" else {}
+    if not shm and rank == 0:
+        why = "shared memory off" if not shm_collectives else f"{backend} on {device}"
+        logger.info("instance %s: collectives over %s (%s)", layout.describe(), backend, why)
     coords = layout.coords(rank)
     ctx = ParallelContext(
         tp_rank=coords.tp_rank,
@@ -107,8 +135,35 @@ def init_groups(
         tp_group=tp_group,
         ep_group=stage_group if layout.ep > 1 else None,
         pp_group=dist.group.WORLD,
+        tp_shm=shm.get(tuple(tp_ranks)),
+        ep_shm=shm.get(tuple(stage_ranks)) if layout.ep > 1 else None,
     )
-    return InstanceGroups(layout, rank, ctx, cpu_group)
+    comms = list({id(c): c for c in shm.values() if c is not None}.values())
+    return InstanceGroups(layout, rank, ctx, cpu_group, shm.get(tuple(world)), comms)
+
+
+def _mine(all_groups: list[list[int]], rank: int) -> list[int]:
+    return next(ranks for ranks in all_groups if rank in ranks)
+
+
+def _shared_memory(
+    wanted: list[tuple[list[int], Any]], rank: int, timeout_s: float
+) -> dict[tuple[int, ...], ShmCommunicator | None]:
+    """A communicator (or None: gloo) for each group of two or more ranks in ``wanted``.
+
+    Groups with the same ranks share one. Collective: every rank asks for its
+    groups in the same order.
+    """
+    found: dict[tuple[int, ...], ShmCommunicator | None] = {}
+    for ranks, group in wanted:
+        key = tuple(ranks)
+        if len(ranks) < 2 or key in found:
+            continue
+        found[key], why = open_group_shm(group, ranks, rank, timeout_s)
+        if rank == ranks[0]:
+            how = "shared memory" if found[key] is not None else f"gloo ({why})"
+            logger.info("group of ranks %s: collectives over %s", ranks, how)
+    return found
 
 
 def _member_group(all_groups: list[list[int]], rank: int, timeout: timedelta) -> Any:
@@ -122,6 +177,9 @@ def _member_group(all_groups: list[list[int]], rank: int, timeout: timedelta) ->
 
 def send_plan(groups: InstanceGroups, payload: bytes | None) -> None:
     """Leader: broadcast one plan message to every rank (None tells them to stop)."""
+    if groups.control_shm is not None:
+        groups.control_shm.broadcast_bytes(payload)
+        return
     length = torch.tensor([STOP if payload is None else len(payload)], dtype=torch.int64)
     dist.broadcast(length, src=0, group=groups.cpu_group)
     if payload is not None:
@@ -132,6 +190,8 @@ def send_plan(groups: InstanceGroups, payload: bytes | None) -> None:
 
 def receive_plan(groups: InstanceGroups) -> bytes | None:
     """Follower: the next plan message from the leader, or None to stop."""
+    if groups.control_shm is not None:
+        return groups.control_shm.broadcast_bytes(None, patient=True)
     length = torch.empty(1, dtype=torch.int64)
     dist.broadcast(length, src=0, group=groups.cpu_group)
     n = int(length.item())
@@ -142,6 +202,8 @@ def receive_plan(groups: InstanceGroups) -> bytes | None:
     return buf.numpy().tobytes()
 
 
-def destroy_groups() -> None:
+def destroy_groups(groups: InstanceGroups | None = None) -> None:
+    if groups is not None:
+        groups.close()
     if dist.is_initialized():
         dist.destroy_process_group()

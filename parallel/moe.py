@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.parallel.context import ParallelContext, split_evenly
+from pdserve.parallel.context import ParallelContext, all_gather, split_evenly
 from pdserve.parallel.kernels import KernelOps, reference_kernels
 from pdserve.parallel.layers import TensorSource, _copy
 
@@ -201,9 +201,8 @@ def _all_gather_rows(
     width = -(-total // parts)
     padded = part.new_zeros((width, *part.shape[1:]))
     padded[: part.shape[0]] = part
-    gathered = [torch.empty_like(padded) for _ in range(parts)]
     with ctx.comm.timed(padded.numel() * padded.element_size() * parts):
-        dist.all_gather(gathered, padded, group=ctx.ep_group)
+        gathered = all_gather(padded, parts, ctx.ep_group, ctx.ep_shm)
     pieces = []
     for r, g in enumerate(gathered):
         lo, hi = split_evenly(total, parts, r)

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ from pdserve.parallel.groups import (
 from pdserve.parallel.model_runner import KVAllocator, ModelRunner, resolve_device
 from pdserve.parallel.moe import expert_load
 from pdserve.parallel.pipeline import StageExecutor, StepHooks
+from pdserve.parallel.shm_comm import shm_enabled_by_env
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class RankSpec:
     engine: EngineConfig
     collective_timeout_s: float = 60.0
     torch_threads: int = 1
+    # Shared-memory collectives for groups on one host; read from
+    # PDSERVE_SHM_COLLECTIVES where the spec is built (the driver).
+    shm_collectives: bool = field(default_factory=shm_enabled_by_env)
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,13 @@ class RankWorker:
         """Join the process groups, load this rank's shard; return its KV capacity."""
         spec = self.spec
         self.groups = init_groups(
-            spec.layout, spec.rank, address, self.device, spec.collective_timeout_s, self._store
+            spec.layout,
+            spec.rank,
+            address,
+            self.device,
+            spec.collective_timeout_s,
+            self._store,
+            spec.shm_collectives,
         )
         coords = spec.layout.coords(spec.rank)
         self.runner = ModelRunner(
@@ -211,4 +221,4 @@ class RankWorker:
             self._loop.join(timeout=self.spec.collective_timeout_s)
         if self.runner is not None:
             self.runner.close()
-        destroy_groups()
+        destroy_groups(self.groups)
