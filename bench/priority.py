@@ -93,7 +93,7 @@ async def _run(base: str, args: argparse.Namespace, mode: str, slo: Slo) -> dict
 
 
 async def _batch_job(base: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
-    from pdserve.deploy.batch import BatchRunner
+    from pdserve.batch import BatchRunner
 
     with tempfile.TemporaryDirectory() as folder:
         src, out = Path(folder) / "in.jsonl", Path(folder) / "out.jsonl"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.deploy.batch import BatchRunner
+from pdserve.batch import BatchRunner
 from tests.e2e.test_router import KEY, Cluster
 
 COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 3, "temperature": 0}

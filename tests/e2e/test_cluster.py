@@ -181,8 +181,8 @@ def test_stalled_engine_loop_is_replaced_after_the_deadline(ray_session, referen
 
 
 def test_health_checks_answer_while_queued_prompts_fill_the_data_path(ray_session) -> None:
-    """More prompts than the prefill leader's data-path threads (64) wait for their first
-    token; health checks, stats and drops still answer, and nothing is replaced."""
+    """Many more prompts than the prefill leader's data-path threads (64) wait for their
+    first token; health checks, stats and drops still answer, and nothing is replaced."""
     c = Running(p=1, d=1, budget=32)
     try:
         (prefill,) = c.leaders("prefill")
@@ -192,7 +192,7 @@ def test_health_checks_answer_while_queued_prompts_fill_the_data_path(ray_sessio
             prefill.prefill.remote(
                 PrefillRequest(f"queued-{i}", [(i * 37 + j) % 1000 + 5 for j in range(600)], params)
             )
-            for i in range(200)
+            for i in range(320)  # more than the checks below leave time to prefill
         ]
         deadline = time.monotonic() + 2 * c.config.health.ping_timeout_s + 2
         while time.monotonic() < deadline:

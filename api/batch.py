@@ -1,4 +1,4 @@
-"""``pdserve batch``: run a file of requests in the OpenAI Batch API format on a cluster.
+"""Batch jobs: a file of requests in the OpenAI Batch API format, run on a cluster.
 
     pdserve batch --input requests.jsonl --output results.jsonl --url http://host:8000
 
@@ -24,7 +24,6 @@ is ``{"id", "custom_id", "line", "response": {"status_code", "request_id",
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -36,8 +35,6 @@ from typing import Any
 
 import aiohttp
 from tqdm import tqdm
-
-from pdserve.core.errors import InvalidArgumentError
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 RETRY_STATUSES = (429, 503)
@@ -236,32 +233,3 @@ def _record(line: BatchLine, status: int, payload: dict[str, Any]) -> dict[str, 
         else {"status_code": status, "request_id": payload.get("id"), "body": payload},
         "error": error,
     }
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("batch", help="run an OpenAI Batch API file on a cluster (resumable)")
-    p.add_argument("--input", required=True, help="JSONL of batch request lines")
-    p.add_argument("--output", required=True, help="JSONL of results (appended; resumes)")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the cluster's HTTP door")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--priority", type=int, default=-1, help="for lines that set none")
-    p.add_argument("--retry-for-s", type=float, default=600.0)
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_batch)
-
-
-def cmd_batch(args: argparse.Namespace) -> int:
-    path = Path(args.input)
-    if not path.is_file():
-        raise InvalidArgumentError("--input", f"no such file: {path}")
-    if args.concurrency < 1:
-        raise InvalidArgumentError("--concurrency", "must be >= 1")
-    runner = BatchRunner(args.url, args.api_key, args.concurrency, args.priority, args.retry_for_s)
-    summary = asyncio.run(runner.run(path, Path(args.output), progress=not args.no_progress))
-    print(
-        f"{summary.lines} lines: {summary.succeeded} succeeded, {summary.failed} failed, "
-        f"{summary.skipped} already done; {summary.retries} retries"
-        + (f"; errors {summary.errors}" if summary.errors else "")
-    )
-    return 0 if summary.failed == 0 else 1
