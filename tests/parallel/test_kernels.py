@@ -26,6 +26,7 @@ from pdserve.parallel.kernels.reference import rms_norm_residual, route, silu_an
 from pdserve.parallel.kernels.reference import rotate as rotate_reference
 from pdserve.parallel.kernels.torch_ops import TorchKernels
 from pdserve.parallel.rotary import RotaryEmbedding
+from tests.parallel.triton_check import triton_problem
 from tests.reference import hf_greedy, parity_prompts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,22 +35,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
-def _triton_problem() -> str | None:
-    """Why Triton itself cannot run here (not our kernels: their failures fail), or None."""
-    try:
-        from pdserve.parallel.kernels.support import launch_check, runs_on
-    except ImportError as e:
-        return f"Triton is not installed: {e}"
-    if not runs_on(DEVICE):
-        return f"Triton kernels cannot run on {DEVICE} (TRITON_INTERPRET set too late?)"
-    try:
-        launch_check(DEVICE)
-    except Exception as e:  # no driver, no compiler, a broken install: skip, not fail
-        return f"Triton cannot launch a kernel on {DEVICE}: {type(e).__name__}: {e}"
-    return None
-
-
-_PROBLEM = _triton_problem()
+_PROBLEM = triton_problem(DEVICE)
 if _PROBLEM is not None:
     pytest.skip(_PROBLEM, allow_module_level=True)
 

@@ -28,27 +28,14 @@ from pdserve.parallel.quant import (
     select_path,
 )
 from tests.parallel.test_quant import fake_quantized
+from tests.parallel.triton_check import triton_problem
 from tests.reference import hf_greedy, parity_prompts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _triton_problem() -> str | None:
-    try:
-        from pdserve.parallel.kernels.support import launch_check, runs_on
-    except ImportError as e:
-        return f"Triton is not installed: {e}"
-    if not runs_on(DEVICE):
-        return f"Triton kernels cannot run on {DEVICE} (TRITON_INTERPRET set too late?)"
-    try:
-        launch_check(DEVICE)
-    except Exception as e:  # no driver, no compiler, a broken install: skip, not fail
-        return f"Triton cannot launch a kernel on {DEVICE}: {type(e).__name__}: {e}"
-    return None
-
-
-_PROBLEM = _triton_problem()
+_PROBLEM = triton_problem(DEVICE)
 if _PROBLEM is not None:
     pytest.skip(_PROBLEM, allow_module_level=True)
 

@@ -148,6 +148,8 @@ def _split_hosts(rank: int, world: int, store: str) -> None:
     shm_comm.host_key = lambda: f"host-{rank}"  # type: ignore[assignment]
     comm, why = open_group_shm(dist.group.WORLD, [0, 1], rank, 30)
     assert comm is None and "different hosts" in why
+    dist.barrier()  # neither rank tears gloo down while the other still uses it
+    dist.destroy_process_group()
 
 
 def test_ranks_on_different_hosts_stay_on_gloo(tmp_path: Path) -> None:
