@@ -1,0 +1,61 @@
+"""The cluster config's router part: the ``slo``, ``server``, ``auth`` and ``router`` sections."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.cluster.config_yaml import Lines, api_key_entries, get_map, known_fields, typed
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.router.config import RegionSpec, RouterConfig, TlsConfig
+
+# The ``router`` section: its keys and their types (hedge_after_ms becomes hedge_after_s).
+ROUTER_KEYS: dict[str, type] = {
+    "policy": str, "max_inflight_per_region": int, "adaptive_admission": bool,
+    "low_priority_share": float, "low_priority_degrade_at": float, "low_priority_max_tokens": int,
+    "retry_budget_ratio": float, "hedge_after_ms": float, "max_migrations": int,
+    "migration_wait_s": float, "reservation_ttl_s": float, "without_prefill": str,
+    "stream_idle_timeout_s": float, "max_body_bytes": int, "on_transfer_failure": str,
+}  # fmt: skip
+SERVER_KEYS = {"host", "grpc_port", "http_port", "metrics_port", "tls"}
+
+
+def router_config(
+    raw: dict[str, Any], regions: Sequence[tuple[str, dict[str, float]]], lines: Lines
+) -> RouterConfig:
+    """The router's config from the ``slo``, ``server``, ``auth`` and ``router`` sections."""
+    slo, server, auth = (get_map(raw, k, lines) for k in ("slo", "server", "auth"))
+    extra = get_map(raw, "router", lines)
+    for section, values, known in (("router", extra, ROUTER_KEYS), ("server", server, SERVER_KEYS)):
+        for key in values:
+            if key not in known:
+                raise lines.error(f"{section}.{key}", f"unknown field (known: {sorted(known)})")
+    tls, keys = get_map(server, "tls", lines, "server"), api_key_entries(auth, lines)
+    options = {
+        key: typed(value, ROUTER_KEYS[key], f"router.{key}", lines) for key, value in extra.items()
+    }
+    hedge_ms = options.pop("hedge_after_ms", None)
+    try:
+        return RouterConfig(
+            model_name=str(raw.get("served_model_name", raw["model"])),
+            regions=tuple(
+                RegionSpec(name, {k: v / 1000 for k, v in latency_ms.items()})
+                for name, latency_ms in regions
+            ),
+            api_keys=tuple(key for key, _ in keys),
+            api_key_priorities=tuple((k, p) for k, p in keys if p is not None),
+            auth_disabled=bool(auth.get("disabled", False)),
+            ttft_slo_s=float(slo.get("ttft_ms", 2000)) / 1000,
+            tpot_slo_s=float(slo.get("tpot_ms", 200)) / 1000,
+            host=str(server.get("host", "127.0.0.1")),
+            grpc_port=int(server.get("grpc_port", 0)),
+            http_port=int(server.get("http_port", 0)),
+            hedge_after_s=None if hedge_ms is None else float(hedge_ms) / 1000,
+            tls=TlsConfig(**known_fields(tls, TlsConfig, "server.tls", lines)) if tls else None,
+            **options,
+        )
+    except InvalidArgumentError as e:
+        field = e.field if "." in e.field else f"router.{e.field}"
+        raise lines.error(field, e.message) from None
+    except TypeError as e:  # a missing TLS file name
+        raise lines.error("server.tls", f"needs cert and key ({e})") from None
