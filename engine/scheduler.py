@@ -4,16 +4,20 @@ Each step shares a token budget (``max_num_batched_tokens``) among requests:
 
 1. running requests that are decoding (one token each), oldest first;
 2. running requests partway through their prompt (the next chunk);
-3. waiting requests, first come first served, each starting from its longest
-   prefix-cache hit; a prompt longer than the budget left is split.
+3. waiting requests, each starting from its longest prefix-cache hit; a prompt
+   longer than the budget left is split.
+
+Priority (``engine/priority.py``) orders each of the three: higher first.
 
 A decoding request may carry drafts (``engine/speculative.py``): its row is
 ``[last token] + drafts``, all with KV slots and counted in the budget.
 
-When the pool has no block for a running request, the newest running request
-is preempted: its blocks are freed and it goes back to the front of the queue,
-to be recomputed from token 0 (prefix caching usually makes that cheap).
-Waiting requests are not admitted in a step that preempted.
+When the pool has no block for a running request, the lowest-priority running
+request (the newest among equals) is preempted: its blocks are freed and it
+goes back to the front of its priority in the queue, to be recomputed from
+token 0 (prefix caching usually makes that cheap). Waiting requests are not
+admitted in a step that preempted. A waiting request short of blocks may
+preempt running requests of strictly lower priority (a few a step).
 
 Queues: ``waiting`` is fed by ``add_request`` and drained by ``schedule``;
 ``running`` is filled by ``schedule`` (and ``activate``) and emptied by
@@ -28,7 +32,6 @@ queue when it ends and find those blocks as ordinary prefix hits.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 
 from pdserve.core.config import SchedulerConfig, SpeculativeConfig
@@ -36,9 +39,12 @@ from pdserve.core.request import Request, RequestStatus
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan, TierOps
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.priority import WaitingQueue, by_priority, victim, victims_for
 from pdserve.engine.speculative import Speculator
+from pdserve.engine.stopping import token_stop
 
 MAX_TIER_LOADS = 2
+MAX_PRIORITY_PREEMPTIONS = 4  # a step's preemptions to admit a higher priority
 
 
 class Scheduler:
@@ -54,7 +60,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # waiting, running or reserved
         self.reserved: dict[str, Request] = {}
@@ -71,7 +77,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -129,8 +135,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         preempted = False
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = by_priority(self.running)
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         self._drafts = {}
         drafting = self.spec.batch_allowed(len(decoding))
         for request in decoding + prefilling:
@@ -142,15 +149,10 @@ class Scheduler:
             if drafting and request.num_tokens - request.num_computed_tokens == 1:
                 num_new += self._draft(request, budget - 1)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
+                loser = victim(self.running)
+                budget += self._preempt(loser, chosen)
                 preempted = True
-                for i, (r, n) in enumerate(chosen):
-                    if r is victim:  # already picked this step: give its tokens back
-                        del chosen[i]
-                        budget += n
-                        break
-                if victim is request:
+                if loser is request:
                     break
             else:
                 chosen.append((request, num_new))
@@ -171,7 +173,7 @@ class Scheduler:
             return
         self.kv.loads_done(plan.tier_ops.loads, ok)
         for request in reversed(self.loading):
-            self.waiting.appendleft(request)
+            self.waiting.push_front(request)
         self.loading.clear()
 
     def _draft(self, request: Request, budget: int) -> int:
@@ -187,30 +189,41 @@ class Scheduler:
         cap = self.config.max_prefill_chunk or remaining
         return min(remaining, budget, cap)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, chosen: list[tuple[Request, int]]) -> int:
+        """Send a running request back to wait; returns the step's tokens it gives back."""
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
         self._drafts.pop(request.request_id, None)
         # Ranks may hold per-request state (e.g. sampling); tell them to drop it.
         self._finished_since_last_step.append(request.request_id)
+        for i, (r, n) in enumerate(chosen):
+            if r is request:  # already picked this step
+                del chosen[i]
+                return n
+        return 0
 
     def _admit_waiting(self, budget: int, chosen: list[tuple[Request, int]]) -> int:
+        allowed = MAX_PRIORITY_PREEMPTIONS
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.head
             prefix = self.kv.find_cached_prefix(request)
             if self._load_offloaded(request, prefix):
                 continue
             computed = len(prefix) * self.kv.block_size
-            num_new = min(request.num_tokens - computed, budget)
-            if self.config.max_prefill_chunk:
-                num_new = min(num_new, self.config.max_prefill_chunk)
+            cap = self.config.max_prefill_chunk or budget
+            num_new = min(request.num_tokens - computed, budget, cap)
             if not self.kv.allocate_slots(request, num_new, prefix):
-                break
+                losers = victims_for(request, self.running, self.kv, prefix, num_new)[:allowed]
+                if not losers:
+                    break
+                allowed -= len(losers)  # they queue behind it; look again with their blocks freed
+                budget += sum(self._preempt(loser, chosen) for loser in losers)
+                continue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -295,7 +308,7 @@ class Scheduler:
             token = sampled[seq.request_id]
             request.append_token(token, self.clock())
             out.append(request)
-            reason = self._token_stop(request, token)
+            reason = token_stop(request, token, self.max_model_len)
             if reason is not None:
                 status, stop_reason = reason
                 self.finish(request.request_id, status, stop_reason)
@@ -312,7 +325,7 @@ class Scheduler:
         now = self.clock()
         for token in tokens:
             request.append_token(token, now)
-            reason = self._token_stop(request, token)
+            reason = token_stop(request, token, self.max_model_len)
             if reason is not None:
                 break
         request.num_computed_tokens = request.num_tokens - 1
@@ -334,17 +347,6 @@ class Scheduler:
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         else:
             self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
-
-    def _token_stop(self, request: Request, token: int) -> tuple[RequestStatus, int | None] | None:
-        p = request.sampling_params
-        if request.num_output_tokens >= p.min_tokens:
-            if token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token in p.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token
-        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None
 
     def finish(
         self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
