@@ -55,7 +55,6 @@ class P2PReceiver(KVReceiver):
             _node_ip(), 0, 2, is_master=True, timeout=_TIMEOUT, wait_for_workers=False
         )
         self._threads: list[threading.Thread] = []
-        self._staging = torch.empty(0, dtype=torch.uint8)
 
     def endpoint(self, actor: Any) -> PeerEndpoint:
         assert self.kv_cache is not None
@@ -81,6 +80,8 @@ class P2PReceiver(KVReceiver):
         self._threads.append(thread)
 
     def _serve(self, group: Any, pair_id: str) -> None:
+        # One staging buffer per pair: several senders' threads write into one rank.
+        staging = torch.empty(0, dtype=torch.uint8)
         try:
             while True:
                 length = torch.empty(1, dtype=torch.int64)
@@ -94,11 +95,14 @@ class P2PReceiver(KVReceiver):
                 if header.layer == _MARK_LAYER:
                     self.record_mark(header.request_id)
                     continue
-                self._receive_payload(group, header)
+                staging = self._receive_payload(group, header, staging)
         except Exception as e:  # the sender died or closed the pair
             logger.info("p2p pair %s ended: %s", pair_id, e)
 
-    def _receive_payload(self, group: Any, header: PageHeader) -> None:
+    def _receive_payload(
+        self, group: Any, header: PageHeader, staging: torch.Tensor
+    ) -> torch.Tensor:
+        """Write one message's pages; returns the (possibly grown) staging buffer."""
         assert self.kv_cache is not None
         dst = self.kv_cache[header.layer]  # [2, blocks, bs, H_local, D]
         target = PageSource(dst, header.block_ids, header.head_start, header.head_end)
@@ -107,16 +111,17 @@ class P2PReceiver(KVReceiver):
             if parts is not None:  # straight into the cache
                 for part in parts:
                     group.recv([part.view(torch.uint8).reshape(-1)], 1, 0).wait()
-                return
+                return staging
             half = header.nbytes // 2
-            if self._staging.numel() < header.nbytes:
-                self._staging = torch.empty(header.nbytes, dtype=torch.uint8)
-            buf = self._staging[: header.nbytes]
+            if staging.numel() < header.nbytes:
+                staging = torch.empty(header.nbytes, dtype=torch.uint8)
+            buf = staging[: header.nbytes]
             for i in range(2):
                 group.recv([buf[i * half : (i + 1) * half]], 1, 0).wait()
             payload = buf.view(torch_dtype(header.dtype)).view(header.shape)
             source = PageSource(payload, list(range(len(header.block_ids))), 0, payload.shape[3])
             source.copy_into(dst, header.block_ids, header.head_start, header.head_end)
+        return staging
 
 
 class P2PSender(KVSender):
