@@ -16,6 +16,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         offline,
         parallel,
         peer,
+        peer_prefill,
         priority,
         quant,
         router,
@@ -34,6 +35,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_parser(kinds)
     headline.add_parser(kinds)
     peer.add_parser(kinds)
+    peer_prefill.add_parser(kinds)
     soak.add_parser(kinds)
     quant.add_parser(kinds)
     multiturn.add_parser(kinds)

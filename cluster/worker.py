@@ -33,6 +33,7 @@ from pdserve.core.messages import (
     DecodeRequest,
     FirstToken,
     LoadReport,
+    PeerExport,
     PrefillRequest,
     Reservation,
     ReserveRequest,
@@ -179,6 +180,10 @@ class InstanceWorker(RankWorker):
     @ray.method(concurrency_group=CONTROL)
     def drop(self, request_id: str) -> bool:
         return self._prefill().drop(request_id)
+
+    @ray.method(concurrency_group=CONTROL)
+    def export(self, request: PeerExport) -> int:
+        return self._prefill().export(request)
 
     # -- decode role (leader) ------------------------------------------------------------------
 

@@ -21,6 +21,39 @@ from pdserve.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class PeerPrefix:
+    """A prefill instance that holds, on its device, a longer prefix of the prompt.
+
+    The router names it when the instance it chose for load lacks that prefix;
+    the decode instance may then take those pages from it over the KV connector
+    and prefill only the rest itself (see :mod:`pdserve.decode.peer`).
+    """
+
+    prefill_id: str
+    num_blocks: int  # leading blocks of the prompt it holds on its device
+
+
+@dataclass(frozen=True)
+class PeerExport:
+    """Decode -> prefill: write your cached pages of these block hashes into my pages.
+
+    ``block_ids`` are the decode instance's reserved pages, one per hash. The
+    prefill instance sends the leading run of the hashes it still holds on its
+    device, between two of its steps, and answers how many it sent.
+    """
+
+    request_id: str
+    decode_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+
+    @property
+    def transfer_id(self) -> str:
+        """The pages' name on the wire: the reservation's own id ends before they are used."""
+        return f"{self.request_id}/peer"
+
+
+@dataclass(frozen=True)
 class ReserveRequest:
     """Ask a decode instance to hold pages for a prompt that another instance prefills."""
 
@@ -34,6 +67,9 @@ class ReserveRequest:
     # No prefill instance will send this prompt's KV (its region has none
     # available): the decode instance prefills it itself, whatever its length.
     prefill_here: bool = False
+    # A prefill instance that holds more of the prompt on its device than the one
+    # chosen to prefill it: the decode instance may take the prefix from it.
+    peer: PeerPrefix | None = None
 
 
 @dataclass(frozen=True)
@@ -134,4 +170,8 @@ class LoadReport:
     step_tokens: float  # recent mean tokens per step
     kv_added: list[bytes] = field(default_factory=list)
     kv_removed: list[bytes] = field(default_factory=list)
+    # With KV tiers: blocks now held only below the device (host or disk), and
+    # blocks back on the device; a peer serves only what is on its device.
+    kv_lower: list[bytes] = field(default_factory=list)
+    kv_device: list[bytes] = field(default_factory=list)
     healthy: bool = True

@@ -8,6 +8,8 @@ A :class:`DecodeServer` lives on the leader of a decode instance, around the sam
 - ``commit``: the prefill's hand-off arrived; the request joins the batch
   (connectors that need arrival marks make every rank check them first);
 - ``submit``: a request short or cached enough to prefill right here;
+- a prompt whose prefix a peer prefill instance holds is pre-filled from that
+  peer's cache, and the rest prefilled here (:mod:`pdserve.decode.peer`);
 - leases expire after their TTL; a peer that dies has its holds released;
 - every step, one :class:`~pdserve.core.messages.TokenBatch` per subscriber
   carries every new token of that subscriber's requests. Callers without a
@@ -18,6 +20,7 @@ Page ownership is tabled in :mod:`pdserve.transfer.handoff`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -40,6 +43,7 @@ from pdserve.core.messages import (
 )
 from pdserve.core.request import RequestOutput
 from pdserve.core.step import KVArrival, StepPlan
+from pdserve.decode.peer import PeerFill
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.loop import EngineLoop, LoadReporter
 from pdserve.transfer.handoff import HandOff, LeaseTable
@@ -76,6 +80,7 @@ class DecodeServer:
         self._done: dict[str, Future[RequestOutput]] = {}
         self._done_lock = threading.Lock()
         engine.plan_hook = self._annotate
+        self.peers = PeerFill(self)
         self.loop = EngineLoop(
             engine, self._on_outputs, self._on_fatal, name=f"pdserve-decode-{instance_id}"
         )
@@ -149,6 +154,8 @@ class DecodeServer:
     def _reserve(
         self, engine: EngineCore, request: ReserveRequest, prefill_id: str | None, sink: Any
     ) -> Reservation:
+        if request.peer is not None and (res := self.peers.start(engine, request, sink)):
+            return res
         if self._prefill_here(engine, request):
             engine.add_request(
                 request.request_id,
@@ -234,7 +241,7 @@ class DecodeServer:
         if not self._arrivals:
             return plan
         arrivals, self._arrivals = self._arrivals, []
-        return StepPlan(plan.step_id, plan.seqs, plan.finished_request_ids, plan.kv_sends, arrivals)
+        return dataclasses.replace(plan, kv_arrivals=arrivals)  # keeps the plan's tier work
 
     def _abort(self, engine: EngineCore, request_id: str) -> bool:
         lease = self.leases.leases.get(request_id)
@@ -304,6 +311,8 @@ class DecodeServer:
         logger.warning("prefill %s is gone; releasing its reservations", prefill_id)
         self.prefills.pop(prefill_id, None)
         for lease in self.leases.of_prefill(prefill_id):
+            if lease.request_id in self.peers.pending:
+                continue  # its export fails too: the prompt is then prefilled here
             self.stats.peer_lost += 1
             self._free_reservation(engine, lease.request_id, notify=True)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.core.config import EngineConfig
-from pdserve.core.errors import InstanceFailedError, InvalidArgumentError
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import LoadReport
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import (
@@ -27,10 +27,11 @@ from pdserve.core.request import (
 )
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.snapshot import KVTierCounters
-from pdserve.core.step import StepPlan, StepResult
+from pdserve.core.step import KVSend, StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import Executor
+from pdserve.engine.isolation import execute_isolating
 from pdserve.engine.kv_cache_manager import KVCacheManager, resolve_max_model_len
 from pdserve.engine.kv_tiers import TIERS
 from pdserve.engine.scheduler import Scheduler
@@ -123,7 +124,7 @@ class EngineCore:
     ) -> LoadReport:
         """This engine's load and KV events since the last report."""
         sched = self.scheduler
-        added, removed = self.kv.drain_events()
+        events = self.kv.drain_events()
         return LoadReport(
             instance_id,
             role,
@@ -134,8 +135,10 @@ class EngineCore:
             num_blocks=self.kv.num_blocks,
             step_seconds=step_seconds,
             step_tokens=step_tokens,
-            kv_added=added,
-            kv_removed=removed,
+            kv_added=events.added,
+            kv_removed=events.removed,
+            kv_lower=events.lower,
+            kv_device=events.device,
         )
 
     def tier_counters(self) -> KVTierCounters | None:
@@ -258,49 +261,17 @@ class EngineCore:
         return new
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, list[str]]:
-        """Run a plan; if it raises, find the requests it raised for.
+        tiers = self.kv.tiers
+        return execute_isolating(self.executor, plan, tiers.forget_writes if tiers else None)
 
-        A lost rank (:class:`InstanceFailedError`) stops the engine. Any other
-        error is a request's, not the instance's: the plan is run again one
-        request at a time (recomputing a position writes the same KV), and only
-        the requests whose own run raises fail. Returns the merged result and
-        the ids of the failed requests.
+    def export_pages(self, sends: list[KVSend]) -> bool:
+        """Send cached pages to peers between steps, with no forward; True once all landed.
+
+        The caller holds the source pages unchanged meanwhile (it runs on the
+        engine's loop, so no step can evict them).
         """
-        try:
-            return self.executor.execute(plan), []
-        except InstanceFailedError:
-            raise
-        except Exception:
-            logger.exception(
-                "step %d of %d requests failed; isolating", plan.step_id, len(plan.seqs)
-            )
-        if self.kv.tiers is not None:  # what the failed step wrote down is suspect
-            self.kv.tiers.forget_writes(plan.tier_ops.writes)
-        sampled: dict[str, int] = {}
-        extra: dict[str, list[int]] = {}
-        failed: list[str] = []
-        transfer_ok = True
-        for i, seq in enumerate(plan.seqs):
-            rid = seq.request_id
-            alone = StepPlan(
-                plan.step_id,
-                [seq],
-                plan.finished_request_ids if i == 0 else [],
-                [k for k in plan.kv_sends if k.request_id == rid],
-                [a for a in plan.kv_arrivals if a.request_id == rid],
-            )
-            try:
-                result = self.executor.execute(alone)
-            except InstanceFailedError:
-                raise
-            except Exception:
-                logger.exception("request %r failed in step %d", rid, plan.step_id)
-                failed.append(rid)
-                continue
-            sampled.update(result.sampled)
-            extra.update(result.extra)
-            transfer_ok = transfer_ok and result.kv_transfer_ok
-        return StepResult(plan.step_id, sampled, transfer_ok, extra=extra), failed
+        plan = StepPlan(0, [], kv_sends=sends)  # step 0: no scheduled step
+        return self.executor.execute(plan).kv_transfer_ok
 
     def _fail(self, request_id: str) -> RequestOutput | None:
         """End a request whose step raised; its blocks are freed, never held."""

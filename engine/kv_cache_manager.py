@@ -8,7 +8,7 @@ A request's block table covers its tokens in order; token ``i`` lives in slot
                  ^ prefix-cache hits     ^ num_computed_tokens  ^ computed this step
                  (shared, ref_cnt > 1)                          (allocated now)
 
-Full blocks are hashed by chaining: ``h_i = H(h_{i-1}, tokens of block i)``, so
+Full blocks are hashed by chaining (:mod:`pdserve.engine.block_hash`), so
 two requests share block ``i`` only when all tokens up to its end are equal.
 Hashes are stable across processes (blake2b), so a router can index them.
 
@@ -19,55 +19,21 @@ block keeps its hash and stays reusable until the pool evicts it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.core.config import CacheConfig, EngineConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import Request
 from pdserve.core.step import TierLoad
+from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.block_pool import BlockPool, KVBlock
 from pdserve.engine.eviction import DEFAULT_CLOCK, Clock
 from pdserve.engine.kv_tiers import KVTiers, TierHit
 
 logger = logging.getLogger(__name__)
-
-
-def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of one full block: depends on every token up to its end."""
-    return _chain(parent, array("q", token_ids).tobytes())
-
-
-def _chain(parent: bytes | None, block: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    if parent is not None:
-        h.update(parent)
-    h.update(block)
-    return h.digest()
-
-
-def block_hashes(
-    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes | None = None
-) -> list[bytes]:
-    """Chained hashes of the full blocks of ``token_ids`` from block ``start`` on.
-
-    The same values as :func:`hash_block_tokens` block by block, with one byte
-    conversion for the whole sequence (a router hashes every prompt it sees).
-    """
-    raw = array("q", token_ids[start * block_size :]).tobytes()
-    step = block_size * 8
-    blake = hashlib.blake2b
-    chained = parent or b""
-    hashes = []
-    for i in range(0, len(raw) // step * step, step):
-        # blake2b(parent || block) == update(parent); update(block): the same chain.
-        chained = blake(chained + raw[i : i + step], digest_size=16).digest()
-        hashes.append(chained)
-    return hashes
 
 
 @dataclass
@@ -218,26 +184,52 @@ class KVCacheManager:
         loaded, self._loading = list(self._loading), {}
         return loaded
 
-    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+    def drain_events(self) -> KVEvents:
         """Prefix blocks this instance came to hold, and stopped holding, in any tier.
 
         A block evicted from the device but kept in host memory or on disk is
-        still held: a request for it is served without recomputing it.
+        still held (a request for it is served without recomputing it); such
+        blocks are also listed as ``lower``, and blocks back on the device as
+        ``device``, so a router knows which tier holds them.
         """
         added, removed = self.pool.drain_events()
         if self.tiers is None:
-            return added, removed
+            return KVEvents(added, removed)
         tier_added, tier_removed = self.tiers.drain_events()
-        held = self._held_anywhere
-        return (
+        held, on_device = self._held_anywhere, self.pool.lookup
+        return KVEvents(
             [h for h in dict.fromkeys(added + tier_added) if held(h)],
             [h for h in dict.fromkeys(removed + tier_removed) if not held(h)],
+            [h for h in removed if on_device(h) is None and held(h)],
+            [h for h in added if on_device(h) is not None],
         )
 
     def _held_anywhere(self, block_hash: bytes) -> bool:
         if self.pool.lookup(block_hash) is not None:
             return True
         return self.tiers is not None and self.tiers.holds(block_hash)
+
+    def device_blocks(self, hashes: Sequence[bytes]) -> list[KVBlock]:
+        """The leading run of ``hashes`` cached in the device pool (nothing is taken)."""
+        blocks = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def cache_landed(self, request: Request, start: int, hashes: Sequence[bytes]) -> int:
+        """Index blocks ``start..`` of a reservation whose KV a peer wrote; how many were."""
+        table = self._tables[request.request_id]
+        priority = request.sampling_params.priority
+        for i, block_hash in enumerate(hashes):
+            block = table[start + i]
+            if not self.pool.cache(block, block_hash):
+                return i
+            if self.tiers is not None:
+                self.tiers.cached(block.block_id, block_hash, priority)
+        return len(hashes)
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()
@@ -347,6 +339,16 @@ class KVCacheManager:
         assert not self._tables, f"block tables still held by {sorted(self._tables)}"
         assert not self._loading, f"tier loads still held by {sorted(self._loading)}"
         assert self.pool.num_free_blocks == self.pool.num_blocks
+
+
+@dataclass(frozen=True)
+class KVEvents:
+    """What an instance's prefix cache gained and lost since its last report."""
+
+    added: list[bytes]
+    removed: list[bytes]
+    lower: list[bytes] = field(default_factory=list)  # now held only below the device
+    device: list[bytes] = field(default_factory=list)  # now (again) on the device
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: int) -> int:

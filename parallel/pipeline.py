@@ -54,12 +54,16 @@ class StepHooks(Protocol):
     ``before_step`` runs before any layer (e.g. wait for KV that must have
     arrived); ``on_layer`` runs after each local layer of each micro-batch
     (``micro`` is that micro-batch's plan); ``after_step`` runs when the rank's
-    layers are done, before the step counts as finished.
+    layers are done, before the step counts as finished. A plan with pages to
+    send and no sequence (cached pages a peer asked for) runs ``export``, then
+    ``after_step``, and no forward.
     """
 
     def before_step(self, plan: StepPlan) -> None: ...
 
     def on_layer(self, local_layer: int, micro: StepPlan) -> None: ...
+
+    def export(self, plan: StepPlan) -> None: ...
 
     def after_step(self, plan: StepPlan) -> bool:
         """True unless something this rank sent for the plan failed to land."""
@@ -87,14 +91,30 @@ class StageExecutor:
         """
         loads_ok = self._tier_loads(plan)
         try:
-            if not plan.seqs:  # tier work only; ranks still hear of finished requests
-                if self.hooks is not None:
-                    self.hooks.before_step(plan)
-                return {}, True, loads_ok
+            if not plan.seqs:  # tier work or exports; ranks still hear of finished requests
+                return {}, self._without_forward(plan), loads_ok
             tokens, ok = self._forward(plan)
         finally:
             self.runner.finish_tier_ops()
         return tokens, ok, loads_ok
+
+    def _without_forward(self, plan: StepPlan) -> bool:
+        hooks = self.hooks
+        if hooks is None:
+            return not plan.kv_sends
+        hooks.before_step(plan)
+        if not plan.kv_sends:
+            return True
+        hooks.export(plan)
+        return self._all_landed(hooks.after_step(plan))
+
+    def _all_landed(self, ok: bool) -> bool:
+        """Every rank's pages of the step landed (a MIN over the ranks' flags)."""
+        if self.groups.layout.world_size == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups.cpu_group)
+        return bool(flag.item())
 
     def _tier_loads(self, plan: StepPlan) -> list[bool]:
         ok = self.runner.start_tier_ops(plan)
@@ -141,12 +161,8 @@ class StageExecutor:
                 if work is not None:
                     work.wait()
         ok = hooks.after_step(plan) if hooks is not None else True
-        if plan.kv_sends and g.layout.world_size > 1:
-            # Every rank's pages have landed (or some failed) before the step returns.
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g.cpu_group)
-            ok = bool(flag.item())
-        return tokens, ok
+        # Every rank's pages have landed (or some failed) before the step returns.
+        return tokens, self._all_landed(ok) if plan.kv_sends else ok
 
     def _receive(self, batch: PreparedBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.ctx.is_first_stage:

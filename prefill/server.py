@@ -11,7 +11,10 @@ makes it the prefill role is small:
   layer as soon as the layer ran);
 - when a request's first token is out, its future resolves (the router answers
   the client: TTFT does not wait for the transfer) and the
-  :class:`~pdserve.transfer.handoff.HandOff` goes to the decode instance.
+  :class:`~pdserve.transfer.handoff.HandOff` goes to the decode instance;
+- ``export``: a paired decode instance asks for cached pages of a prefix this
+  instance holds on its device (:mod:`pdserve.decode.peer`); they are sent
+  between two steps, with no forward.
 
 Page ownership is tabled in :mod:`pdserve.transfer.handoff`.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +37,7 @@ from pdserve.core.errors import (
     TransferError,
 )
 from pdserve.core.layout import Layout
-from pdserve.core.messages import FirstToken, PrefillRequest
+from pdserve.core.messages import FirstToken, PeerExport, PrefillRequest
 from pdserve.core.request import RequestOutput
 from pdserve.core.step import KVSend, StepPlan
 from pdserve.engine.engine import EngineCore
@@ -61,6 +65,9 @@ class PrefillServer:
         self.stats = LeaseStats()
         self.decodes: dict[str, Any] = {}  # decode instance id -> its leader's actor handle
         self._transfers: dict[str, _Transfer] = {}
+        # Recently dropped request ids: an export that arrives after its drop
+        # must not write into pages the decode instance freed.
+        self._dropped: OrderedDict[str, None] = OrderedDict()
         engine.plan_hook = self._annotate
         engine.on_transfer_failure = self._transfer_failed
         self.loop = EngineLoop(
@@ -79,6 +86,10 @@ class PrefillServer:
     def prefill(self, request: PrefillRequest) -> Future[FirstToken]:
         """Queue a prompt; the future resolves with its first token."""
         return self.loop.call(lambda engine: self._start(engine, request)).result()
+
+    def export(self, request: PeerExport) -> int:
+        """Send the decode instance the leading run of these blocks held here; how many."""
+        return self.loop.call(lambda engine: self._export(engine, request)).result()
 
     def drop(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its pages; returns once no write is in flight.
@@ -268,7 +279,35 @@ class PrefillServer:
         self._transfers.pop(request_id, None)
         self.loop.engine.release(request_id)
 
+    def _export(self, engine: EngineCore, request: PeerExport) -> int:
+        if request.decode_id not in self.decodes or request.request_id in self._dropped:
+            return 0
+        blocks = engine.kv.device_blocks(request.block_hashes[: len(request.block_ids)])
+        if not blocks:
+            return 0
+        send = KVSend(
+            request.transfer_id,
+            request.decode_id,
+            [b.block_id for b in blocks],
+            request.block_ids[: len(blocks)],
+            final=True,
+        )
+        ok = engine.export_pages([send])
+        if ok:
+            self.stats.exported += 1
+        logger.info(
+            "prefill %s: %s %d cached pages to %s",
+            request.request_id,
+            "exported" if ok else "failed to export",
+            len(blocks),
+            request.decode_id,
+        )
+        return len(blocks) if ok else 0
+
     def _drop(self, engine: EngineCore, request_id: str) -> bool:
+        self._dropped[request_id] = None
+        while len(self._dropped) > 4096:
+            self._dropped.popitem(last=False)
         transfer = self._transfers.pop(request_id, None)
         aborted = engine.abort_request(request_id) is not None
         released = engine.release(request_id)

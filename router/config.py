@@ -73,6 +73,13 @@ class RouterConfig:
         so no client waits forever on an instance that went silent.
     on_transfer_failure: a prompt whose KV did not reach its decode instance is
         prefilled again on another pair ("recompute") or fails (UNAVAILABLE, "fail").
+    peer_prefill: when another prefill instance of the region holds more of a
+        prompt on its device than the one chosen for load, let the decode instance
+        take those pages from it (and prefill the rest itself, if that leaves
+        little to compute) instead of recomputing them.
+    peer_prefill_min_tokens: the least number of prompt tokens that must be saved.
+    peer_kv_s_per_token: the assumed time to move one token's KV between two
+        instances, priced against the chosen prefill's measured time per token.
     """
 
     model_name: str = "pdserve"
@@ -101,6 +108,9 @@ class RouterConfig:
     without_prefill: str = "local"
     stream_idle_timeout_s: float = 300.0
     on_transfer_failure: str = "recompute"
+    peer_prefill: bool = True
+    peer_prefill_min_tokens: int = 64
+    peer_kv_s_per_token: float = 2e-5
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -134,6 +144,8 @@ class RouterConfig:
             raise InvalidArgumentError(
                 "router.on_transfer_failure", "must be 'recompute' or 'fail'"
             )
+        if self.peer_prefill_min_tokens < 0 or self.peer_kv_s_per_token < 0:
+            raise InvalidArgumentError("router.peer_prefill_min_tokens", "must be >= 0")
         if self.stream_idle_timeout_s <= 0:
             raise InvalidArgumentError("router.stream_idle_timeout_s", "must be > 0")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:

@@ -6,6 +6,10 @@
         placement <- the policy's prefill/decode pick there (prefix hits priced in)
         cost      <- placement's estimated TTFT + the round trip to that region
       the cheapest region wins; ties stay home
+    peer_prefix(request, choice)
+      another prefill of the region holds more of the prompt on its device, and
+      moving its pages costs less than computing them: the decode instance may
+      take them from it (pdserve.decode.peer)
 
 Reads the router's :class:`~pdserve.router.state.ClusterView` and prefix index;
 changes nothing but its record of decision times.
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.core.errors import InvalidArgumentError, OverloadedError
+from pdserve.core.messages import PeerPrefix
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
@@ -162,3 +167,29 @@ class RegionChooser:
                 cached[row] = blocks
         req = RoutingRequest(len(inp.prompt_token_ids), inp.params.max_tokens, cached, bs)
         return self.policy.place(req, prefills, decodes)
+
+    def peer_prefix(self, choice: Choice) -> PeerPrefix | None:
+        """A prefill instance of the region holding, on its device, more of the prompt than
+        the chosen one, when moving those pages costs less than computing them again."""
+        chosen, decode = choice.prefill, choice.decode
+        hashes = choice.hashes.get(decode.block_size)
+        if not self.config.peer_prefill or chosen is None or not hashes:
+            return None
+        own = self.prefixes.cached_blocks(chosen.instance_id, hashes)
+        best, blocks = None, own
+        for instance, held in self.prefixes.cached_prefixes(hashes).items():
+            view = self.cluster.instances.get(instance)
+            if held <= blocks or view is None or view is chosen or not view.available:
+                continue
+            if view.region != choice.region or decode.instance_id not in view.paired:
+                continue
+            on_device = self.prefixes.device_blocks(instance, hashes)
+            if on_device > blocks:
+                best, blocks = view, on_device
+        gain = (blocks - own) * decode.block_size
+        if best is None or gain < self.config.peer_prefill_min_tokens:
+            return None
+        move_s = blocks * decode.block_size * self.config.peer_kv_s_per_token
+        if move_s >= gain * chosen.prefill_s_per_token:
+            return None
+        return PeerPrefix(best.instance_id, blocks)

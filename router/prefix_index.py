@@ -1,15 +1,19 @@
-"""Which prefill instance holds which KV blocks, fed by the instances' KV events.
+"""Which prefill instance holds which KV blocks, in which tier, fed by the instances' KV events.
 
+A block is held on the instance's device, or (with KV tiers) only below it, in
+host memory or on disk: a hit there is loaded back instead of recomputed, but
+only a block on the device can be served to a peer between two steps.
 Blocks are named by the same chained hash the instances use
-(:func:`~pdserve.engine.kv_cache_manager.hash_block_tokens`), so the router can
+(:func:`~pdserve.engine.block_hash.hash_block_tokens`), so the router can
 hash a prompt once and ask, per instance, how long a prefix is already cached.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
-from pdserve.engine.kv_cache_manager import block_hashes
+from pdserve.engine.block_hash import block_hashes
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
@@ -21,8 +25,26 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[bytes, set[str]] = defaultdict(set)
         self._held: dict[str, set[bytes]] = defaultdict(set)
+        self._lower: dict[str, set[bytes]] = defaultdict(set)  # held, but not on the device
 
-    def apply(self, instance_id: str, added: list[bytes], removed: list[bytes]) -> None:
+    def apply(
+        self,
+        instance_id: str,
+        added: Sequence[bytes],
+        removed: Sequence[bytes],
+        lower: Sequence[bytes] = (),
+        device: Sequence[bytes] = (),
+    ) -> None:
+        """One report's events: held blocks gained and lost (any tier), then tier moves."""
+        self._apply_held(instance_id, added, removed)
+        held, below = self._held[instance_id], self._lower[instance_id]
+        below.difference_update(removed)
+        below.difference_update(device)
+        below.update(h for h in lower if h in held)
+
+    def _apply_held(
+        self, instance_id: str, added: Sequence[bytes], removed: Sequence[bytes]
+    ) -> None:
         held = self._held[instance_id]
         for h in removed:
             held.discard(h)
@@ -36,7 +58,9 @@ class PrefixIndex:
             self._holders[h].add(instance_id)
 
     def forget(self, instance_id: str) -> None:
-        self.apply(instance_id, [], list(self._held.pop(instance_id, ())))
+        self._apply_held(instance_id, [], list(self._held.get(instance_id, ())))
+        self._held.pop(instance_id, None)
+        self._lower.pop(instance_id, None)
 
     def cached_prefixes(self, hashes: list[bytes]) -> dict[str, int]:
         """Leading blocks of ``hashes`` held, for every instance holding at least one.
@@ -66,6 +90,18 @@ class PrefixIndex:
         n = 0
         for h in hashes:
             if h not in held:
+                break
+            n += 1
+        return n
+
+    def device_blocks(self, instance_id: str, hashes: list[bytes]) -> int:
+        """Leading blocks of ``hashes`` the instance holds on its device."""
+        held, below = self._held.get(instance_id), self._lower.get(instance_id, set())
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held or h in below:
                 break
             n += 1
         return n

@@ -78,7 +78,7 @@ class Reserver:
             decode.inflight += 1
             self.cluster.touch(decode)
             try:
-                return prefill, decode, await self._reserve(attempt, prefill, decode)
+                return prefill, decode, await self._reserve(attempt, choice)
             except BaseException as e:
                 decode.inflight -= 1
                 self.cluster.touch(decode)
@@ -103,10 +103,8 @@ class Reserver:
             attempt.region = choice.region
             return choice
 
-    async def _reserve(
-        self, attempt: Attempt, prefill: InstanceView | None, decode: InstanceView
-    ) -> Reservation:
-        inp = attempt.inp
+    async def _reserve(self, attempt: Attempt, choice: Choice) -> Reservation:
+        inp, prefill, decode = attempt.inp, choice.prefill, choice.decode
         request = ReserveRequest(
             attempt.attempt_id,
             inp.prompt_token_ids,
@@ -114,6 +112,7 @@ class Reserver:
             self.config.reservation_ttl_s,
             attempt.offset,
             prefill_here=prefill is None,  # nobody would send the KV: decode computes it
+            peer=self.chooser.peer_prefix(choice),
         )
         prefill_id = prefill.instance_id if prefill is not None else None
         ref = decode.handle.reserve.remote(request, prefill_id, self.sink)

@@ -137,7 +137,13 @@ class Router:
         view.report = report
         self.obs.load(view.region, report)
         if view.role == "prefill":
-            self.prefixes.apply(report.instance_id, report.kv_added, report.kv_removed)
+            self.prefixes.apply(
+                report.instance_id,
+                report.kv_added,
+                report.kv_removed,
+                report.kv_lower,
+                report.kv_device,
+            )
         self.cluster.touch(view)
 
     @property

@@ -6,6 +6,8 @@
 - ``on_layer`` (prefill side): right after a layer ran, send this rank's slice
   of that layer's pages for every request of the micro-batch that streams to a
   decode instance, over the routes computed when the instances paired;
+- ``export`` (prefill side): send cached pages a peer asked for, every local
+  layer at once, with no forward;
 - ``after_step`` (prefill side): end the routes of requests whose prompt is
   complete, then wait until everything sent this step has landed;
 - ``before_step`` (decode side): wait until each request that joins the batch
@@ -20,7 +22,7 @@ import torch
 
 from pdserve.core.errors import TransferError
 from pdserve.core.layout import Layout
-from pdserve.core.step import StepPlan
+from pdserve.core.step import KVSend, StepPlan
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint
 from pdserve.transfer.routes import Route, plan_routes
@@ -77,12 +79,21 @@ class RankTransfer:
     def on_layer(self, local_layer: int, micro: StepPlan) -> None:
         if not micro.kv_sends:
             return
+        in_batch = {s.request_id for s in micro.seqs}
+        self._send_layer(local_layer, [s for s in micro.kv_sends if s.request_id in in_batch])
+
+    def export(self, plan: StepPlan) -> None:
+        """Send every local layer of already-cached pages (a peer's prefix; no forward)."""
+        assert self.kv_cache is not None
+        for local_layer in range(self.kv_cache.shape[0]):
+            self._send_layer(local_layer, plan.kv_sends)
+
+    def _send_layer(self, local_layer: int, sends: list[KVSend]) -> None:
         assert self.kv_cache is not None
         layer = self.first_layer + local_layer
         cache = self.kv_cache[local_layer]  # [2, blocks, bs, H_local, D]
-        in_batch = {s.request_id for s in micro.seqs}
-        for send in micro.kv_sends:
-            if send.request_id not in in_batch or not send.src_blocks:
+        for send in sends:
+            if not send.src_blocks:
                 continue
             for route in self.routes.get(send.peer, ()):
                 if not route.layers[0] <= layer < route.layers[1]:

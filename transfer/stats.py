@@ -44,6 +44,10 @@ class LeaseStats:
     aborted: int = 0
     peer_lost: int = 0
     refused: int = 0
+    # Prefix pages from a peer's cache: reservations filled that way (decode
+    # side), and exports sent (prefill side).
+    peer_filled: int = 0
+    exported: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

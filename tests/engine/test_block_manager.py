@@ -9,8 +9,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pdserve.core.request import Request
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.block_hash import hash_block_tokens
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from pdserve.engine.kv_cache_manager import KVCacheManager
 
 BS = 4
 

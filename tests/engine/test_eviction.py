@@ -153,11 +153,13 @@ def test_router_events_count_a_block_held_in_any_tier():
     kv.cache_computed_blocks(first)
     kv.free(first)
     assert [w.kind for w in kv.tiers.take_ops().writes] == ["store", "store"]
-    added, removed = kv.drain_events()
+    events = kv.drain_events()
+    added, removed = events.added, events.removed
     assert len(added) == 2 and removed == []
     other = Request("b", [50] * 8, SamplingParams(), ())
     assert kv.allocate_slots(other, 8)  # evicts both device blocks
-    added, removed = kv.drain_events()
+    events = kv.drain_events()
+    added, removed = events.added, events.removed
     assert added == [] and removed == [first.block_hashes[0]], "block 1 is still on the host"
     kv.free(other)
     kv.check_integrity()

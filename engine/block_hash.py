@@ -1,0 +1,46 @@
+"""Chained block hashes: how a KV block of a token sequence is named.
+
+``h_i = H(h_{i-1}, tokens of block i)`` with blake2b, so two sequences share
+block ``i`` only when all tokens up to its end are equal, and the names are
+stable across processes: a router hashes a prompt once and asks which
+instance holds how long a prefix of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+
+def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: depends on every token up to its end."""
+    return _chain(parent, array("q", token_ids).tobytes())
+
+
+def _chain(parent: bytes | None, block: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        h.update(parent)
+    h.update(block)
+    return h.digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes | None = None
+) -> list[bytes]:
+    """Chained hashes of the full blocks of ``token_ids`` from block ``start`` on.
+
+    The same values as :func:`hash_block_tokens` block by block, with one byte
+    conversion for the whole sequence (a router hashes every prompt it sees).
+    """
+    raw = array("q", token_ids[start * block_size :]).tobytes()
+    step = block_size * 8
+    blake = hashlib.blake2b
+    chained = parent or b""
+    hashes = []
+    for i in range(0, len(raw) // step * step, step):
+        # blake2b(parent || block) == update(parent); update(block): the same chain.
+        chained = blake(chained + raw[i : i + step], digest_size=16).digest()
+        hashes.append(chained)
+    return hashes
