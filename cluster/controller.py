@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ClusterConfig, check_fits
 from pdserve.cluster.health import HealthChecks
-from pdserve.cluster.instances import Instance, best_effort, pair
+from pdserve.cluster.instances import Instance, best_effort, pair_in_region
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.planning import Planning
 from pdserve.cluster.proactive import CapacityModel, make_planner
@@ -303,10 +303,11 @@ class Controller:
         with self._topology:
             with self._lock:
                 r = self.regions[region]
-                other = r.decode if instance.role == "prefill" else r.prefill
-                peers = [p for p in other if p.instance_id not in self.unhealthy]
-            for peer in peers:
-                pair(instance, peer) if instance.role == "prefill" else pair(peer, instance)
+                prefills, decodes = (
+                    [p for p in role if p.instance_id not in self.unhealthy]
+                    for role in (r.prefill, r.decode)
+                )
+            pair_in_region(instance, prefills, decodes)
             register(self.router, instance, region)
             with self._lock:
                 r.of(instance.role).append(instance)
@@ -320,14 +321,16 @@ class Controller:
                     return False
                 r.of(instance.role).remove(instance)
                 peers = list(r.decode if instance.role == "prefill" else r.prefill)
+                senders = list(r.prefill)  # the instances with routes to it
+                if instance.role == "prefill":
+                    peers += senders  # its prefill peers forget it too
             ray.get(self.router.unregister.remote(instance.instance_id))
             calls = [p.leader.forget_peer.remote(instance.instance_id) for p in peers]
-            if instance.role == "decode":
-                calls += [
-                    w.unpair_ranks.remote(instance.instance_id)
-                    for p in peers
-                    for w in p.group.workers
-                ]
+            calls += [
+                w.unpair_ranks.remote(instance.instance_id)
+                for p in senders
+                for w in p.group.workers
+            ]
             best_effort(calls)
             return True
 

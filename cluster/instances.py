@@ -83,6 +83,43 @@ def pair(prefill: Instance, decode: Instance, timeout_s: float = 120.0) -> None:
     )
 
 
+def pair_peers(a: Instance, b: Instance, timeout_s: float = 120.0) -> None:
+    """Two prefill instances: each may pull prompt prefixes from the other's cache."""
+    a_spec, b_spec = ray.get(
+        [a.leader.kv_spec.remote(), b.leader.kv_spec.remote()], timeout=timeout_s
+    )
+    check_compatible(a_spec, b_spec)
+    a_ends, b_ends = (
+        ray.get([w.kv_endpoint.remote() for w in i.group.workers], timeout=timeout_s)
+        for i in (a, b)
+    )
+    ray.get(
+        [w.pair_ranks.remote(b_spec.layout, b_ends) for w in a.group.workers]
+        + [w.pair_ranks.remote(a_spec.layout, a_ends) for w in b.group.workers],
+        timeout=timeout_s,
+    )
+    ray.get(
+        [
+            a.leader.register_peer.remote(b.instance_id, b.leader, b_spec.layout),
+            b.leader.register_peer.remote(a.instance_id, a.leader, a_spec.layout),
+        ],
+        timeout=timeout_s,
+    )
+
+
+def pair_in_region(instance: Instance, prefills: list[Instance], decodes: list[Instance]) -> None:
+    """Pair a new instance with the region's others: prefill->decode, and prefill peers."""
+    if instance.role == "decode":
+        for prefill in prefills:
+            pair(prefill, instance)
+        return
+    for decode in decodes:
+        pair(instance, decode)
+    for peer in prefills:
+        if peer is not instance:
+            pair_peers(instance, peer)
+
+
 CALL_TIMEOUT_S = 5.0  # best-effort control calls (stats, forget_peer)
 
 

@@ -1,8 +1,10 @@
 """Regions of paired prefill and decode instances behind one router actor.
 
 Every prefill instance is paired with every decode instance of its region
-(the router may choose any pair), and every instance is registered with the
-router, which subscribes to its load reports and KV events.
+(the router may choose any pair) and with the region's other prefill
+instances (each may pull a prompt's prefix from another's cache), and every
+instance is registered with the router, which subscribes to its load reports
+and KV events.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import ray
 
-from pdserve.cluster.instances import Instance, pair, start_instance
+from pdserve.cluster.instances import Instance, pair_in_region, start_instance
 from pdserve.cluster.worker import Role
 from pdserve.core.config import DisaggregationConfig, EngineConfig
 from pdserve.core.model_config import ModelConfig
@@ -62,9 +64,7 @@ def add_instance(
         role, model, engine, connector, resources, disaggregation, instance_id
     )
     try:
-        peers = region.decode if role == "prefill" else region.prefill
-        for peer in peers:
-            pair(instance, peer) if role == "prefill" else pair(peer, instance)
+        pair_in_region(instance, region.prefill, region.decode)
         register(router, instance, region.name)
     except BaseException:
         instance.shutdown()

@@ -95,8 +95,9 @@ class InstanceWorker(RankWorker):
             instance.connector,
         )
         self.step_hooks = self.transfer
-        if instance.role == "decode":
-            self.kv_allocator = self.transfer.receiver.allocate
+        # Both roles receive pages (decode: prompts; prefill: a peer's prefix), so
+        # the cache lives where the connector's receiver wants it.
+        self.kv_allocator = self.transfer.receiver.allocate
         self.server: PrefillServer | DecodeServer | None = None
 
     # -- start-up ---------------------------------------------------------------------
@@ -116,7 +117,12 @@ class InstanceWorker(RankWorker):
     def _start_server(self) -> None:
         assert self.engine is not None
         if self.instance.role == "prefill":
-            self.server = PrefillServer(self.instance.instance_id, self.engine, self.spec.layout)
+            self.server = PrefillServer(
+                self.instance.instance_id,
+                self.engine,
+                self.spec.layout,
+                self.transfer.receiver.needs_arrival_marks,
+            )
         else:
             self.server = DecodeServer(
                 self.instance.instance_id,
@@ -173,6 +179,9 @@ class InstanceWorker(RankWorker):
 
     def register_decode(self, decode_id: str, leader: Any) -> None:
         self._prefill().register_decode(decode_id, leader)
+
+    def register_peer(self, prefill_id: str, leader: Any, layout: Layout) -> None:
+        self._prefill().register_peer(prefill_id, leader, layout)
 
     def prefill(self, request: PrefillRequest) -> FirstToken:
         return self._prefill().prefill(request).result()
@@ -279,14 +288,14 @@ class InstanceWorker(RankWorker):
         """Leader: drop a paired instance of the other role."""
         if isinstance(self.server, PrefillServer):
             self.server.forget_decode(instance_id)
+            self.server.forget_peer(instance_id)
         elif isinstance(self.server, DecodeServer):
             self.server.forget_prefill(instance_id)
 
     def flip_role(self, role: Role) -> None:
         """Every rank: take the other role, keeping the weights (the instance must be idle).
 
-        The KV cache moves where the new role's receiver wants it (a decode
-        instance with the shm connector keeps it in shared memory); the leader
+        The KV cache is reallocated where the receiver wants it; the leader
         starts the other role's server on the same engine, with an empty prefix
         cache (the pages were reallocated).
         """
@@ -303,11 +312,9 @@ class InstanceWorker(RankWorker):
         for decode_id in list(self.transfer.routes):
             self.transfer.unpair(decode_id)
         self.instance = dataclasses.replace(self.instance, role=role)
-        allocator = self.transfer.receiver.allocate if role == "decode" else None
-        self.runner.allocate_kv(self.runner.num_blocks, allocator)
+        self.runner.allocate_kv(self.runner.num_blocks, self.kv_allocator)
         self.transfer.kv_cache = self.runner.kv_cache
         self.transfer.receiver.kv_cache = self.runner.kv_cache
-        self.kv_allocator = allocator
         if self.engine is not None:
             self.engine.kv.reset_prefix_cache()
             self.engine.plan_hook = None

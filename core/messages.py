@@ -24,9 +24,10 @@ from pdserve.core.sampling_params import SamplingParams
 class PeerPrefix:
     """A prefill instance that holds, on its device, a longer prefix of the prompt.
 
-    The router names it when the instance it chose for load lacks that prefix;
-    the decode instance may then take those pages from it over the KV connector
-    and prefill only the rest itself (see :mod:`pdserve.decode.peer`).
+    The router names it when the instance it chose for load lacks that prefix:
+    the decode instance may take those pages from it over the KV connector and
+    prefill only the rest itself, else the chosen prefill instance takes them
+    (see :mod:`pdserve.transfer.peer_pull`).
     """
 
     prefill_id: str
@@ -35,15 +36,15 @@ class PeerPrefix:
 
 @dataclass(frozen=True)
 class PeerExport:
-    """Decode -> prefill: write your cached pages of these block hashes into my pages.
+    """Puller -> prefill peer: write your cached pages of these block hashes into my pages.
 
-    ``block_ids`` are the decode instance's reserved pages, one per hash. The
+    ``block_ids`` are the puller's reserved pages, one per hash. The
     prefill instance sends the leading run of the hashes it still holds on its
     device, between two of its steps, and answers how many it sent.
     """
 
     request_id: str
-    decode_id: str
+    dest_id: str  # the instance that pulls (a decode or a prefill instance)
     block_hashes: list[bytes]
     block_ids: list[int]
 
@@ -100,6 +101,9 @@ class PrefillRequest:
     params: SamplingParams
     reservation: Reservation | None = None
     output_offset: int = 0
+    # A prefill instance that holds more of the prompt on its device: this one
+    # pulls those pages from it first instead of computing them.
+    peer: PeerPrefix | None = None
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,8 @@ CATALOG: tuple[MetricSpec, ...] = (
         "pdserve_leases_total",
         "counter",
         "Page reservations (decode) and holds (prefill) by how they ended: reserved, "
-        "committed, expired, aborted, peer_lost, refused.",
+        "committed, expired, aborted, peer_lost, refused; peer_filled: prompts whose "
+        "prefix came from a peer's cache; exported: prefixes sent to a peer.",
         (*_INSTANCE, "outcome"),
         source="instance",
     ),

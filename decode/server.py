@@ -43,10 +43,11 @@ from pdserve.core.messages import (
 )
 from pdserve.core.request import RequestOutput
 from pdserve.core.step import KVArrival, StepPlan
-from pdserve.decode.peer import PeerFill
+from pdserve.decode.peer import start_peer_fill
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.loop import EngineLoop, LoadReporter
 from pdserve.transfer.handoff import HandOff, LeaseTable
+from pdserve.transfer.peer_pull import PeerPull
 from pdserve.transfer.routes import plan_routes, routes_into
 from pdserve.transfer.stats import LeaseStats
 
@@ -80,9 +81,15 @@ class DecodeServer:
         self._done: dict[str, Future[RequestOutput]] = {}
         self._done_lock = threading.Lock()
         engine.plan_hook = self._annotate
-        self.peers = PeerFill(self)
         self.loop = EngineLoop(
-            engine, self._on_outputs, self._on_fatal, name=f"pdserve-decode-{instance_id}"
+            engine, self.on_outputs, self._on_fatal, name=f"pdserve-decode-{instance_id}"
+        )
+        self.pulls = PeerPull(
+            instance_id,
+            layout,
+            self.num_kv_heads,
+            needs_arrival_marks,
+            self.loop.call,
         )
         self.reports = LoadReporter(self.loop, instance_id, "decode")
         self.loop.every(LEASE_CHECK_S, self._expire)
@@ -118,7 +125,7 @@ class DecodeServer:
 
         def add(engine: EngineCore) -> None:
             engine.add_request(request.request_id, request.prompt_token_ids, request.params)
-            self._subscribe(request.request_id, sink)
+            self.subscribe(request.request_id, sink)
 
         self.loop.call(add).result()
 
@@ -144,7 +151,7 @@ class DecodeServer:
 
     # -- on the loop thread -------------------------------------------------------------------
 
-    def _subscribe(self, request_id: str, sink: Any) -> None:
+    def subscribe(self, request_id: str, sink: Any) -> None:
         if sink is not None:
             self._sinks[request_id] = sink
         else:
@@ -154,7 +161,7 @@ class DecodeServer:
     def _reserve(
         self, engine: EngineCore, request: ReserveRequest, prefill_id: str | None, sink: Any
     ) -> Reservation:
-        if request.peer is not None and (res := self.peers.start(engine, request, sink)):
+        if request.peer is not None and (res := start_peer_fill(self, engine, request, sink)):
             return res
         if self._prefill_here(engine, request):
             engine.add_request(
@@ -163,7 +170,7 @@ class DecodeServer:
                 request.params,
                 output_offset=request.output_offset,
             )
-            self._subscribe(request.request_id, sink)
+            self.subscribe(request.request_id, sink)
             logger.info(
                 "decode %s: prefills its %d prompt tokens here on %s",
                 request.request_id,
@@ -186,7 +193,7 @@ class DecodeServer:
         block_ids, cached = held
         self.leases.add(request.request_id, prefill_id, request.ttl_s)
         self.stats.reserved += 1
-        self._subscribe(request.request_id, sink)
+        self.subscribe(request.request_id, sink)
         logger.info(
             "decode %s: reserved %d pages on %s (%d tokens cached) for %s",
             request.request_id,
@@ -234,16 +241,18 @@ class DecodeServer:
             expected = [routes_into(routes, r) for r in range(self.layout.world_size)]
             self._arrivals.append(KVArrival(handoff.request_id, expected))
         if out.finished:  # the first token completed a stop string
-            self._on_outputs([out])
+            self.on_outputs([out])
         return True
 
     def _annotate(self, plan: StepPlan) -> StepPlan:
-        if not self._arrivals:
+        if not self._arrivals and not self.pulls.arrivals:
             return plan
-        arrivals, self._arrivals = self._arrivals, []
+        arrivals, self._arrivals = self._arrivals + self.pulls.take_arrivals(), []
         return dataclasses.replace(plan, kv_arrivals=arrivals)  # keeps the plan's tier work
 
     def _abort(self, engine: EngineCore, request_id: str) -> bool:
+        if self.pulls.cancel(request_id):  # ends once its peer answered
+            return True
         lease = self.leases.leases.get(request_id)
         if lease is not None:
             if not lease.revoking:  # one being revoked is counted already (expired, lost)
@@ -254,7 +263,7 @@ class DecodeServer:
         if out is None:
             return False
         self.stats.aborted += 1
-        self._on_outputs([out])
+        self.on_outputs([out])
         return True
 
     def _expire(self, engine: EngineCore) -> None:
@@ -284,7 +293,7 @@ class DecodeServer:
         if out is None:
             return
         if notify:
-            self._on_outputs([out])
+            self.on_outputs([out])
             return
         # The router already knows (from the first token); settle local waiters only.
         self._sinks.pop(request_id, None)
@@ -311,12 +320,10 @@ class DecodeServer:
         logger.warning("prefill %s is gone; releasing its reservations", prefill_id)
         self.prefills.pop(prefill_id, None)
         for lease in self.leases.of_prefill(prefill_id):
-            if lease.request_id in self.peers.pending:
-                continue  # its export fails too: the prompt is then prefilled here
             self.stats.peer_lost += 1
             self._free_reservation(engine, lease.request_id, notify=True)
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         batches: dict[Any, list[TokenUpdate]] = defaultdict(list)
         for out in outputs:
             rid = out.request_id

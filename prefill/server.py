@@ -12,9 +12,10 @@ makes it the prefill role is small:
 - when a request's first token is out, its future resolves (the router answers
   the client: TTFT does not wait for the transfer) and the
   :class:`~pdserve.transfer.handoff.HandOff` goes to the decode instance;
-- ``export``: a paired decode instance asks for cached pages of a prefix this
-  instance holds on its device (:mod:`pdserve.decode.peer`); they are sent
-  between two steps, with no forward.
+- ``export``: a paired instance asks for cached pages of a prefix this
+  instance holds on its device; they are sent between two steps, with no
+  forward. A request naming a ``peer`` pulls its prefix from another prefill
+  instance that way before it runs (:mod:`pdserve.transfer.peer_pull`).
 
 Page ownership is tabled in :mod:`pdserve.transfer.handoff`.
 """
@@ -43,6 +44,7 @@ from pdserve.core.step import KVSend, StepPlan
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.loop import EngineLoop, LoadReporter
 from pdserve.transfer.handoff import HandOff
+from pdserve.transfer.peer_pull import PeerPull
 from pdserve.transfer.stats import LeaseStats
 
 logger = logging.getLogger(__name__)
@@ -58,12 +60,20 @@ class _Transfer:
 
 
 class PrefillServer:
-    def __init__(self, instance_id: str, engine: EngineCore, layout: Layout) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        engine: EngineCore,
+        layout: Layout,
+        needs_arrival_marks: bool = False,
+    ) -> None:
         self.instance_id = instance_id
         self.layout = layout
         self.block_size = engine.kv.block_size
         self.stats = LeaseStats()
         self.decodes: dict[str, Any] = {}  # decode instance id -> its leader's actor handle
+        # Prefill instances of the region this one pulls prefixes from and serves them to.
+        self.peers: dict[str, tuple[Any, Layout]] = {}
         self._transfers: dict[str, _Transfer] = {}
         # Recently dropped request ids: an export that arrives after its drop
         # must not write into pages the decode instance freed.
@@ -74,6 +84,13 @@ class PrefillServer:
             engine, self._on_outputs, self._on_fatal, name=f"pdserve-prefill-{instance_id}"
         )
         self.reports = LoadReporter(self.loop, instance_id, "prefill")
+        self.pulls = PeerPull(
+            instance_id,
+            layout,
+            engine.model.num_kv_heads,
+            needs_arrival_marks,
+            self.loop.call,
+        )
 
     # -- called from actor threads ---------------------------------------------------
 
@@ -82,6 +99,12 @@ class PrefillServer:
 
     def forget_decode(self, decode_id: str) -> None:
         self.loop.call(lambda _: self.decodes.pop(decode_id, None)).result()
+
+    def register_peer(self, prefill_id: str, leader: Any, layout: Layout) -> None:
+        self.loop.call(lambda _: self.peers.__setitem__(prefill_id, (leader, layout))).result()
+
+    def forget_peer(self, prefill_id: str) -> None:
+        self.loop.call(lambda _: self.peers.pop(prefill_id, None)).result()
 
     def prefill(self, request: PrefillRequest) -> Future[FirstToken]:
         """Queue a prompt; the future resolves with its first token."""
@@ -116,17 +139,10 @@ class PrefillServer:
                     f"{len(res.block_ids)} pages for a {len(request.prompt_token_ids)}-token prompt "
                     f"(needs {need}){'; the decode instance prefills this one itself' if res.local else ''}",
                 )
-        p = request.params
-        first_only = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
-        engine.add_request(
-            request.request_id,
-            request.prompt_token_ids,
-            first_only,
-            hold_kv=res is not None,
-            output_offset=request.output_offset,
-        )
         transfer = _Transfer(request)
         self._transfers[request.request_id] = transfer
+        if not self._pull(engine, request):
+            self._admit(engine, request)
         logger.info(
             "prefill %s: %d prompt tokens on %s, KV to %s",
             request.request_id,
@@ -136,7 +152,43 @@ class PrefillServer:
         )
         return transfer.first_token
 
+    def _admit(self, engine: EngineCore, request: PrefillRequest) -> None:
+        p = request.params
+        first_only = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
+        engine.add_request(
+            request.request_id,
+            request.prompt_token_ids,
+            first_only,
+            hold_kv=request.reservation is not None,
+            output_offset=request.output_offset,
+        )
+
+    def _pull(self, engine: EngineCore, request: PrefillRequest) -> bool:
+        """Take the prompt's prefix from the peer that holds it; False: nothing to take."""
+        peer = self.peers.get(request.peer.prefill_id) if request.peer is not None else None
+        if peer is None or request.peer is None:
+            return False
+        asked = self.pulls.start(
+            engine,
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            peer,
+            request.peer.num_blocks,
+            lambda e, indexed: self._pulled(e, request, indexed),
+        )
+        return asked > 0
+
+    def _pulled(self, engine: EngineCore, request: PrefillRequest, indexed: int | None) -> None:
+        if indexed is None:  # dropped meanwhile: its transfer already ended
+            engine.abort_request(request.request_id)
+            return
+        self.stats.peer_filled += 1 if indexed else 0
+        self._admit(engine, request)
+
     def _annotate(self, plan: StepPlan) -> StepPlan:
+        if self.pulls.arrivals:  # pages pulled from a peer: wait for their arrival marks
+            plan = dataclasses.replace(plan, kv_arrivals=self.pulls.take_arrivals())
         sends = []
         bs = self.block_size
         for seq in plan.seqs:
@@ -280,14 +332,15 @@ class PrefillServer:
         self.loop.engine.release(request_id)
 
     def _export(self, engine: EngineCore, request: PeerExport) -> int:
-        if request.decode_id not in self.decodes or request.request_id in self._dropped:
+        paired = request.dest_id in self.decodes or request.dest_id in self.peers
+        if not paired or request.request_id in self._dropped:
             return 0
         blocks = engine.kv.device_blocks(request.block_hashes[: len(request.block_ids)])
         if not blocks:
             return 0
         send = KVSend(
             request.transfer_id,
-            request.decode_id,
+            request.dest_id,
             [b.block_id for b in blocks],
             request.block_ids[: len(blocks)],
             final=True,
@@ -300,7 +353,7 @@ class PrefillServer:
             request.request_id,
             "exported" if ok else "failed to export",
             len(blocks),
-            request.decode_id,
+            request.dest_id,
         )
         return len(blocks) if ok else 0
 
@@ -309,10 +362,11 @@ class PrefillServer:
         while len(self._dropped) > 4096:
             self._dropped.popitem(last=False)
         transfer = self._transfers.pop(request_id, None)
-        aborted = engine.abort_request(request_id) is not None
+        pulling = self.pulls.cancel(request_id)  # its pages are freed once the peer answers
+        aborted = not pulling and engine.abort_request(request_id) is not None
         released = engine.release(request_id)
         if transfer is not None and not transfer.first_token.done():
             transfer.first_token.set_exception(RequestAbortedError(f"{request_id} was dropped"))
-        if aborted or released:
+        if aborted or released or pulling:
             self.stats.aborted += 1
-        return aborted or released
+        return aborted or released or pulling

@@ -36,6 +36,7 @@ from pdserve.core.errors import (
 )
 from pdserve.core.messages import (
     FirstToken,
+    PeerPrefix,
     PrefillRequest,
     Reservation,
     TokenBatch,
@@ -71,6 +72,7 @@ class Attempt:
     region: str
     prefill: InstanceView | None = None
     decode: InstanceView | None = None
+    peer: PeerPrefix | None = None  # who holds more of the prompt than ``prefill``
     first_token_seen: bool = False
     closed: bool = False
 
@@ -184,7 +186,12 @@ class Attempts:
         prefill.pending_prompt_tokens += len(inp.prompt_token_ids)
         self.cluster.touch(prefill)
         request = PrefillRequest(
-            attempt.attempt_id, inp.prompt_token_ids, inp.params, reservation, attempt.offset
+            attempt.attempt_id,
+            inp.prompt_token_ids,
+            inp.params,
+            reservation,
+            attempt.offset,
+            attempt.peer,
         )
         self.spawn(self._first_token(attempt, prefill.handle.prefill.remote(request)))
 

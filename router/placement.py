@@ -181,7 +181,7 @@ class RegionChooser:
             view = self.cluster.instances.get(instance)
             if held <= blocks or view is None or view is chosen or not view.available:
                 continue
-            if view.region != choice.region or decode.instance_id not in view.paired:
+            if view.region != choice.region:  # a region's instances are all paired
                 continue
             on_device = self.prefixes.device_blocks(instance, hashes)
             if on_device > blocks:

@@ -114,6 +114,7 @@ class Reserver:
             prefill_here=prefill is None,  # nobody would send the KV: decode computes it
             peer=self.chooser.peer_prefix(choice),
         )
+        attempt.peer = request.peer
         prefill_id = prefill.instance_id if prefill is not None else None
         ref = decode.handle.reserve.remote(request, prefill_id, self.sink)
         pending = asyncio.wrap_future(ref.future())

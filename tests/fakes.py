@@ -11,6 +11,7 @@ with ``RayActorError``, as a dead actor's calls do.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +29,9 @@ class FakeRef:
 
     def future(self) -> Future[Any]:
         return self._future
+
+    def __await__(self) -> Any:  # ``await ref``, as a Ray object ref allows
+        return asyncio.wrap_future(self._future).__await__()
 
 
 class _RemoteMethod:

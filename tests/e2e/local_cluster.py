@@ -33,7 +33,7 @@ server: {{host: 127.0.0.1, grpc_port: 0, http_port: 0}}
 auth: {{disabled: true}}
 planner: {{mode: "{planner}", interval_s: 0.5, cooldown_s: 1, idle_s: 2}}
 disaggregation: {{local_prefill_max_tokens: 4, local_prefill_cached_fraction: 1.0}}
-router: {{policy: {policy}}}
+router: {{policy: {policy}{router}}}
 {extra}
 """
 
@@ -48,9 +48,17 @@ class Running:
         budget: int = 256,
         policy: str = "cost_model",
         extra: str = "",
+        router: str = "",  # more router keys, e.g. ", peer_kv_s_per_token: 0"
     ) -> None:
         text = BASE.format(
-            p=p, d=d, planner=planner, ttft=ttft_ms, budget=budget, policy=policy, extra=extra
+            p=p,
+            d=d,
+            planner=planner,
+            ttft=ttft_ms,
+            budget=budget,
+            policy=policy,
+            extra=extra,
+            router=router,
         )
         self.config = parse_config(text, "test.yaml")
         self.controller, self.endpoints = start_controller(self.config)

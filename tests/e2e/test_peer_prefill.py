@@ -9,6 +9,8 @@ computes the rest itself, and its tokens equal ``transformers``'.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -64,3 +66,36 @@ def test_the_decode_instance_reuses_the_peers_prefix_with_transformers_tokens(
         llm.check_idle()
     finally:
         llm.shutdown()
+
+
+def test_a_prefill_chosen_for_load_pulls_the_prefix_its_peer_holds(ray_session) -> None:
+    """Round robin sends the second prompt to the other prefill instance; the router
+    names the first as the peer holding the shared prefix, and the second pulls it
+    over the real connector instead of computing it (the decode instance declines
+    to prefill: local_prefill_cached_fraction is 1 in these clusters)."""
+    from tests.e2e.local_cluster import Running, generate
+
+    c = Running(p=2, d=1, policy="round_robin", router=", peer_kv_s_per_token: 0")
+    try:
+        shared = [(j * 13) % 900 + 5 for j in range(240)]  # 15 pages
+        prompts = [shared + [7 + i] * 10 for i in range(2)]
+        want = [
+            o.outputs[0].token_ids
+            for o in LLM("builtin:tiny").generate(
+                prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            )
+        ]
+        assert generate(c.stub, prompts[0], 6) == want[0]
+
+        def exported() -> int:
+            stats = [ray.get(h.stats.remote()) for h in c.leaders("prefill")]
+            return sum(s.leases["exported"] for s in stats)
+
+        time.sleep(1.0)  # the prefill's KV events reach the router
+        assert generate(c.stub, prompts[1], 6) == want[1]
+        stats = [ray.get(h.stats.remote()) for h in c.leaders("prefill")]
+        assert sorted(s.leases["peer_filled"] for s in stats) == [0, 1]
+        assert exported() == 1
+        c.assert_idle()
+    finally:
+        c.stop()

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.core.messages import LoadReport, PeerPrefix, Reservation, ReserveRequest
+from pdserve.core.messages import (
+    FirstToken,
+    LoadReport,
+    PeerPrefix,
+    PrefillRequest,
+    Reservation,
+    ReserveRequest,
+)
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.config import RouterConfig
 from pdserve.router.placement import CompletionInput
@@ -26,44 +33,60 @@ def report(instance: str, waiting_tokens: int, **events: list[bytes]) -> LoadRep
     return LoadReport(instance, "prefill", 0, 0, waiting_tokens, 900, 1000, 0.04, 200.0, **events)
 
 
-def make_router(**config: object) -> tuple[Router, list[ReserveRequest]]:
+def make_router(
+    local: bool = True, **config: object
+) -> tuple[Router, list[ReserveRequest], list[PrefillRequest]]:
+    """A router over d0 (prefilling locally when ``local``), p0 and p1."""
     sent: list[ReserveRequest] = []
+    prefilled: list[PrefillRequest] = []
 
     def reserve(request: ReserveRequest, prefill_id: str, sink: object) -> Reservation:
         sent.append(request)
-        return Reservation(request.request_id, "d0", [], 0, 30.0, local=True)
+        return Reservation(request.request_id, "d0", [0] * 26, 0, 30.0, local=local)
+
+    def prefill(request: PrefillRequest) -> FirstToken:
+        prefilled.append(request)
+        return FirstToken(request.request_id, 7, True, "length")
 
     router = Router(RouterConfig(auth_disabled=True, **config), None, None)  # type: ignore[arg-type]
-    decode = FakeActor(reserve=reserve, abort=lambda rid: True)
+    decode = FakeActor(reserve=reserve, abort=lambda rid: True, cancel=lambda rid: None)
     router.register(InstanceInfo("d0", "decode", "local", decode, 16, 4096))
     for name in ("p0", "p1"):
-        router.register(InstanceInfo(name, "prefill", "local", FakeActor(), 16, 4096, ("d0",)))
+        handle = FakeActor(prefill=prefill, drop=lambda rid: True)
+        router.register(InstanceInfo(name, "prefill", "local", handle, 16, 4096, ("d0",)))
     router.on_report(report("p0", 0))
     # p1 prefilled this prompt before and holds 24 blocks, but has a long queue now.
     router.on_report(report("p1", 50_000, kv_added=HASHES[:24]))
-    return router, sent
+    return router, sent, prefilled
 
 
 def launch(router: Router) -> None:
-    inp = CompletionInput("c", PROMPT, SamplingParams(max_tokens=4))
+    inp = CompletionInput("c", PROMPT, SamplingParams(max_tokens=1))
 
     async def run() -> None:
         stream = RequestStream("c.1", PROMPT, inp.params, None)
         await router.attempts.launch(stream, inp, router.chooser.choose(inp), 0)
+        await asyncio.sleep(0.05)  # the first token's task
 
     asyncio.run(run())
 
 
 def test_a_busy_peer_holding_the_prefix_is_named_to_the_decode_instance() -> None:
-    router, sent = make_router()
+    router, sent, prefilled = make_router()
     choice = router.chooser.choose(CompletionInput("c", PROMPT, SamplingParams(max_tokens=4)))
     assert choice.prefill is not None and choice.prefill.instance_id == "p0", "p1 is too busy"
     launch(router)
-    assert sent[0].peer == PeerPrefix("p1", 24)
+    assert sent[0].peer == PeerPrefix("p1", 24) and prefilled == []
+
+
+def test_when_the_decode_instance_declines_the_chosen_prefill_pulls_from_the_peer() -> None:
+    router, sent, prefilled = make_router(local=False)
+    launch(router)
+    assert sent[0].peer == prefilled[0].peer == PeerPrefix("p1", 24)
 
 
 def test_no_peer_when_its_blocks_left_the_device_or_moving_them_costs_more() -> None:
-    router, sent = make_router()
+    router, sent, _ = make_router()
     router.on_report(report("p1", 50_000, kv_lower=HASHES[10:24]))  # now in host memory
     launch(router)
     assert sent[-1].peer == PeerPrefix("p1", 10), "only the part still on its device"
@@ -73,9 +96,9 @@ def test_no_peer_when_its_blocks_left_the_device_or_moving_them_costs_more() -> 
     router.on_report(report("p1", 50_000, kv_device=HASHES[:24]))  # loaded back
     launch(router)
     assert sent[-1].peer == PeerPrefix("p1", 24)
-    slow, sent = make_router(peer_kv_s_per_token=1.0)
+    slow, sent, _ = make_router(peer_kv_s_per_token=1.0)
     launch(slow)
-    off, sent_off = make_router(peer_prefill=False)
+    off, sent_off, _ = make_router(peer_prefill=False)
     launch(off)
     assert sent[-1].peer is None and sent_off[-1].peer is None
 
