@@ -10,6 +10,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     from pdserve.bench import (
         disagg_ttft,
+        eplb,
         headline,
         kernels,
         multiturn,
@@ -41,3 +42,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     multiturn.add_parser(kinds)
     priority.add_parser(kinds)
     spec.add_parser(kinds)
+    eplb.add_parser(kinds)

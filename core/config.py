@@ -113,17 +113,30 @@ class ParallelConfig:
         pipeline_parallel_size: stages that split the layers.
         expert_parallel_size: ranks that split the MoE experts.
         pipeline_layers: layers per stage (None: even split).
+        redundant_experts: extra expert slots over the EP ranks, each holding a
+            replica of a hot expert (EPLB, ``parallel/eplb.py``); ``experts +
+            redundant_experts`` must divide by ``expert_parallel_size`` (checked
+            against the model when the instance starts).
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1
     pipeline_layers: tuple[int, ...] | None = None
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _positive("expert_parallel_size", self.expert_parallel_size)
+        if self.redundant_experts < 0:
+            raise InvalidArgumentError("redundant_experts", "must be >= 0")
+        if self.redundant_experts and self.expert_parallel_size == 1:
+            raise InvalidArgumentError(
+                "redundant_experts",
+                f"{self.redundant_experts} needs expert_parallel_size > 1 "
+                "(with one EP rank every expert already sits on every rank)",
+            )
         if self.pipeline_layers is not None:
             if len(self.pipeline_layers) != self.pipeline_parallel_size:
                 raise InvalidArgumentError(

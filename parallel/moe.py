@@ -2,31 +2,32 @@
 
 Routing matches the reference (:func:`pdserve.parallel.kernels.reference.route`):
 softmax over the router logits in float32, keep the top ``k``, renormalise
-their weights to sum to one. This rank holds the
-experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``.
+their weights to sum to one.
 
 - ``ep == 1``: every rank holds every expert with its intermediate dimension
   split over the TP ranks; partial outputs are summed by an all-reduce.
-- ``ep > 1``: each expert lives whole on one rank of the stage. Every rank
-  routes a 1/ep slice of the tokens, sends each (token, expert) pair to the
-  expert's rank with an all-to-all, gets the expert outputs back with a second
-  all-to-all, and an all-gather gives every rank the whole batch again.
+- ``ep > 1``: each rank holds ``S`` whole-expert *slots*, which a
+  :class:`~pdserve.parallel.eplb.Placement` maps to logical experts (without
+  EPLB rank ``r`` holds experts ``[r * S, (r + 1) * S)``; with redundant
+  experts a hot expert has several slots). The all-to-all dispatch and combine
+  run in :mod:`pdserve.parallel.moe_ep`.
 
-Weights per rank: ``w13 [E_local, 2 * I_local, H]`` (gate rows, then up rows),
-``w2 [E_local, H, I_local]``, ``gate [E, H]`` (replicated); ``I_local = I / tp``
+Weights per rank: ``w13 [S, 2 * I_local, H]`` (gate rows, then up rows),
+``w2 [S, H, I_local]``, ``gate [E, H]`` (replicated); ``I_local = I / tp``
 when ``ep == 1``, else ``I``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.parallel.context import ParallelContext, all_gather, split_evenly
+from pdserve.parallel.context import ParallelContext
+from pdserve.parallel.eplb import Placement, static_placement
 from pdserve.parallel.kernels import KernelOps, reference_kernels
 from pdserve.parallel.layers import TensorSource, _copy
+from pdserve.parallel.moe_ep import expert_parallel_forward
 
 # Which checkpoint matrix of an expert a shard id names.
 W1_GATE, W3_UP, W2_DOWN = "w1", "w3", "w2"
@@ -58,26 +59,69 @@ class SparseMoE(nn.Module):
         self.ctx = ctx
         self.num_experts = num_experts
         self.top_k = top_k
-        self.local_experts = num_experts // ctx.ep_size
-        self.expert_start = ctx.ep_rank * self.local_experts
+        self.hidden_size = hidden_size
         self.inter = intermediate_size // self.shard_size
         self.gate = nn.Parameter(
             torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False
         )
-        self.w13 = nn.Parameter(
-            torch.empty(self.local_experts, 2 * self.inter, hidden_size, dtype=dtype),
-            requires_grad=False,
-        )
-        self.w2 = nn.Parameter(
-            torch.empty(self.local_experts, hidden_size, self.inter, dtype=dtype),
-            requires_grad=False,
-        )
         # Tokens this rank routed to each expert since start, counted on the device
         # and read out only when someone asks (see ``expert_load``).
         self.routed = torch.zeros(num_experts, dtype=torch.int64, device=self.gate.device)
+        # ``routed`` when the experts were last placed (the window EPLB places by).
+        self.routed_at_placement = self.routed.clone()
+        self.set_placement(static_placement(num_experts, 0, ctx.ep_size))
+
+    def set_placement(self, placement: Placement) -> list[int]:
+        """Hold ``placement``'s slots of this rank; return the local slots whose expert
+        changed (their weights are NaN until loaded, see ``parallel/expert_slots.py``)."""
+        placement.check(self.num_experts)
+        if placement.ep != self.ctx.ep_size:
+            raise ValueError(
+                f"placement over {placement.ep} ranks, this stage has {self.ctx.ep_size}"
+            )
+        old = getattr(self, "local_slots", ())
+        self.placement = placement
+        self.local_slots = placement.rank_slots(self.ctx.ep_rank)
+        # What a routing rank needs: each expert's replicas (slots), padded with the first.
+        replicas = placement.replicas
+        width = max(len(v) for v in replicas.values())
+        table = [
+            replicas[e] + [replicas[e][0]] * (width - len(replicas[e]))
+            for e in range(self.num_experts)
+        ]
+        device = self.gate.device
+        self.replica_slots = torch.tensor(table, dtype=torch.int64, device=device)  # [E, R]
+        self.replica_count = torch.tensor(
+            [len(replicas[e]) for e in range(self.num_experts)], device=device
+        )
+        # Rows each local slot computed since its expert was placed there.
+        self.computed = torch.zeros(len(self.local_slots), dtype=torch.int64, device=device)
+        if len(old) != len(self.local_slots):
+            self._allocate_slots(len(self.local_slots))
+            return list(range(len(self.local_slots)))
+        changed = [i for i, (a, b) in enumerate(zip(old, self.local_slots, strict=True)) if a != b]
+        self.w13.data[changed] = float("nan")
+        self.w2.data[changed] = float("nan")
+        return changed
+
+    def _allocate_slots(self, n: int) -> None:
+        dtype, device, h = self.gate.dtype, self.gate.device, self.hidden_size
+        self.w13 = nn.Parameter(
+            torch.full((n, 2 * self.inter, h), float("nan"), dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.full((n, h, self.inter), float("nan"), dtype=dtype, device=device),
+            requires_grad=False,
+        )
+
+    @property
+    def local_experts(self) -> int:
+        """Slots on this rank."""
+        return len(self.local_slots)
 
     def owns(self, expert: int) -> bool:
-        return self.expert_start <= expert < self.expert_start + self.local_experts
+        return expert in self.local_slots
 
     def load(self, source: TensorSource, shard: object, is_bias: bool = False) -> None:
         """``shard`` is ("router",), ("expert", e, "w1"|"w2"|"w3") or ("fused", "w13"|"w2")."""
@@ -92,36 +136,46 @@ class SparseMoE(nn.Module):
     def load_router(self, source: TensorSource) -> None:
         _copy(self.gate.data, source[:], "moe gate")
 
-    def load_expert(self, source: TensorSource, expert: int, which: str) -> None:
-        """One expert's ``w1``/``w3`` ([I, H]) or ``w2`` ([H, I]) from the checkpoint."""
-        e = expert - self.expert_start
+    def load_expert(
+        self, source: TensorSource, expert: int, which: str, only: set[int] | None = None
+    ) -> None:
+        """One expert's ``w1``/``w3`` ([I, H]) or ``w2`` ([H, I]) into every local slot
+        holding it (those in ``only`` when given)."""
         lo = self.shard_rank * self.inter
+        slots = [i for i, e in enumerate(self.local_slots) if e == expert]
+        if only is not None:
+            slots = [i for i in slots if i in only]
+        if not slots:
+            return
         if which == W2_DOWN:
-            _copy(self.w2.data[e], source[:, lo : lo + self.inter], "expert w2")
+            tensor = source[:, lo : lo + self.inter]
         else:
-            row = 0 if which == W1_GATE else self.inter
-            _copy(
-                self.w13.data[e, row : row + self.inter],
-                source[lo : lo + self.inter],
-                f"expert {which}",
-            )
+            tensor = source[lo : lo + self.inter]
+        row = 0 if which == W1_GATE else self.inter
+        for i in slots:
+            if which == W2_DOWN:
+                _copy(self.w2.data[i], tensor, "expert w2")
+            else:
+                _copy(self.w13.data[i, row : row + self.inter], tensor, f"expert {which}")
 
-    def load_fused(self, source: TensorSource, which: str) -> None:
-        """All experts at once: ``gate_up_proj`` [E, 2I, H] or ``down_proj`` [E, H, I]."""
+    def load_fused(self, source: TensorSource, which: str, only: set[int] | None = None) -> None:
+        """Every local slot from ``gate_up_proj`` [E, 2I, H] or ``down_proj`` [E, H, I]."""
         full_inter = self.inter * self.shard_size
         lo = self.shard_rank * self.inter
-        experts = slice(self.expert_start, self.expert_start + self.local_experts)
-        if which == W2_DOWN:
-            _copy(self.w2.data, source[experts, :, lo : lo + self.inter], "experts down_proj")
-            return
-        gate = source[experts, lo : lo + self.inter]
-        up = source[experts, full_inter + lo : full_inter + lo + self.inter]
-        _copy(self.w13.data, torch.cat([gate, up], dim=1), "experts gate_up_proj")
+        for i, e in enumerate(self.local_slots):
+            if only is not None and i not in only:
+                continue
+            if which == W2_DOWN:
+                _copy(self.w2.data[i], source[e : e + 1, :, lo : lo + self.inter][0], "down_proj")
+                continue
+            gate = source[e : e + 1, lo : lo + self.inter][0]
+            up = source[e : e + 1, full_inter + lo : full_inter + lo + self.inter][0]
+            _copy(self.w13.data[i], torch.cat([gate, up]), "experts gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] (every rank of the stage holds all T tokens) -> [T, H]
         if self.ctx.ep_size > 1:
-            return self._forward_expert_parallel(x)
+            return expert_parallel_forward(self, x)
         weights, experts = self.ops.route(F.linear(x, self.gate), self.top_k)
         self._count(experts)
         return self.ctx.tp_all_reduce(self.expert_outputs(x, weights, experts))
@@ -138,44 +192,12 @@ class SparseMoE(nn.Module):
         """
         return self.ctx.ep_size > 1 or self.ctx.tp_rank == 0
 
-    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        group, ep, rank = self.ctx.ep_group, self.ctx.ep_size, self.ctx.ep_rank
-        lo, hi = split_evenly(x.shape[0], ep, rank)
-        mine = x[lo:hi]  # [t, H]: the tokens this rank routes
-        weights, experts = self.ops.route(F.linear(mine, self.gate), self.top_k)  # [t, k]
-        self._count(experts)
-        pair_token = torch.arange(mine.shape[0], device=x.device).repeat_interleave(self.top_k)
-        pair_expert = experts.reshape(-1)
-        order = torch.argsort(pair_expert // self.local_experts, stable=True)
-        pair_token, pair_expert = pair_token[order], pair_expert[order]
-        pair_weight = weights.reshape(-1)[order]
-        send_counts = torch.bincount(pair_expert // self.local_experts, minlength=ep)
-        recv_counts = torch.empty_like(send_counts)
-        with self.ctx.comm.timed(send_counts.numel() * 8):
-            dist.all_to_all_single(recv_counts, send_counts, group=group)
-        sends, recvs = send_counts.tolist(), recv_counts.tolist()
-        # Dispatch: each (token, expert) pair goes to the rank holding the expert.
-        rows = _all_to_all(mine[pair_token], recvs, sends, self.ctx)  # [P_in, H]
-        row_expert = _all_to_all(pair_expert, recvs, sends, self.ctx)  # [P_in]
-        outputs = torch.empty_like(rows)
-        for e in torch.unique(row_expert).tolist():
-            idx = torch.where(row_expert == e)[0]
-            local = e - self.expert_start
-            outputs[idx] = F.linear(
-                self.ops.silu_and_mul(F.linear(rows[idx], self.w13[local])), self.w2[local]
-            )
-        # Combine: outputs return to the rank that routed the token.
-        back = _all_to_all(outputs, sends, recvs, self.ctx)  # [P_out, H]
-        out = torch.zeros_like(mine)
-        out.index_add_(0, pair_token, (back * pair_weight[:, None]).to(out.dtype))
-        return _all_gather_rows(out, x.shape[0], ep, self.ctx)
-
     def expert_outputs(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
         """Weighted sum over this rank's experts of their SwiGLU outputs, [T, H]."""
         out = torch.zeros_like(x)
-        local = experts - self.expert_start
+        local = experts  # with ep == 1 every expert is local, in order
         hit = torch.unique(local[(local >= 0) & (local < self.local_experts)]).tolist()
         for e in hit:
             token_idx, k_pos = torch.where(local == e)
@@ -183,31 +205,6 @@ class SparseMoE(nn.Module):
             y = F.linear(h, self.w2[e]) * weights[token_idx, k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
-
-
-def _all_to_all(
-    t: torch.Tensor, recv_splits: list[int], send_splits: list[int], ctx: ParallelContext
-) -> torch.Tensor:
-    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
-    with ctx.comm.timed(t.numel() * t.element_size()):
-        dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=ctx.ep_group)
-    return out
-
-
-def _all_gather_rows(
-    part: torch.Tensor, total: int, parts: int, ctx: ParallelContext
-) -> torch.Tensor:
-    """Every rank's ``split_evenly`` slice of ``total`` rows, concatenated in order."""
-    width = -(-total // parts)
-    padded = part.new_zeros((width, *part.shape[1:]))
-    padded[: part.shape[0]] = part
-    with ctx.comm.timed(padded.numel() * padded.element_size() * parts):
-        gathered = all_gather(padded, parts, ctx.ep_group, ctx.ep_shm)
-    pieces = []
-    for r, g in enumerate(gathered):
-        lo, hi = split_evenly(total, parts, r)
-        pieces.append(g[: hi - lo])
-    return torch.cat(pieces)
 
 
 def expert_load(model: nn.Module, layer_start: int) -> dict[int, list[int]]:

@@ -35,6 +35,13 @@ from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.executor import Executor
 from pdserve.parallel.context import CommStats
+from pdserve.parallel.expert_slots import (
+    decode_rebalance,
+    encode_rebalance,
+    initial_placement,
+    is_rebalance,
+    rebalance,
+)
 from pdserve.parallel.groups import (
     InstanceGroups,
     destroy_groups,
@@ -88,6 +95,9 @@ class GroupExecutor(Executor):
         self.stage = stage
         self.groups = groups
         self._num_blocks = num_blocks
+        # Held while a step's plan is sent and run; control messages on the plan
+        # channel (expert re-placement) take it to fall between two steps.
+        self.step_lock = threading.Lock()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -102,8 +112,9 @@ class GroupExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepResult:
         try:
-            send_plan(self.groups, plan.to_msgpack())
-            tokens, transfer_ok, loads_ok = self.stage.run(plan)
+            with self.step_lock:
+                send_plan(self.groups, plan.to_msgpack())
+                tokens, transfer_ok, loads_ok = self.stage.run(plan)
             return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok)
         except (RuntimeError, dist.DistError) as e:
             raise InstanceFailedError(
@@ -158,6 +169,9 @@ class RankWorker:
             spec.model, spec.engine, self.groups.ctx, spec.layout.stage_layers[coords.stage]
         )
         self.stage = StageExecutor(self.runner, self.groups, self.step_hooks)
+        if spec.engine.parallel.redundant_experts:
+            model, start = self.runner.model, self.runner.layer_range[0]
+            initial_placement(model, start, spec.engine.parallel.redundant_experts, spec.model.path)
         return self.runner.max_num_blocks()
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -183,7 +197,10 @@ class RankWorker:
         assert self.groups is not None and self.stage is not None
         try:
             while (payload := receive_plan(self.groups)) is not None:
-                self.stage.run(StepPlan.from_msgpack(payload))
+                if is_rebalance(payload):
+                    self._place_experts(payload)
+                else:
+                    self.stage.run(StepPlan.from_msgpack(payload))
         except Exception as e:  # the leader notices through its own collectives
             self.follower_error = f"{type(e).__name__}: {e}"
             logger.error("rank %d follower loop stopped: %s", self.spec.rank, e)
@@ -198,6 +215,34 @@ class RankWorker:
         """Raise AssertionError unless no request and no KV block is held."""
         assert self.engine is not None
         self.engine.assert_idle()
+
+    def rebalance_experts(self, loads: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+        """Leader: re-place every MoE layer's expert slots on every rank, between two steps.
+
+        ``loads`` are tokens per expert per global layer to place by; None: what
+        each stage's EP ranks routed since the last placement. Returns the
+        leader's stage's layers whose placement changed (layer -> the expert of
+        each slot, rank ``r`` holding a run of ``len / ep`` slots). A step being
+        run finishes first; the next one runs on the new placement.
+        """
+        assert self.engine is not None, "rebalance_experts is served by the leader (rank 0)"
+        executor = self.engine.executor
+        assert isinstance(executor, GroupExecutor) and self.groups is not None
+        message = encode_rebalance(loads)
+        with executor.step_lock:
+            send_plan(self.groups, message)
+            return self._place_experts(message)
+
+    def _place_experts(self, message: bytes) -> dict[int, list[int]]:
+        assert self.runner is not None
+        placements = rebalance(
+            self.runner.model,
+            self.runner.layer_range[0],
+            self.spec.engine.parallel.redundant_experts,
+            self.spec.model.path,
+            decode_rebalance(message),
+        )
+        return {layer: list(p.slots) for layer, p in placements.items()}
 
     # -- any rank ---------------------------------------------------------------
 
