@@ -38,7 +38,9 @@ class LLM:
     Keyword arguments are the fields of :class:`~pdserve.core.config.EngineConfig`
     and its parts, e.g. ``dtype``, ``max_model_len``, ``block_size``,
     ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``expert_parallel_size``.
+    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``expert_parallel_size``,
+    ``lora_adapters`` (``{name: PEFT folder}``; a request picks one with
+    ``SamplingParams(lora=name)``) and ``max_lora_rank``.
     A layout of more than one rank runs as an instance of Ray actors (on the Ray
     cluster found, or a local one); ``num_cpus_per_rank`` and
     ``num_gpus_per_rank`` size each rank.

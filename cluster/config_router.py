@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.cluster.config_yaml import Lines, api_key_entries, get_map, known_fields, typed
+from pdserve.core.config import adapter_pairs
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RegionSpec, RouterConfig, TlsConfig
 
@@ -36,6 +37,11 @@ def router_config(
         key: typed(value, ROUTER_KEYS[key], f"router.{key}", lines) for key, value in extra.items()
     }
     hedge_ms = options.pop("hedge_after_ms", None)
+    adapters = get_map(raw, "engine", lines).get("lora_adapters")
+    try:
+        options["lora_adapters"] = tuple(n for n, _ in adapter_pairs(adapters or ()))
+    except InvalidArgumentError as e:
+        raise lines.error("engine.lora_adapters", e.message) from None
     try:
         return RouterConfig(
             model_name=str(raw.get("served_model_name", raw["model"])),

@@ -45,7 +45,7 @@ from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
 from pdserve.prefill.server import PrefillServer
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.handoff import HandOff
-from pdserve.transfer.handshake import KVSpec, model_fingerprint
+from pdserve.transfer.handshake import KVSpec, adapter_fingerprints, model_fingerprint
 from pdserve.transfer.object_store import ObjectStoreReceiver
 from pdserve.transfer.p2p import P2PReceiver
 from pdserve.transfer.rank import RankTransfer
@@ -148,6 +148,7 @@ class InstanceWorker(RankWorker):
             m.head_dim,
             self.spec.layout,
             self.spec.engine.quantization,
+            adapter_fingerprints(self.spec.engine.lora_adapters),
         )
 
     def kv_endpoint(self) -> PeerEndpoint:

@@ -246,6 +246,10 @@ class EngineConfig:
             symmetric scale per output channel); "int4": 4-bit, one scale per
             output channel and group of 32 inputs. See ``parallel/quant.py``.
         speculative: speculative decoding of running requests (off by default).
+        lora_adapters: (name, folder) of each PEFT LoRA adapter served over the base
+            model; a request picks one by name (``SamplingParams.lora``). See
+            ``parallel/lora.py``.
+        max_lora_rank: largest LoRA rank ``r`` an adapter may have.
     """
 
     model: str
@@ -260,8 +264,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
+        _positive("max_lora_rank", self.max_lora_rank)
+        _check_adapters(self.lora_adapters)
         if not isinstance(self.model, str) or not self.model:
             raise InvalidArgumentError("model", "must be a non-empty path or name")
         if self.dtype not in _DTYPES:
@@ -279,6 +287,68 @@ class EngineConfig:
                 "kernel_backend",
                 f"must be a kernels name (auto, torch, triton), got {self.kernel_backend!r}",
             )
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The served LoRA adapters' names; an adapter's index in the step is its position."""
+        return tuple(name for name, _ in self.lora_adapters)
+
+    def check_adapter(self, name: str | None) -> None:
+        """Raise :class:`UnknownAdapterError` unless ``name`` is None (base) or served."""
+        if name is not None and name not in self.adapter_names:
+            raise UnknownAdapterError(name, self.adapter_names)
+
+
+class UnknownAdapterError(InvalidArgumentError):
+    """A request names a LoRA adapter this server does not serve (HTTP 404)."""
+
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+
+    def __init__(self, name: str, served: tuple[str, ...], base: str | None = None) -> None:
+        valid = ([base] if base else []) + list(served)
+        super().__init__("model", f"unknown model or LoRA adapter {name!r}; valid names: {valid}")
+
+
+def _check_adapters(adapters: object) -> None:
+    if not isinstance(adapters, tuple):
+        raise InvalidArgumentError("lora_adapters", "must be (name, folder) pairs or a mapping")
+    names = set()
+    for entry in adapters:
+        if (
+            not isinstance(entry, tuple)
+            or len(entry) != 2
+            or not all(isinstance(v, str) and v for v in entry)
+        ):
+            raise InvalidArgumentError(
+                "lora_adapters", f"each adapter must be a (name, folder) pair, got {entry!r}"
+            )
+        name = entry[0]
+        if name in names or not name.isprintable() or len(name) > 128:
+            raise InvalidArgumentError(
+                "lora_adapters", f"adapter name {name!r} is repeated, too long or not printable"
+            )
+        names.add(name)
+
+
+def adapter_pairs(value: object) -> tuple[tuple[str, str], ...]:
+    """``lora_adapters`` as given by the API, YAML or CLI: a mapping, pairs or ``name=folder``."""
+    if isinstance(value, dict):
+        return tuple((str(k), str(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        pairs: list[tuple[str, str]] = []
+        for entry in value:
+            if isinstance(entry, str) and "=" in entry:
+                name, folder = entry.split("=", 1)
+                pairs.append((name, folder))
+            elif isinstance(entry, list | tuple) and len(entry) == 2:
+                pairs.append((entry[0], entry[1]))
+            else:
+                raise InvalidArgumentError(
+                    "lora_adapters", f"each adapter must be name=folder or a pair, got {entry!r}"
+                )
+        return tuple(pairs)
+    raise InvalidArgumentError("lora_adapters", f"must be a mapping or a list, got {value!r}")
 
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
@@ -298,6 +368,8 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
             speculative[spec_names[name]] = value
         elif group is not None:
             groups[group][name] = value
+        elif name == "lora_adapters":
+            top[name] = adapter_pairs(value)
         elif name in EngineConfig.__dataclass_fields__:
             top[name] = value
         else:

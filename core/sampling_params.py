@@ -41,6 +41,7 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the decoded text.
         priority: how much the request matters (higher: more); under the priority
             eviction policy its KV blocks are kept longer than lower ones'.
+        lora: name of the LoRA adapter to run the request under (None: the base model).
     """
 
     max_tokens: int = 16
@@ -55,6 +56,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string from callers; store tuples so the
@@ -100,6 +102,10 @@ class SamplingParams:
             raise InvalidArgumentError(
                 "priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority}"
             )
+        if self.lora is not None and (
+            not isinstance(self.lora, str) or not self.lora or len(self.lora) > 128
+        ):
+            raise InvalidArgumentError("lora", "must be an adapter name of 1 to 128 characters")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "must be a boolean")

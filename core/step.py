@@ -8,7 +8,8 @@ a process boundary as one small message per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -46,6 +47,7 @@ class ScheduledSeq:
             drafts (they follow the request's last known token). The step returns
             the target's token at each draft's position while the drafts agree
             with it, then one more (``StepResult.extra``).
+        lora: the LoRA adapter every token of this chunk runs under (None: base).
     """
 
     request_id: str
@@ -54,6 +56,7 @@ class ScheduledSeq:
     block_table: list[int]
     sampling: RowSampling | None = None
     num_draft_tokens: int = 0
+    lora: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -170,6 +173,11 @@ class StepPlan:
         """Nothing for the ranks to do (no sequence and no KV-tier work)."""
         return not self.seqs and not self.tier_ops
 
+    def with_lora(self, adapter_of: Callable[[str], str | None]) -> StepPlan:
+        """This plan with each sequence's LoRA adapter (``adapter_of(request_id)``) set."""
+        seqs = [replace(s, lora=adapter_of(s.request_id)) for s in self.seqs]
+        return replace(self, seqs=seqs)
+
     def to_msgpack(self) -> bytes:
         seqs = [
             [
@@ -179,6 +187,7 @@ class StepPlan:
                 s.block_table,
                 None if s.sampling is None else _sampling_to_list(s.sampling),
                 s.num_draft_tokens,
+                s.lora,
             ]
             for s in self.seqs
         ]
@@ -204,9 +213,15 @@ class StepPlan:
             step_id=step_id,
             seqs=[
                 ScheduledSeq(
-                    rid, toks, start, table, None if s is None else _sampling_from_list(s), drafts
+                    rid,
+                    toks,
+                    start,
+                    table,
+                    None if s is None else _sampling_from_list(s),
+                    drafts,
+                    lora,
                 )
-                for rid, toks, start, table, s, drafts in seqs
+                for rid, toks, start, table, s, drafts, lora in seqs
             ],
             finished_request_ids=finished,
             kv_sends=[KVSend(*k) for k in sends],

@@ -35,7 +35,7 @@ def start_peer_fill(
     blocks = min(peer.num_blocks, (len(prompt) - 1) // bs)
     if blocks * bs < server.config.local_prefill_cached_fraction * len(prompt):
         return None
-    cached = engine.cached_prefix_tokens(prompt)
+    cached = engine.cached_prefix_tokens(prompt, request.params)
     asked = server.pulls.start(
         engine,
         request.request_id,

@@ -209,7 +209,7 @@ class DecodeServer:
         n = len(request.prompt_token_ids)
         if request.prefill_here or n <= self.config.local_prefill_max_tokens:
             return True
-        cached = engine.cached_prefix_tokens(request.prompt_token_ids)
+        cached = engine.cached_prefix_tokens(request.prompt_token_ids, request.params)
         return cached >= self.config.local_prefill_cached_fraction * n
 
     def _commit(self, engine: EngineCore, handoff: HandOff) -> bool:

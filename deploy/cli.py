@@ -58,6 +58,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--speculative-method", default="none", help="none or ngram (prompt-lookup drafts)"
     )
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
+    p.add_argument(
+        "--lora", action="append", default=[], help="LoRA adapter name=folder (repeatable)"
+    )
+    p.add_argument("--max-lora-rank", type=int, default=64)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,6 +86,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "expert_parallel_size": args.expert_parallel_size,
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "lora_adapters": args.lora,
+        "max_lora_rank": args.max_lora_rank,
     }
 
 

@@ -4,6 +4,12 @@
 block ``i`` only when all tokens up to its end are equal, and the names are
 stable across processes: a router hashes a prompt once and asks which
 instance holds how long a prefix of it.
+
+KV computed under a LoRA adapter differs from the base model's, so a request
+with an adapter starts its chain from :func:`adapter_salt` instead of nothing:
+its blocks never match another adapter's or the base's. The router and the
+engine both salt by the adapter's name; the pairing handshake checks that every
+instance serving a name holds the same adapter content.
 """
 
 from __future__ import annotations
@@ -16,6 +22,13 @@ from collections.abc import Sequence
 def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """Chained hash of one full block: depends on every token up to its end."""
     return _chain(parent, array("q", token_ids).tobytes())
+
+
+def adapter_salt(lora: str | None) -> bytes | None:
+    """The parent of a request's first block: None for the base model, else the adapter's."""
+    if lora is None:
+        return None
+    return hashlib.blake2b(b"pdserve-lora\0" + lora.encode(), digest_size=16).digest()
 
 
 def _chain(parent: bytes | None, block: bytes | memoryview) -> bytes:

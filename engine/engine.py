@@ -114,9 +114,12 @@ class EngineCore:
             self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED, stop)
         return self._output(request, [first_token])
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """Leading tokens of a prompt whose KV is already cached here (whole blocks)."""
-        probe = Request("probe", token_ids, SamplingParams(), ())
+    def cached_prefix_tokens(
+        self, token_ids: list[int], params: SamplingParams | None = None
+    ) -> int:
+        """Leading tokens of a prompt whose KV is already cached here (whole blocks),
+        for a request with ``params`` (its LoRA adapter names the chain)."""
+        probe = Request("probe", token_ids, params or SamplingParams(), ())
         return len(self.kv.find_cached_prefix(probe)) * self.kv.block_size
 
     def load_report(
@@ -170,6 +173,7 @@ class EngineCore:
                 f"max_model_len={self.max_model_len}",
             )
         params.check_vocab(self.model.vocab_size)
+        self.config.check_adapter(params.lora)
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop", "stop strings need a model with a tokenizer")
         return Request(request_id, token_ids, params, self.eos_token_ids, arrival)
@@ -229,6 +233,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.config.lora_adapters:  # each row runs under its request's adapter
+            plan = plan.with_lora(self._adapter_of)
         if self.plan_hook is not None:
             plan = self.plan_hook(plan)
         self.last_step_tokens = plan.num_tokens
@@ -245,6 +251,10 @@ class EngineCore:
             new = request.token_ids[before[request.request_id] :]
             outputs.append(self._output(request, self._detokenize(request, new)))
         return outputs
+
+    def _adapter_of(self, request_id: str) -> str | None:
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None else request.sampling_params.lora
 
     def _detokenize(self, request: Request, new: list[int]) -> list[int]:
         """Feed a step's new tokens to the request's stop strings, one at a time.

@@ -28,7 +28,7 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import Request
 from pdserve.core.step import TierLoad
-from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.block_hash import adapter_salt, block_hashes
 from pdserve.engine.block_pool import BlockPool, KVBlock
 from pdserve.engine.eviction import DEFAULT_CLOCK, Clock
 from pdserve.engine.kv_tiers import KVTiers, TierHit
@@ -109,7 +109,8 @@ class KVCacheManager:
         """Extend ``request.block_hashes`` over every full block of its known tokens."""
         hashes = request.block_hashes
         if len(hashes) < request.num_tokens // self.block_size:
-            parent = hashes[-1] if hashes else None
+            # The first block chains from the request's LoRA adapter (None: base).
+            parent = hashes[-1] if hashes else adapter_salt(request.sampling_params.lora)
             hashes.extend(block_hashes(request.token_ids, self.block_size, len(hashes), parent))
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:

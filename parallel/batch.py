@@ -9,12 +9,14 @@ writes the step's K/V before it attends, so that is the row's causal attention.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
 from pdserve.parallel.attention.backend import AttentionMetadata
+from pdserve.parallel.lora import LoRABatch, adapter_indices
 
 
 @dataclass
@@ -26,6 +28,7 @@ class PreparedBatch:
     sequence's last token, or for a row with ``k`` drafts its last ``k + 1``
     tokens. sample_ids, sample_rows and sample_drafts give each sampling
     sequence's request id, settings and drafts (empty for none), in the same order.
+    lora: which rows run under which LoRA adapter (None: every row on the base model).
     """
 
     input_ids: torch.Tensor
@@ -35,6 +38,7 @@ class PreparedBatch:
     sample_ids: list[str]
     sample_rows: list[RowSampling]
     sample_drafts: list[list[int]]
+    lora: LoRABatch | None = None
 
     @property
     def max_sample_tokens(self) -> int:
@@ -59,7 +63,20 @@ def _decode_entries(decodes: list[ScheduledSeq]) -> tuple[list[int], list[list[i
     return lens, [s.block_table for s in decodes for _ in range(s.num_tokens)]
 
 
-def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> PreparedBatch:
+def _lora_rows(
+    ordered: list[ScheduledSeq], adapters: Sequence[str], device: torch.device
+) -> LoRABatch | None:
+    """Each token row's adapter (``adapters``: the served names, by index)."""
+    if not any(s.lora is not None for s in ordered):
+        return None
+    per_seq = adapter_indices([s.lora for s in ordered], adapters)
+    rows = [i for s, i in zip(ordered, per_seq, strict=True) for _ in range(s.num_tokens)]
+    return LoRABatch.build(rows, device)
+
+
+def prepare_batch(
+    plan: StepPlan, block_size: int, device: torch.device, adapters: Sequence[str] = ()
+) -> PreparedBatch:
     decodes = [s for s in plan.seqs if s.num_tokens == 1 or s.num_draft_tokens]
     prefills = [s for s in plan.seqs if s.num_tokens > 1 and not s.num_draft_tokens]
     ordered = decodes + prefills
@@ -105,4 +122,5 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
         sample_ids=[s.request_id for s in sampled],
         sample_rows=[s.sampling for s in sampled if s.sampling is not None],
         sample_drafts=[s.token_ids[s.num_tokens - s.num_draft_tokens :] for s in sampled],
+        lora=_lora_rows(ordered, adapters, device),
     )

@@ -9,6 +9,9 @@ slice, read lazily). Shapes below are per rank; ``tp`` is the TP size.
     RowParallelLinear     W: [out, in / tp]           input split; all-reduce after
     VocabParallelEmbedding  [ceil(V / tp), hidden]    masked lookup; all-reduce after
     ParallelLMHead          [ceil(V / tp), hidden]    all-gather of the logits
+
+The column and row layers may carry LoRA adapters (``lora``, see ``lora.py``):
+their delta is added to the base output, before the row layer's all-reduce.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from pdserve.parallel.context import ParallelContext, split_evenly
 from pdserve.parallel.cpu_linear import packed_linear
 from pdserve.parallel.kernels import KernelOps, reference_kernels
+from pdserve.parallel.lora import LinearLoRA, LoRABatch
 from pdserve.parallel.quant import QuantizedWeight
 
 
@@ -41,6 +45,7 @@ class _Linear(nn.Module):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    lora: LinearLoRA | None = None
 
     def pack(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace the weight by a matmul-ready copy (see ``cpu_linear``); loading ends here."""
@@ -53,17 +58,25 @@ class _Linear(nn.Module):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def held_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The weight's packed or quantized copy, held outside ``parameters()``."""
+        """The weight's packed or quantized copy and LoRA adapters, held outside ``parameters()``."""
+        adapters = () if self.lora is None else self.lora.tensors
         if self.quantized is not None:
-            return self.quantized.tensors
-        return () if self.packed is None else (self.packed,)
+            return self.quantized.tensors + adapters
+        return adapters if self.packed is None else (self.packed, *adapters)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, lora: LoRABatch | None = None
+    ) -> torch.Tensor:
+        """The base linear (dense, packed or quantized), plus the rows' LoRA deltas."""
         if self.quantized is not None:
-            return self.quantized.linear(x, bias)
-        if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+            y = self.quantized.linear(x, bias)
+        elif self.packed is not None:
+            y = packed_linear(x, self.packed, bias)
+        else:
+            y = F.linear(x, self.weight, bias)
+        if lora is not None and self.lora is not None:
+            y = self.lora.add(x, y, lora)
+        return y
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -112,8 +125,8 @@ class ColumnParallelLinear(_Linear):
             param.data[dst_start : dst_start + rows], source[src_start : src_start + rows], "column"
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        return self.matmul(x, self.bias, lora)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -192,8 +205,9 @@ class RowParallelLinear(_Linear):
         start = self.ctx.tp_rank * self.local_in
         _copy(self.weight.data, source[:, start : start + self.local_in], "row")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.tp_all_reduce(self.matmul(x, None))
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        # The LoRA delta of this rank's input slice is partial too: the all-reduce sums it.
+        y = self.ctx.tp_all_reduce(self.matmul(x, None, lora))
         return y if self.bias is None else y + self.bias
 
 

@@ -28,6 +28,7 @@ from pdserve.parallel.cpu_linear import pack_linears, packing_available
 from pdserve.parallel.kernels import select_kernels
 from pdserve.parallel.kv_tiers import TierStore, tier_slots
 from pdserve.parallel.loader import load_checkpoint
+from pdserve.parallel.lora_loader import attach_adapters
 from pdserve.parallel.models import build_model
 from pdserve.parallel.quant import quantize_linears, select_path, weights_bytes
 from pdserve.parallel.sampler import Sampler
@@ -75,6 +76,8 @@ class ModelRunner:
                 model_config, ctx, self.dtype, self.layer_range, backend_cls, kernels
             )
         load_checkpoint(self.model, model_config.path)
+        if config.lora_adapters:  # before packing or quantizing: adapters ride on top
+            attach_adapters(self.model, config)
         self.model.eval()
         if config.quantization != "none":
             path = select_path(config.quantization, kernels.name, self.device, self.dtype)
@@ -178,7 +181,7 @@ class ModelRunner:
         return max(1, budget // self.bytes_per_block())
 
     def prepare(self, plan: StepPlan) -> PreparedBatch:
-        return prepare_batch(plan, self.block_size, self.device)
+        return prepare_batch(plan, self.block_size, self.device, self.config.adapter_names)
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -188,7 +191,9 @@ class ModelRunner:
             if not plan.seqs:
                 return StepResult(plan.step_id, {}, loads_ok=loads_ok)
             batch = self.prepare(plan)
-            hidden, _ = self.model(batch.input_ids, batch.positions, self.caches, batch.meta)
+            hidden, _ = self.model(
+                batch.input_ids, batch.positions, self.caches, batch.meta, lora=batch.lora
+            )
             result = self.sample(plan, batch, hidden)
         finally:
             self.finish_tier_ops()

@@ -145,6 +145,7 @@ class StageExecutor:
                 hidden,
                 residual,
                 on_layer=on_layer,
+                lora=batch.lora,
             )
             if not ctx.is_last_stage:
                 assert residual is not None

@@ -70,10 +70,11 @@ class RouterActor:
         self.router = Router(self.config, self.tokenizer, ray.get_runtime_context().current_actor)
         vocab = self.model.vocab_size
         tls = self.config.tls
+        adapters = self.config.lora_adapters
         grpc_server, grpc_port = await start_grpc(
-            self.router, self.keys, vocab, self.config.host, self.config.grpc_port, tls
+            self.router, self.keys, vocab, self.config.host, self.config.grpc_port, tls, adapters
         )
-        api = HttpApi(self.router, self.keys, vocab, self.config.max_body_bytes)
+        api = HttpApi(self.router, self.keys, vocab, self.config.max_body_bytes, adapters)
         http_runner, http_port = await start_http(api, self.config.host, self.config.http_port, tls)
         self._servers = [grpc_server, http_runner]
         self._sampler = asyncio.ensure_future(self._sample_every(1.0))

@@ -80,6 +80,8 @@ class RouterConfig:
     peer_prefill_min_tokens: the least number of prompt tokens that must be saved.
     peer_kv_s_per_token: the assumed time to move one token's KV between two
         instances, priced against the chosen prefill's measured time per token.
+    lora_adapters: names of the LoRA adapters the instances serve (the engine
+        section's ``lora_adapters``): a request's ``model`` may name one.
     """
 
     model_name: str = "pdserve"
@@ -111,6 +113,7 @@ class RouterConfig:
     peer_prefill: bool = True
     peer_prefill_min_tokens: int = 64
     peer_kv_s_per_token: float = 2e-5
+    lora_adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.regions:

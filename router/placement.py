@@ -159,7 +159,7 @@ class RegionChooser:
             )
         bs = decodes.block_tokens
         if bs not in hashes:
-            hashes[bs] = prompt_block_hashes(inp.prompt_token_ids, bs)
+            hashes[bs] = prompt_block_hashes(inp.prompt_token_ids, bs, inp.params.lora)
         cached = np.zeros(len(prefills))
         for instance, blocks in self.prefixes.cached_prefixes(hashes[bs]).items():
             row = prefills.index.get(instance)

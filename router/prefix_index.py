@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.block_hash import adapter_salt, block_hashes
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks, as an instance would compute them."""
-    return block_hashes(token_ids, block_size)
+def prompt_block_hashes(
+    token_ids: list[int], block_size: int, lora: str | None = None
+) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks, as an instance would compute them
+    for a request under LoRA adapter ``lora`` (None: the base model)."""
+    return block_hashes(token_ids, block_size, parent=adapter_salt(lora))
 
 
 class PrefixIndex:

@@ -2,7 +2,9 @@
 
 Each side describes its KV cache in a :class:`KVSpec`. KV pages move between
 them only if the model (its config and weights), the dtype, the weight
-quantization (KV computed from int8 weights differs from float KV) and the page
+quantization (KV computed from int8 weights differs from float KV), the LoRA
+adapters (names and content: a request's KV is computed under its adapter on the
+prefill side and extended under the same name on the decode side) and the page
 size agree; parallel layouts may differ (the transfer layer re-shards heads and
 layers). A mismatch is refused with both sides' values, before any page moves:
 never wrong output.
@@ -38,6 +40,8 @@ class KVSpec:
     head_dim: int
     layout: Layout
     quantization: str = "none"
+    # (name, content hash) of each LoRA adapter served, from adapter_fingerprints().
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
 
 def model_fingerprint(folder: str | Path) -> str:
@@ -51,6 +55,29 @@ def model_fingerprint(folder: str | Path) -> str:
             h.update(file.name.encode())
             h.update(f.read(1 << 16))
     return h.hexdigest()[:24]
+
+
+def adapter_fingerprints(adapters: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """(name, hash of adapter_config.json and the weight files) of each (name, folder)."""
+    out = []
+    for name, folder in adapters:
+        h = hashlib.sha256()
+        root = Path(folder)
+        for file in [root / "adapter_config.json", *sorted(root.glob("*.safetensors"))]:
+            h.update(file.name.encode())
+            h.update(file.read_bytes())
+        out.append((name, h.hexdigest()[:24]))
+    return tuple(out)
+
+
+def _adapter_problems(prefill: KVSpec, decode: KVSpec) -> list[str]:
+    p, d = dict(prefill.lora_adapters), dict(decode.lora_adapters)
+    return [
+        f"lora adapter {name!r}: prefill {prefill.instance_id} has "
+        f"{p.get(name, 'none')}, decode {decode.instance_id} has {d.get(name, 'none')}"
+        for name in sorted(p.keys() | d.keys())
+        if p.get(name) != d.get(name)
+    ]
 
 
 def check_compatible(prefill: KVSpec, decode: KVSpec) -> None:
@@ -73,5 +100,6 @@ def check_compatible(prefill: KVSpec, decode: KVSpec) -> None:
             problems.append(
                 f"{what}: prefill {prefill.instance_id} has {a}, decode {decode.instance_id} has {b}"
             )
+    problems += _adapter_problems(prefill, decode)
     if problems:
         raise IncompatibleInstancesError("cannot transfer KV pages; " + "; ".join(problems))

@@ -33,7 +33,7 @@ from pdserve.core.layout import Layout
 from pdserve.core.messages import PeerExport
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.step import KVArrival
-from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.block_hash import adapter_salt, block_hashes
 from pdserve.engine.engine import EngineCore
 from pdserve.transfer.routes import plan_routes, routes_into
 
@@ -95,14 +95,15 @@ class PeerPull:
         """
         bs = engine.kv.block_size
         blocks = min(blocks, (len(prompt) - 1) // bs)  # the last token is always computed
-        if blocks * bs <= engine.cached_prefix_tokens(prompt):
+        if blocks * bs <= engine.cached_prefix_tokens(prompt, params):
             return 0
         held = engine.reserve(request_id, prompt, params)
         if held is None:
             return 0
         block_ids, cached = held
         first = cached // bs
-        hashes = block_hashes(prompt, bs)[first:blocks]
+        # Named as the engine names them: a LoRA adapter's blocks chain from its salt.
+        hashes = block_hashes(prompt, bs, parent=adapter_salt(params.lora))[first:blocks]
         export = PeerExport(request_id, self.instance_id, hashes, block_ids[first:blocks])
         self.pending[request_id] = _Pull(export, first, peer[1], then)
         peer[0].export.remote(export).future().add_done_callback(

@@ -29,6 +29,7 @@ from pdserve.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pdserve.parallel.lora import LoRABatch
 from pdserve.parallel.moe import SparseMoE
 from pdserve.parallel.rotary import RotaryEmbedding
 
@@ -63,16 +64,21 @@ class Attention(nn.Module):
         self.backend = backend_cls(self.qkv.num_heads, self.qkv.num_kv_heads, d, d**-0.5)
 
     def forward(
-        self, rope: RopeTables, x: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
+        self,
+        rope: RopeTables,
+        x: torch.Tensor,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         nq, nkv, d = self.qkv.num_heads, self.qkv.num_kv_heads, self.qkv.head_dim
-        qkv = self.qkv(x).view(t, nq + 2 * nkv, d)
+        qkv = self.qkv(x, lora).view(t, nq + 2 * nkv, d)
         # q and k sit side by side in the fused output: rotate both in one go.
         qk = self.ops.rotate(qkv[:, : nq + nkv], *rope)
         q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
         o = self.backend.forward(q, k, v, cache[0], cache[1], meta)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(t, -1), lora)
 
 
 class DenseMLP(nn.Module):
@@ -85,8 +91,8 @@ class DenseMLP(nn.Module):
         self.gate_up = ColumnParallelLinear(config.hidden_size, [inter, inter], False, ctx, dtype)
         self.down = RowParallelLinear(inter, config.hidden_size, False, ctx, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.ops.silu_and_mul(self.gate_up(x)))
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        return self.down(self.ops.silu_and_mul(self.gate_up(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -123,11 +129,14 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cache: LayerCache,
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_norm(hidden, residual)
-        h = self.attn(rope, h, cache, meta)
+        h = self.attn(rope, h, cache, meta, lora)
         h, residual = self.post_attn_norm(h, residual)
-        return self.mlp(h), residual
+        if isinstance(self.mlp, DenseMLP):
+            return self.mlp(h, lora), residual
+        return self.mlp(h), residual  # MoE experts take no adapters
 
 
 class CausalLM(nn.Module):
@@ -172,8 +181,11 @@ class CausalLM(nn.Module):
         hidden: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         on_layer: Callable[[int], None] | None = None,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """First stage embeds ``input_ids``; later stages continue from ``hidden``.
+
+        ``lora`` says which rows run under which LoRA adapter (None: all base).
 
         ``on_layer(i)`` runs after local layer ``i`` wrote its KV (the transfer
         layer streams that layer's pages while the next layer computes).
@@ -186,7 +198,7 @@ class CausalLM(nn.Module):
         assert hidden is not None
         rope = self.rotary.tables(positions, hidden.dtype)
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            hidden, residual = layer(rope, hidden, residual, cache, meta)
+            hidden, residual = layer(rope, hidden, residual, cache, meta, lora)
             if on_layer is not None:
                 on_layer(i)
         if self.norm is not None:

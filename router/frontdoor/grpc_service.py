@@ -25,6 +25,7 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 from pdserve.router.frontdoor.requests import (
+    adapter_for,
     completion_input,
     fit_context,
     off_loop,
@@ -43,7 +44,10 @@ _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens"
 
 
 class CompletionService(pb_grpc.CompletionServicer):
-    def __init__(self, router: Router, keys: ApiKeys, vocab_size: int) -> None:
+    def __init__(
+        self, router: Router, keys: ApiKeys, vocab_size: int, adapters: tuple[str, ...] = ()
+    ) -> None:
+        self.adapters = adapters  # LoRA adapters a request's ``model`` may name
         self.router = router
         self.keys = keys
         self.vocab_size = vocab_size
@@ -94,12 +98,12 @@ class CompletionService(pb_grpc.CompletionServicer):
                 )
         except Exception as e:
             await _abort(context, e)
-        model = pb.Model(
-            id=self.router.config.model_name,
-            max_model_len=self.router.max_model_len,
-            owned_by="pdserve",
-        )
-        return pb.ListModelsResponse(models=[model])
+        names = (self.router.config.model_name, *self.adapters)
+        models = [
+            pb.Model(id=name, max_model_len=self.router.max_model_len, owned_by="pdserve")
+            for name in names
+        ]
+        return pb.ListModelsResponse(models=models)
 
     async def _admit(
         self, request: pb.CompletionRequest | Malformed, context: Any
@@ -116,11 +120,8 @@ class CompletionService(pb_grpc.CompletionServicer):
         key_priority = self.keys.check(meta.get("authorization"))
         if isinstance(request, Malformed):
             raise InvalidArgumentError("request", f"not a valid CompletionRequest: {request.error}")
-        if request.model and request.model != self.router.config.model_name:
-            raise InvalidArgumentError(
-                "model",
-                f"unknown model; this server serves {self.router.config.model_name!r}",
-            )
+        served = self.router.config.model_name
+        lora = adapter_for(request.model or served, served, self.adapters)
         which = request.WhichOneof("input")
         prompt: str | list[int] | None
         if which == "prompt":
@@ -136,6 +137,7 @@ class CompletionService(pb_grpc.CompletionServicer):
         params = _sampling(sampling, self.vocab_size)
         asked = sampling is not None and sampling.HasField("max_tokens")
         params = fit_context(params, len(ids), self.router.max_model_len, asked)
+        params = dataclasses.replace(params, lora=lora)
         if "x-pdserve-priority" in meta:
             params = with_priority(params, meta["x-pdserve-priority"])
         elif key_priority is not None:
@@ -233,10 +235,11 @@ async def start_grpc(
     host: str,
     port: int,
     tls: TlsConfig | None = None,
+    adapters: tuple[str, ...] = (),
 ) -> tuple[Any, int]:
     """Serve the completion and health services (over TLS if given); returns (server, port)."""
     server = grpc.aio.server()
-    add_completion_service(CompletionService(router, keys, vocab_size), server)
+    add_completion_service(CompletionService(router, keys, vocab_size, adapters), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"

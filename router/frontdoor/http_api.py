@@ -11,12 +11,14 @@ Responses carry ``usage``; a streamed response sends it in a last chunk when
 ``stream_options.include_usage`` is set. Errors have OpenAI's shape
 (``{"error": {"message", "type", "param", "code"}}``) and their status from
 :func:`~pdserve.core.errors.wire_status`; 429 adds ``Retry-After``. A client
-that disconnects mid-stream aborts its request.
+that disconnects mid-stream aborts its request. ``model`` names the served model
+(the base) or one of its LoRA adapters; ``/v1/models`` lists them all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -31,6 +33,7 @@ from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.requests import (
+    adapter_for,
     completion_input,
     fit_context,
     off_loop,
@@ -53,7 +56,16 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 429: 
 
 
 class HttpApi:
-    def __init__(self, router: Router, keys: ApiKeys, vocab_size: int, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        router: Router,
+        keys: ApiKeys,
+        vocab_size: int,
+        max_body_bytes: int,
+        adapters: tuple[str, ...] = (),
+    ) -> None:
+        # The LoRA adapters the instances serve: a request's ``model`` may name one.
+        self.adapters = adapters
         self.router = router
         self.keys = keys
         self.vocab_size = vocab_size
@@ -105,8 +117,7 @@ class HttpApi:
         served = self.router.config.model_name
         if body.get("model") is None:
             raise InvalidArgumentError("model", f"is required; this server serves {served!r}")
-        if body["model"] != served:
-            raise InvalidArgumentError("model", f"unknown model; this server serves {served!r}")
+        adapter_for(body["model"], served, self.adapters)  # 404 for an unknown name
         return body
 
     def _input(
@@ -143,6 +154,8 @@ class HttpApi:
         params = sampling_params(values, self.vocab_size)
         asked = values["max_tokens"] is not None
         params = fit_context(params, len(ids), self.router.max_model_len, asked)
+        lora = adapter_for(body["model"], self.router.config.model_name, self.adapters)
+        params = dataclasses.replace(params, lora=lora)
         region = body.get("region") or request.headers.get("X-PDServe-Region")
         return completion_input(ids, params, region, body.get("request_id"))
 
@@ -185,15 +198,17 @@ class HttpApi:
 
     async def models(self, request: web.Request) -> web.Response:
         self.keys.check(request.headers.get("Authorization"))
-        model = {"id": self.router.config.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                 "max_model_len": self.router.max_model_len}  # fmt: skip
-        return web.json_response({"object": "list", "data": [model]})
+        base = self.router.config.model_name
+        models = [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+                   "max_model_len": self.router.max_model_len, "parent": None if name == base else base}
+                  for name in (base, *self.adapters)]  # fmt: skip
+        return web.json_response({"object": "list", "data": models})
 
     async def _respond(
         self, request: web.Request, body: dict[str, Any], inp: CompletionInput, chat: bool
     ) -> web.StreamResponse:
         request["admitted"] = True  # from here the router counts the outcome
-        shape = _Shape(inp.request_id, self.router.config.model_name, chat)
+        shape = _Shape(inp.request_id, inp.params.lora or self.router.config.model_name, chat)
         if not body.get("stream"):
             text, reason, usage = [], None, Usage(0, 0)
             async with contextlib.aclosing(self.router.stream(inp)) as deltas:

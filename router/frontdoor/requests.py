@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pdserve.core.config import UnknownAdapterError
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.sampling_params import SamplingParams, check_text
 from pdserve.core.tokenizer import Tokenizer
@@ -69,6 +70,18 @@ def sampling_params(values: dict[str, Any], vocab_size: int | None = None) -> Sa
     if vocab_size is not None:
         params.check_vocab(vocab_size)
     return params
+
+
+def adapter_for(model: Any, served: str, adapters: tuple[str, ...]) -> str | None:
+    """The LoRA adapter a request's ``model`` names: None for the served base model.
+
+    Any other name must be a served adapter (else 404, listing the valid names).
+    """
+    if model == served:
+        return None
+    if not isinstance(model, str) or model not in adapters:
+        raise UnknownAdapterError(str(model)[:MAX_ID_CHARS], adapters, base=served)
+    return model
 
 
 def with_priority(params: SamplingParams, value: str) -> SamplingParams:

@@ -21,9 +21,9 @@ from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
 BASE = """\
-model: builtin:tiny
+model: {model}
 connector: shm
-engine: {{dtype: float32, max_num_batched_tokens: {budget}}}
+engine: {{dtype: float32, max_num_batched_tokens: {budget}{engine}}}
 regions:
   - name: east
     prefill: {{count: {p}, min: 1, max: 3, num_cpus_per_rank: 0.25}}
@@ -49,6 +49,8 @@ class Running:
         policy: str = "cost_model",
         extra: str = "",
         router: str = "",  # more router keys, e.g. ", peer_kv_s_per_token: 0"
+        model: str = "builtin:tiny",
+        engine: str = "",  # more engine keys, e.g. ", lora_adapters: {a: /path}"
     ) -> None:
         text = BASE.format(
             p=p,
@@ -59,6 +61,8 @@ class Running:
             policy=policy,
             extra=extra,
             router=router,
+            model=model,
+            engine=engine,
         )
         self.config = parse_config(text, "test.yaml")
         self.controller, self.endpoints = start_controller(self.config)
