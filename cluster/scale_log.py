@@ -69,6 +69,7 @@ class ScaleLog:
             transfers,
             dict(stats.leases),
             stats.kv_tiers,
+            speculation=stats.speculation,
         )
 
     def snapshot(

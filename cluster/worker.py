@@ -39,7 +39,7 @@ from pdserve.core.messages import (
     ReserveRequest,
 )
 from pdserve.core.request import RequestOutput
-from pdserve.core.snapshot import KVTierCounters
+from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
 from pdserve.decode.server import DecodeServer
 from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
 from pdserve.prefill.server import PrefillServer
@@ -76,6 +76,7 @@ class InstanceStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     kv_tiers: KVTierCounters | None = None
+    speculation: SpeculationCounters | None = None
 
 
 HEALTH = "health"  # concurrency group of ping and health
@@ -247,6 +248,7 @@ class InstanceWorker(RankWorker):
                 engine.kv.stats.queries,
                 engine.kv.stats.hits,
                 engine.tier_counters(),
+                engine.spec_counters(),
             )
 
         return server.loop.call(read).result()

@@ -259,6 +259,34 @@ CATALOG: tuple[MetricSpec, ...] = (
         (*_INSTANCE, "tier", "direction"),
         source="instance",
     ),
+    MetricSpec(
+        "pdserve_spec_draft_tokens_total",
+        "counter",
+        "Draft tokens an instance proposed and verified (speculative decoding).",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_spec_accepted_tokens_total",
+        "counter",
+        "Draft tokens the target model accepted (each saves one decode step).",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_spec_verify_steps_total",
+        "counter",
+        "Rows that verified drafts (one per decoding request and step with drafts).",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
+        "pdserve_spec_skipped_batches_total",
+        "counter",
+        "Steps that drafted nothing because more requests decoded than speculative_max_batch.",
+        _INSTANCE,
+        source="instance",
+    ),
     # -- the controller ---------------------------------------------------------------------------
     MetricSpec(
         "pdserve_instances",

@@ -32,6 +32,7 @@ class InstanceCounters:
     leases: dict[str, int] = field(default_factory=dict)
     kv_tiers: KVTierCounters | None = None
     expert_load: ExpertLoad | None = None
+    speculation: SpeculationCounters | None = None
 
 
 @dataclass
@@ -41,6 +42,16 @@ class ExpertLoad:
     tokens: dict[int, list[int]]  # layer -> tokens routed to each expert since start
     by_expert: dict[int, float]  # layer -> max over mean per expert, recent tokens
     by_rank: dict[int, float]  # layer -> max over mean per EP rank, recent tokens
+
+
+@dataclass
+class SpeculationCounters:
+    """One instance's speculative decoding since start (None where it is off)."""
+
+    proposed: int  # draft tokens verified
+    accepted: int
+    verify_steps: int  # rows that verified drafts
+    skipped_batches: int  # steps too large to draft
 
 
 @dataclass
@@ -135,6 +146,11 @@ class SnapshotCollector(Collector):
                 _add_tiers(fams, who, i.kv_tiers)
             if i.expert_load is not None:
                 _add_experts(fams, who, i.expert_load)
+            if (s := i.speculation) is not None:
+                fams["pdserve_spec_draft_tokens_total"].add_metric(who, s.proposed)
+                fams["pdserve_spec_accepted_tokens_total"].add_metric(who, s.accepted)
+                fams["pdserve_spec_verify_steps_total"].add_metric(who, s.verify_steps)
+                fams["pdserve_spec_skipped_batches_total"].add_metric(who, s.skipped_batches)
         yield from fams.values()
 
 

@@ -26,7 +26,7 @@ from pdserve.core.request import (
     RequestStatus,
 )
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.core.snapshot import KVTierCounters
+from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
 from pdserve.core.step import KVSend, StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -143,6 +143,14 @@ class EngineCore:
             kv_lower=events.lower,
             kv_device=events.device,
         )
+
+    def spec_counters(self) -> SpeculationCounters | None:
+        """What speculative decoding did since start (None when it is off)."""
+        spec = self.scheduler.spec
+        if not spec.enabled:
+            return None
+        s = spec.stats
+        return SpeculationCounters(s.proposed, s.accepted, s.steps, s.skipped_batches)
 
     def tier_counters(self) -> KVTierCounters | None:
         """What the KV tiers did since start (None without tiers)."""

@@ -256,3 +256,29 @@ def test_decode_instance_speculates(ray_session, references) -> None:
         llm.check_idle()
     finally:
         llm.shutdown()
+
+
+def test_the_counters_reach_the_metrics(references) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.core.snapshot import ClusterSnapshot, InstanceCounters, SnapshotCollector
+
+    folder, prompts, _ = references("llama")
+    llm = LLM(str(folder), **SPEC)
+    llm.generate([p[:12] * 3 for p in prompts[:2]], GREEDY)
+    counters = llm.engine.spec_counters()
+    stats = _stats(llm)
+    assert counters is not None and counters.proposed == stats.proposed > 0
+    assert (counters.accepted, counters.verify_steps) == (stats.accepted, stats.steps)
+    assert LLM(str(folder)).engine.spec_counters() is None, "off: nothing to report"
+    collector = SnapshotCollector()
+    collector.snapshot = ClusterSnapshot(
+        0.0, [], [InstanceCounters("d0", "east", "decode", speculation=counters)]
+    )
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert (
+        f'pdserve_spec_accepted_tokens_total{{instance="d0",region="east",role="decode"}} {float(counters.accepted)}'
+        in text
+    )
