@@ -7,10 +7,12 @@ layer and, from the tokens routed since its previous read, computes per
 layer::
 
     by expert   max over mean of the tokens each expert got
-    by rank     max over mean of the tokens each EP rank's experts got
+    by rank     max over mean of the rows each EP rank's expert slots computed
                 (1.0 when the experts are not split over ranks)
 
-A rank's experts are ``[r * E / ep, (r + 1) * E / ep)``.
+Ranks count the rows their slots computed themselves
+(:func:`pdserve.parallel.moe.expert_rows`), so the ratio stays right when
+EPLB replicates hot experts and splits their tokens.
 """
 
 from __future__ import annotations
@@ -39,11 +41,16 @@ class ExpertLoadReader:
 
     def __init__(self) -> None:
         self._last: dict[str, dict[int, list[int]]] = {}
+        self._last_rows: dict[str, list[dict[int, int]]] = {}
         self._recent: dict[str, ExpertLoad] = {}
 
     def read(self, instances: list[Instance], timeout_s: float) -> dict[str, ExpertLoad]:
         """Instance id -> its expert load, for the instances whose ranks all answered."""
-        refs = {i.instance_id: [w.expert_load.remote() for w in i.group.workers] for i in instances}
+        refs = {
+            i.instance_id: [w.expert_load.remote() for w in i.group.workers]
+            + [w.expert_rows.remote() for w in i.group.workers]
+            for i in instances
+        }
         everything = [r for rs in refs.values() for r in rs]
         ready, _ = ray.wait(everything, num_returns=len(everything), timeout=timeout_s)
         done = set(ready)
@@ -53,16 +60,23 @@ class ExpertLoadReader:
             if not all(r in done for r in mine):
                 continue
             try:
-                per_rank = ray.get(mine, timeout=0)
+                answers = ray.get(mine, timeout=0)
             except Exception:  # a rank died: the health check deals with it
                 continue
-            out[instance.instance_id] = self._update(instance, per_rank)
+            n = len(instance.group.workers)
+            out[instance.instance_id] = self._update(instance, answers[:n], answers[n:])
         for gone in set(self._last) - {i.instance_id for i in instances}:
             self._last.pop(gone, None)
+            self._last_rows.pop(gone, None)
             self._recent.pop(gone, None)
         return out
 
-    def _update(self, instance: Instance, per_rank: list[dict[int, list[int]]]) -> ExpertLoad:
+    def _update(
+        self,
+        instance: Instance,
+        per_rank: list[dict[int, list[int]]],
+        rows: list[dict[int, int]],
+    ) -> ExpertLoad:
         total: dict[int, list[int]] = {}
         for counts in per_rank:
             for layer, tokens in counts.items():
@@ -70,7 +84,8 @@ class ExpertLoadReader:
                 for e, n in enumerate(tokens):
                     have[e] += n
         before = self._last.get(instance.instance_id, {})
-        ep = instance.group.layout.ep
+        by_rows = rank_windows(rows, self._last_rows.get(instance.instance_id, []))
+        self._last_rows[instance.instance_id] = rows
         by_expert: dict[int, float] = {}
         by_rank: dict[int, float] = {}
         previous = self._recent.get(instance.instance_id)
@@ -82,8 +97,18 @@ class ExpertLoadReader:
                 by_rank[layer] = previous.by_rank[layer]
                 continue
             by_expert[layer] = imbalance(window)
-            by_rank[layer] = imbalance(window, ep)
+            by_rank[layer] = imbalance(by_rows[layer]) if layer in by_rows else 1.0
         self._last[instance.instance_id] = total
         load = ExpertLoad(total, by_expert, by_rank)
         self._recent[instance.instance_id] = load
         return load
+
+
+def rank_windows(rows: list[dict[int, int]], before: list[dict[int, int]]) -> dict[int, list[int]]:
+    """Layer -> rows each rank that holds it computed since ``before`` (one read earlier)."""
+    out: dict[int, list[int]] = {}
+    for i, counts in enumerate(rows):
+        old = before[i] if i < len(before) else {}
+        for layer, n in counts.items():
+            out.setdefault(int(layer), []).append(n - old.get(layer, 0))
+    return out

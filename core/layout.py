@@ -99,6 +99,8 @@ def plan_layout(model: ModelConfig, parallel: ParallelConfig) -> Layout:
             "pipeline_parallel_size", f"{pp} stages for a model of {model.num_layers} layers"
         )
     _check_experts(model, tp, ep)
+    if ep > 1 and parallel.redundant_experts:
+        slots_per_rank(model.num_experts, parallel.redundant_experts, ep)
     if not model.is_moe and model.intermediate_size % tp:
         raise InvalidArgumentError(
             "tensor_parallel_size",
@@ -150,3 +152,22 @@ def _stage_layers(
         bounds.append((start, start + n))
         start += n
     return tuple(bounds)
+
+
+def slots_per_rank(num_experts: int, redundant: int, ep: int) -> int:
+    """Slots each rank holds; raise naming ``redundant_experts`` if the layout cannot be."""
+    if redundant < 0:
+        raise InvalidArgumentError("redundant_experts", "must be >= 0")
+    if redundant > num_experts * (ep - 1):
+        raise InvalidArgumentError(
+            "redundant_experts",
+            f"{redundant} replicas for {num_experts} experts over {ep} ranks: at most "
+            f"{num_experts * (ep - 1)} (every expert on every rank)",
+        )
+    if (num_experts + redundant) % ep:
+        raise InvalidArgumentError(
+            "redundant_experts",
+            f"{num_experts} experts + {redundant} redundant = {num_experts + redundant} slots "
+            f"do not split evenly over expert_parallel_size={ep}",
+        )
+    return (num_experts + redundant) // ep

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.layout import slots_per_rank
 
 
 @dataclass(frozen=True)
@@ -57,25 +57,6 @@ class Placement:
         missing = set(range(num_experts)) - set(self.slots)
         if missing or not set(self.slots) <= set(range(num_experts)):
             raise ValueError(f"placement {self.slots} does not hold experts 0..{num_experts - 1}")
-
-
-def slots_per_rank(num_experts: int, redundant: int, ep: int) -> int:
-    """Slots each rank holds; raise naming ``redundant_experts`` if the layout cannot be."""
-    if redundant < 0:
-        raise InvalidArgumentError("redundant_experts", "must be >= 0")
-    if redundant > num_experts * (ep - 1):
-        raise InvalidArgumentError(
-            "redundant_experts",
-            f"{redundant} replicas for {num_experts} experts over {ep} ranks: at most "
-            f"{num_experts * (ep - 1)} (every expert on every rank)",
-        )
-    if (num_experts + redundant) % ep:
-        raise InvalidArgumentError(
-            "redundant_experts",
-            f"{num_experts} experts + {redundant} redundant = {num_experts + redundant} slots "
-            f"do not split evenly over expert_parallel_size={ep}",
-        )
-    return (num_experts + redundant) // ep
 
 
 def static_placement(num_experts: int, redundant: int, ep: int) -> Placement:

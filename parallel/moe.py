@@ -69,6 +69,9 @@ class SparseMoE(nn.Module):
         self.routed = torch.zeros(num_experts, dtype=torch.int64, device=self.gate.device)
         # ``routed`` when the experts were last placed (the window EPLB places by).
         self.routed_at_placement = self.routed.clone()
+        # Rows this rank's expert slots computed since start (EP): with replicas a
+        # rank's work is not the sum of its experts' routed tokens.
+        self.rows_computed = torch.zeros((), dtype=torch.int64, device=self.gate.device)
         self.set_placement(static_placement(num_experts, 0, ctx.ep_size))
 
     def set_placement(self, placement: Placement) -> list[int]:
@@ -205,6 +208,16 @@ class SparseMoE(nn.Module):
             y = F.linear(h, self.w2[e]) * weights[token_idx, k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+
+def expert_rows(model: nn.Module, layer_start: int) -> dict[int, int]:
+    """Rows this rank's expert slots computed since start, per global layer (EP only)."""
+    out: dict[int, int] = {}
+    for i, layer in enumerate(getattr(model, "layers", ())):
+        moe = getattr(layer, "mlp", None)
+        if isinstance(moe, SparseMoE) and moe.ctx.ep_size > 1:
+            out[layer_start + i] = int(moe.rows_computed.item())
+    return out
 
 
 def expert_load(model: nn.Module, layer_start: int) -> dict[int, list[int]]:

@@ -60,6 +60,7 @@ def _run_slots(moe: SparseMoE, rows: torch.Tensor, row_slot: torch.Tensor) -> to
     """Each row through its local slot's expert; rows [P_in, H], row_slot [P_in]."""
     outputs = torch.empty_like(rows)
     moe.computed += torch.bincount(row_slot, minlength=moe.local_experts)
+    moe.rows_computed += rows.shape[0]
     for s in torch.unique(row_slot).tolist():
         idx = torch.where(row_slot == s)[0]
         h = moe.ops.silu_and_mul(F.linear(rows[idx], moe.w13[s]))

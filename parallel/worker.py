@@ -52,7 +52,7 @@ from pdserve.parallel.groups import (
     store_address,
 )
 from pdserve.parallel.model_runner import KVAllocator, ModelRunner, resolve_device
-from pdserve.parallel.moe import expert_load
+from pdserve.parallel.moe import expert_load, expert_rows
 from pdserve.parallel.pipeline import StageExecutor, StepHooks
 from pdserve.parallel.shm_comm import shm_enabled_by_env
 
@@ -258,6 +258,11 @@ class RankWorker:
         """Tokens this rank routed per expert since start, per global MoE layer."""
         assert self.runner is not None
         return expert_load(self.runner.model, self.runner.layer_range[0])
+
+    def expert_rows(self) -> dict[int, int]:
+        """Rows this rank's expert slots computed since start, per global MoE layer (EP)."""
+        assert self.runner is not None
+        return expert_rows(self.runner.model, self.runner.layer_range[0])
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -37,13 +37,22 @@ class _Instance:
 def test_the_reader_sums_ranks_and_measures_the_recent_window():
     reader = ExpertLoadReader()
     inst = _Instance("i", _Group(Layout(1, 1, 2, ((0, 2),))))
-    first = reader._update(inst, [{0: [8, 0, 0, 0]}, {0: [0, 0, 4, 4]}])  # type: ignore[arg-type]
+    update = reader._update  # (instance, tokens routed per rank, rows computed per rank)
+    first = update(inst, [{0: [8, 0, 0, 0]}, {0: [0, 0, 4, 4]}], [{0: 8}, {0: 8}])  # type: ignore[arg-type]
     assert first.tokens == {0: [8, 0, 4, 4]}
     assert first.by_expert[0] == 2.0 and first.by_rank[0] == 1.0
-    later = reader._update(inst, [{0: [8, 4, 0, 0]}, {0: [0, 0, 4, 4]}])  # type: ignore[arg-type]
+    later = update(inst, [{0: [8, 4, 0, 0]}, {0: [0, 0, 4, 4]}], [{0: 12}, {0: 8}])  # type: ignore[arg-type]
     assert later.by_expert[0] == 4.0 and later.by_rank[0] == 2.0, "only the 4 new tokens count"
-    again = reader._update(inst, [{0: [8, 4, 0, 0]}, {0: [0, 0, 4, 4]}])  # type: ignore[arg-type]
+    again = update(inst, [{0: [8, 4, 0, 0]}, {0: [0, 0, 4, 4]}], [{0: 12}, {0: 8}])  # type: ignore[arg-type]
     assert again.by_rank[0] == 2.0, "no new tokens: the last ratio stays"
+
+
+def test_with_replicas_the_ranks_work_is_what_they_computed():
+    """EPLB split a hot expert over both ranks: by expert it is hot, by rank it is even."""
+    reader = ExpertLoadReader()
+    inst = _Instance("i", _Group(Layout(1, 1, 2, ((0, 2),))))
+    load = reader._update(inst, [{0: [12, 0, 0, 0]}, {0: [0, 0, 0, 0]}], [{0: 6}, {0: 6}])  # type: ignore[arg-type]
+    assert load.by_expert[0] == 4.0 and load.by_rank[0] == 1.0
 
 
 def test_one_rank_counts_every_routed_token(references):

@@ -26,6 +26,12 @@ def test_replicas_keep_greedy_tokens_across_replacements(ray_session, references
     try:
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert tokens == reference
+        # Every routed (token, expert) pair was computed by exactly one rank's slot.
+        workers = llm.instance.workers
+        routed = ray_session.get([w.expert_load.remote() for w in workers])
+        rows = ray_session.get([w.expert_rows.remote() for w in workers])
+        for layer in range(3):
+            assert sum(sum(r[layer]) for r in routed) == sum(r[layer] for r in rows) > 0
         # Expert 3 hot: it gets both replicas, one on each rank.
         skewed = {layer: [10, 20, 30, 1000] for layer in range(3)}
         placed = ray_session.get(leader.rebalance_experts.remote(skewed))
