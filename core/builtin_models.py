@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pdserve.core import registry
 from pdserve.core.errors import ModelNotFoundError
 
 GENERATOR_VERSION = 1
@@ -82,9 +83,12 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """Checkpoint folder for a path or a ``builtin:<name>``; generates built-ins on first use."""
+    """Checkpoint folder for a path, a ``builtin:<name>`` (generated on first use) or a
+    ``registry:<name>@<version>`` (checked against its recorded hashes)."""
     if name_or_path.startswith("builtin:"):
         return ensure_builtin(name_or_path.removeprefix("builtin:"))
+    if name_or_path.startswith(registry.PREFIX):
+        return registry.resolve(name_or_path)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(

@@ -1,0 +1,162 @@
+"""A model registry: immutable, content-hashed versions of checkpoints.
+
+    <root>/<name>/<version>/      the checkpoint's files, as pushed
+    <root>/<name>/<version>/manifest.json
+        {"name", "version", "sha256": hash of the file hashes, "files": {file: sha256},
+         "pushed_at", "source"}
+
+``push`` copies a checkpoint folder in, hashing every file, and refuses a
+version that exists (versions are immutable: a new checkpoint is a new
+version). A model named ``registry:<name>@<version>`` (the cluster YAML's
+``model``, ``LLM(...)``, ``--model``) resolves to that folder once every file
+matches its recorded hash: a file changed, missing or added after the push is
+an error naming the version and the file, never a silent load. Verified files
+are remembered in-process by (path, size, mtime), so a controller starting
+instances of one version hashes it once.
+
+The root is ``$PDSERVE_REGISTRY``, else ``<cache dir>/registry``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.core.errors import InvalidArgumentError, ModelNotFoundError
+
+PREFIX = "registry:"
+MANIFEST = "manifest.json"
+_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256
+
+
+def registry_root() -> Path:
+    env = os.environ.get("PDSERVE_REGISTRY")
+    if env:
+        return Path(env).expanduser()
+    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    return cache / "registry"
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """``registry:name@version`` (the prefix optional) -> (name, version)."""
+    body = ref.removeprefix(PREFIX)
+    name, sep, version = body.partition("@")
+    if not sep or not _valid(name) or not _valid(version):
+        raise InvalidArgumentError(
+            "model", f"{ref!r}: a registry model is registry:<name>@<version>"
+        )
+    return name, version
+
+
+def _valid(part: str) -> bool:
+    return bool(part) and part not in (".", "..") and all(c.isalnum() or c in "-_." for c in part)
+
+
+def file_sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _verified:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        _verified[key] = digest.hexdigest()
+    return _verified[key]
+
+
+def _content_hash(files: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(f"{name}\0{files[name]}\n".encode())
+    return digest.hexdigest()
+
+
+def push(name: str, version: str, source: Path, root: Path | None = None) -> dict[str, Any]:
+    """Copy the checkpoint in ``source`` in as ``name@version``; returns its manifest."""
+    parse_ref(f"{name}@{version}")
+    source = Path(source).expanduser()
+    if not (source / "config.json").is_file():
+        raise ModelNotFoundError("source", f"{source} is not a checkpoint folder (no config.json)")
+    target = (root or registry_root()) / name / version
+    if target.exists():
+        raise InvalidArgumentError(
+            "version", f"{name}@{version} exists; versions are immutable, push a new one"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=target.parent))
+    try:
+        files = {}
+        for path in sorted(p for p in source.rglob("*") if p.is_file()):
+            rel = path.relative_to(source).as_posix()
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, tmp / rel)
+            files[rel] = file_sha256(tmp / rel)
+        manifest = {
+            "name": name,
+            "version": version,
+            "sha256": _content_hash(files),
+            "files": files,
+            "pushed_at": time.time(),
+            "source": str(source),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp.rename(target)  # a reader never sees a half-copied version
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def resolve(ref: str, root: Path | None = None) -> Path:
+    """The folder of ``registry:name@version`` once its files match their hashes."""
+    name, version = parse_ref(ref)
+    base = (root or registry_root()) / name
+    folder = base / version
+    if not (folder / MANIFEST).is_file():
+        known = (
+            sorted(p.name for p in base.iterdir() if (p / MANIFEST).is_file())
+            if base.is_dir()
+            else []
+        )
+        raise ModelNotFoundError(
+            "model", f"{name}@{version} is not in the registry at {base.parent} (versions: {known})"
+        )
+    verify(folder)
+    return folder
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """Check every file of a version against its manifest; returns the manifest."""
+    manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
+    ref = f"{manifest['name']}@{manifest['version']}"
+    files: dict[str, str] = manifest["files"]
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    extra = sorted(present - set(files) - {MANIFEST})
+    if extra:
+        raise InvalidArgumentError("model", f"{ref}: {extra[0]} was added after the push")
+    for rel, want in files.items():
+        path = folder / rel
+        if not path.is_file():
+            raise InvalidArgumentError("model", f"{ref}: {rel} is missing")
+        if file_sha256(path) != want:
+            raise InvalidArgumentError(
+                "model", f"{ref}: {rel} does not match its hash (the version was changed)"
+            )
+    if _content_hash(files) != manifest["sha256"]:
+        raise InvalidArgumentError("model", f"{ref}: the manifest's hash does not match its files")
+    return manifest
+
+
+def versions(root: Path | None = None) -> list[dict[str, Any]]:
+    """Every version's manifest, by name then push time."""
+    base = root or registry_root()
+    manifests = [
+        json.loads(m.read_text()) for m in sorted(base.glob(f"*/*/{MANIFEST}")) if m.is_file()
+    ]
+    return sorted(manifests, key=lambda m: (m["name"], m["pushed_at"]))
