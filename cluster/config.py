@@ -33,7 +33,9 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RouterConfig
 
 ROLE_KEYS = {"count", "min", "max", "num_cpus_per_rank", "num_gpus_per_rank", "engine"}
-PARALLEL_KEYS = {"tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"}
+PARALLEL_KEYS = {
+    "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size", "redundant_experts"
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

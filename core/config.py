@@ -117,6 +117,11 @@ class ParallelConfig:
             replica of a hot expert (EPLB, ``parallel/eplb.py``); ``experts +
             redundant_experts`` must divide by ``expert_parallel_size`` (checked
             against the model when the instance starts).
+        rebalance_interval_s: with redundant experts, the leader re-places them
+            from the load measured since the last placement this often (0: only
+            when asked, ``rebalance_experts``).
+        rebalance_min_tokens: a layer whose window holds fewer routed tokens keeps
+            its placement and goes on counting (noise never moves weights).
     """
 
     tensor_parallel_size: int = 1
@@ -124,6 +129,8 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     pipeline_layers: tuple[int, ...] | None = None
     redundant_experts: int = 0
+    rebalance_interval_s: float = 0.0
+    rebalance_min_tokens: int = 1024
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -131,6 +138,10 @@ class ParallelConfig:
         _positive("expert_parallel_size", self.expert_parallel_size)
         if self.redundant_experts < 0:
             raise InvalidArgumentError("redundant_experts", "must be >= 0")
+        if self.rebalance_interval_s < 0:
+            raise InvalidArgumentError("rebalance_interval_s", "must be >= 0")
+        if self.rebalance_min_tokens < 0:
+            raise InvalidArgumentError("rebalance_min_tokens", "must be >= 0")
         if self.redundant_experts and self.expert_parallel_size == 1:
             raise InvalidArgumentError(
                 "redundant_experts",

@@ -79,11 +79,13 @@ def rebalance(
     redundant: int,
     folder: str,
     loads: dict[int, list[int]] | None = None,
+    min_tokens: int = 0,
 ) -> dict[int, Placement]:
     """Re-place this stage's expert slots (see the module doc); the placements that changed.
 
     Every rank of the stage must call it at the same point (it may all-reduce).
-    A layer with no tokens to place by keeps its placement.
+    A layer with no tokens to place by keeps its placement; one whose measured
+    window holds fewer than ``min_tokens`` also keeps its window counting.
     """
     layers = moe_layers(model, layer_start)
     if not layers or next(iter(layers.values())).ctx.ep_size == 1:
@@ -93,6 +95,8 @@ def rebalance(
     stale: dict[SparseMoE, set[int]] = {}
     for layer, moe in layers.items():
         tokens = window.get(layer)
+        if loads is None and tokens is not None and sum(tokens) < min_tokens:
+            continue  # too few tokens yet to place by: keep counting
         if tokens is not None and sum(tokens) > 0:
             p = place(tokens, redundant, moe.ctx.ep_size)
             if p != moe.placement:

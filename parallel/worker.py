@@ -40,6 +40,7 @@ from pdserve.parallel.expert_slots import (
     encode_rebalance,
     initial_placement,
     is_rebalance,
+    moe_layers,
     rebalance,
 )
 from pdserve.parallel.groups import (
@@ -122,8 +123,8 @@ class GroupExecutor(Executor):
             ) from e
 
     def shutdown(self) -> None:
-        with contextlib.suppress(RuntimeError, dist.DistError):  # followers already gone
-            send_plan(self.groups, None)
+        with self.step_lock, contextlib.suppress(RuntimeError, dist.DistError):
+            send_plan(self.groups, None)  # (the followers may be gone already)
 
 
 class RankWorker:
@@ -140,6 +141,8 @@ class RankWorker:
         self.engine: EngineCore | None = None
         self._loop: threading.Thread | None = None
         self.follower_error: str | None = None
+        self._stopping = threading.Event()  # set at shutdown: background work ends
+        self.rebalances = 0  # expert re-placements run (leader)
         # Set by subclasses before ``join``: where the KV cache lives, and what
         # runs around each step (the KV transfer layer).
         self.kv_allocator: KVAllocator | None = None
@@ -189,9 +192,27 @@ class RankWorker:
         tokenizer = Tokenizer.from_dir(model.path) if has_tokenizer else None
         executor = GroupExecutor(self.stage, self.groups, self.runner.num_blocks)
         self.engine = EngineCore(self.spec.engine, model, executor, tokenizer)
+        self._start_rebalancing()
         return EngineInfo(
             self.runner.num_blocks, self.engine.max_model_len, self.engine.kv.block_size
         )
+
+    def _start_rebalancing(self) -> None:
+        """Leader: re-place the experts every ``rebalance_interval_s`` (EPLB), between steps."""
+        parallel = self.spec.engine.parallel
+        interval = parallel.rebalance_interval_s
+        if not interval or not parallel.redundant_experts:
+            return
+
+        def run() -> None:
+            while not self._stopping.wait(interval):
+                try:
+                    self.rebalance_experts()
+                except Exception as e:  # the instance is going away (or lost a rank)
+                    logger.warning("periodic expert re-placement stopped: %s", e)
+                    return
+
+        threading.Thread(target=run, name="pdserve-eplb", daemon=True).start()
 
     def _follow(self) -> None:
         assert self.groups is not None and self.stage is not None
@@ -231,16 +252,25 @@ class RankWorker:
         message = encode_rebalance(loads)
         with executor.step_lock:
             send_plan(self.groups, message)
+            self.rebalances += 1
             return self._place_experts(message)
+
+    def expert_placement(self) -> tuple[int, dict[int, list[int]]]:
+        """Re-placements run so far, and this rank's stage's slots per MoE layer."""
+        assert self.runner is not None
+        layers = moe_layers(self.runner.model, self.runner.layer_range[0])
+        return self.rebalances, {layer: list(m.placement.slots) for layer, m in layers.items()}
 
     def _place_experts(self, message: bytes) -> dict[int, list[int]]:
         assert self.runner is not None
+        parallel = self.spec.engine.parallel
         placements = rebalance(
             self.runner.model,
             self.runner.layer_range[0],
-            self.spec.engine.parallel.redundant_experts,
+            parallel.redundant_experts,
             self.spec.model.path,
             decode_rebalance(message),
+            parallel.rebalance_min_tokens,
         )
         return {layer: list(p.slots) for layer, p in placements.items()}
 
@@ -265,6 +295,7 @@ class RankWorker:
         return expert_rows(self.runner.model, self.runner.layer_range[0])
 
     def shutdown(self) -> None:
+        self._stopping.set()
         if self.engine is not None:
             self.engine.shutdown()  # broadcasts stop to the followers
         if self._loop is not None:

@@ -69,3 +69,35 @@ def test_skewed_routing_evens_out_over_ranks_after_replacement() -> None:
     assert result["diff"] < 1e-5, "replicas hold the same weights"
     placement = after["placement"]
     assert set(placement) == set(range(8)) and placement.count(6) == placement.count(7) == 2
+
+
+def test_the_leader_re_places_the_experts_periodically_while_serving(
+    ray_session, references
+) -> None:
+    """With rebalance_interval_s the leader re-places between steps on its own; tokens
+    generated meanwhile stay the reference's."""
+    import time
+
+    folder, prompts, reference = references("mixtral")
+    llm = LLM(
+        str(folder),
+        expert_parallel_size=2,
+        redundant_experts=2,
+        rebalance_interval_s=0.2,
+        rebalance_min_tokens=1,
+        num_cpus_per_rank=0.5,
+        max_num_batched_tokens=64,
+    )
+    leader = llm.instance.leader
+    try:
+        for _ in range(3):
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == reference
+        deadline = time.monotonic() + 10
+        while ray_session.get(leader.expert_placement.remote())[0] < 2:
+            assert time.monotonic() < deadline, "no periodic re-placement ran"
+            time.sleep(0.1)
+        _, placement = ray_session.get(leader.expert_placement.remote())
+        assert sorted(placement) == [0, 1, 2] and all(len(s) == 6 for s in placement.values())
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == reference
+    finally:
+        llm.shutdown()
