@@ -9,6 +9,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (see bench/RESULTS.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     from pdserve.bench import (
+        coldstart,
         disagg_ttft,
         eplb,
         headline,
@@ -43,3 +44,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     priority.add_parser(kinds)
     spec.add_parser(kinds)
     eplb.add_parser(kinds)
+    coldstart.add_parser(kinds)

@@ -61,6 +61,9 @@ class RegionConfig:
     prefill: RoleSpec = field(default_factory=RoleSpec)
     decode: RoleSpec = field(default_factory=RoleSpec)
     node_labels: dict[str, str] = field(default_factory=dict)
+    # Instances kept started but serving nothing (the decode role's resources and
+    # engine options), so a start skips start-up: see pdserve.cluster.pool.
+    warm_pool: int = 0
 
     def role(self, role: str) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
@@ -184,6 +187,7 @@ class ClusterConfig:
         for region in self.regions:
             for role in ("prefill", "decode"):
                 count = region.role(role).count if targets is None else targets[region.name][role]
+                count += region.warm_pool if role == "decode" else 0  # the pool holds its own
                 for key, amount in self.instance_needs(role, region).items():
                     total[key] += count * amount
         return total
@@ -308,7 +312,7 @@ def _region(raw: Any, i: int, lines: Lines) -> RegionConfig:
     path = f"regions[{i}]"
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise lines.error(f"{path}.name", "each region needs a name")
-    allowed = {"name", "latency_ms", "prefill", "decode", "node_labels"}
+    allowed = {"name", "latency_ms", "prefill", "decode", "node_labels", "warm_pool"}
     for key in raw:
         if key not in allowed:
             raise lines.error(f"{path}.{key}", f"unknown field (known: {sorted(allowed)})")
@@ -318,7 +322,14 @@ def _region(raw: Any, i: int, lines: Lines) -> RegionConfig:
         prefill=_role(raw.get("prefill") or {}, f"{path}.prefill", lines),
         decode=_role(raw.get("decode") or {}, f"{path}.decode", lines),
         node_labels={str(k): str(v) for k, v in (raw.get("node_labels") or {}).items()},
+        warm_pool=_pool_size(raw.get("warm_pool", 0), f"{path}.warm_pool", lines),
     )
+
+
+def _pool_size(value: Any, path: str, lines: Lines) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise lines.error(path, f"must be an integer >= 0 (instances kept warm), got {value!r}")
+    return value
 
 
 def _role(raw: dict[str, Any], path: str, lines: Lines) -> RoleSpec:

@@ -16,7 +16,10 @@ then keeps the cluster at its targets:
   each failure is counted in the metrics and shown in ``status``;
 - a planner loop reads the router's region metrics and, per its mode, records
   or applies its decisions. When it wants more of a role and the cluster has
-  no room for a new instance, an idle instance of the other role flips.
+  no room for a new instance, an idle instance of the other role flips;
+- ``wake`` (called by the router when a request waits for a region scaled to
+  zero) starts the role the region lacks, from its warm pool when one is ready
+  (:mod:`pdserve.cluster.pool`).
 
 Locks: ``_lock`` guards the state (lists, targets, draining, starting,
 unhealthy) and is only held for reads and writes of it, never while an
@@ -43,6 +46,7 @@ from pdserve.cluster.health import HealthChecks
 from pdserve.cluster.instances import Instance, best_effort, pair_in_region
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.planning import Planning
+from pdserve.cluster.pool import WarmPool
 from pdserve.cluster.proactive import CapacityModel, make_planner
 from pdserve.cluster.scale_log import ScaleLog
 from pdserve.cluster.status import ClusterStatus, InstanceStatus, RegionStatus, RetryState
@@ -93,6 +97,7 @@ class Controller:
         self.health_checks = HealthChecks(self)
         self.planning = Planning(self)
         self.membership = Membership(self)
+        self.pool = WarmPool(self)
 
     # -- start ------------------------------------------------------------------------
 
@@ -101,8 +106,10 @@ class Controller:
         self.router, self.endpoints = start_router(
             self.config.router, self.model_path, {"scheduling_strategy": here}
         )
+        ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
         for name in self.regions:
             self._converge(name, raise_errors=True)  # only starts: nothing to drain yet
+            self.pool.fill(name)  # in the background
         threading.Thread(
             target=self._loop, args=(self.health.interval_s, self.health_checks.check), daemon=True
         ).start()
@@ -179,6 +186,10 @@ class Controller:
         with self._lock:
             return self._region_status(region)
 
+    def wake(self, region: str, roles: list[Role]) -> None:
+        """The router holds requests for ``region``, which has no instance of ``roles``."""
+        self.planning.wake(region, roles)
+
     def flip(self, region: str, src: Role, dst: Role) -> bool:
         """Operator command: turn an idle ``src`` instance of the region into ``dst``."""
         if region not in self.regions:
@@ -205,6 +216,7 @@ class Controller:
 
     def stop(self) -> None:
         self._stop.set()
+        self.pool.stop()
         with self._lock:
             everyone = [i for r in self.regions.values() for i in r.prefill + r.decode]
             for r in self.regions.values():
@@ -228,6 +240,7 @@ class Controller:
             retry.failures if retry else 0,
             retry.error if retry else "",
             max(0.0, retry.next_at - time.monotonic()) if retry else 0.0,
+            len(self.pool.ready[name]),
         )
 
     # -- reconciling -----------------------------------------------------------------------
@@ -281,6 +294,7 @@ class Controller:
     def _retry_due(self) -> None:
         """Start what regions below their targets miss, once their backoff has passed."""
         now = time.monotonic()
+        self.pool.fill_due()
         for region in self.regions:
             with self._lock:
                 retry = self.retries.get(region)

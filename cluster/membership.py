@@ -9,6 +9,9 @@ the lock not held:
   (``Controller._join``); a start that fails is recorded in the region's
   :class:`~pdserve.cluster.status.RetryState`, and the health loop retries it
   once its backoff has passed;
+- a role is taken from the region's warm pool when one is ready there
+  (:class:`~pdserve.cluster.pool.WarmPool`: started, not joined), so only the
+  join remains;
 - each draining instance is taken off the router's choices, waited for until it
   holds no work (at most ``DRAIN_TIMEOUT_S``), then taken out of the region and
   the router (``Controller._detach``) and shut down.
@@ -82,6 +85,33 @@ class Membership:
             self.c._decision(region, f"retry_{role}", "start_failed", retry.error, "health")
 
     def _add(self, spec: RegionConfig, role: Role) -> Instance:
+        """A warm instance of the region's pool, else a new one; paired and registered."""
+        began = time.monotonic()
+        instance = self.c.pool.take(spec.name, role)
+        if instance is not None:
+            phases, how = {"pool": time.monotonic() - began}, " from the warm pool"
+        else:
+            with self.c._lock:
+                self.c._ids += 1
+                instance_id = f"{spec.name}-{role}-{self.c._ids}"
+            instance = self.start_new(spec, role, instance_id)
+            phases, how = instance.group.start_phases, ""
+        try:
+            self.c._join(spec.name, instance)
+        except BaseException:
+            instance.kill()
+            raise
+        with self.c._lock:
+            self.c.scale_log.started(spec.name, role, phases)
+        took = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
+        self.c._event(
+            f"started {instance.instance_id}{how} in {sum(phases.values()):.1f} s ({took})"
+        )
+        self.c.pool.fill(spec.name)  # after the join: a refill's start competes for CPUs
+        return instance
+
+    def start_new(self, spec: RegionConfig, role: Role, instance_id: str) -> Instance:
+        """Start an instance of ``role`` with the region's resources (not joined to it)."""
         role_spec = spec.role(role)
         resources = RankResources(
             num_cpus=role_spec.num_cpus_per_rank,
@@ -89,25 +119,11 @@ class Membership:
             labels=dict(spec.node_labels) or None,
             start_timeout_s=self.c.health.start_timeout_s,
         )
-        with self.c._lock:
-            self.c._ids += 1
-            instance_id = f"{spec.name}-{role}-{self.c._ids}"
         engine = self.c.config.engine_config(role, spec)
-        instance = start_instance(
+        return start_instance(
             role, self.c.model, engine, self.c.config.connector, resources,
             self.c.config.disaggregation, instance_id,
         )  # fmt: skip
-        try:
-            self.c._join(spec.name, instance)
-        except BaseException:
-            instance.kill()
-            raise
-        phases = instance.group.start_phases
-        with self.c._lock:
-            self.c.scale_log.started(spec.name, role, phases)
-        took = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
-        self.c._event(f"started {instance_id} in {sum(phases.values()):.1f} s ({took})")
-        return instance
 
     def drain(self, region: str, leaving: list[Instance]) -> None:
         """Wait (lock not held) for draining instances to finish their work, then remove them."""

@@ -8,7 +8,11 @@ metrics (from the router). The planner compares them with the SLOs:
 - decode pressure: TPOT p90 above ``high`` x the TPOT SLO, or decode KV usage
   above ``kv_high`` -> one more decode instance;
 - calm: everything under ``low`` x its SLO (or no traffic) for ``idle_s`` ->
-  one instance fewer, of the role with the most spare capacity.
+  one instance fewer, of the role with the most spare capacity; a role with
+  ``min: 0`` goes down to zero (scale to zero), and the calm clock starts again
+  whenever the region is back above its minimums (a cold start), so the instance
+  that just started keeps serving ``idle_s`` at least. A region with requests
+  waiting for a cold start is never calm.
 
 Between ``low`` and ``high`` nothing changes (hysteresis), and a region that
 just changed waits ``cooldown_s`` (no flapping). Counts stay within each
@@ -46,6 +50,8 @@ class RegionMetrics:
     # Instances asked for and not yet serving (the controller's targets beyond the counts).
     prefill_starting: int = 0
     decode_starting: int = 0
+    # Requests the router holds until an instance of the region starts (it is at zero).
+    cold_waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ class Planner:
         c = self.config
         ttft = max(m.ttft_p90_s or 0.0, m.prefill_queue_s)
         calm = ttft <= c.low * self.ttft_slo_s and (m.tpot_p90_s or 0.0) <= c.low * self.tpot_slo_s
-        return calm and m.decode_kv_usage <= c.kv_high / 2
+        return calm and m.decode_kv_usage <= c.kv_high / 2 and not m.cold_waiting
 
     def _calm(self, m: RegionMetrics, state: _RegionState, now: float) -> PlannerDecision | None:
         """One instance fewer after ``idle_s`` of calm, of the role with the most spare."""
@@ -143,6 +149,7 @@ class Planner:
         spare_prefill = m.prefill_count - bounds.prefill.min
         spare_decode = m.decode_count - bounds.decode.min
         if spare_prefill <= 0 and spare_decode <= 0:
+            state.calm_since = None  # at the minimums: calm counts again from the next start
             return None
         role = "prefill" if spare_prefill >= spare_decode else "decode"
         ttft = max(m.ttft_p90_s or 0.0, m.prefill_queue_s)

@@ -4,6 +4,10 @@ In ``advisory`` mode decisions are only logged and counted; in ``on`` mode an
 ``add_<role>`` raises the region's target, unless the cluster has no room for
 another instance of that role: then an idle instance of the other role flips
 role without reloading its weights. Every decision is kept for the dashboard.
+
+``wake`` is the router's call for a region scaled to zero: a request waits
+there for a role it has no instance of, and the role's target goes to 1,
+whatever the planner's mode (the planner only takes instances away again).
 """
 
 from __future__ import annotations
@@ -60,6 +64,24 @@ class Planning:
                 decision.reason,
                 "planner" if decision.applied else "planner-advisory",
             )
+
+    def wake(self, region: str, roles: list[Role]) -> None:
+        """Raise the region's target of each of ``roles`` that is at 0 to 1 (cold start)."""
+        spec = self.c.specs[region]
+        with self.c._lock:
+            targets = dict(self.c.targets[region])
+        want = {role: 1 for role in roles if targets[role] < 1 and spec.role(role).max >= 1}
+        if not want:  # already wanted (starting, or retried by the health loop), or max 0
+            return
+        reason = f"cold start: a request waits for a {' and '.join(want)} instance"
+        for role in want:
+            self.c._decision(region, f"add_{role}", "cold_start", reason, "router")
+        try:
+            self.c.scale(
+                region, want.get("prefill"), want.get("decode"), reason=reason, source="router"
+            )
+        except Exception as e:  # the health loop retries a failed start; the request times out
+            logger.warning("cold start in %s failed: %s", region, e)
 
     def _apply(self, decision: PlannerDecision) -> None:
         verb, name = decision.action.split("_")

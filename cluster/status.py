@@ -34,6 +34,7 @@ class RegionStatus:
     failed_starts: int = 0  # failed starts in a row; retried with backoff
     last_error: str = ""  # the last failed start, until the region is whole again
     retry_in_s: float = 0.0
+    warm: int = 0  # instances ready in the region's warm pool
 
 
 @dataclass(frozen=True)

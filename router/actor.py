@@ -48,6 +48,9 @@ class RouterStats:
     prefix_blocks: dict[str, int]
     decision_us: dict[str, float]  # p50, p99 of placement decisions
     door_delay_us: dict[str, float]  # p50, p99 from a delta ready to written
+    cold_waiting: dict[str, int] | None = None  # requests waiting for a cold start, per region
+    cold_refused: int = 0  # refused: the region's cold-start queue was full
+    cold_timed_out: int = 0  # waited past cold_start_timeout_s
 
 
 class RouterActor:
@@ -131,6 +134,9 @@ class RouterActor:
             {i: r.prefixes.size(i) for i in r.cluster.instances},
             _percentiles(r.decision_s),
             _percentiles(r.door_delay_s),
+            dict(r.cold.waiting),
+            r.cold.refused,
+            r.cold.timed_out,
         )
 
     async def cluster_snapshot(self, snapshot: ClusterSnapshot) -> None:
@@ -151,7 +157,17 @@ class RouterActor:
 
     async def region_metrics(self, window_s: float = 30.0) -> list[dict[str, Any]]:
         router = self._router()
-        return router.obs.region_metrics(router, window_s)
+        metrics = router.obs.region_metrics(router, window_s)
+        for m in metrics:  # requests held for a cold start: the region is not calm
+            m["cold_waiting"] = router.cold.waiting.get(m["region"], 0)
+        return metrics
+
+    async def watch_demand(self, controller: Any) -> None:
+        """Call ``controller.wake(region, roles)`` (no wait for it) when a request starts
+        waiting in a region that lacks ``roles`` (scaled to zero)."""
+        self._router().cold.demand = lambda region, roles: controller.wake.remote(
+            region, list(roles)
+        )
 
     async def instance_lost(self, instance_id: str) -> None:
         """The controller saw an instance die: move its requests elsewhere."""

@@ -10,11 +10,20 @@ admitted request miss its SLO.
 :class:`RetryBudget` is a token bucket filled by admitted requests: each retry
 (another decode instance after a refusal, a re-run after a failure) takes a
 token, so an outage cannot turn into a retry storm.
+
+:class:`ColdStartQueue` holds the requests of a region that has no instance to
+serve them (scaled to zero) while the controller starts one: a bounded number
+per region, each for a bounded time.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import asyncio
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+from pdserve.core.errors import OverloadedError
 
 WINDOW = 32
 FLOOR = 4
@@ -88,3 +97,74 @@ class RetryBudget:
             return True
         self.denied += 1
         return False
+
+
+class ColdStartTimeoutError(OverloadedError):
+    """A request waited ``cold_start_timeout_s`` and its region still has no instance."""
+
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+
+
+class ColdStartQueue:
+    """Requests waiting for their region's first instance; one per router, on its loop.
+
+    ``wait`` holds a request until ``opened(region)`` (an instance of the region
+    became available) or its deadline. At most ``bound`` requests wait per region;
+    more are refused at once (``OverloadedError``), and one past its deadline fails
+    with :class:`ColdStartTimeoutError`, both with a retry hint: how long the last
+    cold start took. The first request to wait in an empty queue calls ``demand``
+    (region, the roles it lacks): the controller's wake-up call, set by the router
+    actor; without it nothing would start, so nothing waits (``enabled``).
+    """
+
+    def __init__(self, bound: int, timeout_s: float) -> None:
+        self.bound = bound
+        self.timeout_s = timeout_s
+        self.demand: Callable[[str, tuple[str, ...]], None] | None = None
+        self.waiting: dict[str, int] = defaultdict(int)
+        self.refused = 0
+        self.timed_out = 0
+        self.last_start_s = 1.0  # the retry hint until a cold start was seen
+        self._opened: dict[str, asyncio.Event] = {}
+        self._since: dict[str, float] = {}  # region -> when its first request waited
+
+    @property
+    def enabled(self) -> bool:
+        return self.bound > 0 and self.demand is not None
+
+    async def wait(self, region: str, roles: tuple[str, ...], deadline: float) -> None:
+        """Return once ``region`` opened; raise when the queue is full or at ``deadline``."""
+        lacking = " and ".join(roles)
+        if self.waiting[region] >= self.bound:
+            self.refused += 1
+            raise OverloadedError(
+                f"region {region!r} has no {lacking} instance yet and {self.waiting[region]} "
+                "requests already wait for one to start (router.cold_start_queue); retry later",
+                retry_after_s=round(self.last_start_s, 1),
+            )
+        if self.waiting[region] == 0 and self.demand is not None:
+            self._since.setdefault(region, time.monotonic())
+            self.demand(region, roles)
+        opened = self._opened.setdefault(region, asyncio.Event())
+        self.waiting[region] += 1
+        try:
+            await asyncio.wait_for(opened.wait(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            self.timed_out += 1
+            raise ColdStartTimeoutError(
+                f"no {lacking} instance of region {region!r} started within "
+                f"{self.timeout_s:g} s (router.cold_start_timeout_s); retry later",
+                retry_after_s=round(self.last_start_s, 1),
+            ) from None
+        finally:
+            self.waiting[region] -= 1
+
+    def opened(self, region: str) -> None:
+        """An instance of ``region`` became available: wake every request waiting there."""
+        since = self._since.pop(region, None)
+        if since is not None:
+            self.last_start_s = max(time.monotonic() - since, 0.1)
+        event = self._opened.pop(region, None)
+        if event is not None:
+            event.set()

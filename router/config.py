@@ -82,6 +82,11 @@ class RouterConfig:
         instances, priced against the chosen prefill's measured time per token.
     lora_adapters: names of the LoRA adapters the instances serve (the engine
         section's ``lora_adapters``): a request's ``model`` may name one.
+    cold_start_queue: requests that may wait, per region, while the region has no
+        instance to serve them (scaled to zero) and the controller starts one; more
+        are refused at once (429 with Retry-After). 0: refuse at once, never wait.
+    cold_start_timeout_s: how long such a request waits for an instance before it
+        fails (503 with Retry-After).
     """
 
     model_name: str = "pdserve"
@@ -114,6 +119,8 @@ class RouterConfig:
     peer_prefill_min_tokens: int = 64
     peer_kv_s_per_token: float = 2e-5
     lora_adapters: tuple[str, ...] = ()
+    cold_start_queue: int = 32
+    cold_start_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -151,6 +158,10 @@ class RouterConfig:
             raise InvalidArgumentError("router.peer_prefill_min_tokens", "must be >= 0")
         if self.stream_idle_timeout_s <= 0:
             raise InvalidArgumentError("router.stream_idle_timeout_s", "must be > 0")
+        if self.cold_start_queue < 0:
+            raise InvalidArgumentError("router.cold_start_queue", "must be >= 0 (0: never wait)")
+        if self.cold_start_timeout_s <= 0:
+            raise InvalidArgumentError("router.cold_start_timeout_s", "must be > 0")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
             raise InvalidArgumentError("slo", "SLOs must be > 0")
 

@@ -63,6 +63,17 @@ class Choice:
     hashes: dict[int, list[bytes]]
 
 
+class RegionUnservedError(OverloadedError):
+    """No region can take the request, and its home region lacks a role it needs
+    (``roles``: none is registered, e.g. it is scaled to zero): the router may hold
+    the request while the controller starts one."""
+
+    def __init__(self, message: str, region: str, roles: tuple[str, ...]) -> None:
+        super().__init__(message, retry_after_s=1.0)
+        self.region = region
+        self.roles = roles
+
+
 class RegionChooser:
     def __init__(
         self,
@@ -111,11 +122,17 @@ class RegionChooser:
             why = "at its limit" if home in candidates else self._unserved(home)
             if inp.params.priority < 0 and home in candidates:
                 why = "at its limit for requests of negative priority"
-            raise OverloadedError(
-                f"no region can take the request now (home {home!r} is {why})",
-                retry_after_s=1.0,
-            )
+            message = f"no region can take the request now (home {home!r} is {why})"
+            lacking = self._lacking(home) if home not in candidates and home not in skip else ()
+            if lacking:
+                raise RegionUnservedError(message, home, lacking)
+            raise OverloadedError(message, retry_after_s=1.0)
         return self._resolve(best[1], best[2], hashes)
+
+    def _lacking(self, region: str) -> tuple[str, ...]:
+        """The roles ``region`` needs and has no available instance of."""
+        needed = ("decode", "prefill") if self.config.without_prefill == "refuse" else ("decode",)
+        return tuple(role for role in needed if not len(self.cluster.table(role, region)))
 
     def place(self, inp: CompletionInput, region: str, hashes: dict[int, list[bytes]]) -> Choice:
         """The policy's instances in ``region`` now (OverloadedError: it has no decode)."""

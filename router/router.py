@@ -2,7 +2,9 @@
 
     stream(request)
       id      <- the router's own (the client's id is only echoed by the front door)
-      region, placement <- RegionChooser (:mod:`pdserve.router.placement`)
+      region, placement <- RegionChooser (:mod:`pdserve.router.placement`); a
+                 region with no instance to serve it (scaled to zero): the request
+                 waits in the ColdStartQueue while the controller starts one
       attempt <- Attempts.launch: reserve on decode, prefill into it
                  (:mod:`pdserve.router.attempts`: also migration, hedging, closing)
       tokens: first from prefill, the rest pushed by decode (``on_tokens``)
@@ -29,11 +31,11 @@ from typing import Any
 from pdserve.core.errors import PdserveError, RequestAbortedError
 from pdserve.core.messages import LoadReport, TokenBatch
 from pdserve.core.tokenizer import Tokenizer
-from pdserve.router.admission import Admission, RetryBudget
+from pdserve.router.admission import Admission, ColdStartQueue, RetryBudget
 from pdserve.router.attempts import Attempts
 from pdserve.router.config import RouterConfig
 from pdserve.router.observe import Observer
-from pdserve.router.placement import Choice, CompletionInput, RegionChooser
+from pdserve.router.placement import Choice, CompletionInput, RegionChooser, RegionUnservedError
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.state import ClusterView, InstanceView
@@ -70,6 +72,8 @@ class Router:
             config.low_priority_share,
         )
         self.retries = RetryBudget(config.retry_budget_ratio)
+        self.cold = ColdStartQueue(config.cold_start_queue, config.cold_start_timeout_s)
+        self.last_max_model_len = 0  # the context limit while no decode instance is up
         self.region_inflight: dict[str, int] = defaultdict(int)
         self.chooser = RegionChooser(
             config,
@@ -113,6 +117,9 @@ class Router:
             set(info.paired),
         )
         self.cluster.add(view)
+        if info.role == "decode":
+            self.last_max_model_len = info.max_model_len
+        self.cold.opened(info.region)
 
     def unregister(self, instance_id: str) -> None:
         view = self.cluster.instances.get(instance_id)
@@ -124,6 +131,8 @@ class Router:
     def set_draining(self, instance_id: str, draining: bool) -> None:
         if instance_id in self.cluster.instances:
             self.cluster.set_available(instance_id, draining)
+            if not draining:
+                self.cold.opened(self.cluster.instances[instance_id].region)
 
     def instance_lost(self, instance_id: str) -> None:
         """An instance died: forget it, and move every request it held elsewhere."""
@@ -149,7 +158,7 @@ class Router:
     @property
     def max_model_len(self) -> int:
         lens = [v.max_model_len for v in self.cluster.instances.values() if v.role == "decode"]
-        return min(lens) if lens else 0
+        return min(lens) if lens else self.last_max_model_len
 
     def ready(self) -> dict[str, int]:
         """Available instances per role (the readiness check wants both roles)."""
@@ -192,7 +201,7 @@ class Router:
         self.obs.arrived(inp.region or self.config.home_region, len(inp.prompt_token_ids))
         inp, capped = self._degrade(inp)
         try:
-            choice = self.chooser.choose(inp)
+            choice = await self._choose(inp)
         except PdserveError as e:
             self.reject(e, inp.region or self.config.home_region)
             raise
@@ -217,6 +226,20 @@ class Router:
         async with contextlib.aclosing(self._serve(stream, inp, choice)) as deltas:
             async for delta in deltas:
                 yield delta
+
+    async def _choose(self, inp: CompletionInput) -> Choice:
+        """The chooser's choice; while the home region lacks a role (scaled to zero),
+        the request waits in the cold-start queue for the controller to start one."""
+        deadline: float | None = None
+        while True:
+            try:
+                return self.chooser.choose(inp)
+            except RegionUnservedError as e:
+                if not self.cold.enabled:
+                    raise
+                if deadline is None:
+                    deadline = time.monotonic() + self.config.cold_start_timeout_s
+                await self.cold.wait(e.region, e.roles, deadline)
 
     def _degrade(self, inp: CompletionInput) -> tuple[CompletionInput, int | None]:
         """Under overload, a request of negative priority gets a smaller ``max_tokens``.

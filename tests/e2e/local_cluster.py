@@ -26,8 +26,9 @@ connector: shm
 engine: {{dtype: float32, max_num_batched_tokens: {budget}{engine}}}
 regions:
   - name: east
-    prefill: {{count: {p}, min: 1, max: 3, num_cpus_per_rank: 0.25}}
-    decode: {{count: {d}, min: 1, max: 3, num_cpus_per_rank: 0.25}}
+    prefill: {{count: {p}, min: {p_min}, max: {p_max}, num_cpus_per_rank: 0.25}}
+    decode: {{count: {d}, min: {d_min}, max: {d_max}, num_cpus_per_rank: 0.25}}
+    warm_pool: {warm_pool}
 slo: {{ttft_ms: {ttft}, tpot_ms: 200}}
 server: {{host: 127.0.0.1, grpc_port: 0, http_port: 0}}
 auth: {{disabled: true}}
@@ -51,6 +52,8 @@ class Running:
         router: str = "",  # more router keys, e.g. ", peer_kv_s_per_token: 0"
         model: str = "builtin:tiny",
         engine: str = "",  # more engine keys, e.g. ", lora_adapters: {a: /path}"
+        bounds: tuple[int, int, int, int] = (1, 3, 1, 3),  # prefill min, max, decode min, max
+        warm_pool: int = 0,
     ) -> None:
         text = BASE.format(
             p=p,
@@ -63,6 +66,11 @@ class Running:
             router=router,
             model=model,
             engine=engine,
+            p_min=bounds[0],
+            p_max=bounds[1],
+            d_min=bounds[2],
+            d_max=bounds[3],
+            warm_pool=warm_pool,
         )
         self.config = parse_config(text, "test.yaml")
         self.controller, self.endpoints = start_controller(self.config)

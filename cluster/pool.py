@@ -1,0 +1,132 @@
+"""The warm pool: instances started ahead of need, so a start skips start-up.
+
+A region with ``warm_pool: N`` keeps N instances fully started (placement group,
+rank processes, weights, KV cache, engine loop: every phase of
+``pdserve_instance_start_seconds``) but paired with no one and unknown to the
+router: they serve nothing and hold their resources. They are started as decode
+instances, with the region's decode resources and engine options.
+
+    Membership._add(region, role)
+      take(region, role)   a pooled instance: pinged (one that does not answer is
+                           killed), flipped to ``role`` if it is wanted as prefill
+                           (weights kept, KV reallocated), then paired and
+                           registered as any new instance; then the pool
+                           refills on a thread of its own
+      none ready           the instance starts the slow way
+    the health loop        fill_due(): a pool short after a failed start is
+                           refilled once the region's retry backoff has passed
+
+Locks: the controller's ``_lock`` guards ``ready`` and ``filling``, held only to
+read and change them, never while an instance starts or answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import ray
+
+from pdserve.cluster.instances import CALL_TIMEOUT_S, Instance, first_line
+from pdserve.cluster.worker import Role
+
+if TYPE_CHECKING:
+    from pdserve.cluster.controller import Controller
+
+logger = logging.getLogger(__name__)
+
+POOL_ROLE: Role = "decode"  # the role pooled instances start in
+
+
+class WarmPool:
+    """The warm instances of every region of a :class:`~pdserve.cluster.controller.Controller`."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+        self.ready: dict[str, list[Instance]] = {name: [] for name in controller.specs}
+        self.filling: dict[str, int] = dict.fromkeys(controller.specs, 0)
+        self.failures: dict[str, int] = dict.fromkeys(controller.specs, 0)
+        self.next_at: dict[str, float] = dict.fromkeys(controller.specs, 0.0)
+        self.taken = 0  # instances that joined a region from the pool
+
+    def size(self, region: str) -> int:
+        with self.c._lock:
+            return len(self.ready[region])
+
+    def fill(self, region: str) -> None:
+        """Start, each on a thread of its own, what the region's pool lacks."""
+        with self.c._lock:
+            lacking = self.c.specs[region].warm_pool - len(self.ready[region])
+            lacking -= self.filling[region]
+            if lacking <= 0 or self.c._stop.is_set():
+                return
+            self.filling[region] += lacking
+        for _ in range(lacking):
+            threading.Thread(target=self._start_one, args=(region,), daemon=True).start()
+
+    def fill_due(self) -> None:
+        """Refill the pools that are short, once a failed start's backoff has passed."""
+        now = time.monotonic()
+        for region in self.ready:
+            if now >= self.next_at[region]:
+                self.fill(region)
+
+    def take(self, region: str, role: Role) -> Instance | None:
+        """A ready instance of the region's pool, now of ``role``; None if none is ready.
+
+        The caller refills the pool (``fill``) once the instance has joined, so the
+        refill's process start does not compete with the join for the CPUs."""
+        with self.c._lock:
+            instance = self.ready[region].pop(0) if self.ready[region] else None
+        if instance is None:
+            return None
+        try:
+            ray.get([w.ping.remote() for w in instance.group.workers], timeout=CALL_TIMEOUT_S)
+            if role != instance.role:
+                ray.get([w.flip_role.remote(role) for w in instance.group.workers])
+                instance.role = role
+        except Exception as e:
+            instance.kill()
+            self.c._event(f"warm pool {region}: {instance.instance_id} lost ({first_line(e)})")
+            self.fill(region)
+            return None
+        with self.c._lock:
+            self.taken += 1
+        return instance
+
+    def stop(self) -> None:
+        """Shut every pooled instance down (the controller is stopping: no refill)."""
+        with self.c._lock:
+            everyone = [i for pool in self.ready.values() for i in pool]
+            for pool in self.ready.values():
+                pool.clear()
+        for instance in everyone:
+            instance.shutdown()
+
+    def _start_one(self, region: str) -> None:
+        with self.c._lock:
+            self.c._ids += 1
+            instance_id = f"{region}-warm-{self.c._ids}"
+        try:
+            instance = self.c.membership.start_new(self.c.specs[region], POOL_ROLE, instance_id)
+        except Exception as e:
+            with self.c._lock:
+                self.filling[region] -= 1
+                self.failures[region] += 1
+                wait = self.c.health.backoff(self.failures[region])
+                self.next_at[region] = time.monotonic() + wait
+            self.c._event(f"warm pool {region}: starting {instance_id} failed: {first_line(e)}")
+            return
+        with self.c._lock:
+            self.filling[region] -= 1
+            self.failures[region] = 0
+            stopped = self.c._stop.is_set()
+            if not stopped:
+                self.ready[region].append(instance)
+        if stopped:
+            instance.shutdown()
+            return
+        took = sum(instance.group.start_phases.values())
+        self.c._event(f"warm pool {region}: {instance_id} ready in {took:.1f} s")
