@@ -98,3 +98,16 @@ def eventually(condition: Callable[[], object], timeout_s: float = 10.0) -> bool
             return True
         time.sleep(0.01)
     return False
+
+
+def send_pages_between(sender: EngineCore, receiver: EngineCore) -> None:
+    """After each step of ``sender``, copy its plan's ``kv_sends`` into ``receiver``'s
+    cache, as a rank's connector would (every layer, K and V)."""
+    src = executor_of(sender).runner.kv_cache  # [layers, 2, blocks, bs, heads, D]
+    dst = executor_of(receiver).runner.kv_cache
+
+    def send_pages(plan: StepPlan) -> None:
+        for send in plan.kv_sends:
+            dst[:, :, send.dst_blocks] = src[:, :, send.src_blocks]
+
+    executor_of(sender).after = send_pages

@@ -19,12 +19,11 @@ import pytest
 import pdserve.decode.server as decode_server
 from pdserve.core.config import DisaggregationConfig
 from pdserve.core.messages import PeerPrefix, ReserveRequest
-from pdserve.core.step import StepPlan
 from pdserve.decode.server import DecodeServer
 from pdserve.engine.engine import EngineCore
 from pdserve.prefill.server import PrefillServer
 from tests.fakes import FAKE_RAY, FakeActor
-from tests.servers import BLOCK_SIZE, executor_of, greedy, one_rank, tiny_engine
+from tests.servers import BLOCK_SIZE, executor_of, greedy, one_rank, send_pages_between, tiny_engine
 
 PROMPT = list(range(7, 7 + 6 * BLOCK_SIZE + 3))  # six full pages and a partial one
 
@@ -50,14 +49,7 @@ def servers(
 ) -> Iterator[tuple[PrefillServer, DecodeServer, FakeActor]]:
     monkeypatch.setattr(decode_server, "ray", FAKE_RAY)
     prefill_engine, decode_engine = engines
-    src = executor_of(prefill_engine).runner.kv_cache  # [layers, 2, blocks, bs, heads, D]
-    dst = executor_of(decode_engine).runner.kv_cache
-
-    def send_pages(plan: StepPlan) -> None:
-        for send in plan.kv_sends:
-            dst[:, :, send.dst_blocks] = src[:, :, send.src_blocks]
-
-    executor_of(prefill_engine).after = send_pages
+    send_pages_between(prefill_engine, decode_engine)
     layout = one_rank(prefill_engine.model)
     prefill = PrefillServer("p0", prefill_engine, layout)
     decode = DecodeServer("d0", decode_engine, layout, False, DisaggregationConfig())

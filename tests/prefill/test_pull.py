@@ -17,10 +17,9 @@ import pytest
 
 from pdserve.core.errors import RequestAbortedError
 from pdserve.core.messages import PeerPrefix, PrefillRequest
-from pdserve.core.step import StepPlan
 from pdserve.prefill.server import PrefillServer
 from tests.fakes import FakeActor
-from tests.servers import BLOCK_SIZE, executor_of, greedy, one_rank, tiny_engine
+from tests.servers import BLOCK_SIZE, executor_of, greedy, one_rank, send_pages_between, tiny_engine
 
 PROMPT = list(range(11, 11 + 5 * BLOCK_SIZE + 2))
 
@@ -30,14 +29,7 @@ def pair(tiny_path: Path) -> Iterator[tuple[PrefillServer, PrefillServer, int]]:
     """(puller, peer, the prompt's first token from one engine)."""
     peer_engine, puller_engine = tiny_engine(tiny_path), tiny_engine(tiny_path)
     (out,) = peer_engine.generate([("ref", PROMPT, greedy(1))])
-    src = executor_of(peer_engine).runner.kv_cache
-    dst = executor_of(puller_engine).runner.kv_cache
-
-    def send_pages(plan: StepPlan) -> None:
-        for send in plan.kv_sends:
-            dst[:, :, send.dst_blocks] = src[:, :, send.src_blocks]
-
-    executor_of(peer_engine).after = send_pages
+    send_pages_between(peer_engine, puller_engine)
     layout = one_rank(peer_engine.model)
     peer, puller = (
         PrefillServer("p1", peer_engine, layout),
