@@ -161,11 +161,11 @@ def test_grpc_models_and_health(doors) -> None:
         (request(max_tokens=0), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
         (request(temperature=-1.0), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
         (pb.CompletionRequest(model="tiny"), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-        (
+        (  # an unknown model is not found, and the valid names are listed
             pb.CompletionRequest(model="other", prompt="x"),
             AUTH,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "model",
+            grpc.StatusCode.NOT_FOUND,
+            "valid names: ['tiny']",
         ),
         (request(prompt="word " * 5000), AUTH, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
         (request(), (), grpc.StatusCode.UNAUTHENTICATED, "missing API key"),
@@ -269,7 +269,7 @@ GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         ({**GOOD, "max_tokens": 0}, KEY, 400, "max_tokens"),
         ({**GOOD, "temperature": -0.1}, KEY, 400, "temperature"),
         ({**GOOD, "top_p": 0}, KEY, 400, "top_p"),
-        ({**GOOD, "model": "gpt-9"}, KEY, 400, "model"),
+        ({**GOOD, "model": "gpt-9"}, KEY, 404, "model"),  # not found, as OpenAI answers
         ({**GOOD, "prompt": "word " * 5000}, KEY, 400, "prompt"),
         ({**GOOD, "nonsense": 1}, KEY, 400, "nonsense"),
         (b"{not json", KEY, 400, "body"),
