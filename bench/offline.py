@@ -10,14 +10,24 @@ Two workloads on the same model, prompts and output lengths, in one run:
 The baseline is ``transformers``' ``generate`` with static batches (left-padded,
 run until the batch's longest output). Only the tokens each request asked for
 count as useful; the rest of a static batch is waste and is not credited.
-Both run greedy in float32 on the same threads. Needs ``transformers``
+Both run greedy in the same dtype on the same threads. Needs ``transformers``
 (the ``test`` extra).
+
+``--dtype`` defaults to the fastest dtype this CPU runs natively: bfloat16
+where it has AVX-512 BF16 or AMX, else float32 (see
+:mod:`pdserve.parallel.cpu_features`). Several dtypes (``--dtype
+float32,bfloat16``) run interleaved, ``--repeats`` rounds of each in turn, so
+a shared machine's load hits them alike. The batch-1 run also reports its
+decode step against the memory-bandwidth floor: the bytes one step reads
+(every weight but the embedding table, plus the KV of the mean context) over
+the read bandwidth measured in the same run (a sum over a large tensor).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import time
@@ -69,12 +79,42 @@ class Measurement:
         return self.useful_tokens / self.seconds
 
 
+def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """This machine's read bandwidth in bytes/s: the best of ``repeats`` sums over ``mib`` MiB."""
+    x = torch.ones(mib << 18)  # float32: 2**18 elements per MiB
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * x.element_size() / best
+
+
+def decode_floor(llm: Any, outputs: list[Any], bandwidth: float) -> dict[str, float]:
+    """Batch 1: the measured decode step against the bytes it must read over ``bandwidth``."""
+    runner = llm.engine.executor.runner
+    out = outputs[0]
+    n = len(out.outputs[0].token_ids)
+    step = (out.metrics.finished_time - out.metrics.first_token_time) / (n - 1)
+    embed = runner.model.embed
+    weights = runner.weights_bytes - (0 if embed is None else embed.weight.nbytes)
+    mean_context = len(out.prompt_token_ids) + n / 2
+    kv = runner.bytes_per_block() / runner.block_size * mean_context
+    floor = (weights + kv) / bandwidth
+    return {
+        "decode_step_ms": round(step * 1e3, 3),
+        "bytes_per_step_mb": round((weights + kv) / 1e6, 2),
+        "floor_ms": round(floor * 1e3, 3),
+        "step_over_floor": round(step / floor, 1),
+    }
+
+
 def run_pdserve(
-    model: str, work: Workload, prompts: list[list[int]], **engine: Any
-) -> tuple[Measurement, list[list[int]]]:
+    model: str, work: Workload, prompts: list[list[int]], dtype: str, **engine: Any
+) -> tuple[Measurement, list[Any], Any]:
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", **engine)
+    llm = LLM(model, dtype=dtype, **engine)
     params = [
         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
     ]
@@ -83,13 +123,11 @@ def run_pdserve(
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     llm.engine.assert_idle()
-    return Measurement("pdserve", work.name, seconds, work.useful_tokens), [
-        o.outputs[0].token_ids for o in outputs
-    ]
+    return Measurement("pdserve", work.name, seconds, work.useful_tokens), outputs, llm
 
 
 def run_transformers(
-    folder: Path, work: Workload, prompts: list[list[int]], batch_size: int
+    folder: Path, work: Workload, prompts: list[list[int]], batch_size: int, dtype: str
 ) -> tuple[Measurement, list[list[int]]]:
     try:
         from transformers import AutoModelForCausalLM
@@ -97,7 +135,7 @@ def run_transformers(
         raise SystemExit(
             "pdserve bench offline needs transformers: pip install 'pdserve[test]'"
         ) from e
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outputs: list[list[int]] = []
@@ -124,6 +162,55 @@ def run_transformers(
     return Measurement("transformers", work.name, seconds, work.useful_tokens), outputs
 
 
+def compare(
+    args: argparse.Namespace,
+    folder: Path,
+    work: Workload,
+    prompts: list[list[int]],
+    dtype: str,
+    bandwidth: float,
+) -> dict[str, Any]:
+    """One workload in one dtype: pdserve, then transformers, as a result row."""
+    ours, outputs, llm = run_pdserve(
+        args.model, work, prompts, dtype, max_num_seqs=args.max_num_seqs
+    )
+    our_tokens = [o.outputs[0].token_ids for o in outputs]
+    base, base_tokens = run_transformers(folder, work, prompts, args.hf_batch_size, dtype)
+    pairs = list(zip(our_tokens, base_tokens, strict=True))
+    agree = sum(a == b for a, b in pairs)
+    prefix = sum(_matching_prefix(a, b) for a, b in pairs) / sum(map(len, our_tokens))
+    row: dict[str, Any] = {
+        "dtype": dtype,
+        "workload": work.name,
+        "requests": len(prompts),
+        "useful_tokens": work.useful_tokens,
+        "pdserve_s": round(ours.seconds, 3),
+        "pdserve_tok_s": round(ours.tokens_per_s, 1),
+        "transformers_s": round(base.seconds, 3),
+        "transformers_tok_s": round(base.tokens_per_s, 1),
+        "speedup": round(ours.tokens_per_s / base.tokens_per_s, 2),
+        "identical_outputs": f"{agree}/{len(prompts)}",
+        "matching_prefix": round(prefix, 3),  # share of tokens before the first difference
+    }
+    if len(prompts) == 1:
+        row.update(decode_floor(llm, outputs, bandwidth))
+    return row
+
+
+def _matching_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (dtype, workload), the repeat with the highest pdserve tok/s."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["dtype"], row["workload"])
+        if key not in best or row["pdserve_tok_s"] > best[key]["pdserve_tok_s"]:
+            best[key] = row
+    return list(best.values())
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.core.builtin_models import resolve_model
     from pdserve.core.model_config import ModelConfig
@@ -131,29 +218,26 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     folder = resolve_model(args.model)
     vocab = ModelConfig.from_dir(folder).vocab_size
+    load_before = os.getloadavg()
+    bandwidth = read_bandwidth()
+    print(json.dumps({"read_bandwidth_gb_s": round(bandwidth / 1e9, 1)}))
     results: list[dict[str, Any]] = []
-    for work in workloads(args.num_requests, args.seed):
-        prompts = work.prompts(vocab, args.seed)
-        ours, our_tokens = run_pdserve(args.model, work, prompts, max_num_seqs=args.max_num_seqs)
-        base, base_tokens = run_transformers(folder, work, prompts, args.hf_batch_size)
-        agree = sum(a == b for a, b in zip(our_tokens, base_tokens, strict=True))
-        row = {
-            "workload": work.name,
-            "requests": len(prompts),
-            "useful_tokens": work.useful_tokens,
-            "pdserve_s": round(ours.seconds, 3),
-            "pdserve_tok_s": round(ours.tokens_per_s, 1),
-            "transformers_s": round(base.seconds, 3),
-            "transformers_tok_s": round(base.tokens_per_s, 1),
-            "speedup": round(ours.tokens_per_s / base.tokens_per_s, 2),
-            "identical_outputs": f"{agree}/{len(prompts)}",
-        }
-        results.append(row)
-        print(json.dumps(row))
+    for repeat in range(args.repeats):
+        for dtype in args.dtype.split(","):  # interleaved: load hits every dtype alike
+            for work in workloads(args.num_requests, args.seed):
+                row = {
+                    "repeat": repeat,
+                    **compare(args, folder, work, work.prompts(vocab, args.seed), dtype, bandwidth),
+                }
+                results.append(row)
+                print(json.dumps(row))
     report = {
         "command": "pdserve bench offline "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in _flags(args).items()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "load_average_before_after": [list(load_before), list(os.getloadavg())],
+        "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "best": best_rows(results),
         "results": results,
     }
     if args.out:
@@ -166,13 +250,25 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     return {
         k: v
         for k, v in vars(args).items()
-        if k in ("model", "num_requests", "hf_batch_size", "seed", "max_num_seqs")
+        if k
+        in ("model", "num_requests", "hf_batch_size", "seed", "max_num_seqs", "dtype", "repeats")
     }
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
+    from pdserve.parallel.cpu_features import fastest_cpu_dtype
+
     p = kinds.add_parser("offline", help="engine throughput vs transformers.generate")
     p.add_argument("--model", default="builtin:small")
+    fastest = fastest_cpu_dtype()
+    p.add_argument(
+        "--dtype",
+        default=fastest,
+        help="dtype of both systems, or several comma-separated, run interleaved; default: "
+        f"the fastest this CPU runs natively ({fastest} here: bfloat16 with AVX-512 BF16 "
+        "or AMX, else float32)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="rounds over the dtypes, interleaved")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument(
         "--hf-batch-size", type=int, default=32, help="static batch size of the baseline"

@@ -246,7 +246,10 @@ class EngineConfig:
 
     Attributes:
         model: checkpoint folder, or a built-in name such as ``builtin:tiny``.
-        dtype: weight and activation dtype; "auto" takes the checkpoint's.
+        dtype: weight, activation and KV cache dtype; "auto" takes the checkpoint's (on
+            the CPU too). "bfloat16" accumulates in float32; on a CPU it is fast with
+            AVX-512 BF16 or AMX and emulated, with a warning, elsewhere
+            (``parallel/cpu_features.py``).
         max_model_len: longest prompt + output; None takes the model's limit.
         seed: seed for requests sampled without their own seed.
         attention_backend: attention implementation by registry name ("auto": the

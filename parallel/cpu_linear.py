@@ -1,4 +1,4 @@
-"""Pre-packed float32 matmuls for CPUs (oneDNN), used by the parallel linear layers.
+"""Pre-packed float32 and bfloat16 matmuls for CPUs (oneDNN), used by the parallel linear layers.
 
 At decode batch sizes (8-64 rows) ``F.linear`` runs MKL's generic GEMM at about
 100 GFLOP/s on the test machines; oneDNN with the weight reordered once into its
@@ -6,7 +6,9 @@ blocked layout reaches about 140-150. :func:`pack_linears` reorders every dense
 linear of a model after loading; the packed copy replaces the plain weight, so
 memory does not double. It uses the oneDNN ops that ``torch.compile`` itself
 emits on CPU; where they are missing or disagree with ``F.linear`` on a probe,
-nothing is packed and the layers keep ``F.linear``.
+nothing is packed and the layers keep ``F.linear``. bfloat16 weights are packed
+only where the CPU has bf16 natively (:mod:`~pdserve.parallel.cpu_features`):
+oneDNN then multiplies bf16 with float32 accumulation, rounding the output once.
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.parallel.cpu_features import has_native_bf16
+
 logger = logging.getLogger(__name__)
 
 # Row count oneDNN tunes the packed layout for: a typical decode batch.
 _PACK_BATCH_HINT = 32
+# How far a packed probe may be from ``F.linear``: float32 sums in another order;
+# bfloat16 outputs may round to the neighbouring value.
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # x: [T, in] float32; packed: oneDNN weight for [out, in] -> [T, out]
+    # x: [T, in] in the weight's dtype; packed: oneDNN weight for [out, in] -> [T, out]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -34,17 +41,20 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """True when packed matmuls run here and match ``F.linear`` on a probe."""
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in _PROBE_TOLERANCE:
+        return False
+    if dtype == torch.bfloat16 and not has_native_bf16():
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        w = torch.randn(48, 40, generator=gen)
-        x = torch.randn(5, 40, generator=gen)
+        w = torch.randn(48, 40, generator=gen).to(dtype)
+        x = torch.randn(5, 40, generator=gen).to(dtype)
         got = packed_linear(x, _pack(w), None)
     except (AttributeError, RuntimeError) as e:
-        logger.info("oneDNN packed linear unavailable (%s); using F.linear", e)
+        logger.info("oneDNN packed linear (%s) unavailable (%s); using F.linear", dtype, e)
         return False
-    return bool(torch.allclose(got, F.linear(x, w), rtol=1e-4, atol=1e-4))
+    tol = _PROBE_TOLERANCE[dtype]
+    return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=tol, atol=tol))
 
 
 def pack_linears(model: nn.Module) -> int:

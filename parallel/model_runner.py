@@ -24,6 +24,7 @@ from pdserve.core.step import StepPlan, StepResult
 from pdserve.parallel.attention import select_backend
 from pdserve.parallel.batch import PreparedBatch, prepare_batch
 from pdserve.parallel.context import SINGLE_RANK, ParallelContext
+from pdserve.parallel.cpu_features import warn_if_emulated
 from pdserve.parallel.cpu_linear import pack_linears, packing_available
 from pdserve.parallel.kernels import select_kernels
 from pdserve.parallel.kv_tiers import TierStore, tier_slots
@@ -49,6 +50,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, model: ModelConfig) -> torch.dtype:
+    """The dtype called ``name``; "auto" takes the checkpoint's, on every device."""
     return _DTYPES[model.dtype if name == "auto" else name]
 
 
@@ -67,6 +69,7 @@ class ModelRunner:
         self.ctx = ctx
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config)
+        warn_if_emulated(self.dtype, self.device)
         self.block_size = config.cache.block_size
         backend_cls = select_backend(config.attention_backend, self.device)
         kernels = select_kernels(config.kernel_backend, self.device)

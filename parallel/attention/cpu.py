@@ -6,6 +6,11 @@ each layer and step; on a CPU that copy costs more than the attention itself.
 table. It is compiled with the system C compiler on first use (about a second)
 and cached next to the built-in models; without a compiler the ``cpu`` backend
 reports itself unsupported and ``auto`` falls back to ``torch``.
+
+The kernel reads a float32 or a bfloat16 cache (bf16 rows are widened to
+float32 as they are loaded; every sum is float32). With bfloat16 it rounds the
+softmax weights to bf16 before they weight V, as torch's CPU flash attention
+(what ``transformers`` runs) does, so greedy tokens track it; float32 is unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -26,22 +30,13 @@ import torch
 from pdserve.core.builtin_models import cache_dir
 from pdserve.parallel.attention.backend import AttentionMetadata, register_backend
 from pdserve.parallel.attention.torch_ref import TorchAttention
+from pdserve.parallel.cpu_features import cpu_model
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 @functools.cache
@@ -52,9 +47,7 @@ def kernel_library() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: the cpu attention backend is unavailable")
         return None
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_model().encode()).hexdigest()[
-        :16
-    ]
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + cpu_model().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"paged_decode_{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,10 @@
  *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables  [num_seqs, max_blocks] int32
  *   seq_lens      [num_seqs] int32 (context length, the new token included)
- * dtype: 0 = float32, 1 = bfloat16 (accumulation is always float32).
+ * dtype: 0 = float32, 1 = bfloat16 (accumulation is always float32; bf16 rows are
+ *   widened to float32 on load, the softmax weights rounded to bf16 before they
+ *   weight V and divided by their float32 sum at the end, as torch's CPU flash
+ *   attention does).
  *
  * Work is split over (sequence, KV head); the query heads of a GQA group
  * share each key/value row they read.
@@ -16,10 +19,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 /* Eight floats; the compiler maps it to one AVX register, or two NEON ones. */
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf8u __attribute__((vector_size(32), aligned(4))); /* unaligned access */
+typedef uint16_t vu16x8u __attribute__((vector_size(16), aligned(2))); /* eight bf16 */
+typedef uint32_t vu32x8 __attribute__((vector_size(32)));
 #define MAX_HEADS 64 /* most query heads one work item handles */
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -43,43 +51,111 @@ static inline float hsum8(vf8 v) {
 
 #define LOAD8(p) (*(const vf8u *)(p))
 
-/* scores[i] = dot(q_i, k_{i / group}) for the nq query heads. Heads go four at
- * a time with four accumulators held in registers, so four independent FMA
- * chains overlap instead of one chain waiting on each FMA's latency. */
-static inline void dots8(float *scores, const float *qv, const float *k, int64_t nq, int64_t group,
-                         int64_t head_dim) {
-    int64_t i = 0;
-    for (; i + 4 <= nq; i += 4) {
-        const float *q0 = qv + i * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim, *q3 = q2 + head_dim;
-        const float *k0 = k + (i / group) * head_dim, *k1 = k + ((i + 1) / group) * head_dim;
-        const float *k2 = k + ((i + 2) / group) * head_dim, *k3 = k + ((i + 3) / group) * head_dim;
-        vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t d = 0; d < head_dim; d += 8) {
-            a0 += LOAD8(q0 + d) * LOAD8(k0 + d);
-            a1 += LOAD8(q1 + d) * LOAD8(k1 + d);
-            a2 += LOAD8(q2 + d) * LOAD8(k2 + d);
-            a3 += LOAD8(q3 + d) * LOAD8(k3 + d);
-        }
-        scores[i] = hsum8(a0);
-        scores[i + 1] = hsum8(a1);
-        scores[i + 2] = hsum8(a2);
-        scores[i + 3] = hsum8(a3);
-    }
-    for (; i < nq; i++) {
-        const float *qi = qv + i * head_dim, *kh = k + (i / group) * head_dim;
-        vf8 a = {0};
-        for (int64_t d = 0; d < head_dim; d += 8) a += LOAD8(qi + d) * LOAD8(kh + d);
-        scores[i] = hsum8(a);
-    }
+/* Eight bf16 values widened to float32: a bf16 is the top half of a float32. */
+static inline vf8 load8_bf16(const uint16_t *p) {
+#ifdef __AVX2__ /* one zero-extending load; GCC 12 splits the generic form in two */
+    const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    const vu32x8 wide = __builtin_convertvector(*(const vu16x8u *)p, vu32x8) << 16;
+#endif
+    vf8 f;
+    memcpy(&f, &wide, sizeof f);
+    return f;
 }
+
+/* scores[i] = dot(q_i, k_{i / group}) for the nq query heads, k of type KT read
+ * through LOADK. Heads go four at a time with four accumulators held in
+ * registers, so four independent FMA chains overlap instead of one chain
+ * waiting on each FMA's latency. One definition per cache dtype. */
+#define DEFINE_DOTS8(NAME, KT, LOADK)                                                              \
+    static inline void NAME(float *scores, const float *qv, const KT *k, int64_t nq,              \
+                            int64_t group, int64_t head_dim) {                                    \
+        int64_t i = 0;                                                                             \
+        for (; i + 4 <= nq; i += 4) {                                                              \
+            const float *q0 = qv + i * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim;         \
+            const float *q3 = q2 + head_dim;                                                       \
+            const KT *k0 = k + (i / group) * head_dim, *k1 = k + ((i + 1) / group) * head_dim;     \
+            const KT *k2 = k + ((i + 2) / group) * head_dim, *k3 = k + ((i + 3) / group) * head_dim; \
+            vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                            \
+            for (int64_t d = 0; d < head_dim; d += 8) {                                            \
+                a0 += LOAD8(q0 + d) * LOADK(k0 + d);                                               \
+                a1 += LOAD8(q1 + d) * LOADK(k1 + d);                                               \
+                a2 += LOAD8(q2 + d) * LOADK(k2 + d);                                               \
+                a3 += LOAD8(q3 + d) * LOADK(k3 + d);                                               \
+            }                                                                                      \
+            scores[i] = hsum8(a0);                                                                 \
+            scores[i + 1] = hsum8(a1);                                                             \
+            scores[i + 2] = hsum8(a2);                                                             \
+            scores[i + 3] = hsum8(a3);                                                             \
+        }                                                                                          \
+        for (; i < nq; i++) {                                                                      \
+            const float *qi = qv + i * head_dim;                                                   \
+            const KT *kh = k + (i / group) * head_dim;                                             \
+            vf8 a = {0};                                                                           \
+            for (int64_t d = 0; d < head_dim; d += 8) a += LOAD8(qi + d) * LOADK(kh + d);          \
+            scores[i] = hsum8(a);                                                                  \
+        }                                                                                          \
+    }
+DEFINE_DOTS8(dots8, float, LOAD8)
+DEFINE_DOTS8(dots8_bf16, uint16_t, load8_bf16)
+
+/* acc_i += w_i * v_{i / group} for the nq query heads (head_dim a multiple of 8). */
+#define DEFINE_AXPY8(NAME, VT, LOADV)                                                              \
+    static inline void NAME(float *acc, const float *w, const VT *v, int64_t nq, int64_t group,   \
+                            int64_t head_dim) {                                                    \
+        for (int64_t i = 0; i < nq; i++) {                                                         \
+            const VT *vh = v + (i / group) * head_dim;                                             \
+            float *ai = acc + i * head_dim;                                                        \
+            for (int64_t d = 0; d < head_dim; d += 8)                                              \
+                *(vf8u *)(ai + d) = LOAD8(ai + d) + w[i] * LOADV(vh + d);                          \
+        }                                                                                          \
+    }
+DEFINE_AXPY8(axpy8, float, LOAD8)
+DEFINE_AXPY8(axpy8_bf16, uint16_t, load8_bf16)
 
 /* Row `index` (in elements) of a cache or query tensor, as float32. fp32 data is
  * returned in place; bf16 data is converted into `tmp`. */
 static inline const float *row_f32(const void *base, int64_t index, int64_t n, int dtype, float *tmp) {
     if (dtype == 0) return (const float *)base + index;
     const uint16_t *src = (const uint16_t *)base + index;
-    for (int64_t i = 0; i < n; i++) tmp[i] = bf16_to_f32(src[i]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) *(vf8u *)(tmp + i) = load8_bf16(src + i);
+    for (; i < n; i++) tmp[i] = bf16_to_f32(src[i]);
     return tmp;
+}
+
+/* dots[i] = dot(q_i, k_{i / group}) for one cached token whose row starts at `index`. */
+static inline void key_dots(float *dots, const float *qv, const void *k_cache, int64_t index,
+                            int64_t nq, int64_t group, int64_t head_dim, int dtype, float *tmp) {
+    if (head_dim % 8 == 0) {
+        if (dtype == 0) dots8(dots, qv, (const float *)k_cache + index, nq, group, head_dim);
+        else dots8_bf16(dots, qv, (const uint16_t *)k_cache + index, nq, group, head_dim);
+        return;
+    }
+    const float *k = row_f32(k_cache, index, nq / group * head_dim, dtype, tmp);
+    for (int64_t i = 0; i < nq; i++) {
+        const float *qi = qv + i * head_dim;
+        const float *kh = k + (i / group) * head_dim;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) dot += qi[d] * kh[d];
+        dots[i] = dot;
+    }
+}
+
+/* acc_i += w[i] * v_{i / group} for one cached token whose row starts at `index`. */
+static inline void value_sum(float *acc, const float *w, const void *v_cache, int64_t index,
+                             int64_t nq, int64_t group, int64_t head_dim, int dtype, float *tmp) {
+    if (head_dim % 8 == 0) {
+        if (dtype == 0) axpy8(acc, w, (const float *)v_cache + index, nq, group, head_dim);
+        else axpy8_bf16(acc, w, (const uint16_t *)v_cache + index, nq, group, head_dim);
+        return;
+    }
+    const float *v = row_f32(v_cache, index, nq / group * head_dim, dtype, tmp);
+    for (int64_t i = 0; i < nq; i++) {
+        const float *vh = v + (i / group) * head_dim;
+        float *ai = acc + i * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) ai[d] += w[i] * vh[d];
+    }
 }
 
 /* Attention of query heads [h0 * group, h1 * group) of sequence s. */
@@ -88,7 +164,6 @@ static int attend(void *out, const void *q, const void *k_cache, const void *v_c
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                   int64_t group, float scale, int dtype) {
     const int64_t nq = (h1 - h0) * group;  /* query heads handled here */
-    const int vector_path = head_dim % 8 == 0;
     const int64_t width = (h1 - h0) * head_dim; /* K/V elements of one token used here */
     float *scratch = malloc((size_t)(nq * len + 2 * nq * head_dim + width + nq) * sizeof(float));
     if (scratch == NULL) return 1;
@@ -104,19 +179,9 @@ static int attend(void *out, const void *q, const void *k_cache, const void *v_c
     }
     for (int64_t t = 0; t < len; t++) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const float *k = row_f32(k_cache, (slot * num_kv_heads + h0) * head_dim, width, dtype, tmp);
         float dots[MAX_HEADS];
-        if (vector_path) {
-            dots8(dots, qv, k, nq, group, head_dim);
-        } else {
-            for (int64_t i = 0; i < nq; i++) {
-                const float *qi = qv + i * head_dim;
-                const float *kh = k + (i / group) * head_dim;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < head_dim; d++) dot += qi[d] * kh[d];
-                dots[i] = dot;
-            }
-        }
+        key_dots(dots, qv, k_cache, (slot * num_kv_heads + h0) * head_dim, nq, group, head_dim,
+                 dtype, tmp);
         for (int64_t i = 0; i < nq; i++) {
             const float dot = dots[i] * scale;
             scores[i * len + t] = dot;
@@ -130,20 +195,22 @@ static int attend(void *out, const void *q, const void *k_cache, const void *v_c
             si[t] = expf(si[t] - maxs[i]);
             sum += si[t];
         }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) si[t] *= inv;
+        maxs[i] = 1.0f / sum; /* from here on: the reciprocal of the softmax sum */
+        if (dtype == 0) {
+            for (int64_t t = 0; t < len; t++) si[t] *= maxs[i];
+        } else {
+            /* As torch's CPU flash attention: the unnormalised weights are rounded to
+             * bf16 before they weight V; the float32 sum divides at the end. */
+            for (int64_t t = 0; t < len; t++) si[t] = bf16_to_f32(f32_to_bf16(si[t]));
+        }
     }
     memset(acc, 0, (size_t)(nq * head_dim) * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const float *v = row_f32(v_cache, (slot * num_kv_heads + h0) * head_dim, width, dtype, tmp);
-        for (int64_t i = 0; i < nq; i++) {
-            const float w = scores[i * len + t];
-            const float *vh = v + (i / group) * head_dim;
-            float *ai = acc + i * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) ai[d] += w * vh[d];
-        }
+        float w[MAX_HEADS];
+        for (int64_t i = 0; i < nq; i++) w[i] = scores[i * len + t];
+        value_sum(acc, w, v_cache, (slot * num_kv_heads + h0) * head_dim, nq, group, head_dim,
+                  dtype, tmp);
     }
     for (int64_t i = 0; i < nq; i++) {
         const int64_t o = (s * num_heads + h0 * group + i) * head_dim;
@@ -151,7 +218,7 @@ static int attend(void *out, const void *q, const void *k_cache, const void *v_c
             memcpy((float *)out + o, acc + i * head_dim, (size_t)head_dim * sizeof(float));
         } else {
             uint16_t *dst = (uint16_t *)out + o;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(acc[i * head_dim + d]);
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(acc[i * head_dim + d] * maxs[i]);
         }
     }
     free(scratch);
