@@ -20,12 +20,19 @@ Errors name the field and, when the value came from a file, its line:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pdserve.cluster.config_models import (
+    ModelSpec,
+    RolloutConfig,
+    default_version,
+    parse_models,
+    parse_rollout,
+)
 from pdserve.cluster.config_router import router_config
 from pdserve.cluster.config_yaml import Lines, get_list, get_map, known_fields, to_python
 from pdserve.core.config import DisaggregationConfig, EngineConfig, build_engine_config
@@ -169,6 +176,23 @@ class ClusterConfig:
     ray_num_cpus: int | None = None
     metrics_port: int = 0
     source: str = "<config>"
+    version: str = "v1"  # of ``model`` (router.model_name is its name)
+    models: tuple[ModelSpec, ...] = ()  # the models served beside ``model``
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def deployment(self, spec: ModelSpec) -> ClusterConfig:
+        """The config of one more model's instances: its source, engine and pools, the
+        rest as the cluster's. Its planner is off (the planner sizes the cluster's own
+        model from region metrics that do not tell models apart)."""
+        return replace(
+            self,
+            model=spec.model,
+            engine={**self.engine, **spec.engine},
+            regions=spec.regions,
+            version=spec.version,
+            models=(),
+            planner=replace(self.planner, mode="off"),
+        )
 
     def engine_config(self, role: str, region: RegionConfig) -> EngineConfig:
         spec = region.role(role)
@@ -190,6 +214,9 @@ class ClusterConfig:
                 count += region.warm_pool if role == "decode" else 0  # the pool holds its own
                 for key, amount in self.instance_needs(role, region).items():
                     total[key] += count * amount
+        for spec in self.models:  # at their configured counts
+            for key, amount in self.deployment(spec).needs().items():
+                total[key] += amount
         return total
 
 
@@ -235,6 +262,10 @@ def parse_config(text: str, source: str = "<config>") -> ClusterConfig:
 
 _TOP = {
     "model",
+    "name",
+    "version",
+    "models",
+    "rollout",
     "engine",
     "connector",
     "regions",
@@ -287,12 +318,17 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
         ray_num_cpus=get_map(raw, "ray", lines).get("num_cpus"),
         metrics_port=int(server.get("metrics_port", 0)),
         source=lines.source,
+        version=str(raw.get("version", default_version(raw["model"]))),
+        models=parse_models(raw, lines, names, router.model_name, _region),
+        rollout=parse_rollout(raw, lines),
     )
     _check_engines(config, lines)
+    for i, spec in enumerate(config.models):
+        _check_engines(config.deployment(spec), lines, f"models[{i}].")
     return config
 
 
-def _check_engines(config: ClusterConfig, lines: Lines) -> None:
+def _check_engines(config: ClusterConfig, lines: Lines, prefix: str = "") -> None:
     """Every engine option of every role, checked now rather than at start-up."""
     for i, region in enumerate(config.regions):
         for role in ("prefill", "decode"):
@@ -300,16 +336,16 @@ def _check_engines(config: ClusterConfig, lines: Lines) -> None:
                 config.engine_config(role, region)
             except InvalidArgumentError as e:
                 if e.field in PARALLEL_KEYS:
-                    where = f"regions[{i}].{role}.{e.field}"
+                    where = f"{prefix}regions[{i}].{role}.{e.field}"
                 elif e.field in region.role(role).engine:
-                    where = f"regions[{i}].{role}.engine.{e.field}"
+                    where = f"{prefix}regions[{i}].{role}.engine.{e.field}"
                 else:
-                    where = f"engine.{e.field}"
+                    where = f"{prefix and prefix + 'engine or '}engine.{e.field}"
                 raise lines.error(where, e.message) from None
 
 
-def _region(raw: Any, i: int, lines: Lines) -> RegionConfig:
-    path = f"regions[{i}]"
+def _region(raw: Any, i: int, lines: Lines, path: str | None = None) -> RegionConfig:
+    path = path or f"regions[{i}]"
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise lines.error(f"{path}.name", "each region needs a name")
     allowed = {"name", "latency_ms", "prefill", "decode", "node_labels", "warm_pool"}

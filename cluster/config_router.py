@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.cluster.config_models import default_version
 from pdserve.cluster.config_yaml import Lines, api_key_entries, get_map, known_fields, typed
 from pdserve.core.config import adapter_pairs
 from pdserve.core.errors import InvalidArgumentError
@@ -45,7 +46,8 @@ def router_config(
         raise lines.error("engine.lora_adapters", e.message) from None
     try:
         return RouterConfig(
-            model_name=str(raw.get("served_model_name", raw["model"])),
+            model_name=str(raw.get("name", raw["model"])),
+            model_version=str(raw.get("version", default_version(raw["model"]))),
             regions=tuple(
                 RegionSpec(name, {k: v / 1000 for k, v in latency_ms.items()})
                 for name, latency_ms in regions

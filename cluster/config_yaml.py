@@ -45,6 +45,8 @@ def to_python(node: yaml.Node, path: str, lines: Lines) -> Any:
         return out
     if isinstance(node, yaml.SequenceNode):
         return [to_python(v, f"{path}[{i}]", lines) for i, v in enumerate(node.value)]
+    if node.tag == "tag:yaml.org,2002:null":
+        return None  # an empty value (``models:`` with nothing under it)
     return yaml.safe_load(yaml.serialize(node))
 
 

@@ -42,6 +42,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.cluster.config import ClusterConfig, check_fits
+from pdserve.cluster.fleet import Fleet
 from pdserve.cluster.health import HealthChecks
 from pdserve.cluster.instances import Instance, best_effort, pair_in_region
 from pdserve.cluster.membership import Membership
@@ -49,7 +50,14 @@ from pdserve.cluster.planning import Planning
 from pdserve.cluster.pool import WarmPool
 from pdserve.cluster.proactive import CapacityModel, make_planner
 from pdserve.cluster.scale_log import ScaleLog
-from pdserve.cluster.status import ClusterStatus, InstanceStatus, RegionStatus, RetryState
+from pdserve.cluster.status import (
+    ClusterStatus,
+    InstanceStatus,
+    RegionStatus,
+    RetryState,
+    cluster_status,
+    region_status,
+)
 from pdserve.cluster.topology import RegionInstances, register, start_router
 from pdserve.cluster.worker import Role
 from pdserve.core.builtin_models import resolve_model
@@ -66,9 +74,18 @@ ROLES: tuple[Role, Role] = ("decode", "prefill")  # decode first: prefill instan
 class Controller:
     """Ray actor body (started by :func:`pdserve.cluster.serve.start_controller`)."""
 
-    def __init__(self, config: ClusterConfig, capacity: CapacityModel | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        capacity: CapacityModel | None = None,
+        router: Any = None,
+        key: str = "",
+    ) -> None:
+        """``router`` and ``key``: a further model version's controller, in the root
+        controller's process, shares its router; its instances register with ``key``."""
         setup_logging()
         self.config = config
+        self.key = key  # the deployment key of the model version it serves (router.models)
         self.health = config.health
         self.model_path = str(resolve_model(config.model))
         self.model = ModelConfig.from_dir(self.model_path)
@@ -82,7 +99,9 @@ class Controller:
             config.planner, config.router.ttft_slo_s, config.router.tpot_slo_s, self.specs,
             capacity,
         )  # fmt: skip
-        self.router: Any = None
+        self.router: Any = router
+        self.owns_router = router is None  # the root: it runs the router and the fleet
+        self.retired = False  # its version takes no traffic any more: all targets 0
         self.endpoints: Endpoints | None = None
         self.draining: set[str] = set()
         # Instances found unhealthy, shown by status until their replacement is up.
@@ -98,15 +117,18 @@ class Controller:
         self.planning = Planning(self)
         self.membership = Membership(self)
         self.pool = WarmPool(self)
+        self.fleet = Fleet(self) if self.owns_router else None
 
     # -- start ------------------------------------------------------------------------
 
-    def start(self) -> Endpoints:
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.router, self.endpoints = start_router(
-            self.config.router, self.model_path, {"scheduling_strategy": here}
-        )
-        ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
+    def start(self) -> Endpoints | None:
+        if self.owns_router:
+            node = ray.get_runtime_context().get_node_id()
+            here = NodeAffinitySchedulingStrategy(node, soft=False)
+            self.router, self.endpoints = start_router(
+                self.config.router, self.model_path, {"scheduling_strategy": here}
+            )
+            ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
         for name in self.regions:
             self._converge(name, raise_errors=True)  # only starts: nothing to drain yet
             self.pool.fill(name)  # in the background
@@ -119,7 +141,9 @@ class Controller:
                 args=(self.config.planner.interval_s, self.planning.plan),
                 daemon=True,
             ).start()
-        self._event("cluster started")
+        if self.fleet is not None:
+            self.fleet.start()  # the config's further models
+        self._event("cluster started" if self.owns_router else f"{self.key} started")
         return self.endpoints
 
     def router_handle(self) -> Any:
@@ -128,23 +152,25 @@ class Controller:
     # -- status and scaling --------------------------------------------------------------
 
     def status(self) -> ClusterStatus:
+        return cluster_status(self)
+
+    def models(self, action: str = "status", **args: Any) -> list[dict[str, Any]]:
+        """Every served model version (``status``), after a rollout step if ``action``
+        names one: ``rollout``, ``promote`` or ``rollback`` (:mod:`pdserve.cluster.fleet`)."""
+        if self.fleet is None or action not in ("status", "rollout", "promote", "rollback"):
+            raise InvalidArgumentError("action", f"no models action {action!r} here")
+        result: list[dict[str, Any]] = getattr(self.fleet, action)(**args)
+        return result
+
+    def retire(self) -> None:
+        """Drain and remove every instance: this version takes no new request any more."""
         with self._lock:
-            regions = [self._region_status(name) for name in self.regions]
-            instances = [
-                InstanceStatus(i.instance_id, name, i.role, True, i.instance_id in self.draining)
-                for name, r in self.regions.items()
-                for i in r.prefill + r.decode
-                if i.instance_id not in self.unhealthy
-            ] + list(self.unhealthy.values())
-            return ClusterStatus(
-                self.endpoints,
-                regions,
-                instances,
-                self.config.planner.mode,
-                list(self.planner.history[-20:]),
-                self.events[-50:],
-                self.scale_log.events[-50:],
-            )
+            self.retired = True
+            for targets in self.targets.values():
+                targets.update(prefill=0, decode=0)
+        self.pool.stop()
+        for name in self.regions:
+            self._converge(name)
 
     def scale(
         self,
@@ -184,7 +210,7 @@ class Controller:
             roles, leaving = self._plan_region(region, used)
         self.membership.reach(region, roles, leaving, raise_errors=True)  # status and health go on
         with self._lock:
-            return self._region_status(region)
+            return region_status(self, region)
 
     def wake(self, region: str, roles: list[Role]) -> None:
         """The router holds requests for ``region``, which has no instance of ``roles``."""
@@ -216,6 +242,8 @@ class Controller:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.fleet is not None:
+            self.fleet.stop()
         self.pool.stop()
         with self._lock:
             everyone = [i for r in self.regions.values() for i in r.prefill + r.decode]
@@ -224,24 +252,9 @@ class Controller:
                 r.decode.clear()
         for instance in everyone:
             instance.shutdown()
-        if self.router is not None:
+        if self.router is not None and self.owns_router:
             ray.get(self.router.stop.remote())
             ray.kill(self.router)
-
-    def _region_status(self, name: str) -> RegionStatus:
-        r, t, retry = self.regions[name], self.targets[name], self.retries.get(name)
-        return RegionStatus(
-            name,
-            len(r.prefill),
-            len(r.decode),
-            t["prefill"],
-            t["decode"],
-            sum(self.starting[name].values()),
-            retry.failures if retry else 0,
-            retry.error if retry else "",
-            max(0.0, retry.next_at - time.monotonic()) if retry else 0.0,
-            len(self.pool.ready[name]),
-        )
 
     # -- reconciling -----------------------------------------------------------------------
 
@@ -322,7 +335,7 @@ class Controller:
                     for role in (r.prefill, r.decode)
                 )
             pair_in_region(instance, prefills, decodes)
-            register(self.router, instance, region)
+            register(self.router, instance, region, self.key)
             with self._lock:
                 r.of(instance.role).append(instance)
 

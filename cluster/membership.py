@@ -91,9 +91,7 @@ class Membership:
         if instance is not None:
             phases, how = {"pool": time.monotonic() - began}, " from the warm pool"
         else:
-            with self.c._lock:
-                self.c._ids += 1
-                instance_id = f"{spec.name}-{role}-{self.c._ids}"
+            instance_id = self.new_id(f"{spec.name}-{role}")
             instance = self.start_new(spec, role, instance_id)
             phases, how = instance.group.start_phases, ""
         try:
@@ -109,6 +107,13 @@ class Membership:
         )
         self.c.pool.fill(spec.name)  # after the join: a refill's start competes for CPUs
         return instance
+
+    def new_id(self, stem: str) -> str:
+        """A new instance id, unique in the cluster: a further model version's instances
+        carry its deployment key (``code@v1-east-decode-3``)."""
+        with self.c._lock:
+            self.c._ids += 1
+            return f"{self.c.key}-{stem}-{self.c._ids}" if self.c.key else f"{stem}-{self.c._ids}"
 
     def start_new(self, spec: RegionConfig, role: Role, instance_id: str) -> Instance:
         """Start an instance of ``role`` with the region's resources (not joined to it)."""

@@ -36,6 +36,8 @@ class Planning:
         self.c = controller
 
     def plan(self) -> None:
+        if self.c.retired:
+            return  # its version was retired: nothing to size
         metrics = ray.get(self.c.router.region_metrics.remote(self.c.config.planner.interval_s * 4))
         for m in metrics:
             with self.c._lock:

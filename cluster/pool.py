@@ -106,9 +106,7 @@ class WarmPool:
             instance.shutdown()
 
     def _start_one(self, region: str) -> None:
-        with self.c._lock:
-            self.c._ids += 1
-            instance_id = f"{region}-warm-{self.c._ids}"
+        instance_id = self.c.membership.new_id(f"{region}-warm")
         try:
             instance = self.c.membership.start_new(self.c.specs[region], POOL_ROLE, instance_id)
         except Exception as e:

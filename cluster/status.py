@@ -6,11 +6,16 @@ and the controller's record of a region's failed instance starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from pdserve.cluster.planner import PlannerDecision
 from pdserve.core.snapshot import ScaleEvent
 from pdserve.router.actor import Endpoints
+
+if TYPE_CHECKING:
+    from pdserve.cluster.controller import Controller
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class ClusterStatus:
     decisions: list[PlannerDecision]
     events: list[str]
     scale_events: list[ScaleEvent]
+    # Every served model version: state, traffic share, instances per region.
+    models: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -55,3 +62,42 @@ class RetryState:
     failures: int = 0
     next_at: float = 0.0
     error: str = ""
+
+
+def region_status(c: Controller, name: str) -> RegionStatus:
+    """A region of ``c``'s model version against its targets (``c._lock`` held)."""
+    r, t, retry = c.regions[name], c.targets[name], c.retries.get(name)
+    return RegionStatus(
+        name,
+        len(r.prefill),
+        len(r.decode),
+        t["prefill"],
+        t["decode"],
+        sum(c.starting[name].values()),
+        retry.failures if retry else 0,
+        retry.error if retry else "",
+        max(0.0, retry.next_at - time.monotonic()) if retry else 0.0,
+        len(c.pool.ready[name]),
+    )
+
+
+def cluster_status(c: Controller) -> ClusterStatus:
+    models = c.fleet.status() if c.fleet is not None else []
+    with c._lock:
+        regions = [region_status(c, name) for name in c.regions]
+        instances = [
+            InstanceStatus(i.instance_id, name, i.role, True, i.instance_id in c.draining)
+            for name, r in c.regions.items()
+            for i in r.prefill + r.decode
+            if i.instance_id not in c.unhealthy
+        ] + list(c.unhealthy.values())
+        return ClusterStatus(
+            c.endpoints,
+            regions,
+            instances,
+            c.config.planner.mode,
+            list(c.planner.history[-20:]),
+            c.events[-50:],
+            c.scale_log.events[-50:],
+            models,
+        )

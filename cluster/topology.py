@@ -73,7 +73,8 @@ def add_instance(
     return instance
 
 
-def register(router: Any, instance: Instance, region: str) -> None:
+def register(router: Any, instance: Instance, region: str, model: str = "") -> None:
+    """Tell the router of a started instance (``model``: its version's deployment key)."""
     info = instance.group.info
     ray.get(
         router.register.remote(
@@ -84,6 +85,7 @@ def register(router: Any, instance: Instance, region: str) -> None:
                 instance.leader,
                 info.block_size,
                 info.max_model_len,
+                model=model,
             )
         )
     )

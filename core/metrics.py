@@ -72,6 +72,18 @@ CATALOG: tuple[MetricSpec, ...] = (
         ("region", "status"),
     ),
     MetricSpec(
+        "pdserve_model_requests_total",
+        "counter",
+        "Finished requests by the model version that served them (ok or failed).",
+        ("model", "version", "outcome"),
+    ),
+    MetricSpec(
+        "pdserve_model_traffic_share",
+        "gauge",
+        "Each served model version's share of its model's new requests (rollouts).",
+        ("model", "version"),
+    ),
+    MetricSpec(
         "pdserve_time_to_first_token_seconds",
         "histogram",
         "Time from the router receiving a request to its first token (transfer included).",

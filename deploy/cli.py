@@ -151,12 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     from pdserve.bench.cli import add_bench_parser
-    from pdserve.deploy import batch_cli, registry_cli
+    from pdserve.deploy import batch_cli, registry_cli, rollout_cli
     from pdserve.deploy.cluster_cli import add_cluster_parsers
 
     add_cluster_parsers(sub)
     batch_cli.add_parser(sub)
     registry_cli.add_parser(sub)
+    rollout_cli.add_parser(sub)
     add_bench_parser(sub)
     from pdserve.sim.cli import add_parsers as add_sim_parsers  # profile, sim, plan
 

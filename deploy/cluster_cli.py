@@ -137,6 +137,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         state = "draining" if i.draining else ("healthy" if i.healthy else "unhealthy")
         reason = f" ({i.reason})" if i.reason else ""
         print(f"{i.instance_id:<28} {i.region:<10} {i.role:<8} {state}{reason}")
+    if len(status.models) > 1:
+        from pdserve.deploy.rollout_cli import print_versions
+
+        print()
+        print_versions(status.models)
     print(f"\nplanner: {status.planner_mode}")
     for d in status.decisions[-5:]:
         print(

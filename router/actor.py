@@ -22,6 +22,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.grpc_service import start_grpc
 from pdserve.router.frontdoor.http_api import HttpApi, start_http
+from pdserve.router.models import ServedVersion, VersionHealth
 from pdserve.router.router import InstanceInfo, Router
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,14 @@ class RouterActor:
     async def start(self) -> Endpoints:
         import ray
 
-        self.router = Router(self.config, self.tokenizer, ray.get_runtime_context().current_actor)
-        vocab = self.model.vocab_size
+        sink = ray.get_runtime_context().current_actor
+        self.router = Router(self.config, self.tokenizer, sink, self.model.vocab_size)
+        self._publish_traffic()
         tls = self.config.tls
-        adapters = self.config.lora_adapters
         grpc_server, grpc_port = await start_grpc(
-            self.router, self.keys, vocab, self.config.host, self.config.grpc_port, tls, adapters
+            self.router, self.keys, self.config.host, self.config.grpc_port, tls
         )
-        api = HttpApi(self.router, self.keys, vocab, self.config.max_body_bytes, adapters)
+        api = HttpApi(self.router, self.keys, self.config.max_body_bytes)
         http_runner, http_port = await start_http(api, self.config.host, self.config.http_port, tls)
         self._servers = [grpc_server, http_runner]
         self._sampler = asyncio.ensure_future(self._sample_every(1.0))
@@ -105,6 +106,44 @@ class RouterActor:
 
     async def unregister(self, instance_id: str) -> None:
         self._router().unregister(instance_id)
+
+    # -- models and versions (the controller's rollouts) ----------------------------------------
+
+    async def add_version(
+        self, name: str, version: str, key: str, path: str, adapters: tuple[str, ...] = ()
+    ) -> None:
+        """Serve ``name@version`` (its instances register with ``key``); no traffic yet
+        if ``name`` has a version already."""
+        served = await asyncio.to_thread(ServedVersion.load, name, version, key, path, adapters)
+        self._router().catalog.add(served)
+        self._publish_traffic()
+
+    async def set_traffic(self, name: str, shares: dict[str, float]) -> None:
+        self._router().catalog.set_traffic(name, shares)
+        self._publish_traffic()
+
+    def _publish_traffic(self) -> None:
+        router = self._router()
+        gauge = router.obs.metrics["pdserve_model_traffic_share"]
+        for name, model in router.catalog.models.items():
+            for version, share in model.traffic.items():
+                gauge.labels(name, version).set(share)
+
+    async def remove_version(self, name: str, version: str) -> None:
+        router = self._router()
+        served = router.catalog.models.get(name)
+        gone = served.versions.get(version) if served else None
+        router.catalog.remove(name, version)
+        if gone is not None:
+            router.outcomes.forget(gone.key)
+        router.obs.metrics["pdserve_model_traffic_share"].labels(name, version).set(0.0)
+
+    async def version_health(self, key: str) -> VersionHealth:
+        return self._router().outcomes.health(key)
+
+    async def traffic(self) -> dict[str, dict[str, float]]:
+        """Each served model's versions and their shares of its new requests."""
+        return {n: dict(m.traffic) for n, m in self._router().catalog.models.items()}
 
     async def set_draining(self, instance_id: str, draining: bool) -> None:
         self._router().set_draining(instance_id, draining)

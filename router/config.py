@@ -45,6 +45,7 @@ class TlsConfig:
 class RouterConfig:
     """Attributes:
     model_name: the model id clients name (``model`` in requests).
+    model_version: the version of the cluster's model (a rollout names the next one).
     policy: "cost_model" (default), "least_loaded" or "round_robin".
     regions: the regions and their latencies; the first is the default home.
     api_keys: accepted API keys (more come from ``$PDSERVE_API_KEYS``).
@@ -90,6 +91,7 @@ class RouterConfig:
     """
 
     model_name: str = "pdserve"
+    model_version: str = "v1"
     policy: str = "cost_model"
     regions: tuple[RegionSpec, ...] = (RegionSpec("local"),)
     api_keys: tuple[str, ...] = ()

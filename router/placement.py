@@ -45,6 +45,8 @@ class CompletionInput:
     prompt_token_ids: list[int]
     params: SamplingParams
     region: str | None = None
+    model: str = ""  # the deployment key of the model version serving it (router.models)
+    served_as: str = ""  # that version as clients see it: name@version
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,11 @@ class RegionUnservedError(OverloadedError):
     (``roles``: none is registered, e.g. it is scaled to zero): the router may hold
     the request while the controller starts one."""
 
-    def __init__(self, message: str, region: str, roles: tuple[str, ...]) -> None:
+    def __init__(self, message: str, region: str, roles: tuple[str, ...], model: str = "") -> None:
         super().__init__(message, retry_after_s=1.0)
         self.region = region
         self.roles = roles
+        self.model = model
 
 
 class RegionChooser:
@@ -107,7 +110,7 @@ class RegionChooser:
             raise InvalidArgumentError("region", f"unknown region; known: {regions}")
         hashes: dict[int, list[bytes]] = {}
         best: tuple[float, str, Placement] | None = None
-        candidates = [r for r in self._candidates(regions) if r not in skip]
+        candidates = [r for r in self._candidates(regions, inp.model) if r not in skip]
         for region in candidates:
             inflight = self.region_inflight[region]
             if not self.admission.admit(region, inflight, inp.params.priority):
@@ -119,57 +122,61 @@ class RegionChooser:
             if best is None or cost < best[0]:
                 best = (cost, region, placement)
         if best is None:
-            why = "at its limit" if home in candidates else self._unserved(home)
+            why = "at its limit" if home in candidates else self._unserved(home, inp.model)
             if inp.params.priority < 0 and home in candidates:
                 why = "at its limit for requests of negative priority"
             message = f"no region can take the request now (home {home!r} is {why})"
-            lacking = self._lacking(home) if home not in candidates and home not in skip else ()
+            unserved = home not in candidates and home not in skip
+            lacking = self._lacking(home, inp.model) if unserved else ()
             if lacking:
-                raise RegionUnservedError(message, home, lacking)
+                raise RegionUnservedError(message, home, lacking, inp.model)
             raise OverloadedError(message, retry_after_s=1.0)
-        return self._resolve(best[1], best[2], hashes)
+        return self._resolve(best[1], best[2], hashes, inp.model)
 
-    def _lacking(self, region: str) -> tuple[str, ...]:
+    def _lacking(self, region: str, model: str) -> tuple[str, ...]:
         """The roles ``region`` needs and has no available instance of."""
         needed = ("decode", "prefill") if self.config.without_prefill == "refuse" else ("decode",)
-        return tuple(role for role in needed if not len(self.cluster.table(role, region)))
+        return tuple(role for role in needed if not len(self.cluster.table(role, region, model)))
 
     def place(self, inp: CompletionInput, region: str, hashes: dict[int, list[bytes]]) -> Choice:
         """The policy's instances in ``region`` now (OverloadedError: it has no decode)."""
-        return self._resolve(region, self.score(inp, region, hashes), hashes)
+        return self._resolve(region, self.score(inp, region, hashes), hashes, inp.model)
 
-    def _resolve(self, region: str, placement: Placement, hashes: dict[int, list[bytes]]) -> Choice:
-        prefills = self.cluster.table("prefill", region).views
-        decode = self.cluster.table("decode", region).views[placement.decode]
+    def _resolve(
+        self, region: str, placement: Placement, hashes: dict[int, list[bytes]], model: str
+    ) -> Choice:
+        prefills = self.cluster.table("prefill", region, model).views
+        decode = self.cluster.table("decode", region, model).views[placement.decode]
         prefill = prefills[placement.prefill] if placement.prefill is not None else None
         return Choice(region, prefill, decode, hashes)
 
-    def _unserved(self, region: str) -> str:
+    def _unserved(self, region: str, model: str) -> str:
         """Why ``region`` cannot take a request: which role it lacks, and whether it has
         instances of that role that are unhealthy (a stalled or dead engine) or draining."""
         for role in ("decode", "prefill"):
-            if len(self.cluster.table(role, region)):
+            if len(self.cluster.table(role, region, model)):
                 continue
             views = [v for v in self.cluster.instances.values()
-                     if v.role == role and v.region == region]  # fmt: skip
+                     if v.role == role and v.region == region and v.model == model]  # fmt: skip
             if not views:
                 return f"without a {role} instance"
             sick = sum(not v.healthy for v in views)
             return f"without an available {role} instance ({sick} unhealthy, {len(views) - sick} draining)"
         return "without a decode and prefill instance"
 
-    def _candidates(self, regions: list[str]) -> list[str]:
-        """Regions with a decode instance; per ``without_prefill``, also a prefill one."""
-        serving = [r for r in regions if len(self.cluster.table("decode", r))]
+    def _candidates(self, regions: list[str], model: str) -> list[str]:
+        """Regions with a decode instance of ``model``; per ``without_prefill``, also a
+        prefill one."""
+        serving = [r for r in regions if len(self.cluster.table("decode", r, model))]
         if self.config.without_prefill == "local":
             return serving
-        full = [r for r in serving if len(self.cluster.table("prefill", r))]
+        full = [r for r in serving if len(self.cluster.table("prefill", r, model))]
         return full if full or self.config.without_prefill == "refuse" else serving
 
     def score(self, inp: CompletionInput, region: str, hashes: dict[int, list[bytes]]) -> Placement:
         """The policy's placement in ``region``, with each prefill's cached prefix priced in."""
-        prefills = self.cluster.table("prefill", region)
-        decodes = self.cluster.table("decode", region)
+        prefills = self.cluster.table("prefill", region, inp.model)
+        decodes = self.cluster.table("decode", region, inp.model)
         if not len(decodes):
             raise OverloadedError(
                 f"region {region!r} has no decode instance available", retry_after_s=1.0
@@ -198,7 +205,7 @@ class RegionChooser:
             view = self.cluster.instances.get(instance)
             if held <= blocks or view is None or view is chosen or not view.available:
                 continue
-            if view.region != choice.region:  # a region's instances are all paired
+            if view.region != choice.region or view.model != decode.model:  # paired ones only
                 continue
             on_device = self.prefixes.device_blocks(instance, hashes)
             if on_device > blocks:

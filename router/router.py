@@ -34,6 +34,7 @@ from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.admission import Admission, ColdStartQueue, RetryBudget
 from pdserve.router.attempts import Attempts
 from pdserve.router.config import RouterConfig
+from pdserve.router.models import ModelCatalog, Served, ServedVersion, VersionOutcomes
 from pdserve.router.observe import Observer
 from pdserve.router.placement import Choice, CompletionInput, RegionChooser, RegionUnservedError
 from pdserve.router.policies import make_policy
@@ -57,12 +58,27 @@ class InstanceInfo:
     block_size: int
     max_model_len: int
     paired: tuple[str, ...] = ()
+    model: str = ""  # the deployment key of the model version it serves (router.models)
 
 
 class Router:
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None, sink: Any) -> None:
+    def __init__(
+        self, config: RouterConfig, tokenizer: Tokenizer | None, sink: Any, vocab_size: int = 0
+    ) -> None:
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the cluster's own model's (catalog: every version's)
+        self.catalog = ModelCatalog()
+        self.catalog.add(
+            ServedVersion(
+                config.model_name,
+                config.model_version,
+                "",
+                tokenizer,
+                vocab_size,
+                config.lora_adapters,
+            )
+        )
+        self.outcomes = VersionOutcomes()
         self.cluster = ClusterView()
         self.prefixes = PrefixIndex()
         self.admission = Admission(
@@ -115,9 +131,10 @@ class Router:
             info.block_size,
             info.max_model_len,
             set(info.paired),
+            info.model,
         )
         self.cluster.add(view)
-        if info.role == "decode":
+        if info.role == "decode" and not info.model:
             self.last_max_model_len = info.max_model_len
         self.cold.opened(info.region)
 
@@ -157,7 +174,15 @@ class Router:
 
     @property
     def max_model_len(self) -> int:
-        lens = [v.max_model_len for v in self.cluster.instances.values() if v.role == "decode"]
+        return self.max_model_len_of("")
+
+    def max_model_len_of(self, model: str) -> int:
+        """The context limit of the model version with deployment key ``model``."""
+        lens = [
+            v.max_model_len
+            for v in self.cluster.instances.values()
+            if v.role == "decode" and v.model == model
+        ]
         return min(lens) if lens else self.last_max_model_len
 
     def ready(self) -> dict[str, int]:
@@ -219,7 +244,7 @@ class Router:
             rid,
             inp.prompt_token_ids,
             inp.params,
-            self.tokenizer,
+            self._tokenizer(inp.model),
             self.config.stream_idle_timeout_s,
         )
         stream.max_tokens_capped = capped
@@ -235,7 +260,7 @@ class Router:
             try:
                 return self.chooser.choose(inp)
             except RegionUnservedError as e:
-                if not self.cold.enabled:
+                if not self.cold.enabled or e.model:  # only the cluster's own model scales to 0
                     raise
                 if deadline is None:
                     deadline = time.monotonic() + self.config.cold_start_timeout_s
@@ -283,8 +308,10 @@ class Router:
                 yield delta
             self.finished["ok"] += 1
             self.obs.finished(region, stream.finish_reason or "stop", stream)
+            self._outcome(inp.model, stream, True)
         except BaseException as e:
             self.finished[_status(e)] += 1
+            self._outcome(inp.model, stream, _status(e) == "cancelled")
             self.obs.finished(region, _status(e), None)
             logger.info("request %s ended: %s", stream.request_id, _status(e))
             raise
@@ -292,6 +319,31 @@ class Router:
             self.region_inflight[region] -= 1
             stream.fail(RequestAbortedError(f"{stream.request_id} ended"))  # no-op if finished
             await self.attempts.close_all(stream)
+
+    def resolve(self, model: object) -> Served:
+        """The version a request naming ``model`` is served by (picked by the traffic
+        shares of a rollout), and the LoRA adapter it names (None: the base model)."""
+        name, lora = self.catalog.resolve(model)
+        return self.catalog.pick(name), lora
+
+    def _tokenizer(self, model: str) -> Tokenizer | None:
+        version = self.catalog.by_key(model) if model else None
+        return version.tokenizer if version is not None else self.tokenizer
+
+    def _outcome(self, model: str, stream: RequestStream, ok: bool) -> None:
+        """Count a finished request for its version (a client's cancel is no failure)."""
+        ttft = tpot = None
+        if stream.first_token_at is not None:
+            ttft = stream.first_token_at - stream.arrival
+            times = stream.token_times
+            if len(times) > 1:
+                tpot = (times[-1] - times[0]) / (len(times) - 1)
+        self.outcomes.record(model, ok, ttft, tpot)
+        version = self.catalog.by_key(model)
+        if version is not None:
+            self.obs.metrics["pdserve_model_requests_total"].labels(
+                version.name, version.version, "ok" if ok else "failed"
+            ).inc()
 
 
 def _status(e: BaseException) -> str:

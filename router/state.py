@@ -30,6 +30,7 @@ class InstanceView:
     block_size: int
     max_model_len: int
     paired: set[str] = field(default_factory=set)  # prefill: decode ids it can send to
+    model: str = ""  # the deployment key of the model version it serves (pdserve.router.models)
     report: LoadReport | None = None
     inflight: int = 0
     pending_prompt_tokens: int = 0
@@ -118,7 +119,7 @@ class RegionTable:
 class ClusterView:
     def __init__(self) -> None:
         self.instances: dict[str, InstanceView] = {}
-        self._tables: dict[tuple[str, str], RegionTable] = {}
+        self._tables: dict[tuple[str, str, str], RegionTable] = {}
 
     def add(self, view: InstanceView) -> None:
         self.instances[view.instance_id] = view
@@ -132,24 +133,27 @@ class ClusterView:
         self.instances[instance_id].draining = draining
         self._tables.clear()
 
-    def table(self, role: str, region: str) -> RegionTable:
-        key = (role, region)
+    def table(self, role: str, region: str, model: str = "") -> RegionTable:
+        """The available instances of ``role`` in ``region`` serving the model version
+        whose deployment key is ``model``."""
+        key = (role, region, model)
         if key not in self._tables:
             views = [
                 v
                 for v in self.instances.values()
-                if v.role == role and v.region == region and v.available
+                if v.role == role and v.region == region and v.model == model and v.available
             ]
             self._tables[key] = RegionTable(views)
         return self._tables[key]
 
     def touch(self, view: InstanceView) -> None:
         """Refresh the view's row after its load changed."""
-        table = self._tables.get((view.role, view.region))
+        key = (view.role, view.region, view.model)
+        table = self._tables.get(key)
         if table is not None and view.instance_id in table.index:
             table.refresh(table.index[view.instance_id])
         if table is not None and (view.instance_id in table.index) != view.available:
-            self._tables.pop((view.role, view.region), None)
+            self._tables.pop(key, None)
 
     def regions(self) -> list[str]:
         return sorted({v.region for v in self.instances.values()})

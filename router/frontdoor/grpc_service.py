@@ -25,7 +25,6 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 from pdserve.router.frontdoor.requests import (
-    adapter_for,
     completion_input,
     fit_context,
     off_loop,
@@ -44,13 +43,9 @@ _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens"
 
 
 class CompletionService(pb_grpc.CompletionServicer):
-    def __init__(
-        self, router: Router, keys: ApiKeys, vocab_size: int, adapters: tuple[str, ...] = ()
-    ) -> None:
-        self.adapters = adapters  # LoRA adapters a request's ``model`` may name
+    def __init__(self, router: Router, keys: ApiKeys) -> None:
         self.router = router
         self.keys = keys
-        self.vocab_size = vocab_size
 
     async def Generate(
         self, request: pb.CompletionRequest | Malformed, context: Any
@@ -59,7 +54,7 @@ class CompletionService(pb_grpc.CompletionServicer):
             inp = await self._admit(request, context)
             async with contextlib.aclosing(self.router.stream(inp)) as deltas:
                 async for delta in deltas:
-                    yield _chunk(inp.request_id, delta)
+                    yield _chunk(inp, delta)
                     self.router.delivered(delta)
         except Exception as e:
             await _abort(context, e)
@@ -82,6 +77,7 @@ class CompletionService(pb_grpc.CompletionServicer):
                 token_ids=ids,
                 finish_reason=reason,
                 usage=_usage(usage),
+                model=inp.served_as,
             )
         except Exception as e:
             await _abort(context, e)
@@ -98,10 +94,9 @@ class CompletionService(pb_grpc.CompletionServicer):
                 )
         except Exception as e:
             await _abort(context, e)
-        names = (self.router.config.model_name, *self.adapters)
         models = [
             pb.Model(id=name, max_model_len=self.router.max_model_len, owned_by="pdserve")
-            for name in names
+            for name in self.router.catalog.names()
         ]
         return pb.ListModelsResponse(models=models)
 
@@ -120,8 +115,8 @@ class CompletionService(pb_grpc.CompletionServicer):
         key_priority = self.keys.check(meta.get("authorization"))
         if isinstance(request, Malformed):
             raise InvalidArgumentError("request", f"not a valid CompletionRequest: {request.error}")
-        served = self.router.config.model_name
-        lora = adapter_for(request.model or served, served, self.adapters)
+        version, lora = self.router.resolve(request.model or self.router.config.model_name)
+        max_len = self.router.max_model_len_of(version.key)
         which = request.WhichOneof("input")
         prompt: str | list[int] | None
         if which == "prompt":
@@ -130,20 +125,18 @@ class CompletionService(pb_grpc.CompletionServicer):
             prompt = list(request.prompt_token_ids.ids)
         else:
             prompt = None
-        ids = prompt_tokens(
-            self.router.tokenizer, prompt, self.router.max_model_len, self.vocab_size
-        )
+        ids = prompt_tokens(version.tokenizer, prompt, max_len, version.vocab_size)
         sampling = request.sampling if request.HasField("sampling") else None
-        params = _sampling(sampling, self.vocab_size)
+        params = _sampling(sampling, version.vocab_size)
         asked = sampling is not None and sampling.HasField("max_tokens")
-        params = fit_context(params, len(ids), self.router.max_model_len, asked)
+        params = fit_context(params, len(ids), max_len, asked)
         params = dataclasses.replace(params, lora=lora)
         if "x-pdserve-priority" in meta:
             params = with_priority(params, meta["x-pdserve-priority"])
         elif key_priority is not None:
             params = dataclasses.replace(params, priority=key_priority)
         region = request.region or meta.get("x-pdserve-region")
-        return completion_input(ids, params, region, request.request_id or None)
+        return completion_input(ids, params, region, request.request_id or None, version)
 
 
 def _sampling(s: pb.SamplingOptions | None, vocab_size: int) -> SamplingParams:
@@ -170,8 +163,10 @@ def _usage(u: Usage) -> pb.Usage:
     )
 
 
-def _chunk(request_id: str, delta: StreamDelta) -> pb.CompletionChunk:
-    chunk = pb.CompletionChunk(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
+def _chunk(inp: CompletionInput, delta: StreamDelta) -> pb.CompletionChunk:
+    chunk = pb.CompletionChunk(
+        request_id=inp.request_id, text=delta.text, token_ids=delta.token_ids, model=inp.served_as
+    )
     if delta.finish_reason is not None:
         chunk.finish_reason = delta.finish_reason
         if delta.usage is not None:
@@ -231,15 +226,13 @@ def add_completion_service(servicer: CompletionService, server: Any) -> None:
 async def start_grpc(
     router: Router,
     keys: ApiKeys,
-    vocab_size: int,
     host: str,
     port: int,
     tls: TlsConfig | None = None,
-    adapters: tuple[str, ...] = (),
 ) -> tuple[Any, int]:
     """Serve the completion and health services (over TLS if given); returns (server, port)."""
     server = grpc.aio.server()
-    add_completion_service(CompletionService(router, keys, vocab_size, adapters), server)
+    add_completion_service(CompletionService(router, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"

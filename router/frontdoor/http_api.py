@@ -33,14 +33,15 @@ from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.requests import (
-    adapter_for,
     completion_input,
     fit_context,
     off_loop,
+    openai_models,
     prompt_tokens,
     sampling_params,
 )
 from pdserve.router.frontdoor.tls import ssl_context
+from pdserve.router.models import Served
 from pdserve.router.router import CompletionInput, Router
 from pdserve.router.stream import StreamDelta, Usage
 
@@ -60,15 +61,10 @@ class HttpApi:
         self,
         router: Router,
         keys: ApiKeys,
-        vocab_size: int,
         max_body_bytes: int,
-        adapters: tuple[str, ...] = (),
     ) -> None:
-        # The LoRA adapters the instances serve: a request's ``model`` may name one.
-        self.adapters = adapters
         self.router = router
         self.keys = keys
-        self.vocab_size = vocab_size
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> web.Application:
@@ -114,21 +110,22 @@ class HttpApi:
             if name not in allowed:
                 raise InvalidArgumentError(name, "unknown field")
         _check_unsupported(body)
-        served = self.router.config.model_name
         if body.get("model") is None:
-            raise InvalidArgumentError("model", f"is required; this server serves {served!r}")
-        adapter_for(body["model"], served, self.adapters)  # 404 for an unknown name
+            served = self.router.catalog.names()
+            raise InvalidArgumentError("model", f"is required; this server serves {served}")
         return body
 
     def _input(
-        self, request: web.Request, body: dict[str, Any], prompt: Any, chat: bool
+        self, request: web.Request, body: dict[str, Any], prompt: Any, chat: bool, served: Served
     ) -> CompletionInput:
         field = "messages" if chat else "prompt"
+        version, lora = served
+        max_len = self.router.max_model_len_of(version.key)
         ids = prompt_tokens(
-            self.router.tokenizer,
+            version.tokenizer,
             prompt,
-            self.router.max_model_len,
-            self.vocab_size,
+            max_len,
+            version.vocab_size,
             field,
             add_special_tokens=not chat,
         )
@@ -151,39 +148,41 @@ class HttpApi:
             values["max_tokens"] = body["max_completion_tokens"]
         if values["priority"] is None:
             values["priority"] = request.get("key_priority")
-        params = sampling_params(values, self.vocab_size)
+        params = sampling_params(values, version.vocab_size)
         asked = values["max_tokens"] is not None
-        params = fit_context(params, len(ids), self.router.max_model_len, asked)
-        lora = adapter_for(body["model"], self.router.config.model_name, self.adapters)
+        params = fit_context(params, len(ids), max_len, asked)
         params = dataclasses.replace(params, lora=lora)
         region = body.get("region") or request.headers.get("X-PDServe-Region")
-        return completion_input(ids, params, region, body.get("request_id"))
+        return completion_input(ids, params, region, body.get("request_id"), version)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, COMPLETION_FIELDS)
+        served = self.router.resolve(body["model"])  # 404 for an unknown name
         inp = await off_loop(
-            request["body_bytes"], self._input, request, body, body.get("prompt"), False
+            request["body_bytes"], self._input, request, body, body.get("prompt"), False, served
         )
         return await self._respond(request, body, inp, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, CHAT_FIELDS)
+        served = self.router.resolve(body["model"])  # 404 for an unknown name
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidArgumentError("messages", "must be a non-empty list")
-        if self.router.tokenizer is None:
+        if served[0].tokenizer is None:
             raise InvalidArgumentError("messages", "the model has no tokenizer")
-        inp = await off_loop(request["body_bytes"], self._chat_input, request, body, messages)
+        inp = await off_loop(
+            request["body_bytes"], self._chat_input, request, body, messages, served
+        )
         return await self._respond(request, body, inp, chat=True)
 
     def _chat_input(
-        self, request: web.Request, body: dict[str, Any], messages: list[Any]
+        self, request: web.Request, body: dict[str, Any], messages: list[Any], served: Served
     ) -> CompletionInput:
-        assert self.router.tokenizer is not None
-        prompt = self.router.tokenizer.apply_chat_template(
-            [_message(m, i) for i, m in enumerate(messages)]
-        )
-        return self._input(request, body, prompt, True)
+        tokenizer = served[0].tokenizer
+        assert tokenizer is not None
+        prompt = tokenizer.apply_chat_template([_message(m, i) for i, m in enumerate(messages)])
+        return self._input(request, body, prompt, True, served)
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: the front door answers (no key needed; it tells nothing)."""
@@ -198,17 +197,14 @@ class HttpApi:
 
     async def models(self, request: web.Request) -> web.Response:
         self.keys.check(request.headers.get("Authorization"))
-        base = self.router.config.model_name
-        models = [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
-                   "max_model_len": self.router.max_model_len, "parent": None if name == base else base}
-                  for name in (base, *self.adapters)]  # fmt: skip
-        return web.json_response({"object": "list", "data": models})
+        return web.json_response({"object": "list", "data": openai_models(self.router)})
 
     async def _respond(
         self, request: web.Request, body: dict[str, Any], inp: CompletionInput, chat: bool
     ) -> web.StreamResponse:
         request["admitted"] = True  # from here the router counts the outcome
-        shape = _Shape(inp.request_id, inp.params.lora or self.router.config.model_name, chat)
+        model = inp.params.lora or inp.served_as.rpartition("@")[0] or self.router.config.model_name
+        shape = _Shape(inp.request_id, model, chat, inp.served_as)
         if not body.get("stream"):
             text, reason, usage = [], None, Usage(0, 0)
             async with contextlib.aclosing(self.router.stream(inp)) as deltas:
@@ -255,15 +251,17 @@ class HttpApi:
 class _Shape:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, version: str = "") -> None:
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
+        self.version = version  # name@version that served it (system_fingerprint)
         self.chat = chat
         self.created = int(time.time())
         self.first = True
 
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.version or None}  # fmt: skip
 
     def whole(self, text: str, reason: str | None, usage: Usage) -> dict[str, Any]:
         if self.chat:

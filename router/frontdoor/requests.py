@@ -10,13 +10,16 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pdserve.core.config import UnknownAdapterError
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.sampling_params import SamplingParams, check_text
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.router.models import ServedVersion
 from pdserve.router.placement import CompletionInput
+
+if TYPE_CHECKING:
+    from pdserve.router.router import Router
 
 MAX_ID_CHARS = 128  # request ids and region names a client sends
 # Requests larger than this are tokenized on a worker thread, so a multi-megabyte
@@ -70,18 +73,6 @@ def sampling_params(values: dict[str, Any], vocab_size: int | None = None) -> Sa
     if vocab_size is not None:
         params.check_vocab(vocab_size)
     return params
-
-
-def adapter_for(model: Any, served: str, adapters: tuple[str, ...]) -> str | None:
-    """The LoRA adapter a request's ``model`` names: None for the served base model.
-
-    Any other name must be a served adapter (else 404, listing the valid names).
-    """
-    if model == served:
-        return None
-    if not isinstance(model, str) or model not in adapters:
-        raise UnknownAdapterError(str(model)[:MAX_ID_CHARS], adapters, base=served)
-    return model
 
 
 def with_priority(params: SamplingParams, value: str) -> SamplingParams:
@@ -148,15 +139,22 @@ def fit_context(
 
 
 def completion_input(
-    prompt_ids: list[int], params: SamplingParams, region: Any, request_id: Any
+    prompt_ids: list[int],
+    params: SamplingParams,
+    region: Any,
+    request_id: Any,
+    version: ServedVersion | None = None,
 ) -> CompletionInput:
-    """The router's input; ``request_id`` is the client's, only echoed back."""
+    """The router's input; ``request_id`` is the client's, only echoed back; ``version``
+    the model version serving it (None: the cluster's own model)."""
     if request_id is not None:
         request_id = _name("request_id", request_id, MAX_ID_CHARS)
     rid = request_id or f"req-{uuid.uuid4().hex}"
     if region is not None:
         region = _name("region", region, MAX_ID_CHARS)
-    return CompletionInput(rid, prompt_ids, params, region or None)
+    if version is None:
+        return CompletionInput(rid, prompt_ids, params, region or None)
+    return CompletionInput(rid, prompt_ids, params, region or None, version.key, version.label)
 
 
 def _name(field: str, value: Any, limit: int) -> str:
@@ -169,3 +167,21 @@ def _name(field: str, value: Any, limit: int) -> str:
     if not value.isprintable():
         raise InvalidArgumentError(field, "must not contain control or non-printable characters")
     return value
+
+
+def openai_models(router: Router) -> list[dict[str, Any]]:
+    """Every served model (its versions and their traffic shares), then its adapters."""
+    out = []
+    for model in router.catalog.models.values():
+        versions = [
+            {"version": v.version, "traffic": round(model.traffic.get(v.version, 0.0), 4)}
+            for v in model.versions.values()
+        ]
+        stable = model.versions[model.stable]
+        max_len = router.max_model_len_of(stable.key)
+        out.append({"id": model.name, "object": "model", "created": 0, "owned_by": "pdserve",
+                    "max_model_len": max_len, "parent": None, "versions": versions})  # fmt: skip
+        adapters = dict.fromkeys(a for v in model.versions.values() for a in v.adapters)
+        out += [{"id": a, "object": "model", "created": 0, "owned_by": "pdserve",
+                 "max_model_len": max_len, "parent": model.name} for a in adapters]  # fmt: skip
+    return out

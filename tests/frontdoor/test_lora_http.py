@@ -17,7 +17,8 @@ ADAPTERS = ("sql", "poems")
 
 def _run(requests: list[tuple[str, str, dict[str, Any] | None]]) -> tuple[list, list]:
     """(status, json) of each request to a router with no instance, and the inputs it got."""
-    router = Router(RouterConfig(model_name="tiny", auth_disabled=True), None, None)
+    config = RouterConfig(model_name="tiny", auth_disabled=True, lora_adapters=ADAPTERS)
+    router = Router(config, None, None, vocab_size=100)
     seen: list[Any] = []
     real = router.stream
 
@@ -26,7 +27,7 @@ def _run(requests: list[tuple[str, str, dict[str, Any] | None]]) -> tuple[list, 
         return real(inp)
 
     router.stream = spy  # type: ignore[method-assign]
-    api = HttpApi(router, ApiKeys((), True), 100, 1 << 20, adapters=ADAPTERS)
+    api = HttpApi(router, ApiKeys((), True), 1 << 20)
 
     async def go() -> list:
         async with TestClient(TestServer(api.app())) as client:

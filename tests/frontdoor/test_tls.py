@@ -94,13 +94,11 @@ class Doors:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         config = RouterConfig(model_name="tiny", api_keys=(KEY,), tls=tls)
-        router = Router(config, None, None)
+        router = Router(config, None, None, vocab_size=100)
         keys = ApiKeys(config.api_keys, False)
-        self.grpc_server, self.grpc_port = self._run(
-            start_grpc(router, keys, 100, "127.0.0.1", 0, tls)
-        )
+        self.grpc_server, self.grpc_port = self._run(start_grpc(router, keys, "127.0.0.1", 0, tls))
         self.http_runner, self.http_port = self._run(
-            start_http(HttpApi(router, keys, 100, 1 << 20), "127.0.0.1", 0, tls)
+            start_http(HttpApi(router, keys, 1 << 20), "127.0.0.1", 0, tls)
         )
 
     def _run(self, coro):  # type: ignore[no-untyped-def]

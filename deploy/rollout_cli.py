@@ -1,0 +1,77 @@
+"""``pdserve rollout``: move a model to a new version (canary, blue/green, promote, rollback).
+
+    pdserve rollout --model pycode --version v2 --source ./pycode-v2 --canary 10
+    pdserve rollout --model pycode --promote        # v2 takes all traffic, v1 retires
+    pdserve rollout --model pycode --rollback       # v1 takes all traffic, v2 retires
+    pdserve rollout --model pycode --version v3 --blue-green
+    pdserve rollout                                 # every served version
+
+A registry model (``registry:NAME@VERSION``) rolls out to ``registry:NAME@V``
+when no ``--source`` is given; its weights are checked against their hashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pdserve.core.errors import InvalidArgumentError
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from pdserve.deploy.cluster_cli import _controller, _get
+
+    action, options = _action(args)
+    controller = _controller(args.ray_address)
+    print_versions(_get(controller.models.remote(action, **options)))
+    return 0
+
+
+def _action(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    steps = [s for s in ("promote", "rollback") if getattr(args, s)]
+    if len(steps) > 1 or (steps and (args.version or args.blue_green)):
+        raise InvalidArgumentError("rollout", "give one of --version, --promote, --rollback")
+    if (steps or args.version) and not args.model:
+        raise InvalidArgumentError("model", "--model is required for a rollout step")
+    if steps:
+        return steps[0], {"name": args.model}
+    if args.version:
+        return "rollout", {
+            "name": args.model,
+            "version": args.version,
+            "source": args.source,
+            "canary": args.canary,
+            "blue_green": args.blue_green,
+        }
+    return "status", {}
+
+
+def print_versions(rows: list[dict[str, Any]]) -> None:
+    print(f"{'model':<16} {'version':<10} {'state':<10} {'traffic':>8}  instances (P:D per region)")
+    for row in rows:
+        regions = row.get("regions", {})
+        pools = " ".join(f"{r}={c['prefill']}:{c['decode']}" for r, c in regions.items())
+        share = f"{row['traffic']:.0%}" if "traffic" in row else "-"
+        print(f"{row['model']:<16} {row['version']:<10} {row['state']:<10} {share:>8}  {pools}")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "rollout", help="a model's versions: canary or blue/green rollout, promote, rollback"
+    )
+    p.add_argument("--model", default=None, help="the model's name, as clients name it")
+    p.add_argument("--version", default=None, help="the version to roll out")
+    p.add_argument(
+        "--source",
+        default=None,
+        help="its weights: a folder, builtin:NAME or registry:NAME@VERSION "
+        "(default for a registry model: the registry's VERSION)",
+    )
+    p.add_argument(
+        "--canary", type=float, default=10.0, help="percent of new requests it takes (default 10)"
+    )
+    p.add_argument("--blue-green", action="store_true", help="all traffic at once, old retired")
+    p.add_argument("--promote", action="store_true", help="the canary takes all traffic")
+    p.add_argument("--rollback", action="store_true", help="the stable version takes it all")
+    p.add_argument("--ray-address", default="auto", help="auto, local or a Ray address")
+    p.set_defaults(func=cmd_rollout)
