@@ -208,10 +208,8 @@ class Fleet:
     def _launch(self, spec: ModelSpec, new_model: bool) -> Deployment:
         """Start a version's controller and instances; the router serves it (with no
         traffic unless it is a new model) once they are up."""
-        from pdserve.cluster.controller import Controller
-
         config = self.root.config.deployment(spec)
-        controller = Controller(config, None, router=self.root.router, key=spec.key)
+        controller = type(self.root)(config, None, router=self.root.router, key=spec.key)
         adapters = tuple(n for n, _ in adapter_pairs(config.engine.get("lora_adapters") or ()))
         router = self.root.router
         try:

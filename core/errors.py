@@ -42,6 +42,13 @@ class InvalidArgumentError(PdserveError, ValueError):
         self.message = message
 
 
+class NotFoundError(InvalidArgumentError):
+    """A request names something (a file, a batch) that does not exist, or not for its key."""
+
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+
+
 class ModelNotFoundError(InvalidArgumentError):
     """The model path or name does not resolve to a checkpoint pdserve can load."""
 

@@ -138,8 +138,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         reason = f" ({i.reason})" if i.reason else ""
         print(f"{i.instance_id:<28} {i.region:<10} {i.role:<8} {state}{reason}")
     if len(status.models) > 1:
-        from pdserve.deploy.rollout_cli import print_versions
-
         print()
         print_versions(status.models)
     print(f"\nplanner: {status.planner_mode}")
@@ -148,6 +146,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  {time.strftime('%H:%M:%S', time.localtime(d.at))} {d.region} {d.action}: {d.reason}"
         )
     return 0
+
+
+def print_versions(rows: list[dict[str, Any]]) -> None:
+    print(f"{'model':<16} {'version':<10} {'state':<10} {'traffic':>8}  instances (P:D per region)")
+    for row in rows:
+        regions = row.get("regions", {})
+        pools = " ".join(f"{r}={c['prefill']}:{c['decode']}" for r, c in regions.items())
+        share = f"{row['traffic']:.0%}" if "traffic" in row else "-"
+        print(f"{row['model']:<16} {row['version']:<10} {row['state']:<10} {share:>8}  {pools}")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

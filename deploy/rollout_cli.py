@@ -19,7 +19,7 @@ from pdserve.core.errors import InvalidArgumentError
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from pdserve.deploy.cluster_cli import _controller, _get
+    from pdserve.deploy.cluster_cli import _controller, _get, print_versions
 
     action, options = _action(args)
     controller = _controller(args.ray_address)
@@ -44,15 +44,6 @@ def _action(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             "blue_green": args.blue_green,
         }
     return "status", {}
-
-
-def print_versions(rows: list[dict[str, Any]]) -> None:
-    print(f"{'model':<16} {'version':<10} {'state':<10} {'traffic':>8}  instances (P:D per region)")
-    for row in rows:
-        regions = row.get("regions", {})
-        pools = " ".join(f"{r}={c['prefill']}:{c['decode']}" for r, c in regions.items())
-        share = f"{row['traffic']:.0%}" if "traffic" in row else "-"
-        print(f"{row['model']:<16} {row['version']:<10} {row['state']:<10} {share:>8}  {pools}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -78,8 +78,13 @@ class RouterActor:
         grpc_server, grpc_port = await start_grpc(
             self.router, self.keys, self.config.host, self.config.grpc_port, tls
         )
-        api = HttpApi(self.router, self.keys, self.config.max_body_bytes)
+        api = HttpApi(self.router, self.keys, self.config.max_body_bytes, batch_folder(self.config))
         http_runner, http_port = await start_http(api, self.config.host, self.config.http_port, tls)
+        if api.batches is not None:
+            host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+            scheme = "http" if tls is None else "https"
+            client_certs = tls is not None and bool(tls.client_ca)
+            api.batches.listening(f"{scheme}://{host}:{http_port}", tls is not None, client_certs)
         self._servers = [grpc_server, http_runner]
         self._sampler = asyncio.ensure_future(self._sample_every(1.0))
         logger.info(
@@ -220,6 +225,13 @@ class RouterActor:
                 await server.stop(grace=1.0)
             else:
                 await server.cleanup()
+
+
+def batch_folder(config: RouterConfig) -> Path:
+    """Where the front door keeps batch files and records."""
+    if config.batch_dir:
+        return Path(config.batch_dir).expanduser()
+    return Path.home() / ".cache" / "pdserve" / "batches"
 
 
 def _percentiles(values: Any) -> dict[str, float]:

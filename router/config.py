@@ -88,6 +88,8 @@ class RouterConfig:
         are refused at once (429 with Retry-After). 0: refuse at once, never wait.
     cold_start_timeout_s: how long such a request waits for an instance before it
         fails (503 with Retry-After).
+    batch_dir: where ``POST /v1/files`` and ``/v1/batches`` keep files and batch
+        records (default ``~/.cache/pdserve/batches``).
     """
 
     model_name: str = "pdserve"
@@ -123,6 +125,7 @@ class RouterConfig:
     lora_adapters: tuple[str, ...] = ()
     cold_start_queue: int = 32
     cold_start_timeout_s: float = 60.0
+    batch_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.regions:

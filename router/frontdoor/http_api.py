@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -31,6 +32,7 @@ from pdserve.core.errors import InvalidArgumentError, OverloadedError, Unsupport
 from pdserve.core.sampling_params import check_text
 from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
+from pdserve.router.frontdoor.batches import BatchJobs
 from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.requests import (
     completion_input,
@@ -62,9 +64,11 @@ class HttpApi:
         router: Router,
         keys: ApiKeys,
         max_body_bytes: int,
+        batch_dir: Path | None = None,
     ) -> None:
         self.router = router
         self.keys = keys
+        self.batches = BatchJobs(batch_dir, keys) if batch_dir is not None else None
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> web.Application:
@@ -75,6 +79,8 @@ class HttpApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         add_routes(app, self.router, self.keys)
+        if self.batches is not None:
+            self.batches.add_routes(app)
         return app
 
     @web.middleware

@@ -98,3 +98,67 @@ def test_an_interrupted_job_resumes_without_running_a_line_twice(cluster, tmp_pa
 
 def _lines(texts: list[str]) -> set[int]:
     return {json.loads(t)["line"] for t in texts}
+
+
+async def _server_batch(base: str, src, cancel: bool = False) -> tuple[dict, str, list[dict]]:
+    """Upload ``src``, run it with POST /v1/batches, wait for it; (batch, output, refusals)."""
+    import aiohttp
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession(headers=auth) as s:
+        refusals = []
+        for bad in ({"purpose": "fine-tune"}, {"input_file_id": "file-nope"}):
+            form = aiohttp.FormData({"purpose": bad.get("purpose", "batch")})
+            form.add_field("file", src.read_bytes(), filename="in.jsonl")
+            if "purpose" in bad:
+                async with s.post(f"{base}/v1/files", data=form) as r:
+                    refusals.append({"status": r.status, **await r.json()})
+            else:
+                body = {**bad, "endpoint": "/v1/completions", "completion_window": "24h"}
+                async with s.post(f"{base}/v1/batches", json=body) as r:
+                    refusals.append({"status": r.status, **await r.json()})
+        form = aiohttp.FormData({"purpose": "batch"})
+        form.add_field("file", src.read_bytes(), filename="in.jsonl")
+        async with s.post(f"{base}/v1/files", data=form) as r:
+            uploaded = await r.json()
+        body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions"}
+        async with s.post(f"{base}/v1/batches", json=body) as r:
+            batch = await r.json()
+        if cancel:
+            async with s.post(f"{base}/v1/batches/{batch['id']}/cancel") as r:
+                batch = await r.json()
+        while batch["status"] == "in_progress":
+            await asyncio.sleep(0.2)
+            async with s.get(f"{base}/v1/batches/{batch['id']}") as r:
+                batch = await r.json()
+        async with s.get(f"{base}/v1/files/{batch['output_file_id']}/content") as r:
+            output = await r.text()
+        async with (
+            aiohttp.ClientSession() as anonymous,
+            anonymous.get(f"{base}/v1/batches/{batch['id']}") as r,
+        ):
+            refusals.append({"status": r.status})
+    return batch, output, refusals
+
+
+def test_post_v1_batches_runs_an_uploaded_file_on_the_server(cluster, tmp_path):
+    doors = cluster._bootstrap[1]
+    base = f"http://{doors.host}:{doors.http_port}"
+    batch, output, refusals = asyncio.run(_server_batch(base, _input(tmp_path)))
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 11, "completed": 6, "failed": 5}
+    records = {r["line"]: r for r in map(json.loads, output.splitlines())}
+    assert sorted(records) == list(range(1, 12))
+    assert records[3]["response"]["body"]["usage"]["completion_tokens"] == 4
+    assert records[7]["error"]["code"] == "invalid_json"
+    assert [r["status"] for r in refusals] == [400, 404, 401]
+    assert "purpose" in refusals[0]["error"]["message"]
+    assert "file-nope" in refusals[1]["error"]["message"]
+
+
+def test_a_cancelled_batch_stops_and_keeps_what_finished(cluster, tmp_path):
+    doors = cluster._bootstrap[1]
+    base = f"http://{doors.host}:{doors.http_port}"
+    batch, output, _ = asyncio.run(_server_batch(base, _input(tmp_path), cancel=True))
+    assert batch["status"] == "cancelled" and batch["cancelled_at"] is not None
+    assert len(output.splitlines()) <= 11
