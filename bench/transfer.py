@@ -4,9 +4,10 @@
 
 For each connector, a Ray actor plays the decode rank (its real receiver and
 KV cache) and this process plays the prefill rank (the real sender): pages of
-one layer go out as :class:`~pdserve.transfer.wire.PageSource` messages and
-``flush`` waits until they landed. The raw channel moves the same bytes with
-nothing of pdserve in the way:
+one layer go out as messages of :class:`~pdserve.transfer.wire.PageSource`
+runs (``--requests`` runs per message, one per request) and ``flush`` waits
+until they landed. The raw channel moves the same bytes with nothing of
+pdserve in the way:
 
 - shm: one ``copy_`` between two tensors of this process (a memory copy);
 - p2p: a plain gloo send/recv of a byte tensor between the same two processes;
@@ -35,7 +36,7 @@ from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.object_store import ObjectStoreReceiver
 from pdserve.transfer.p2p import P2PReceiver
-from pdserve.transfer.wire import PageHeader, PageSource
+from pdserve.transfer.wire import PageHeader, PageRun, PageSource
 
 BLOCK, HEADS, DIM = 16, 8, 128  # one page of one layer: 2 * 16 * 8 * 128 * 4 B = 128 KiB
 RAW_GLOO_TIMEOUT = timedelta(minutes=30)  # gloo's own default for a process group
@@ -114,20 +115,33 @@ def _start_stand_in(connector: str, num_blocks: int) -> Any:
     )
 
 
-def _header(pages: int) -> PageHeader:
-    """One message: ``pages`` pages of layer 0, every head, into blocks ``pages..2*pages``."""
-    return PageHeader(
-        "bench",
-        0,
-        list(range(pages, 2 * pages)),
-        "float32",
-        [2, pages, BLOCK, HEADS, DIM],
-        0,
-        HEADS,
-    )
+def _runs(src: torch.Tensor, pages: int, requests: int) -> list[PageRun]:
+    """One message: ``pages`` pages of layer 0, every head, into blocks ``pages..2*pages``.
+
+    The pages are split into ``requests`` runs of consecutive pages, one per
+    request, as a step streaming several prompts to one decode rank sends them.
+    """
+    runs: list[PageRun] = []
+    per = pages // requests
+    for i in range(requests):
+        first = i * per
+        n = per if i < requests - 1 else pages - first
+        header = PageHeader(
+            f"bench-{i}",
+            0,
+            list(range(pages + first, pages + first + n)),
+            "float32",
+            [2, n, BLOCK, HEADS, DIM],
+            0,
+            HEADS,
+        )
+        runs.append((header, PageSource(src, list(range(first, first + n)), 0, HEADS)))
+    return runs
 
 
-def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, Any]:
+def measure(
+    connector: str, pages: int, rounds: int, repeats: int, requests: int = 1
+) -> dict[str, Any]:
     """Median GB/s of the connector and of its raw channel, ``repeats`` batches each."""
     num_blocks = pages * 2
     actor = _start_stand_in(connector, num_blocks)
@@ -136,12 +150,11 @@ def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, 
     sender = sender_cls()
     sender.connect(endpoint)
     src = torch.randn(2, num_blocks, BLOCK, HEADS, DIM)
-    source = PageSource(src, list(range(pages)), 0, HEADS)
-    header = _header(pages)
-    nbytes = header.nbytes
+    runs = _runs(src, pages, requests)
+    nbytes = sum(header.nbytes for header, _ in runs)
 
     def connector_round() -> None:
-        sender.send(("bench-decode", 0), header, source)
+        sender.send(("bench-decode", 0), runs)
         sender.flush()
 
     connector_round()  # warm-up
@@ -157,6 +170,7 @@ def measure(connector: str, pages: int, rounds: int, repeats: int) -> dict[str, 
     return {
         "connector": connector,
         "message_mib": round(nbytes / 2**20, 2),
+        "requests": requests,
         "connector_gb_s": round(ours_gb, 2),
         "raw_gb_s": round(raw_gb, 2),
         "ratio": round(ours_gb / raw_gb, 2),
@@ -191,13 +205,13 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for connector in args.connectors:
         for pages in args.pages:
-            row = measure(connector, pages, args.rounds, args.repeats)
+            row = measure(connector, pages, args.rounds, args.repeats, args.requests)
             rows.append(row)
             print(json.dumps(row))
     if args.out:
         cmd = (
             f"pdserve bench transfer --pages {' '.join(map(str, args.pages))} "
-            f"--rounds {args.rounds} --repeats {args.repeats}"
+            f"--rounds {args.rounds} --repeats {args.repeats} --requests {args.requests}"
         )
         write_json(Path(args.out), {"command": cmd, "results": rows})
     return 0
@@ -209,6 +223,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--pages", nargs="+", type=int, default=[8, 32, 128], help="pages per message")
     p.add_argument("--rounds", type=int, default=10, help="messages per timed batch")
     p.add_argument("--repeats", type=int, default=7, help="interleaved batches; medians reported")
+    p.add_argument(
+        "--requests", type=int, default=1, help="requests whose pages share each message"
+    )
     p.add_argument("--out", default="bench/out/transfer.json")
     p.set_defaults(func=run)
 

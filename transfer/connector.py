@@ -7,9 +7,11 @@ Each connector has two halves, one per process:
   pages into that rank's KV cache. It never allocates or frees pages: the
   decode instance's scheduler reserved them under a lease before any byte moved.
 - :class:`KVSender` lives in a prefill rank. ``connect`` runs once per decode
-  rank when two instances pair. ``send`` runs once per (route, layer, step)
-  from the forward pass, right after the layer wrote its KV, and may return
-  before the bytes land. ``finish`` runs once per route when a request's last
+  rank when two instances pair. ``send`` runs once per (decode rank, layer,
+  step) from the forward pass, right after the layer wrote its KV, with every
+  run of pages that layer has for that rank (one per request and route): the
+  connector moves them as one message with one header. It may return before
+  the bytes land. ``finish`` runs once per route when a request's last
   pages were sent. ``flush`` runs at the end of every step that sent: it
   returns when everything sent so far has landed, or raises
   :class:`~pdserve.core.errors.TransferError`. Source pages stay owned by the prefill request
@@ -30,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from pdserve.transfer.stats import TransferStats
-from pdserve.transfer.wire import PageHeader, PageSource, block_runs
+from pdserve.transfer.wire import PageHeader, PageRun, block_runs
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,18 @@ class KVReceiver(abc.ABC):
         """What senders need; ``actor`` is this rank's Ray actor handle."""
 
     def write(self, header: PageHeader, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Place one message's pages: ``keys``/``values`` ``[pages, bs, heads, D]`` each."""
+        """Place one run's pages: ``keys``/``values`` ``[pages, bs, heads, D]`` each.
+
+        Counts nothing: the caller counts the message the run came in.
+        """
         assert self.kv_cache is not None
         dst = self.kv_cache[header.layer]  # [2, blocks, bs, H_local, D]
         h0, h1 = header.head_start, header.head_end
-        with self.stats.timed(header.nbytes):
-            for i, part in enumerate((keys, values)):
-                part = part.to(dst.device)
-                for s, d, n in block_runs(list(range(len(header.block_ids))), header.block_ids):
-                    dst[i, d : d + n, :, h0:h1].copy_(part[s : s + n])
+        runs = block_runs(list(range(len(header.block_ids))), header.block_ids)
+        for i, part in enumerate((keys, values)):
+            part = part.to(dst.device)
+            for s, d, n in runs:
+                dst[i, d : d + n, :, h0:h1].copy_(part[s : s + n])
 
     def record_mark(self, request_id: str) -> None:
         """One route into this rank finished sending ``request_id``."""
@@ -116,11 +121,12 @@ class KVSender(abc.ABC):
         self.endpoints[(endpoint.instance_id, endpoint.rank)] = endpoint
 
     @abc.abstractmethod
-    def send(self, peer: tuple[str, int], header: PageHeader, source: PageSource) -> None:
-        """Queue one layer's pages for decode rank ``peer``; may return before they land.
+    def send(self, peer: tuple[str, int], runs: list[PageRun]) -> None:
+        """Queue one message of pages for decode rank ``peer``; may return before they land.
 
-        ``source`` must stay unchanged until ``flush`` returns (the step that
-        wrote it is still running, so it does).
+        ``runs`` are one layer's runs for that rank (one per request), sent
+        with one header. Their sources must stay unchanged until ``flush``
+        returns (the step that wrote them is still running, so they do).
         """
 
     def finish(self, peer: tuple[str, int], request_id: str) -> None:

@@ -5,7 +5,8 @@
 
 - ``on_layer`` (prefill side): right after a layer ran, send this rank's slice
   of that layer's pages for every request of the micro-batch that streams to a
-  decode instance, over the routes computed when the instances paired;
+  decode instance, over the routes computed when the instances paired: one
+  message per decode rank, listing one run per request;
 - ``export`` (prefill side): send cached pages a peer asked for, every local
   layer at once, with no forward;
 - ``after_step`` (prefill side): end the routes of requests whose prompt is
@@ -26,7 +27,7 @@ from pdserve.core.step import KVSend, StepPlan
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint
 from pdserve.transfer.routes import Route, plan_routes
-from pdserve.transfer.wire import PageHeader, PageSource, dtype_name
+from pdserve.transfer.wire import PageHeader, PageRun, PageSource, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +90,12 @@ class RankTransfer:
             self._send_layer(local_layer, plan.kv_sends)
 
     def _send_layer(self, local_layer: int, sends: list[KVSend]) -> None:
+        """One message per decode rank: every request's run of this layer to that rank."""
         assert self.kv_cache is not None
         layer = self.first_layer + local_layer
         cache = self.kv_cache[local_layer]  # [2, blocks, bs, H_local, D]
+        dtype = dtype_name(cache.dtype)
+        messages: dict[tuple[str, int], list[PageRun]] = {}
         for send in sends:
             if not send.src_blocks:
                 continue
@@ -104,13 +108,15 @@ class RankTransfer:
                     send.request_id,
                     layer - route.dst_first_layer,
                     send.dst_blocks,
-                    dtype_name(cache.dtype),
+                    dtype,
                     [2, len(send.src_blocks), cache.shape[2], sh1 - sh0, cache.shape[4]],
                     dh0,
                     dh1,
                 )
-                source = PageSource(cache, send.src_blocks, sh0, sh1)
-                self.sender.send((send.peer, route.dst_rank), header, source)
+                run = (header, PageSource(cache, send.src_blocks, sh0, sh1))
+                messages.setdefault((send.peer, route.dst_rank), []).append(run)
+        for peer, runs in messages.items():
+            self.sender.send(peer, runs)
 
     def after_step(self, plan: StepPlan) -> bool:
         if not plan.kv_sends:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,26 +37,38 @@ def prefill_cache() -> torch.Tensor:
     return torch.arange(float(np.prod(KV_SHAPE))).view(KV_SHAPE)
 
 
-# (layer, source blocks, source heads, destination blocks, destination heads):
-# whole consecutive pages (sent and received without a copy), scattered pages,
-# and a head slice (re-sharding between TP sizes).
+# (request, layer, source blocks, source heads, destination blocks, destination
+# heads): whole consecutive pages (sent and received without a copy), scattered
+# pages, and a head slice (re-sharding between TP sizes). Layer 1 has runs of
+# three requests, some received straight into the cache and some staged: they
+# travel as one message.
 SENDS = [
-    (0, [1, 2], (0, 3), [3, 4], (0, 3)),
-    (1, [0, 5], (0, 3), [5, 0], (0, 3)),
-    (1, [2], (1, 3), [1], (0, 2)),
+    ("r1", 0, [1, 2], (0, 3), [3, 4], (0, 3)),
+    ("r1", 1, [0, 5], (0, 3), [5, 0], (0, 3)),
+    ("r2", 1, [2], (1, 3), [1], (0, 2)),
+    ("r3", 1, [3, 4], (0, 3), [2, 3], (0, 3)),
 ]
+MESSAGES = 2  # one per layer
+PAYLOAD_BYTES = sum(
+    4 * 2 * len(src) * BLOCK_SIZE * (h[1] - h[0]) * HEAD_DIM for _, _, src, h, _, _ in SENDS
+)
 
 
 def send_all(sender: Any, peer: tuple[str, int], cache: torch.Tensor) -> None:
-    for layer, src, (s0, s1), dst, (d0, d1) in SENDS:
-        shape = [2, len(src), BLOCK_SIZE, s1 - s0, HEAD_DIM]
-        header = PageHeader("r1", layer, dst, "float32", shape, d0, d1)
-        sender.send(peer, header, PageSource(cache[layer], src, s0, s1))
+    """One ``send`` per layer, with every run of that layer."""
+    for layer in range(LAYERS):
+        runs = []
+        for request_id, at, src, (s0, s1), dst, (d0, d1) in SENDS:
+            if at == layer:
+                shape = [2, len(src), BLOCK_SIZE, s1 - s0, HEAD_DIM]
+                header = PageHeader(request_id, layer, dst, "float32", shape, d0, d1)
+                runs.append((header, PageSource(cache[layer], src, s0, s1)))
+        sender.send(peer, runs)
 
 
 def assert_landed(received: torch.Tensor, cache: torch.Tensor) -> None:
     expected = torch.zeros(KV_SHAPE)
-    for layer, src, (s0, s1), dst, (d0, d1) in SENDS:
+    for _, layer, src, (s0, s1), dst, (d0, d1) in SENDS:
         for s, d in zip(src, dst, strict=True):
             expected[layer, :, d, :, d0:d1] = cache[layer, :, s, :, s0:s1]
     assert torch.equal(received, expected)
@@ -70,7 +83,7 @@ def test_connectors_are_chosen_by_name() -> None:
         connector_classes("carrier-pigeon")
 
 
-def test_receiver_write_places_pages_by_header_and_counts_them() -> None:
+def test_receiver_write_places_pages_by_header() -> None:
     receiver = object_store.ObjectStoreReceiver("d0", 0)
     receiver.allocate(KV_SHAPE, torch.float32, CPU)
     keys, values = (
@@ -84,7 +97,6 @@ def test_receiver_write_places_pages_by_header_and_counts_them() -> None:
     written = receiver.kv_cache[1, :, [4, 2], :, 1:3]
     assert torch.equal(written[0], keys) and torch.equal(written[1], values)
     assert receiver.kv_cache.sum() == keys.sum() + values.sum()  # nothing else was touched
-    assert (receiver.stats.messages, receiver.stats.bytes) == (1, 2 * keys.numel() * 4)
 
 
 def test_arrival_marks_are_counted_per_request_until_forgotten() -> None:
@@ -118,7 +130,8 @@ def test_shm_sender_copies_into_the_receivers_file(shm_dir: Path, prefill_cache)
     send_all(sender, ("d0", 0), prefill_cache)
     sender.flush()
     assert_landed(cache, prefill_cache)
-    assert sender.stats.messages == len(SENDS)
+    assert sender.stats.messages == MESSAGES
+    assert sender.stats.bytes == PAYLOAD_BYTES
     sender.disconnect("d0")
     assert sender.endpoints == {}
     receiver.close()
@@ -176,9 +189,10 @@ def test_object_store_messages_land_once_flushed(monkeypatch, prefill_cache) -> 
     send_all(sender, ("d0", 0), prefill_cache)
     sender.flush()
     assert_landed(cache, prefill_cache)
-    assert receiver.stats.messages == sender.stats.messages == len(SENDS)
+    assert receiver.stats.messages == sender.stats.messages == MESSAGES
+    assert receiver.stats.bytes == sender.stats.bytes
     sender.flush()  # nothing pending: returns at once
-    assert sender.stats.messages == len(SENDS)
+    assert sender.stats.messages == MESSAGES
 
 
 def test_object_store_reports_a_lost_decode_rank(monkeypatch, prefill_cache) -> None:
@@ -200,19 +214,27 @@ def test_object_store_reports_a_lost_decode_rank(monkeypatch, prefill_cache) -> 
 # -- torch.distributed point to point ---------------------------------------------------
 
 
-@pytest.fixture
-def p2p_pair(monkeypatch) -> Iterator[tuple[p2p.P2PSender, p2p.P2PReceiver]]:
+@contextmanager
+def p2p_connected(monkeypatch) -> Iterator[tuple[p2p.P2PSender, p2p.P2PReceiver]]:
     """A sender paired with a receiver over a real gloo group, both in this process."""
     monkeypatch.setattr(p2p, "ray", FAKE_RAY)
     receiver = p2p.P2PReceiver("d0", 0)
     receiver.allocate(KV_SHAPE, torch.float32, CPU)
     sender = p2p.P2PSender()
     sender.connect(receiver.endpoint(FakeActor(kv_accept=receiver.accept)))
-    yield sender, receiver
-    sender.close()
+    try:
+        yield sender, receiver
+    finally:
+        sender.close()
     for thread in receiver._threads:
         thread.join(timeout=30)
         assert not thread.is_alive(), "the receiver did not stop on the close message"
+
+
+@pytest.fixture
+def p2p_pair(monkeypatch) -> Iterator[tuple[p2p.P2PSender, p2p.P2PReceiver]]:
+    with p2p_connected(monkeypatch) as pair:
+        yield pair
 
 
 def test_p2p_pages_are_in_place_when_the_end_mark_arrives(p2p_pair, prefill_cache) -> None:
@@ -224,8 +246,8 @@ def test_p2p_pages_are_in_place_when_the_end_mark_arrives(p2p_pair, prefill_cach
     assert receiver.wait_landed("r1", 1, timeout_s=60)
     assert receiver.kv_cache is not None
     assert_landed(receiver.kv_cache, prefill_cache)
-    assert receiver.stats.messages == len(SENDS)
-    assert sender.stats.messages == len(SENDS)  # the mark carries no pages
+    assert receiver.stats.messages == MESSAGES
+    assert sender.stats.messages == MESSAGES  # the mark carries no pages
 
 
 def test_p2p_marks_of_two_requests_are_told_apart(p2p_pair) -> None:
@@ -246,3 +268,65 @@ def test_p2p_disconnect_closes_the_pair(p2p_pair) -> None:
     for thread in receiver._threads:
         thread.join(timeout=30)
         assert not thread.is_alive()
+
+
+class CountingGroup:
+    """A gloo group that counts the sends posted on each tag."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.sends: dict[int, int] = {}
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self.sends[tag] = self.sends.get(tag, 0) + 1
+        return self.group.send(tensors, dst, tag)
+
+
+# Layer 0 carries 768 bytes of K (and of V), layer 1 1792: with 1 KiB of
+# inline staging, layer 0 goes inline and layer 1 direct.
+@pytest.mark.parametrize(
+    ("inline_part", "sends"),
+    [(1 << 20, {0: MESSAGES + 1, 1: 2 * MESSAGES}), (1024, {0: MESSAGES + 1, 1: 2, 2: 2 * 3})],
+    ids=["inline", "inline-and-direct"],
+)
+def test_p2p_sends_a_layer_of_several_requests_as_one_message(
+    monkeypatch, prefill_cache, inline_part: int, sends: dict[int, int]
+) -> None:
+    """One header send per message and its parts (all K, all V inline; K, V per run direct).
+
+    The step's marks travel as one more message.
+    """
+    monkeypatch.setattr(p2p, "INLINE_PART", inline_part)
+    with p2p_connected(monkeypatch) as (sender, receiver):
+        counting = CountingGroup(sender._groups[("d0", 0)])
+        sender._groups[("d0", 0)] = counting
+        send_all(sender, ("d0", 0), prefill_cache)
+        for request_id in ("r1", "r2", "r3"):
+            sender.finish(("d0", 0), request_id)
+        sender.flush()
+        sender._groups[("d0", 0)] = counting.group
+        assert counting.sends == sends
+        for request_id in ("r1", "r2", "r3"):
+            assert receiver.wait_landed(request_id, 1, timeout_s=60)
+        assert receiver.kv_cache is not None
+        assert_landed(receiver.kv_cache, prefill_cache)
+        assert receiver.stats.bytes == sender.stats.bytes == PAYLOAD_BYTES
+        assert receiver.stats.messages == sender.stats.messages == MESSAGES
+
+
+def test_p2p_splits_a_header_longer_than_the_slot(monkeypatch, prefill_cache) -> None:
+    monkeypatch.setattr(p2p, "HEADER_SLOT", 60)  # two runs' header (about 51 bytes) at most
+    with p2p_connected(monkeypatch) as (sender, receiver):
+        counting = CountingGroup(sender._groups[("d0", 0)])
+        sender._groups[("d0", 0)] = counting
+        send_all(sender, ("d0", 0), prefill_cache)
+        sender.finish(("d0", 0), "r1")
+        sender.flush()
+        sender._groups[("d0", 0)] = counting.group
+        assert counting.sends == {0: MESSAGES + 2, 1: 2 * (MESSAGES + 1)}  # layer 1 in two
+        assert receiver.wait_landed("r1", 1, timeout_s=60)
+        assert receiver.kv_cache is not None
+        assert_landed(receiver.kv_cache, prefill_cache)
+        many = [PageHeader("r", 0, list(range(BLOCKS)) * 20, "float32", [2, 120, 4, 3, 8], 0, 3)]
+        with pytest.raises(TransferError, match="exceeds the p2p header slot"):
+            sender._post(("d0", 0), many, [], [], [])

@@ -94,6 +94,35 @@ def test_pages_land_in_the_decode_rank_resharded_by_head(ranks) -> None:
     assert got[:, :, untouched].abs().sum() == 0
 
 
+def test_requests_of_one_step_share_one_message_per_layer_and_rank(ranks) -> None:
+    """Two requests stream to one decode rank: each layer is one message with two runs."""
+    prefills, decode = ranks
+    other_src, other_dst = [3, 4], [1, 2]  # consecutive on both sides
+    seqs = [ScheduledSeq("r1", [3] * 10, 0, SRC_BLOCKS), ScheduledSeq("r2", [4] * 5, 0, other_src)]
+    sends = [
+        KVSend("r1", "d0", SRC_BLOCKS, DST_BLOCKS, True),
+        KVSend("r2", "d0", other_src, other_dst, True),
+    ]
+    plan = StepPlan(1, seqs, kv_sends=sends)
+    for prefill in prefills:
+        for layer in range(LAYERS):
+            prefill.on_layer(layer, plan)
+        assert prefill.after_step(plan)
+        assert prefill.sender.stats.messages == LAYERS
+    if decode.receiver.needs_arrival_marks:
+        arrivals = [KVArrival(r, [2]) for r in ("r1", "r2")]
+        decode.before_step(StepPlan(2, [], kv_arrivals=arrivals))
+    got = decode.receiver.kv_cache
+    assert got is not None
+    for rank, prefill in enumerate(prefills):
+        assert prefill.kv_cache is not None
+        heads = slice(2 * rank, 2 * rank + 2)
+        for src, dst in ((SRC_BLOCKS, DST_BLOCKS), (other_src, other_dst)):
+            assert torch.equal(got[:, :, dst, :, heads], prefill.kv_cache[:, :, src])
+    untouched = [b for b in range(BLOCKS) if b not in DST_BLOCKS + other_dst]
+    assert got[:, :, untouched].abs().sum() == 0
+
+
 def test_a_step_without_sends_moves_nothing(ranks) -> None:
     prefills, decode = ranks
     plan = StepPlan(1, [ScheduledSeq("r1", [3], 0, SRC_BLOCKS)])

@@ -11,32 +11,49 @@ from pdserve.transfer.wire import (
     PageHeader,
     PageSource,
     block_runs,
+    counts_up,
     decode,
     dtype_name,
     encode,
+    pack_message,
     torch_dtype,
+    unpack_message,
 )
 
 
 def test_message_round_trip_bfloat16() -> None:
     payload = torch.randn(2, 3, 4, 2, 8).to(torch.bfloat16)
     header = PageHeader("req-1", 5, [7, 8, 20], "bfloat16", list(payload.shape), 1, 3)
-    got_header, got = decode(encode(header, payload))
-    assert got_header == header
-    assert got.dtype == torch.bfloat16 and torch.equal(got, payload)
+    got_headers, got = decode(encode([header], [payload]))
+    assert got_headers == [header]
+    assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], payload)
     assert header.nbytes == payload.numel() * 2
+
+
+def test_one_header_lists_every_run_and_mark_of_a_message() -> None:
+    a = PageHeader("a", 1, [4, 5], "float32", [2, 2, 4, 3, 8], 0, 3)
+    b = PageHeader("b", 1, [9], "float32", [2, 1, 4, 3, 8], 0, 3)
+    assert unpack_message(pack_message([a, b], ["c", "c"])) == ([a, b], ["c", "c"])
+    assert unpack_message(pack_message([], ["c"])) == ([], ["c"])
+    payloads = [torch.randn(a.shape), torch.randn(b.shape)]
+    headers, got = decode(encode([a, b], payloads))
+    assert headers == [a, b]
+    assert all(torch.equal(g, p) for g, p in zip(got, payloads, strict=True))
 
 
 def test_block_runs_group_consecutive_pairs() -> None:
     assert block_runs([3, 4, 5, 9], [10, 11, 12, 13]) == [(3, 10, 3), (9, 13, 1)]
+    assert block_runs([3, 4, 5], [7, 8, 9]) == [(3, 7, 3)]
+    assert block_runs([0, 5, 2, 3], [0, 1, 2, 3]) == [(0, 0, 1), (5, 1, 1), (2, 2, 2)]
     assert block_runs([], []) == []
+    assert counts_up([4, 5, 6]) and not counts_up([4, 6, 6]) and not counts_up([])
 
 
 def test_page_source_copies_only_its_heads_into_the_right_pages() -> None:
     src = torch.randn(2, 10, 4, 6, 8)  # [2, blocks, bs, heads, D]
     dst = torch.zeros(2, 12, 4, 3, 8)
     source = PageSource(src, [2, 3, 7], 3, 6)
-    source.copy_into(dst, [5, 6, 0], 0, 3)
+    source.copy_into(dst.transpose(0, 1), [5, 6, 0], 0, 3)  # the destination page-major
     for s, d in ((2, 5), (3, 6), (7, 0)):
         assert torch.equal(dst[:, d], src[:, s, :, 3:6])
     assert dst[:, [1, 2, 3, 4, 7]].abs().sum() == 0
@@ -46,21 +63,22 @@ def test_page_source_copies_only_its_heads_into_the_right_pages() -> None:
 def test_message_layout_is_length_header_then_raw_payload() -> None:
     payload = torch.arange(2 * 1 * 2 * 1 * 4, dtype=torch.float32).view(2, 1, 2, 1, 4)
     header = PageHeader("r", 0, [3], "float32", [2, 1, 2, 1, 4], 0, 1)
-    message = encode(header, payload.transpose(2, 4).contiguous().transpose(2, 4))  # strided
+    strided = payload.transpose(2, 4).contiguous().transpose(2, 4)
+    message = encode([header, header], [strided, payload])
     (n,) = struct.unpack("<I", message[:4])
-    assert PageHeader.unpack(message[4 : 4 + n]) == header
-    assert message[4 + n :] == payload.numpy().tobytes()
-    assert len(message) == 4 + n + header.nbytes
+    assert unpack_message(message[4 : 4 + n]) == ([header, header], [])
+    assert message[4 + n :] == 2 * payload.numpy().tobytes()
+    assert len(message) == 4 + n + 2 * header.nbytes
 
 
 def test_decode_views_a_writable_buffer_and_copies_a_read_only_one() -> None:
     payload = torch.randn(2, 2, 4, 1, 8)
     header = PageHeader("r", 1, [0, 1], "float32", list(payload.shape), 0, 1)
-    buffer = bytearray(encode(header, payload))
-    _, view = decode(buffer)
+    buffer = bytearray(encode([header], [payload]))
+    _, (view,) = decode(buffer)
     buffer[-4:] = b"\0\0\0\0"  # the view sees the buffer change
     assert view.flatten()[-1] == 0
-    _, copy = decode(bytes(encode(header, payload)))
+    _, (copy,) = decode(bytes(encode([header], [payload])))
     assert torch.equal(copy, payload)
     copy.zero_()  # a private copy: writable, and nothing else changes
 
