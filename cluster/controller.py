@@ -69,6 +69,7 @@ from pdserve.router.actor import Endpoints
 logger = logging.getLogger(__name__)
 
 ROLES: tuple[Role, Role] = ("decode", "prefill")  # decode first: prefill instances pair with them
+MODEL_ACTIONS = ("status", "rollout", "promote", "rollback", "scale")
 
 
 class Controller:
@@ -136,11 +137,8 @@ class Controller:
             target=self._loop, args=(self.health.interval_s, self.health_checks.check), daemon=True
         ).start()
         if self.config.planner.mode != "off":
-            threading.Thread(
-                target=self._loop,
-                args=(self.config.planner.interval_s, self.planning.plan),
-                daemon=True,
-            ).start()
+            plan = (self.config.planner.interval_s, self.planning.plan)
+            threading.Thread(target=self._loop, args=plan, daemon=True).start()
         if self.fleet is not None:
             self.fleet.start()  # the config's further models
         self._event("cluster started" if self.owns_router else f"{self.key} started")
@@ -155,9 +153,9 @@ class Controller:
         return cluster_status(self)
 
     def models(self, action: str = "status", **args: Any) -> list[dict[str, Any]]:
-        """Every served model version (``status``), after a rollout step if ``action``
-        names one: ``rollout``, ``promote`` or ``rollback`` (:mod:`pdserve.cluster.fleet`)."""
-        if self.fleet is None or action not in ("status", "rollout", "promote", "rollback"):
+        """Every served model version (``status``), after ``action`` if it is one of
+        ``MODEL_ACTIONS`` (:mod:`pdserve.cluster.fleet`)."""
+        if self.fleet is None or action not in MODEL_ACTIONS:
             raise InvalidArgumentError("action", f"no models action {action!r} here")
         result: list[dict[str, Any]] = getattr(self.fleet, action)(**args)
         return result

@@ -184,6 +184,15 @@ class Fleet:
         self._retire(canary)
         return self.status()
 
+    def scale(
+        self, name: str, region: str, prefill: int | None = None, decode: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Set the targets of ``name``'s stable version in ``region`` (``pdserve scale --model``)."""
+        with self._lock:
+            controller = self._stable(name).controller
+        controller.scale(region, prefill, decode)
+        return self.status()
+
     def status(self) -> list[dict[str, Any]]:
         """Every served version: its state, traffic share and instances per region."""
         traffic = ray.get(self.root.router.traffic.remote())

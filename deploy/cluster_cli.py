@@ -158,9 +158,13 @@ def print_versions(rows: list[dict[str, Any]]) -> None:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    region = _get(
-        _controller(args.ray_address).scale.remote(args.region, args.prefill, args.decode)
-    )
+    controller = _controller(args.ray_address)
+    if args.model:
+        rows = _get(controller.models.remote("scale", name=args.model, region=args.region,
+                                             prefill=args.prefill, decode=args.decode))  # fmt: skip
+        print_versions(rows)
+        return 0
+    region = _get(controller.scale.remote(args.region, args.prefill, args.decode))
     print(f"{region.name}: {region.prefill} prefill, {region.decode} decode")
     return 0
 
@@ -251,6 +255,9 @@ def add_cluster_parsers(sub: argparse._SubParsersAction) -> None:
     scale.add_argument("--region", required=True)
     scale.add_argument("--prefill", type=int, default=None)
     scale.add_argument("--decode", type=int, default=None)
+    scale.add_argument(
+        "--model", default=None, help="a model of the config's models list (its stable version)"
+    )
     ray_address(scale)
     scale.set_defaults(func=cmd_scale)
 

@@ -121,6 +121,12 @@ def test_two_models_each_served_by_its_own_instances(ray_session, want) -> None:
         rows = {(r["model"], r["version"]): r for r in c.status().models}
         assert rows[("code", "v1")]["regions"] == {"east": {"prefill": 1, "decode": 1}}
         assert rows[("builtin:tiny", "v1")]["traffic"] == 1.0
+        rows = models(c, "scale", name="code", region="east", decode=2)
+        code = next(r for r in rows if r["model"] == "code")
+        assert code["regions"] == {"east": {"prefill": 1, "decode": 2}}
+        assert ask(c, "code") == (want["pycode"], {"code@v1"})
+        with pytest.raises(ray.exceptions.RayTaskError, match="unknown model 'nope'"):
+            models(c, "scale", name="nope", region="east", decode=2)
     finally:
         c.stop()
 
