@@ -26,6 +26,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         soak,
         spec,
         transfer,
+        weights,
     )
 
     offline.add_parser(kinds)
@@ -45,3 +46,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     spec.add_parser(kinds)
     eplb.add_parser(kinds)
     coldstart.add_parser(kinds)
+    weights.add_parser(kinds)

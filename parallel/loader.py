@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from pdserve.core.errors import ModelNotFoundError
 from pdserve.parallel.models.transformer import CausalLM
+from pdserve.parallel.shared_weights import load_shared
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,25 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, SafeSliceSource]]:
                 yield name, SafeSliceSource(handle, name)
 
 
-@torch.no_grad()
 def load_checkpoint(model: CausalLM, folder: str | Path) -> None:
-    """Fill every parameter of ``model`` (one rank's stage and shards) from ``folder``."""
+    """Fill every parameter of ``model`` (one rank's stage and shards) from ``folder``,
+    through the node's shared weights file where it can (:mod:`.shared_weights`)."""
+    folder = Path(folder)
+    c = model.ctx
+    rank = (
+        f"tp {c.tp_rank}/{c.tp_size} pp {c.pp_rank}/{c.pp_size} ep {c.ep_rank}/{c.ep_size} "
+        f"layers {model.layer_start}-{model.layer_end}"
+    )
+    if load_shared(model, checkpoint_files(folder), rank, lambda: _load(model, folder)):
+        logger.debug("weights of %s (%s) map the node's shared file", folder, rank)
+
+
+@torch.no_grad()
+def _load(model: CausalLM, folder: Path) -> None:
     for p in model.parameters():
         p.fill_(float("nan"))
     loaded = 0
-    for name, source in iter_checkpoint(Path(folder)):
+    for name, source in iter_checkpoint(folder):
         for module, shard, is_bias in model.weight_targets(name):
             module.load(source, shard, is_bias)  # type: ignore[operator]
             loaded += 1

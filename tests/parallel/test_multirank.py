@@ -109,6 +109,7 @@ def test_each_tp_rank_reads_only_its_slice(references, monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(SafeSliceSource, "__getitem__", recording)
+    monkeypatch.setenv("PDSERVE_SHARE_WEIGHTS", "0")  # read the checkpoint, not the node's file
     ctx = ParallelContext(tp_rank=1, tp_size=2)
     model = build_model(
         config,

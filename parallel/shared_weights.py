@@ -1,0 +1,143 @@
+"""Weights loaded once per node and shared between the node's instances (CPU).
+
+The first instance to load a (checkpoint, rank layout) writes its parameters,
+laid out as this rank holds them (shards cut, projections fused), into one
+file under ``$PDSERVE_WEIGHTS_CACHE`` (default ``~/.cache/pdserve/weights``),
+with a manifest of every parameter's name, dtype, shape and offset. Each
+instance, the first included, then maps the file copy-on-write and makes its
+parameters views of it:
+
+    checkpoint --(first instance: read, cut, fuse)--> weights file + manifest
+    weights file --(mmap, every instance)--> parameters (pages held once per node)
+
+So a node reads the checkpoint once, the page cache holds one copy of the
+weights however many instances serve them, and an instance whose layout is in
+the cache skips reading and cutting the checkpoint. Parameters are never
+written while serving; LoRA adapters, bf16 packing and quantization build new
+tensors, private to each process (a written page would be copied for its
+process only).
+
+The file's name is a hash of the checkpoint files (paths, sizes, modification
+times), the rank's coordinates and layer range, and every parameter's name,
+dtype and shape: a changed checkpoint or layout gets a file of its own, and a
+manifest that does not match is rewritten. Writers hold a file lock, so
+instances starting together write it once. ``PDSERVE_SHARE_WEIGHTS=0`` turns
+it off; parameters on a GPU are never shared (each device holds its own).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ALIGN = 64  # bytes: every parameter starts on a cache line
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PDSERVE_WEIGHTS_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "pdserve" / "weights"
+
+
+def shareable(model: nn.Module) -> bool:
+    if os.environ.get("PDSERVE_SHARE_WEIGHTS", "1") == "0":
+        return False
+    params = list(model.parameters())
+    return bool(params) and all(p.device.type == "cpu" and str(p.dtype) in _DTYPES for p in params)
+
+
+def load_shared(model: nn.Module, files: list[Path], rank: str, load: Callable[[], None]) -> bool:
+    """Fill ``model``'s parameters from the node's weights file, writing it with ``load``
+    first when it is missing; True if the parameters now map the shared file.
+
+    ``files``: the checkpoint's files; ``rank``: this rank's coordinates and layer range.
+    """
+    if not shareable(model):
+        load()
+        return False
+    manifest = _manifest(model)
+    path = cache_dir() / f"{_key(files, rank, manifest)}.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_suffix(".lock")):
+        if not _matches(path, manifest):
+            load()
+            _write(model, path, manifest)
+    _map(model, path, manifest)
+    return True
+
+
+def _manifest(model: nn.Module) -> list[dict[str, Any]]:
+    out, offset = [], 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        out.append({"name": name, "dtype": str(p.dtype), "shape": list(p.shape),
+                    "offset": offset, "nbytes": nbytes})  # fmt: skip
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return out
+
+
+def _key(files: list[Path], rank: str, manifest: list[dict[str, Any]]) -> str:
+    h = hashlib.sha256(rank.encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(json.dumps(manifest).encode())
+    return h.hexdigest()[:32]
+
+
+def _matches(path: Path, manifest: list[dict[str, Any]]) -> bool:
+    meta = path.with_suffix(".json")
+    if not (path.is_file() and meta.is_file()):
+        return False
+    try:
+        return bool(json.loads(meta.read_text()) == manifest)
+    except ValueError:
+        return False
+
+
+def _write(model: nn.Module, path: Path, manifest: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    params = dict(model.named_parameters())
+    with open(tmp, "wb") as f:
+        for entry in manifest:
+            f.seek(entry["offset"])
+            data = params[entry["name"]].detach().contiguous().view(torch.uint8)
+            data.numpy().tofile(f)
+        f.truncate(_total(manifest))
+    tmp.replace(path)
+    meta = path.with_suffix(".json.tmp")
+    meta.write_text(json.dumps(manifest))
+    meta.replace(path.with_suffix(".json"))
+
+
+@torch.no_grad()
+def _map(model: nn.Module, path: Path, manifest: list[dict[str, Any]]) -> None:
+    storage = torch.from_file(str(path), shared=False, size=_total(manifest), dtype=torch.uint8)
+    params = dict(model.named_parameters())
+    for entry in manifest:
+        raw = storage[entry["offset"] : entry["offset"] + entry["nbytes"]]
+        params[entry["name"]].data = raw.view(_DTYPES[entry["dtype"]]).view(entry["shape"])
+
+
+def _total(manifest: list[dict[str, Any]]) -> int:
+    last = manifest[-1] if manifest else {"offset": 0, "nbytes": 0}
+    return max(int(last["offset"]) + int(last["nbytes"]), 1)
+
+
+@contextmanager
+def _locked(path: Path) -> Any:
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
