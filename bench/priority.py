@@ -8,7 +8,9 @@ default the capacity measured first: completed requests per second with all
 ``--probe-requests`` sent at once), side by side:
 
 - ``online``: alone, the baseline;
-- ``2x``: beside as many requests again of priority -1 (twice the offered load);
+- ``2x``: beside requests of priority -1 that bring the offered load to twice the
+  capacity (as many again as online by default; more with ``--online-share``
+  below 1, online then running at that share of the capacity);
 - ``batch``: while ``pdserve batch`` runs a file of ``--batch-lines`` requests.
 
 Reported per run: online TTFT and TPOT p90 and SLO attainment; for the
@@ -46,8 +48,11 @@ router: {{max_inflight_per_region: {cap}, low_priority_share: 0.5, low_priority_
 """
 
 
-def _specs(args: argparse.Namespace, seed: int, vocab: int) -> list[wl.RequestSpec]:
-    arrivals = wl.arrival_times("poisson", args.rate, None, args.duration, seed=seed)
+def _specs(
+    args: argparse.Namespace, seed: int, vocab: int, rate: float | None = None
+) -> list[wl.RequestSpec]:
+    rate = args.rate if rate is None else rate
+    arrivals = wl.arrival_times("poisson", rate, None, args.duration, seed=seed)
     n = len(arrivals)
     prompts = np.full(n, args.prompt_len)
     outputs = np.full(n, args.output_len)
@@ -72,8 +77,9 @@ async def _run(base: str, args: argparse.Namespace, mode: str, slo: Slo) -> dict
     quiet = LoadOptions(progress=False)
     try:
         jobs: list[Any] = [run_load(online, _specs(args, 1, args.vocab), options=quiet)]
-        if mode == "2x":
-            jobs.append(run_load(low, _specs(args, 2, args.vocab), options=quiet))
+        if mode == "2x":  # low priority brings the offered load to twice the capacity
+            rate = args.capacity * 2 - args.rate
+            jobs.append(run_load(low, _specs(args, 2, args.vocab, rate), options=quiet))
         elif mode == "batch":
             jobs.append(_batch_job(base, args, online.model))
         results = await asyncio.gather(*jobs)
@@ -145,8 +151,12 @@ def run(args: argparse.Namespace) -> int:
         base = f"http://{endpoints.host}:{endpoints.http_port}"
         if args.rate is None:
             results["capacity_rps"] = asyncio.run(_capacity(base, args))
-            args.rate = results["capacity_rps"]
-            print(f"capacity {args.rate:.2f} req/s: online at that rate, 2x with priority -1")
+            args.rate = results["capacity_rps"] * args.online_share
+            print(
+                f"capacity {results['capacity_rps']:.2f} req/s: online at {args.rate:.2f}, "
+                "priority -1 bringing the load to 2x"
+            )
+        args.capacity = results.get("capacity_rps", args.rate)
         for mode in ("online", "2x", "batch"):
             results[mode] = asyncio.run(_run(base, args, mode, slo))
             print(_line(mode, results[mode]), flush=True)
@@ -174,6 +184,13 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="builtin:tiny")
     p.add_argument(
         "--rate", type=float, default=None, help="online req/s (default: the measured capacity)"
+    )
+    p.add_argument(
+        "--online-share",
+        type=float,
+        default=1.0,
+        help="online load as a share of the measured capacity; in the 2x run priority -1 "
+        "brings the total to twice the capacity (default 1: as much again)",
     )
     p.add_argument("--probe-requests", type=int, default=48)
     p.add_argument("--duration", type=float, default=30.0)

@@ -1,12 +1,14 @@
-"""Speculative decoding (prompt lookup) against plain decoding, side by side in one run.
+"""Speculative decoding against plain decoding, side by side in one run.
 
-    pdserve bench spec --model builtin:pycode
+    pdserve bench spec --model builtin:pycode --methods none,ngram,draft,draft+rules
 
 B greedy requests whose prompts are the first ``--prompt-tokens`` tokens of
-Python standard-library files, at B = 1 and 16, with speculation off and with
-``ngram`` (``--num-speculative-tokens`` drafts, n-grams of ``--lookup-min`` to
-``--lookup-max`` tokens) twice: with the batch-size rule lifted so every batch
-drafts (``ngram``), and with the engine's own turn-off rules (``ngram+rules``).
+Python standard-library files, at B = 1 and 16, with each of ``--methods``:
+``none`` (speculation off); ``ngram`` (prompt lookup: ``--num-speculative-tokens``
+drafts, n-grams of ``--lookup-min`` to ``--lookup-max`` tokens); ``draft`` (the
+draft model ``--draft-model``, ``--draft-tokens`` drafts). A method
+alone has the batch-size rule lifted so every batch drafts; ``+rules`` keeps
+the engine's own turn-off rules (``speculative_max_batch``, ``speculative_min_acceptance``).
 Decode tokens/s is ``B * (N - 1)`` over the time a run of N new tokens takes
 beyond a run of 1 on the same prompts (prefix caching off), median of
 ``--repeats`` runs, the engines taking turns; ``decode_tok_per_cpu_s`` is the
@@ -62,19 +64,23 @@ def _run(
     return took, [o.outputs[0].token_ids for o in outs]
 
 
-_METHODS = ("none", "ngram", "ngram+rules")
+_METHODS = ("none", "ngram", "ngram+rules", "draft", "draft+rules")
 
 
 def _engine(args: argparse.Namespace, method: str, batch: int) -> Any:
     from pdserve import LLM
 
     options: dict[str, Any] = {"speculative_method": method.removesuffix("+rules")}
-    if method == "ngram":  # lift the batch-size rule
+    if method in ("ngram", "draft"):  # lift the batch-size rule
         options["speculative_max_batch"] = batch
+    k = args.num_speculative_tokens
+    if method.startswith("draft"):
+        options["speculative_draft_model"] = args.draft_model
+        k = args.draft_tokens or k
     return LLM(
         args.model,
         enable_prefix_caching=False,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=k,
         prompt_lookup_min=args.lookup_min,
         prompt_lookup_max=args.lookup_max,
         **options,
@@ -83,11 +89,12 @@ def _engine(args: argparse.Namespace, method: str, batch: int) -> Any:
 
 def measure(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Each method's decode tokens/s and acceptance on one batch; runs alternate."""
-    engines = {m: _engine(args, m, len(prompts)) for m in _METHODS}
+    methods = args.methods.split(",")
+    engines = {m: _engine(args, m, len(prompts)) for m in methods}
     for llm in engines.values():
         _run(llm, prompts, 2)  # warm-up
     new = len(prompts) * (args.decode_tokens - 1)
-    rates: dict[str, list[tuple[float, float]]] = {m: [] for m in _METHODS}
+    rates: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
         for method, llm in engines.items():
@@ -95,7 +102,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str
             full, tokens[method] = _run(llm, prompts, args.decode_tokens)
             rates[method].append((new / (full[0] - one[0]), new / (full[1] - one[1])))
     rows = []
-    median = {m: [statistics.median(r[i] for r in rates[m]) for i in (0, 1)] for m in _METHODS}
+    median = {m: [statistics.median(r[i] for r in rates[m]) for i in (0, 1)] for m in methods}
     base_wall, base_cpu = median["none"]
     for method, llm in engines.items():
         llm.check_idle()
@@ -137,15 +144,34 @@ def run(args: argparse.Namespace) -> int:
         "prompt_tokens": args.prompt_tokens,
         "num_speculative_tokens": args.num_speculative_tokens,
         "lookup": [args.lookup_min, args.lookup_max],
+        "draft_model": args.draft_model,
+        "draft_tokens": args.draft_tokens or args.num_speculative_tokens,
         "rows": rows,
     }
     print(f"wrote {write_json(Path(args.out), payload)}")
     return 0
 
 
+def _methods(value: str) -> str:
+    names = value.split(",")
+    if names[0] != "none" or not set(names) <= set(_METHODS) or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"want none first, then some of {_METHODS}: {value!r}")
+    return value
+
+
 def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("spec", help="speculative decoding (prompt lookup) vs off")
+    p = kinds.add_parser("spec", help="speculative decoding (prompt lookup, draft model) vs off")
     p.add_argument("--model", default="builtin:pycode")
+    p.add_argument(
+        "--methods",
+        type=_methods,
+        default="none,ngram,ngram+rules",
+        help=f"comma-separated, starting with none; of {', '.join(_METHODS)}",
+    )
+    p.add_argument("--draft-model", default="builtin:pycode-draft", help="for method draft")
+    p.add_argument(
+        "--draft-tokens", type=int, default=0, help="drafts per step of method draft (0: as ngram)"
+    )
     p.add_argument("--decode-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--num-speculative-tokens", type=int, default=4)

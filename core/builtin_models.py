@@ -1,5 +1,5 @@
-"""Built-in models (``builtin:tiny``, ``builtin:small``, ``builtin:pycode``) and
-model-name resolution.
+"""Built-in models (``builtin:tiny``, ``builtin:small``, ``builtin:pycode``,
+``builtin:pycode-draft``) and model-name resolution.
 
 ``builtin:tiny`` and ``builtin:small`` are Llama-shaped checkpoints with **random
 weights** and a real byte-level BPE tokenizer trained on a short text shipped
@@ -10,7 +10,9 @@ never trained.
 
 ``builtin:pycode`` is trained (on the Python standard library's source, by
 ``pdserve.core.pycode_train``) and ships inside the package as a checkpoint
-folder (``core/data/pycode``, ``TRAINED_MODELS``); it is returned as it is.
+folder (``core/data/pycode``, ``TRAINED_MODELS``); it is returned as it is. So is
+``builtin:pycode-draft``, a much smaller model with the same tokenizer, trained
+the same way as the draft model of speculative decoding for ``builtin:pycode``.
 
 Each of them is an ordinary Hugging Face checkpoint folder (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
@@ -71,7 +73,10 @@ BUILTIN_MODELS = {
 
 
 # Trained built-in models: package data folders of pdserve.core.
-TRAINED_MODELS = {"pycode": "data/pycode"}
+TRAINED_MODELS = {"pycode": "data/pycode", "pycode-draft": "data/pycode-draft"}
+
+
+TRAIN_OPTIONS = {"pycode": "", "pycode-draft": "--preset draft "}  # how each is trained
 
 
 def builtin_names() -> list[str]:
@@ -134,7 +139,7 @@ def packaged_builtin(name: str) -> Path:
             "model",
             f"builtin:{name} is missing from this installation ({folder} has no "
             f"model.safetensors); reinstall pdserve, or train it with "
-            f"python -m pdserve.core.pycode_train --out {folder}",
+            f"python -m pdserve.core.pycode_train {TRAIN_OPTIONS[name]}--out {folder}",
         )
     return folder
 

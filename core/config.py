@@ -15,7 +15,7 @@ from pdserve.core.errors import InvalidArgumentError
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _EVICTION_POLICIES = ("lru", "idle", "priority")
 _QUANTIZATIONS = ("none", "int8", "int4")
-_SPECULATIVE_METHODS = ("none", "ngram")
+_SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 def _positive(name: str, value: int) -> None:
@@ -58,10 +58,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
-        if self.num_blocks is not None:
-            _positive("num_blocks", self.num_blocks)
-        if self.kv_cache_memory_bytes is not None:
-            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        for name in ("num_blocks", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         for name in ("eviction", "host_tier_eviction", "disk_tier_eviction"):
             if getattr(self, name) not in _EVICTION_POLICIES:
                 raise InvalidArgumentError(
@@ -133,15 +132,11 @@ class ParallelConfig:
     rebalance_min_tokens: int = 1024
 
     def __post_init__(self) -> None:
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
-        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        _positive("expert_parallel_size", self.expert_parallel_size)
-        if self.redundant_experts < 0:
-            raise InvalidArgumentError("redundant_experts", "must be >= 0")
-        if self.rebalance_interval_s < 0:
-            raise InvalidArgumentError("rebalance_interval_s", "must be >= 0")
-        if self.rebalance_min_tokens < 0:
-            raise InvalidArgumentError("rebalance_min_tokens", "must be >= 0")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            _positive(name, getattr(self, name))
+        for name in ("redundant_experts", "rebalance_interval_s", "rebalance_min_tokens"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(name, "must be >= 0")
         if self.redundant_experts and self.expert_parallel_size == 1:
             raise InvalidArgumentError(
                 "redundant_experts",
@@ -194,7 +189,10 @@ class SpeculativeConfig:
     """Speculative decoding of running requests (see ``engine/speculative.py``).
 
     Attributes:
-        method: "none"; "ngram": drafts by prompt lookup in the request's own tokens.
+        method: "none"; "ngram": drafts by prompt lookup in the request's own tokens;
+            "draft": drafts from a smaller model of the same vocabulary (``draft_model``).
+        draft_model: the draft model's folder or ``builtin:`` name
+            (``speculative_draft_model``), for method "draft" only.
         num_speculative_tokens: most draft tokens verified per request and step.
         prompt_lookup_min: shortest tail n-gram looked up in the request's tokens.
         prompt_lookup_max: longest tail n-gram looked up (tried first).
@@ -206,6 +204,7 @@ class SpeculativeConfig:
     """
 
     method: str = "none"
+    draft_model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -217,9 +216,11 @@ class SpeculativeConfig:
             raise InvalidArgumentError(
                 "speculative_method", f"must be one of {_SPECULATIVE_METHODS}, got {self.method!r}"
             )
-        _positive("num_speculative_tokens", self.num_speculative_tokens)
-        _positive("prompt_lookup_min", self.prompt_lookup_min)
-        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if (self.method == "draft") != bool(self.draft_model):
+            msg = "is needed with speculative_method draft, and only then"
+            raise InvalidArgumentError("speculative_draft_model", msg)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            _positive(name, getattr(self, name))
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise InvalidArgumentError("prompt_lookup_max", "must be >= prompt_lookup_min")
         _positive("speculative_max_batch", self.max_batch)
@@ -233,7 +234,7 @@ class SpeculativeConfig:
     @staticmethod
     def flat_names() -> dict[str, str]:
         """Flat option name (API, CLI) -> field name."""
-        prefixed = ("method", "max_batch", "min_acceptance")
+        prefixed = ("method", "draft_model", "max_batch", "min_acceptance")
         return {
             (f"speculative_{name}" if name in prefixed else name): name
             for name in SpeculativeConfig.__dataclass_fields__
@@ -284,6 +285,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive("max_lora_rank", self.max_lora_rank)
         _check_adapters(self.lora_adapters)
+        if self.speculative.method == "draft" and self.parallel.pipeline_parallel_size > 1:
+            msg = "is supported with pipeline_parallel_size 1 only (use tensor parallelism)"
+            raise InvalidArgumentError("speculative_draft_model", msg)
         if not isinstance(self.model, str) or not self.model:
             raise InvalidArgumentError("model", "must be a non-empty path or name")
         if self.dtype not in _DTYPES:
@@ -293,14 +297,11 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidArgumentError("device", f"must be auto, cpu or cuda, got {self.device!r}")
         if self.quantization not in _QUANTIZATIONS:
-            raise InvalidArgumentError(
-                "quantization", f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}"
-            )
+            msg = f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}"
+            raise InvalidArgumentError("quantization", msg)
         if not isinstance(self.kernel_backend, str) or not self.kernel_backend:
-            raise InvalidArgumentError(
-                "kernel_backend",
-                f"must be a kernels name (auto, torch, triton), got {self.kernel_backend!r}",
-            )
+            msg = f"must be a kernels name (auto, torch, triton), got {self.kernel_backend!r}"
+            raise InvalidArgumentError("kernel_backend", msg)
 
     @property
     def adapter_names(self) -> tuple[str, ...]:

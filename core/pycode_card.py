@@ -1,13 +1,18 @@
-"""The model card (``README.md``) and loss curve (``loss.png``) of ``builtin:pycode``.
+"""The model card (``README.md``), loss curve (``loss.png``) and record of a trained
+built-in model (``builtin:pycode``, and its draft model ``builtin:pycode-draft``).
 
-Both are written by ``pdserve.core.pycode_train`` from the run's record (the
-dict it saves as ``training.json``) and its loss history.
+All three are written by ``pdserve.core.pycode_train`` from the run's record
+(the dict it saves as ``training.json``) and its loss history.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 
 class LossHistory(Protocol):
@@ -15,9 +20,51 @@ class LossHistory(Protocol):
     eval_steps: list[int]
     eval_loss: list[float]
     tokens_per_step: int
+    wall_s: float
+    stopped_by: str
 
 
-def write_loss_plot(history: LossHistory, path: Path, smooth: int = 20) -> None:
+def training_record(
+    cfg: Any, command: str, files: tuple[list[str], list[str]], history: LossHistory,
+    skipped: Iterable[str],
+) -> dict[str, Any]:  # fmt: skip
+    """What ``training.json`` records (``cfg``: the run's ``TrainConfig``; ``files``:
+    the training and held-out files; ``skipped``: folder names left out of the data)."""
+    import platform
+    import sys
+
+    steps = len(history.train_loss)
+    train, held_out = files
+    return {
+        "command": command,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "data": {
+            "source": f"Python {platform.python_version()} standard library (*.py)",
+            "skipped_folders": sorted(skipped),
+            "split": f"held out when zlib.crc32(relative path) % {cfg.held_out_every} == 0",
+            "files": {"train": len(train), "held_out": len(held_out)},
+            "held_out_files": held_out,
+        },
+        "training": {
+            "steps": steps,
+            "tokens_seen": steps * history.tokens_per_step,
+            "stopped_by": history.stopped_by,
+            "loop_wall_s": history.wall_s,
+            "train_loss": [round(x, 4) for x in history.train_loss],
+            "eval_steps": history.eval_steps,
+            "eval_loss": [round(x, 4) for x in history.eval_loss],
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "threads": cfg.threads,
+            "python": sys.version.split()[0],
+        },
+    }
+
+
+def write_loss_plot(history: LossHistory, path: Path, name: str, smooth: int = 20) -> None:
     """Train loss (raw and a moving average) and held-out loss against tokens seen."""
     import matplotlib
 
@@ -40,7 +87,7 @@ def write_loss_plot(history: LossHistory, path: Path, smooth: int = 20) -> None:
     )
     ax.set_xlabel("tokens seen (millions)")
     ax.set_ylabel("cross-entropy (nats per token)")
-    ax.set_title("builtin:pycode on the Python standard library")
+    ax.set_title(f"builtin:{name} on the Python standard library")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -51,9 +98,12 @@ def write_loss_plot(history: LossHistory, path: Path, smooth: int = 20) -> None:
 def write_card(record: dict[str, Any], path: Path) -> None:
     cfg, data, result = record["config"], record["data"], record["result"]
     training, machine = record["training"], record["machine"]
+    name = cfg.get("name", "pycode")
+    intro = DRAFT_INTRO if cfg.get("tokenizer") else INTRO
     path.write_text(
         CARD.format(
-            params=result["parameters"] / 1e6,
+            name=name,
+            intro=intro.format(params=result["parameters"] / 1e6, cfg=cfg),
             source=data["source"],
             skipped=", ".join(f"`{d}`" for d in data["skipped_folders"]),
             split=data["split"].replace("held out when ", ""),
@@ -77,14 +127,26 @@ def write_card(record: dict[str, Any], path: Path) -> None:
     )
 
 
-CARD = """\
-# builtin:pycode
-
+INTRO = """\
 A Llama-shaped causal language model of {params:.2f} M parameters, trained from
 scratch on Python source, with a {cfg[vocab_size]}-token byte-level BPE tokenizer
 trained on the same text. pdserve ships it so that its examples and its demo print
 recognisable code-like text without downloading anything:
-`pdserve.LLM(model="builtin:pycode")`.
+`pdserve.LLM(model="builtin:pycode")`."""
+
+DRAFT_INTRO = """\
+A Llama-shaped causal language model of {params:.2f} M parameters, trained from
+scratch on Python source with the tokenizer of `{cfg[tokenizer]}` (copied, not
+retrained: same vocabulary, same ids). pdserve ships it as the draft model of
+speculative decoding for `{cfg[tokenizer]}`:
+`pdserve.LLM(model="{cfg[tokenizer]}", speculative_method="draft",
+speculative_draft_model="builtin:{cfg[name]}")`. It proposes tokens cheaply; the
+target verifies every one of them, so what it gets wrong costs time, never text."""
+
+CARD = """\
+# builtin:{name}
+
+{intro}
 
 | shape | |
 | --- | --- |

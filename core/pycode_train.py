@@ -1,6 +1,8 @@
-"""Training of ``builtin:pycode``, a small Llama-shaped model of Python source.
+"""Training of ``builtin:pycode``, a small Llama-shaped model of Python source, and of
+its draft model ``builtin:pycode-draft`` (speculative decoding).
 
     python -m pdserve.core.pycode_train --out core/data/pycode
+    python -m pdserve.core.pycode_train --preset draft --out core/data/pycode-draft
 
 Data: the ``.py`` files of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``) without its tests, third-party packages
@@ -9,7 +11,9 @@ the same on every Python version: a file is held out when the CRC-32 of its
 path relative to the library is 0 modulo ``held_out_every``.
 
 Tokenizer: the built-in models' byte-level BPE (same special tokens and chat
-template) trained on the training files. Each file is encoded as
+template) trained on the training files; or, with ``tokenizer`` set (the draft
+preset), the tokenizer of that checkpoint copied as it is, so the draft proposes
+ids the target reads. Each file is encoded as
 ``<|begin_of_text|> source <|end_of_text|>``; the files are concatenated into
 one stream and a step samples ``batch_size`` random windows of it.
 
@@ -27,6 +31,7 @@ import argparse
 import json
 import logging
 import math
+import shutil
 import sysconfig
 import time
 import zlib
@@ -42,10 +47,11 @@ from pdserve.core.builtin_models import (
     EOS,
     BuiltinSpec,
     hf_config,
+    resolve_model,
     train_tokenizer,
     write_tokenizer_files,
 )
-from pdserve.core.pycode_card import write_card, write_loss_plot
+from pdserve.core.pycode_card import training_record, write_card, write_loss_plot
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,25 @@ _TESTS_AND_THIRD_PARTY = {"test", "tests", "idle_test", "site-packages", "dist-p
 _APPS_AND_TABLES = {"idlelib", "turtledemo", "ensurepip", "encodings", "pydoc_data", "__pycache__"}
 SKIP_DIRS = frozenset(_TESTS_AND_THIRD_PARTY | _APPS_AND_TABLES)
 SKIP_PREFIXES = ("config-", "_sysconfigdata")
+
+# Option defaults per ``--preset``: the model and a draft model for it (same
+# tokenizer, a fraction of the compute per token; trained for a few minutes).
+PRESETS: dict[str, dict[str, Any]] = {
+    "pycode": {},
+    "draft": {
+        "name": "pycode-draft",
+        "tokenizer": "builtin:pycode",
+        "hidden_size": 96,
+        "num_layers": 2,
+        "num_heads": 3,
+        "num_kv_heads": 1,
+        "intermediate_size": 256,
+        "steps": 1400,
+        "minutes": 7.0,
+        "lr": 5e-3,
+        "eval_every": 250,
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -75,6 +100,9 @@ class TrainConfig:
     eval_every, eval_windows: held-out loss every so many steps, on so many windows.
     threads: torch intra-op threads.
     held_out_every: one file in this many (by CRC-32 of its path) is held out.
+    name: the built-in name the checkpoint ships as (``builtin:<name>``).
+    tokenizer: a checkpoint folder or ``builtin:`` name whose tokenizer is copied;
+        empty: train one on the training files.
     """
 
     out: Path
@@ -99,6 +127,8 @@ class TrainConfig:
     eval_windows: int = 32
     threads: int = 2
     held_out_every: int = 20
+    name: str = "pycode"
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         if self.max_positions < self.context:
@@ -277,13 +307,8 @@ def train(model: Any, train: torch.Tensor, held: torch.Tensor, cfg: TrainConfig)
             log.info("step %d eval loss %.3f", step + 1, out.eval_loss[-1])
         if step % 10 == 0:
             rate = (step + 1) * out.tokens_per_step / (time.monotonic() - start)
-            log.info(
-                "step %d loss %.3f lr %.2e %.0f tok/s",
-                step,
-                loss.item(),
-                sched.get_last_lr()[0],
-                rate,
-            )
+            lr = sched.get_last_lr()[0]
+            log.info("step %d loss %.3f lr %.2e %.0f tok/s", step, loss.item(), lr, rate)
     out.wall_s = time.monotonic() - start
     return out
 
@@ -300,15 +325,26 @@ def save_weights(model: Any, folder: Path) -> int:
     return sum(t.numel() for t in state.values())
 
 
+def load_tokenizer(cfg: TrainConfig, train_texts: list[str]) -> Any:
+    """The ``tokenizer`` checkpoint's tokenizer, or a new one trained on ``train_texts``."""
+    if not cfg.tokenizer:
+        return train_tokenizer(cfg.vocab_size, train_texts)
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(resolve_model(cfg.tokenizer) / "tokenizer.json"))
+
+
 def run(cfg: TrainConfig, command: str) -> dict[str, Any]:
     """Train, write the checkpoint folder, and return what ``training.json`` records."""
     torch.set_num_threads(cfg.threads)
     corpus = stdlib_corpus(cfg.held_out_every)
     train_texts, held_texts = corpus.texts(corpus.train), corpus.texts(corpus.held_out)
     started = time.monotonic()
-    tok = train_tokenizer(cfg.vocab_size, train_texts)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(cfg, train_texts)
     bos, eos = write_tokenizer_files(tok, cfg.out, cfg.max_positions)
+    if cfg.tokenizer:  # byte for byte the source's file
+        shutil.copyfile(resolve_model(cfg.tokenizer) / "tokenizer.json", cfg.out / "tokenizer.json")
     train_ids, held_ids = token_stream(tok, train_texts), token_stream(tok, held_texts)
     log.info("%d train tokens, %d held-out tokens", len(train_ids), len(held_ids))
     config = checkpoint_config(cfg, tok.get_vocab_size(), bos, eos)
@@ -317,7 +353,8 @@ def run(cfg: TrainConfig, command: str) -> dict[str, Any]:
     history = train(model, train_ids, held_ids, cfg)
     held_loss = evaluate(model, held_out_windows(held_ids, cfg.context, None), cfg.batch_size)
     params = save_weights(model, cfg.out)
-    record = training_record(cfg, command, corpus, history)
+    files = (corpus.train, corpus.held_out)
+    record = training_record(cfg, command, files, history, SKIP_DIRS)
     record["data"]["tokens"] = {"train": len(train_ids), "held_out": len(held_ids)}
     record["result"] = {
         "parameters": params,
@@ -327,56 +364,24 @@ def run(cfg: TrainConfig, command: str) -> dict[str, Any]:
         "total_wall_s": time.monotonic() - started,
     }
     (cfg.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    write_loss_plot(history, cfg.out / "loss.png")
+    write_loss_plot(history, cfg.out / "loss.png", cfg.name)
     write_card(record, cfg.out / "README.md")
     return record
-
-
-def training_record(
-    cfg: TrainConfig, command: str, corpus: Corpus, history: TrainLog
-) -> dict[str, Any]:
-    import platform
-    import sys
-
-    steps = len(history.train_loss)
-    return {
-        "command": command,
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-        "data": {
-            "source": f"Python {platform.python_version()} standard library (*.py)",
-            "skipped_folders": sorted(SKIP_DIRS),
-            "split": f"held out when zlib.crc32(relative path) % {cfg.held_out_every} == 0",
-            "files": {"train": len(corpus.train), "held_out": len(corpus.held_out)},
-            "held_out_files": corpus.held_out,
-        },
-        "training": {
-            "steps": steps,
-            "tokens_seen": steps * history.tokens_per_step,
-            "stopped_by": history.stopped_by,
-            "loop_wall_s": history.wall_s,
-            "train_loss": [round(x, 4) for x in history.train_loss],
-            "eval_steps": history.eval_steps,
-            "eval_loss": [round(x, 4) for x in history.eval_loss],
-        },
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "threads": cfg.threads,
-            "python": sys.version.split()[0],
-        },
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
-    defaults = TrainConfig(out=Path())
+    p.add_argument("--preset", choices=sorted(PRESETS), default="pycode", help="option defaults")
+    preset = p.parse_known_args(argv)[0].preset
+    defaults = TrainConfig(out=Path(), **PRESETS[preset])
     for name, value in asdict(defaults).items():
         if name != "out":
             flag = "--" + name.replace("_", "-")
             p.add_argument(flag, type=type(value), default=value, help=f"default {value}")
-    return TrainConfig(**vars(p.parse_args(argv)))
+    args = vars(p.parse_args(argv))
+    del args["preset"]
+    return TrainConfig(**args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,7 +55,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "--ep", type=int, default=1)
     p.add_argument(
-        "--speculative-method", default="none", help="none or ngram (prompt-lookup drafts)"
+        "--speculative-method",
+        default="none",
+        help="none, ngram (prompt-lookup drafts) or draft (a draft model's)",
+    )
+    p.add_argument(
+        "--speculative-draft-model",
+        default=None,
+        help="the draft model (folder or builtin:NAME) of --speculative-method draft",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
     p.add_argument(
@@ -85,6 +92,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "expert_parallel_size": args.expert_parallel_size,
         "speculative_method": args.speculative_method,
+        "speculative_draft_model": args.speculative_draft_model,
         "num_speculative_tokens": args.num_speculative_tokens,
         "lora_adapters": args.lora,
         "max_lora_rank": args.max_lora_rank,

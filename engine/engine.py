@@ -57,8 +57,9 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, model, num_blocks)
         self.kv = KVCacheManager.from_config(config.cache, num_blocks, executor.tier_slots)
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, self.max_model_len, speculative=config.speculative
-        )
+            config.scheduler, self.kv, self.max_model_len,
+            speculative=config.speculative, proposer=executor.draft_proposer,
+        )  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.eos_token_ids = model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())

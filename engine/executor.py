@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 
 from pdserve.core.step import StepPlan, StepResult
+from pdserve.engine.draft import DraftProposer
 
 
 class Executor(abc.ABC):
@@ -38,6 +39,11 @@ class Executor(abc.ABC):
     def tier_io(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
         """Bytes and seconds the leader rank moved per (tier, direction)."""
         return {}, {}
+
+    @property
+    def draft_proposer(self) -> DraftProposer | None:
+        """The draft model of ``speculative_method: draft``, on the engine's rank (None: none)."""
+        return None
 
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...

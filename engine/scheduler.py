@@ -38,6 +38,7 @@ from pdserve.core.config import SchedulerConfig, SpeculativeConfig
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan, TierOps
 from pdserve.engine.block_pool import KVBlock
+from pdserve.engine.draft import DraftProposer
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.priority import WaitingQueue, by_priority, victim, victims_for
 from pdserve.engine.speculative import Speculator
@@ -53,9 +54,10 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
-        speculative: SpeculativeConfig | None = None,
+        speculative: SpeculativeConfig | None = None, proposer: DraftProposer | None = None,
     ) -> None:  # fmt: skip
-        """``clock``: where the request timestamps come from (a simulator passes its own)."""
+        """``clock``: where the request timestamps come from (a simulator passes its own);
+        ``proposer``: the draft model of ``speculative_method: draft``."""
         self.clock = clock
         self.config = config
         self.kv = kv
@@ -70,7 +72,7 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
-        self.spec = Speculator(speculative or SpeculativeConfig())
+        self.spec = Speculator(speculative or SpeculativeConfig(), proposer)
         self._drafts: dict[str, list[int]] = {}  # this step's drafts per request
 
     def add_request(self, request: Request) -> None:
@@ -164,6 +166,7 @@ class Scheduler:
         tier_ops = self.kv.tiers.take_ops() if self.kv.tiers is not None else TierOps()
         if chosen or tier_ops:  # an empty plan is not executed: its ranks would never hear
             self._finished_since_last_step = []
+        self._drafts = self.spec.fill(self._drafts, [r for r, _ in chosen], self.kv.block_table)
         seqs = [self._scheduled(r, n) for r, n in chosen]
         return StepPlan(self._step_id, seqs, list(finished), tier_ops=tier_ops)
 

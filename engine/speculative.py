@@ -1,9 +1,14 @@
-"""Speculative decoding by prompt lookup: drafts, and when to stop proposing them.
+"""Speculative decoding: drafts, and when to stop proposing them.
 
-A decoding request's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down
-to ``prompt_lookup_min``) are looked up in its own earlier tokens (prompt and
-output); the tokens that followed their most recent earlier occurrence are the
-drafts. The scheduler schedules ``[last token] + drafts`` in one row; the rank
+Two ways to draft. ``ngram`` (prompt lookup): a decoding request's last ``n``
+tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are
+looked up in its own earlier tokens (prompt and output); the tokens that
+followed their most recent earlier occurrence are the drafts. ``draft``: a
+smaller model of the same vocabulary proposes them (``engine/draft.py``); the
+scheduler reserves ``k`` slots per drafting request and, once the step's batch
+is fixed, the draft model fills all of them in one batched call.
+
+The scheduler schedules ``[last token] + drafts`` in one row; the rank
 returns the target's tokens while they agree with the drafts, plus one more
 (``Sampler.verify``), so a step yields between 1 and ``k + 1`` tokens.
 
@@ -25,10 +30,13 @@ When it turns itself off:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.core.config import SpeculativeConfig
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.request import Request
+from pdserve.engine.draft import PENDING, DraftProposer, ModelDrafter
 
 EWMA_WEIGHT = 0.3  # weight of the newest verifying step in a request's acceptance rate
 PROBE_EVERY = 8  # a request below min_acceptance drafts once per this many decode steps
@@ -74,10 +82,18 @@ class _Track:
 class Speculator:
     """Proposes drafts for decoding requests and tracks how many are accepted."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: DraftProposer | None = None) -> None:
+        """``proposer``: the instance's draft model, needed by method "draft"."""
         self.config = config
         self.stats = SpeculationStats()
         self._tracks: dict[str, _Track] = {}
+        self._model: ModelDrafter | None = None
+        if config.method == "draft":
+            if proposer is None:
+                raise InvalidArgumentError(
+                    "speculative_draft_model", "this executor loaded no draft model to run"
+                )
+            self._model = ModelDrafter(proposer)
 
     @property
     def enabled(self) -> bool:
@@ -114,7 +130,24 @@ class Speculator:
             track.steps_since_probe = 0
         c = self.config
         k = min(limit, c.num_speculative_tokens)
+        if self._model is not None:  # slots for now; fill() puts the draft model's tokens in
+            return [PENDING] * min(k, self._model.limit(request))
         return propose_ngram(request.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def fill(
+        self,
+        drafts: dict[str, list[int]],
+        requests: list[Request],
+        block_table: Callable[[str], list[int]],
+    ) -> dict[str, list[int]]:
+        """The step's drafts once its batch is fixed (``requests``: every scheduled one).
+
+        Method "draft" proposes every reserved slot in one batched call (see
+        :meth:`ModelDrafter.fill`); n-gram drafts are returned as they are.
+        """
+        if self._model is None or not drafts:
+            return drafts
+        return self._model.fill(drafts, requests, block_table)
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         """A row verified ``proposed`` drafts and kept ``accepted`` of them."""
@@ -126,3 +159,5 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
+        if self._model is not None:
+            self._model.forget(request_id)

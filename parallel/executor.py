@@ -10,19 +10,29 @@ from pdserve.core.config import EngineConfig
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import StepPlan, StepResult
 from pdserve.engine.executor import Executor
+from pdserve.parallel.draft_runner import DraftRunner
 from pdserve.parallel.model_runner import ModelRunner
 
 
 class LocalExecutor(Executor):
-    """One rank, in-process."""
+    """One rank, in-process (and the draft model, with ``speculative_method: draft``)."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig) -> None:
         self.runner = ModelRunner(model_config, config)
-        self.runner.allocate_kv(self.runner.max_num_blocks())
+        runner = self.runner
+        self.drafter = DraftRunner.for_engine(model_config, config, runner.device, runner.dtype)
+        num_blocks = runner.max_num_blocks(self.drafter.bytes_per_block() if self.drafter else 0)
+        runner.allocate_kv(num_blocks)
+        if self.drafter is not None:
+            self.drafter.allocate_kv(num_blocks)
 
     @property
     def num_kv_blocks(self) -> int:
         return self.runner.num_blocks
+
+    @property
+    def draft_proposer(self) -> DraftRunner | None:
+        return self.drafter
 
     @property
     def tier_slots(self) -> tuple[int, int]:

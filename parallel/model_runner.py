@@ -169,8 +169,12 @@ class ModelRunner:
         if self.tiers is not None:
             self.tiers.close()
 
-    def max_num_blocks(self) -> int:
-        """Blocks that fit this rank's KV budget (or the configured count)."""
+    def max_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
+        """Blocks that fit this rank's KV budget (or the configured count).
+
+        ``extra_bytes_per_block``: what else a block costs on this rank (a draft
+        model's KV of the same block), paid from the same budget.
+        """
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
@@ -181,7 +185,7 @@ class ModelRunner:
                 budget = int(free * _CUDA_KV_FRACTION)
             else:
                 budget = _CPU_KV_BYTES
-        return max(1, budget // self.bytes_per_block())
+        return max(1, budget // (self.bytes_per_block() + extra_bytes_per_block))
 
     def prepare(self, plan: StepPlan) -> PreparedBatch:
         return prepare_batch(plan, self.block_size, self.device, self.config.adapter_names)

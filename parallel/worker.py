@@ -9,6 +9,7 @@ sends a stop. Start-up, in order, driven by :mod:`pdserve.parallel.instance`::
     leader.rendezvous()         -> address of a TCP store the leader listens on
     every rank .join(address)   -> process groups, shard loaded; returns KV capacity
     every rank .allocate_kv(n)  -> n = the smallest capacity; followers start looping
+                                   (the leader's counts its draft model's KV too)
     leader.start_engine()       -> EngineCore over a GroupExecutor
 """
 
@@ -35,6 +36,7 @@ from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.executor import Executor
 from pdserve.parallel.context import CommStats
+from pdserve.parallel.draft_runner import DraftRunner
 from pdserve.parallel.expert_slots import (
     decode_rebalance,
     encode_rebalance,
@@ -92,10 +94,18 @@ class GenerateItem:
 class GroupExecutor(Executor):
     """The leader's executor: broadcast the plan, run rank 0's stage, collect tokens."""
 
-    def __init__(self, stage: StageExecutor, groups: InstanceGroups, num_blocks: int) -> None:
+    def __init__(
+        self,
+        stage: StageExecutor,
+        groups: InstanceGroups,
+        num_blocks: int,
+        drafter: DraftRunner | None = None,
+    ) -> None:
+        """``drafter``: the draft model on this (the leader) rank, if the engine has one."""
         self.stage = stage
         self.groups = groups
         self._num_blocks = num_blocks
+        self.drafter = drafter
         # Held while a step's plan is sent and run; control messages on the plan
         # channel (expert re-placement) take it to fall between two steps.
         self.step_lock = threading.Lock()
@@ -107,6 +117,10 @@ class GroupExecutor(Executor):
     @property
     def tier_slots(self) -> tuple[int, int]:
         return self.stage.runner.tier_slots()
+
+    @property
+    def draft_proposer(self) -> DraftRunner | None:
+        return self.drafter
 
     def tier_io(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
         return self.stage.runner.tier_io()
@@ -138,6 +152,7 @@ class RankWorker:
         self.groups: InstanceGroups | None = None
         self.runner: ModelRunner | None = None
         self.stage: StageExecutor | None = None
+        self.drafter: DraftRunner | None = None  # leader: speculative_method draft
         self.engine: EngineCore | None = None
         self._loop: threading.Thread | None = None
         self.follower_error: str | None = None
@@ -175,11 +190,18 @@ class RankWorker:
         if spec.engine.parallel.redundant_experts:
             model, start = self.runner.model, self.runner.layer_range[0]
             initial_placement(model, start, spec.engine.parallel.redundant_experts, spec.model.path)
-        return self.runner.max_num_blocks()
+        if self.groups.is_leader:  # the draft model runs where the engine does
+            runner = self.runner
+            self.drafter = DraftRunner.for_engine(
+                spec.model, spec.engine, runner.device, runner.dtype
+            )
+        return self.runner.max_num_blocks(self.drafter.bytes_per_block() if self.drafter else 0)
 
     def allocate_kv(self, num_blocks: int) -> None:
         assert self.runner is not None and self.groups is not None
         self.runner.allocate_kv(num_blocks, self.kv_allocator)
+        if self.drafter is not None:
+            self.drafter.allocate_kv(num_blocks)
         if not self.groups.is_leader:
             self._loop = threading.Thread(target=self._follow, name="pdserve-follower", daemon=True)
             self._loop.start()
@@ -190,7 +212,7 @@ class RankWorker:
         model = self.spec.model
         has_tokenizer = (Path(model.path) / "tokenizer.json").is_file()
         tokenizer = Tokenizer.from_dir(model.path) if has_tokenizer else None
-        executor = GroupExecutor(self.stage, self.groups, self.runner.num_blocks)
+        executor = GroupExecutor(self.stage, self.groups, self.runner.num_blocks, self.drafter)
         self.engine = EngineCore(self.spec.engine, model, executor, tokenizer)
         self._start_rebalancing()
         return EngineInfo(
