@@ -165,8 +165,7 @@ class BatchJobs:
     # -- running -------------------------------------------------------------------------------
 
     def _start(self, batch: dict[str, Any], authorization: str | None) -> None:
-        key = authorization.partition(" ")[2].strip() if authorization else None
-        runner = BatchRunner(self.base_url, key, verify_tls=self.verify_tls)
+        runner = BatchRunner(self.base_url, _key(authorization), verify_tls=self.verify_tls)
         self.runners[batch["id"]] = runner
         self.tasks[batch["id"]] = asyncio.ensure_future(self._run(batch, runner))
 
@@ -213,13 +212,15 @@ class BatchJobs:
     # -- records -------------------------------------------------------------------------------
 
     def _owner(self, request: web.Request) -> str:
-        self.keys.check(request.headers.get("Authorization"))
-        return _digest(request.headers.get("Authorization") or "")
+        """A digest of the request's API key (its files and batches are its own)."""
+        authorization = request.headers.get("Authorization")
+        self.keys.check(authorization)
+        return _digest(_key(authorization) or "")
 
     def _key_for(self, owner: str) -> str | None:
         """The Authorization header of a configured key with this digest (a resumed batch)."""
         for key in self.keys.keys:
-            if _digest(f"Bearer {key}") == owner:
+            if _digest(key) == owner:
                 return f"Bearer {key}"
         return None
 
@@ -271,5 +272,10 @@ def _output_meta(file_id: str, batch_id: str) -> dict[str, Any]:
             "filename": f"{batch_id}_output.jsonl", "purpose": "batch_output"}  # fmt: skip
 
 
-def _digest(authorization: str) -> str:
-    return hashlib.sha256(authorization.encode("utf-8", "surrogatepass")).hexdigest()
+def _key(authorization: str | None) -> str | None:
+    """The key of ``Bearer <key>`` (None without one)."""
+    return authorization.partition(" ")[2].strip() or None if authorization else None
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
