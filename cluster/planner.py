@@ -47,6 +47,10 @@ class RegionMetrics:
     output_mean: float = 0.0
     # The busiest quarter of the window, in arrivals a second (bursts the mean hides).
     arrival_peak_rate: float = 0.0
+    # Prompt tokens a second prefill must finish for 90% of the window's arrivals to
+    # meet the TTFT SLO, as a fluid queue: for each arrival, the most over earlier
+    # arrivals of the tokens since then over the time to its deadline (0: not measured).
+    arrival_drain_rate: float = 0.0
     # Instances asked for and not yet serving (the controller's targets beyond the counts).
     prefill_starting: int = 0
     decode_starting: int = 0

@@ -6,13 +6,17 @@ for a cluster config and its profiles with the textbook plan of
 TTFT SLO allows; decode at the largest batch meeting the TPOT SLO and fitting
 the KV cache), without headroom or spares: the planner adds its own headroom,
 and its reactive rules catch what the model misses. Prefill is sized for the
-SLO's percentile (p90; the wait's tail taken as exponential) at the rate of
-the busiest quarter of the planner's window, as Poisson arrivals: within that
-quarter, a burstier trace (the Azure code trace arrives in bursts of tens of
-requests at one instant) needs more than this says, which the reactive rules
-then add. Decode is sized for the mean rate. It runs in microseconds
-once a length mix is cached, so it can answer every planning interval, live or
-simulated.
+SLO's percentile (p90; the wait's tail taken as exponential) at the mean rate,
+and at least for the forecast's drain rate: the prompt tokens a second that
+finish the SLO's percentile of arrivals within the TTFT SLO, as measured on
+the window's arrivals (a burst of tens of prompts at one instant asks for
+their sum within the SLO, which no mean-rate queue sees). Each instance
+drains one prompt's tokens per ``prefill_s``, and a prompt's own step is not
+shared, so ``drain x S / prompt x SLO / (SLO - S)`` instances. Where the drain
+rate is not measured, prefill is sized as Poisson arrivals at the rate of the
+window's busiest quarter. Decode is sized for the mean rate: a batch
+outlives a burst. It runs in microseconds once a length mix is cached, so it
+can answer every planning interval, live or simulated.
 """
 
 from __future__ import annotations
@@ -63,22 +67,25 @@ class ProfileCapacity:
         one = self.single(region, forecast.prompt_len, forecast.output_len)
         if forecast.rate <= 0:
             return Target(0, 0, "no traffic")
-        # prefill for the busiest part of the window: a TTFT SLO of a second cannot
-        # average a burst away; decode for the mean: a batch outlives a burst
-        plan = textbook_plan(
-            forecast.rate, one, max(forecast.output_len, 1.0), self.config.router.ttft_slo_s,
-            0, 0, 1.0, self.tail,
-        )  # fmt: skip
-        peak = textbook_plan(
-            forecast.rate * forecast.peak_ratio, one, max(forecast.output_len, 1.0),
-            self.config.router.ttft_slo_s, 0, 0, 1.0, self.tail,
-        )  # fmt: skip
+        slo = self.config.router.ttft_slo_s
+        output = max(forecast.output_len, 1.0)
+        plan = textbook_plan(forecast.rate, one, output, slo, 0, 0, 1.0, self.tail)
         if plan.prefill_rho <= 0 or not one.batch:  # an SLO no count meets: ask for the most
             return Target(10**6, 10**6, "the SLOs cannot be met by one request alone")
+        if forecast.drain > 0:  # the bursts' tokens, each drained within the SLO
+            drain = forecast.drain
+            per_instance = forecast.prompt_len / one.prefill_s * (slo - one.prefill_s) / slo
+            prefill = max(plan.prefill_bare, math.ceil(drain / per_instance))
+            how = f"drain {drain / 1e3:.0f}k tokens/s at {per_instance / 1e3:.0f}k an instance"
+        else:  # the busiest part of the window as Poisson arrivals
+            peak = textbook_plan(
+                forecast.rate * forecast.peak_ratio, one, output, slo, 0, 0, 1.0, self.tail
+            )
+            prefill = peak.prefill_bare
+            how = f"{one.prefill_s * 1e3:.0f} ms a prompt at rho {plan.prefill_rho:.2f}"
         return Target(
-            max(1, peak.prefill_bare), max(1, plan.decode_bare),
-            f"prefill {one.prefill_s * 1e3:.0f} ms a prompt at rho {plan.prefill_rho:.2f}; "
-            f"decode batch {one.batch} at {one.step_at_batch_s * 1e3:.1f} ms a step",
+            max(1, prefill), max(1, plan.decode_bare),
+            f"prefill {how}; decode batch {one.batch} at {one.step_at_batch_s * 1e3:.1f} ms a step",
         )  # fmt: skip
 
 

@@ -5,7 +5,8 @@ finished in a region since the planner last looked, and the arrivals;
 :func:`region_metrics` turns it and the region's instances into the
 :class:`~pdserve.cluster.planner.RegionMetrics` the planner reads (p90s,
 estimated prefill queue time, decode KV usage and batch, arrival rate, mean
-prompt and output).
+prompt and output, and the prompt tokens a second a burst asks prefill to
+drain within the TTFT SLO: :func:`drain_rate`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,39 @@ def _p90(values: list[float]) -> float | None:
     return float(np.percentile(values, 90)) if values else None
 
 
+def drain_rate(
+    times: Sequence[float], tokens: Sequence[float], deadline_s: float, percentile: float = 90.0
+) -> float:
+    """Prompt tokens a second that let ``percentile`` % of the arrivals meet ``deadline_s``.
+
+    Prefill as one fluid server: arrival ``k`` (at ``t_k``, arrivals in time
+    order) meets its deadline when everything that arrived from some earlier
+    ``t_j`` up to it is done by ``t_k + deadline_s``, for every ``j``; so it
+    needs ``max_j tokens[j..k] / (t_k - t_j + deadline_s)`` tokens a second. A
+    burst of many prompts at one instant asks for their sum over the deadline;
+    a steady stream for about its mean rate.
+    """
+    t = np.asarray(times, dtype=np.float64)
+    if not len(t) or deadline_s <= 0:
+        return 0.0
+    cum = np.concatenate([[0.0], np.cumsum(np.asarray(tokens, dtype=np.float64))])
+    need = np.empty(len(t))
+    for lo in range(0, len(t), 256):  # rows of at most 256 x n
+        k = np.arange(lo, min(len(t), lo + 256))
+        j = np.arange(k[-1] + 1)
+        rate = (cum[k + 1][:, None] - cum[j][None, :]) / (
+            t[k][:, None] - t[j][None, :] + deadline_s
+        )
+        need[k] = np.where(j[None, :] <= k[:, None], rate, 0.0).max(axis=1)
+    return float(np.percentile(need, percentile))
+
+
 def region_metrics(
     region: str, members: Sequence[SimInstance], window: RegionWindow, now: float,
-    starting: dict[str, int],
+    starting: dict[str, int], ttft_slo_s: float = 0.0,
 ) -> RegionMetrics:  # fmt: skip
-    """The region's metrics over the window ending ``now``."""
+    """The region's metrics over the window ending ``now`` (the drain rate for
+    ``ttft_slo_s``; 0 when it is 0)."""
     window.trim(now)
     ttft = [f[1] for f in window.finished]
     tpot = [f[2] for f in window.finished if f[2] is not None]
@@ -69,5 +98,6 @@ def region_metrics(
         sum(a[1] for a in window.arrivals) / arrivals if arrivals else 0.0,
         sum(f[3] for f in window.finished) / len(ttft) if ttft else 0.0,
         peak_rate([a[0] for a in window.arrivals], now, span),
+        drain_rate([a[0] for a in window.arrivals], [a[1] for a in window.arrivals], ttft_slo_s),
         starting.get("prefill", 0), starting.get("decode", 0),
     )  # fmt: skip

@@ -32,7 +32,9 @@ class SimScaling:
         for region in c.regions:
             members = [x for x in c.instances.values() if x.region == region and not x.draining]
             starting = {role: c.starting[(region, role)] for role in ("prefill", "decode")}
-            m = region_metrics(region, members, c.windows[region], now, starting)
+            m = region_metrics(
+                region, members, c.windows[region], now, starting, c.config.router.ttft_slo_s
+            )
             decision = c.planner.decide(m, now)
             if decision is not None:
                 self.apply(decision, now)

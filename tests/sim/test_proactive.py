@@ -1,11 +1,12 @@
 """The proactive P:D planner: its forecast, its moves toward the latency model's counts,
-and the conversation-to-code replay it is measured on (simulated)."""
+its give-backs, and the conversation-to-code replay it is measured on (simulated)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdserve.bench.report import Slo
@@ -15,6 +16,7 @@ from pdserve.cluster.proactive import Forecast, Forecaster, ProactivePlanner, ma
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.build import book_for
 from pdserve.sim.capacity import ProfileCapacity, capacity_for
+from pdserve.sim.metrics import drain_rate
 from pdserve.sim.replay import compare, outcome, phased_workload, with_policy
 from pdserve.sim.textbook import safe_utilisation
 
@@ -92,14 +94,67 @@ def test_moves_the_whole_gap_at_once_and_counts_what_is_starting(config, capacit
     assert p.decide(starting, now=40.0) is None
 
 
-def test_gives_back_only_after_idle_s_above_target(config, capacity) -> None:
+def test_gives_back_after_idle_s_above_target_down_to_one_spare(config, capacity) -> None:
     p = proactive(config, capacity)
     light = metrics(prefill_count=6, decode_count=6, arrival_rate=2.0, arrival_peak_rate=2.0)
     assert p.decide(light, now=0.0) is None  # over target: the clock starts
     assert p.decide(light, now=30.0) is None  # not yet idle_s (60 s)
+    target = p.plans["east"].target
     d = p.decide(light, now=61.0)
-    assert d is not None and d.action.startswith("remove_") and d.count == 1
-    assert p.decide(light, now=70.0) is None  # cooldown and a fresh idle period
+    assert d is not None and d.action == "remove_prefill" and d.cause == "forecast"
+    assert d.count == 6 - (target.prefill + 1)  # in one step, keeping one spare
+    assert p.decide(light, now=70.0) is None  # cooldown
+
+
+def _drain_for(capacity: ProfileCapacity, instances: float) -> float:
+    """The drain rate (prompt tokens/s, prompts of 1,000) that ``instances`` prefill meet."""
+    s = capacity.single("east", 1000.0, 200.0).prefill_s
+    return instances * 1000.0 / s * (0.5 - s) / 0.5
+
+
+def test_a_give_back_needs_consecutive_intervals_calm_and_the_recent_peak(config, capacity) -> None:
+    light = metrics(prefill_count=6, decode_count=6, arrival_rate=2.0, arrival_peak_rate=2.0,
+                    arrival_drain_rate=1000.0)  # fmt: skip
+
+    def after(drain_at_30: float, last: RegionMetrics = light):
+        p = proactive(config, capacity)
+        assert p.decide(light, now=0.0) is None
+        # the forecast's drain is smoothed by 0.5: this window brings it to ``drain_at_30``
+        bump = metrics(**{**light.__dict__, "arrival_drain_rate": 2 * drain_at_30 - 1000.0})
+        assert p.decide(bump, now=30.0) is None
+        return p, p.plans["east"].target.prefill, p.decide(last, now=61.0)
+
+    # 4 needed at 30 s: still two over (one spare kept), so the clock runs on, but
+    # the give-back stops at one spare over that recent peak
+    _, peak, d = after(_drain_for(capacity, 3.5))
+    assert peak == 4 and d is not None and d.action == "remove_prefill" and d.count == 1
+    # 5 needed at 30 s: only the spare is over, so the clock starts again then
+    _, peak, d = after(_drain_for(capacity, 4.5))
+    assert peak == 5 and d is None
+    # prompts wait 300 ms (under the SLO, over low x SLO): not calm, nothing given back
+    _, _, d = after(_drain_for(capacity, 3.5), metrics(**{**light.__dict__, "ttft_p90_s": 0.3}))
+    assert d is None
+
+
+def test_bursty_arrivals_size_prefill_above_poisson_of_the_same_rate(config, capacity) -> None:
+    rng = np.random.default_rng(0)
+    poisson = np.sort(rng.uniform(0.0, 40.0, 800))  # 20 req/s over a 40 s window
+    bursts = np.repeat(np.arange(5.0, 40.0, 5.0), 800 // 7)[:800]  # 7 instants, ~114 each
+    tokens = np.full(800, 1000.0)
+    steady, bursty = drain_rate(poisson, tokens, 0.5), drain_rate(bursts, tokens, 0.5)
+    assert 20_000 < steady < 40_000  # about the mean 20,000 tokens/s, plus its noise
+    # a burst's 90th percentile prompt waits for ~0.9 x 114 prompts ahead of it
+    assert bursty == pytest.approx(0.9 * 114 * 1000 / 0.5, rel=0.05)
+    targets = {}
+    for name, drain in (("steady", steady), ("bursty", bursty)):
+        p = proactive(config, capacity)
+        m = metrics(arrival_rate=20.0, arrival_peak_rate=20.0, arrival_drain_rate=drain,
+                    prompt_mean=1000.0, prefill_count=1)  # fmt: skip
+        p.decide(m, now=0.0)
+        targets[name] = p.plans["east"].target
+        assert "drain" in p.plans["east"].target.why
+    assert targets["bursty"].prefill > 3 * targets["steady"].prefill
+    assert targets["bursty"].decode == targets["steady"].decode  # decode: the mean rate
 
 
 def test_reactive_rules_still_add_on_a_miss(config, capacity) -> None:
