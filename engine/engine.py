@@ -247,7 +247,9 @@ class EngineCore:
         if self.plan_hook is not None:
             plan = self.plan_hook(plan)
         self.last_step_tokens = plan.num_tokens
+        start = time.perf_counter()
         result, failed = self._execute(plan)
+        self.scheduler.spec.observe_step(time.perf_counter() - start)
         if not result.kv_transfer_ok and self.on_transfer_failure is not None:
             self.on_transfer_failure(plan)
         self.scheduler.loads_done(plan, result.loads_ok)

@@ -30,6 +30,7 @@ When it turns itself off:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,6 +89,10 @@ class Speculator:
         self.stats = SpeculationStats()
         self._tracks: dict[str, _Track] = {}
         self._model: ModelDrafter | None = None
+        # A draft model's cost per draft token over a target step (EWMA), and the
+        # last fill's (seconds, passes) until the step it drafted for is timed.
+        self.draft_cost = 0.0
+        self._fill: tuple[float, int] | None = None
         if config.method == "draft":
             if proposer is None:
                 raise InvalidArgumentError(
@@ -123,7 +128,7 @@ class Speculator:
         if limit <= 0 or request.num_output_tokens < p.min_tokens:
             return []  # tokens banned below min_tokens would differ per draft position
         track = self._tracks.setdefault(request.request_id, _Track())
-        if track.rate < self.config.min_acceptance:
+        if track.rate < max(self.config.min_acceptance, self.draft_cost):
             track.steps_since_probe += 1
             if track.steps_since_probe < PROBE_EVERY:
                 return []
@@ -147,7 +152,26 @@ class Speculator:
         """
         if self._model is None or not drafts:
             return drafts
-        return self._model.fill(drafts, requests, block_table)
+        start = time.perf_counter()
+        filled = self._model.fill(drafts, requests, block_table)
+        self._fill = (time.perf_counter() - start, max(len(d) for d in filled.values()))
+        return filled
+
+    def observe_step(self, seconds: float) -> None:
+        """The target step just run took ``seconds``: update the draft's cost ratio.
+
+        A request drafting ``k`` tokens at acceptance rate ``r`` (accepted over
+        proposed) gets ``1 + k r`` tokens from a step that costs ``1 + k c``
+        target steps, ``c`` being one draft pass over one target step: drafting
+        pays while ``r > c``, so a request below ``draft_cost`` stops drafting
+        (and probes every ``PROBE_EVERY`` steps) as it does below ``min_acceptance``.
+        """
+        if self._fill is None or seconds <= 0:
+            return
+        took, passes = self._fill
+        self._fill = None
+        ratio = took / max(passes, 1) / seconds
+        self.draft_cost += EWMA_WEIGHT * (ratio - self.draft_cost)
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         """A row verified ``proposed`` drafts and kept ``accepted`` of them."""

@@ -23,6 +23,7 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.grpc_service import start_grpc
 from pdserve.router.frontdoor.http_api import HttpApi, start_http
 from pdserve.router.models import ServedVersion, VersionHealth
+from pdserve.router.observe import drain_rate
 from pdserve.router.router import InstanceInfo, Router
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,10 @@ class RouterActor:
         metrics = router.obs.region_metrics(router, window_s)
         for m in metrics:  # requests held for a cold start: the region is not calm
             m["cold_waiting"] = router.cold.waiting.get(m["region"], 0)
+            times, tokens = m.pop("arrivals")  # the latest 1,024: the drain rate is O(n^2)
+            m["arrival_drain_rate"] = await asyncio.to_thread(
+                drain_rate, times[-1024:], tokens[-1024:], self.config.ttft_slo_s
+            )
         return metrics
 
     async def watch_demand(self, controller: Any) -> None:

@@ -201,6 +201,9 @@ class Observer:
                     "prompt_mean": float(np.mean([a[1] for a in came])) if came else 0.0,
                     "output_mean": float(np.mean([r[3] for r in recent])) if recent else 0.0,
                     "arrival_peak_rate": peak_rate([a[0] for a in came], now, window_s),
+                    # (times, prompt tokens) for the drain rate, which the actor computes
+                    # off its event loop (pdserve.router.actor.RouterActor.region_metrics).
+                    "arrivals": ([a[0] for a in came], [a[1] for a in came]),
                 }
             )
         return out
@@ -269,3 +272,30 @@ def peak_rate(times: Sequence[float], now: float, span: float, bins: int = 4) ->
         return 0.0
     counts, _ = np.histogram(times, bins=bins, range=(now - span, now))
     return float(counts.max()) / (span / bins)
+
+
+def drain_rate(
+    times: Sequence[float], tokens: Sequence[float], deadline_s: float, percentile: float = 90.0
+) -> float:
+    """Prompt tokens a second that let ``percentile`` % of the arrivals meet ``deadline_s``.
+
+    Prefill as one fluid server: arrival ``k`` (at ``t_k``, arrivals in time
+    order) meets its deadline when everything that arrived from some earlier
+    ``t_j`` up to it is done by ``t_k + deadline_s``, for every ``j``; so it
+    needs ``max_j tokens[j..k] / (t_k - t_j + deadline_s)`` tokens a second. A
+    burst of many prompts at one instant asks for their sum over the deadline;
+    a steady stream for about its mean rate.
+    """
+    t = np.asarray(times, dtype=np.float64)
+    if not len(t) or deadline_s <= 0:
+        return 0.0
+    cum = np.concatenate([[0.0], np.cumsum(np.asarray(tokens, dtype=np.float64))])
+    need = np.empty(len(t))
+    for lo in range(0, len(t), 256):  # rows of at most 256 x n
+        k = np.arange(lo, min(len(t), lo + 256))
+        j = np.arange(k[-1] + 1)
+        rate = (cum[k + 1][:, None] - cum[j][None, :]) / (
+            t[k][:, None] - t[j][None, :] + deadline_s
+        )
+        need[k] = np.where(j[None, :] <= k[:, None], rate, 0.0).max(axis=1)
+    return float(np.percentile(need, percentile))

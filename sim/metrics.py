@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.cluster.planner import RegionMetrics
-from pdserve.router.observe import peak_rate
+from pdserve.router.observe import drain_rate, peak_rate
 from pdserve.sim.instance import SimInstance
 
 
@@ -45,33 +45,6 @@ class RegionWindow:
 
 def _p90(values: list[float]) -> float | None:
     return float(np.percentile(values, 90)) if values else None
-
-
-def drain_rate(
-    times: Sequence[float], tokens: Sequence[float], deadline_s: float, percentile: float = 90.0
-) -> float:
-    """Prompt tokens a second that let ``percentile`` % of the arrivals meet ``deadline_s``.
-
-    Prefill as one fluid server: arrival ``k`` (at ``t_k``, arrivals in time
-    order) meets its deadline when everything that arrived from some earlier
-    ``t_j`` up to it is done by ``t_k + deadline_s``, for every ``j``; so it
-    needs ``max_j tokens[j..k] / (t_k - t_j + deadline_s)`` tokens a second. A
-    burst of many prompts at one instant asks for their sum over the deadline;
-    a steady stream for about its mean rate.
-    """
-    t = np.asarray(times, dtype=np.float64)
-    if not len(t) or deadline_s <= 0:
-        return 0.0
-    cum = np.concatenate([[0.0], np.cumsum(np.asarray(tokens, dtype=np.float64))])
-    need = np.empty(len(t))
-    for lo in range(0, len(t), 256):  # rows of at most 256 x n
-        k = np.arange(lo, min(len(t), lo + 256))
-        j = np.arange(k[-1] + 1)
-        rate = (cum[k + 1][:, None] - cum[j][None, :]) / (
-            t[k][:, None] - t[j][None, :] + deadline_s
-        )
-        need[k] = np.where(j[None, :] <= k[:, None], rate, 0.0).max(axis=1)
-    return float(np.percentile(need, percentile))
 
 
 def region_metrics(

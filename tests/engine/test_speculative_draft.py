@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.core.config import SpeculativeConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.request import Request
-from pdserve.engine.draft import DraftProposer, DraftRow, ModelDrafter
+from pdserve.engine.draft import PENDING, DraftProposer, DraftRow, ModelDrafter
 from pdserve.engine.speculative import Speculator
 from tests.engine.test_speculative import FAMILIES, GREEDY, _chi_square_ok, _same, _tokens
 from tests.reference import _COMMON, ReferenceSpec, build_reference_model
@@ -113,6 +114,39 @@ def test_the_draft_reads_each_token_once_and_again_after_preemption() -> None:
     assert drafter.limit(request) == 100 - 5 + 1
     drafter.forget("r")
     assert fill().start_pos == 0
+
+
+class _Slow(_Recorder):
+    """A proposer whose call takes ``seconds`` (a draft model that costs that much)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def propose(self, rows: list[DraftRow]) -> list[list[int]]:
+        time.sleep(self.seconds)
+        return super().propose(rows)
+
+
+def test_a_request_stops_drafting_when_the_draft_costs_more_than_it_wins() -> None:
+    config = SpeculativeConfig(method="draft", draft_model="x", num_speculative_tokens=2)
+    spec = Speculator(config, _Slow(0.02))
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=50))
+    assert spec.propose(request, 2, 100) == [PENDING, PENDING]
+    spec.fill({"r": [PENDING, PENDING]}, [request], lambda rid: [0, 1])
+    spec.observe_step(0.02)  # two passes in 20 ms: each half a 20 ms target step
+    assert 0.14 < spec.draft_cost <= 0.3 + 1e-9  # EWMA: 0.3 x (>= 0.5)
+    for _ in range(6):
+        spec.fill({"r": [PENDING, PENDING]}, [request], lambda rid: [0, 1])
+        spec.observe_step(0.02)
+    assert spec.draft_cost > 0.45
+    for _ in range(12):  # acceptance settles at 0.4: below the cost, above min_acceptance
+        spec.record("r", 5, 2)
+    assert config.min_acceptance < 0.45 and spec.propose(request, 2, 100) == []
+    cheap = Speculator(config, _Slow(0.0))
+    for _ in range(12):
+        cheap.record("r", 5, 2)
+    assert cheap.propose(request, 2, 100) == [PENDING, PENDING]
 
 
 # -- token identity ------------------------------------------------------------------
@@ -215,8 +249,10 @@ def test_large_batches_and_low_acceptance_turn_it_off(references, tiny_draft: Pa
     eager = LLM(str(folder), **_draft(tiny_draft, speculative_min_acceptance=0.0))
     picky = LLM(str(folder), **_draft(tiny_draft, speculative_min_acceptance=0.9))
     assert _tokens(picky.generate(prompts[:4], long)) == _tokens(eager.generate(prompts[:4], long))
-    # A random draft is mostly rejected: requests draft only on probe steps.
-    assert _stats(picky).proposed < _stats(eager).proposed / 2
+    # A random draft is mostly rejected: requests draft only on probe steps, by
+    # min_acceptance, and by the draft's measured cost even where min_acceptance is 0.
+    always = 4 * 47 * 4  # requests x decode steps x drafts, were it never turned off
+    assert _stats(picky).proposed <= _stats(eager).proposed < always / 3
     picky.check_idle()
 
 
