@@ -2,7 +2,8 @@
 
 The first instance to load a (checkpoint, rank layout) writes its parameters,
 laid out as this rank holds them (shards cut, projections fused), into one
-file under ``$PDSERVE_WEIGHTS_CACHE`` (default ``~/.cache/pdserve/weights``),
+file under ``$PDSERVE_WEIGHTS_CACHE`` (default ``weights/`` in pdserve's cache
+folder, ``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``),
 with a manifest of every parameter's name, dtype, shape and offset. Each
 instance, the first included, then maps the file copy-on-write and makes its
 parameters views of it:
@@ -20,7 +21,8 @@ process only).
 The file's name is a hash of the checkpoint files (paths, sizes, modification
 times), the rank's coordinates and layer range, and every parameter's name,
 dtype and shape: a changed checkpoint or layout gets a file of its own, and a
-manifest that does not match is rewritten. Writers hold a file lock, so
+manifest that does not match is rewritten. Writing a file removes those of
+checkpoints that were deleted or changed since (each file records its sources). Writers hold a file lock, so
 instances starting together write it once. ``PDSERVE_SHARE_WEIGHTS=0`` turns
 it off; parameters on a GPU are never shared (each device holds its own).
 """
@@ -39,13 +41,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdserve.core.builtin_models import cache_dir as builtin_cache_dir
+
 ALIGN = 64  # bytes: every parameter starts on a cache line
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 def cache_dir() -> Path:
+    """``$PDSERVE_WEIGHTS_CACHE``, else ``weights`` in pdserve's cache folder."""
     env = os.environ.get("PDSERVE_WEIGHTS_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "pdserve" / "weights"
+    return Path(env) if env else builtin_cache_dir() / "weights"
 
 
 def shareable(model: nn.Module) -> bool:
@@ -71,6 +76,8 @@ def load_shared(model: nn.Module, files: list[Path], rank: str, load: Callable[[
         if not _matches(path, manifest):
             load()
             _write(model, path, manifest)
+            (path.with_suffix(".src")).write_text(json.dumps(_stats(files)))
+            _prune(path.parent)
     _map(model, path, manifest)
     return True
 
@@ -92,6 +99,23 @@ def _key(files: list[Path], rank: str, manifest: list[dict[str, Any]]) -> str:
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(json.dumps(manifest).encode())
     return h.hexdigest()[:32]
+
+
+def _stats(files: list[Path]) -> dict[str, list[int]]:
+    return {str(f.resolve()): [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+
+
+def _prune(folder: Path) -> None:
+    """Remove the files of checkpoints that are gone or changed since they were written."""
+    for src in folder.glob("*.src"):
+        try:
+            recorded = json.loads(src.read_text())
+            current = _stats([Path(f) for f in recorded])
+        except (OSError, ValueError):
+            current, recorded = {}, {"gone": []}
+        if current != recorded:
+            for suffix in (".bin", ".json", ".src"):
+                src.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def _matches(path: Path, manifest: list[dict[str, Any]]) -> bool:

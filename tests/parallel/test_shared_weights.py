@@ -55,3 +55,17 @@ def test_a_damaged_manifest_is_rewritten(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_SHARE_WEIGHTS", "0")
     for a, b in zip(model.parameters(), _model(config).parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_files_of_deleted_checkpoints_are_removed(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    monkeypatch.setenv("PDSERVE_WEIGHTS_CACHE", str(tmp_path / "cache"))
+    source = resolve_model("builtin:tiny")
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    _model(ModelConfig.from_dir(copy))
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
+    shutil.rmtree(copy)
+    _model(ModelConfig.from_dir(source))  # writing another file prunes the gone one's
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
