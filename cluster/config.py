@@ -182,8 +182,9 @@ class ClusterConfig:
 
     def deployment(self, spec: ModelSpec) -> ClusterConfig:
         """The config of one more model's instances: its source, engine and pools, the
-        rest as the cluster's. Its planner is off (the planner sizes the cluster's own
-        model from region metrics that do not tell models apart)."""
+        rest as the cluster's. Its planner sizes its pools from its own metrics,
+        reactively (a proactive planner's profile is of the cluster's own model)."""
+        planner = replace(self.planner, policy="reactive", profile=None)
         return replace(
             self,
             model=spec.model,
@@ -191,7 +192,7 @@ class ClusterConfig:
             regions=spec.regions,
             version=spec.version,
             models=(),
-            planner=replace(self.planner, mode="off"),
+            planner=planner,
         )
 
     def engine_config(self, role: str, region: RegionConfig) -> EngineConfig:

@@ -219,6 +219,7 @@ class Fleet:
         traffic unless it is a new model) once they are up."""
         config = self.root.config.deployment(spec)
         controller = type(self.root)(config, None, router=self.root.router, key=spec.key)
+        controller.events = self.root.events  # one event log for every deployment
         adapters = tuple(n for n, _ in adapter_pairs(config.engine.get("lora_adapters") or ()))
         router = self.root.router
         try:

@@ -38,8 +38,11 @@ class Planning:
     def plan(self) -> None:
         if self.c.retired:
             return  # its version was retired: nothing to size
-        metrics = ray.get(self.c.router.region_metrics.remote(self.c.config.planner.interval_s * 4))
+        window = self.c.config.planner.interval_s * 4
+        metrics = ray.get(self.c.router.region_metrics.remote(window, self.c.key))
         for m in metrics:
+            if m["region"] not in self.c.regions:
+                continue  # a region this model version has no pools in
             with self.c._lock:
                 starting = dict(self.c.starting[m["region"]])
             values = {k: m[k] for k in RegionMetrics.__dataclass_fields__ if k in m}

@@ -200,9 +200,10 @@ class RouterActor:
                 logger.exception("dashboard sample failed")
             await asyncio.sleep(interval_s)
 
-    async def region_metrics(self, window_s: float = 30.0) -> list[dict[str, Any]]:
+    async def region_metrics(self, window_s: float = 30.0, model: str = "") -> list[dict[str, Any]]:
+        """Each region's metrics for the planner of the model version ``model``."""
         router = self._router()
-        metrics = router.obs.region_metrics(router, window_s)
+        metrics = router.obs.region_metrics(router, window_s, model)
         for m in metrics:  # requests held for a cold start: the region is not calm
             m["cold_waiting"] = router.cold.waiting.get(m["region"], 0)
             times, tokens = m.pop("arrivals")  # the latest 1,024: the drain rate is O(n^2)

@@ -47,6 +47,12 @@ class Observer:
         )
         # Requests per home region as they arrive: (time.monotonic(), prompt tokens).
         self.arrivals: dict[str, deque[tuple[float, int]]] = defaultdict(lambda: deque(maxlen=8192))
+        # The same two per (region, deployment key): what each model's planner reads.
+        self.model_completed: dict[tuple[str, str], deque[tuple[float, float, float | None, int]]]
+        self.model_completed = defaultdict(lambda: deque(maxlen=4096))
+        self.model_arrivals: dict[tuple[str, str], deque[tuple[float, int]]] = defaultdict(
+            lambda: deque(maxlen=8192)
+        )
         # (region, counter) -> (time, value) at the last sample, for rates.
         self._last: dict[tuple[str, str], tuple[float, float]] = {}
 
@@ -55,8 +61,18 @@ class Observer:
     def _region(self, region: str) -> str:
         return region if region in self.regions else OTHER
 
-    def arrived(self, region: str, prompt_len: int) -> None:
-        self.arrivals[self._region(region)].append((time.monotonic(), prompt_len))
+    def arrived(self, region: str, prompt_len: int, model: str = "") -> None:
+        at = (time.monotonic(), prompt_len)
+        self.arrivals[self._region(region)].append(at)
+        self.model_arrivals[(self._region(region), model)].append(at)
+
+    def model_finished(
+        self, region: str, model: str, ttft: float | None, tpot: float | None, tokens: int
+    ) -> None:
+        """A request of deployment ``model`` served in ``region`` ended well (its planner)."""
+        if ttft is not None:
+            record = (time.monotonic(), ttft, tpot, tokens)
+            self.model_completed[(self._region(region), model)].append(record)
 
     def finished(self, region: str, status: str, stream: RequestStream | None) -> None:
         region = self._region(region)
@@ -172,19 +188,23 @@ class Observer:
     ) -> list[tuple[float, float, float | None, int]]:
         return [r for r in self.completed[region] if now - r[0] <= window_s]
 
-    def region_metrics(self, router: Router, window_s: float) -> list[dict[str, Any]]:
-        """Each region's recent latencies and load, for the planner."""
+    def region_metrics(
+        self, router: Router, window_s: float, model: str = ""
+    ) -> list[dict[str, Any]]:
+        """Each region's recent latencies and load of one model version (its deployment
+        key ``model``), for its planner."""
         now = time.monotonic()
         out = []
         for spec in router.config.regions:
-            recent = self._recent(spec.name, window_s, now)
-            prefills = router.cluster.table("prefill", spec.name)
-            decodes = router.cluster.table("decode", spec.name)
+            done = self.model_completed[(spec.name, model)]
+            recent = [r for r in done if now - r[0] <= window_s]
+            prefills = router.cluster.table("prefill", spec.name, model)
+            decodes = router.cluster.table("decode", spec.name, model)
             queue_s = float(np.mean(prefills.queued * prefills.per_token)) if len(prefills) else 0.0
             usage = [1.0 - v.free_fraction for v in decodes.views]
             ttft = [r[1] for r in recent]
             tpot = [r[2] for r in recent if r[2] is not None]
-            came = [a for a in self.arrivals[spec.name] if now - a[0] <= window_s]
+            came = [a for a in self.model_arrivals[(spec.name, model)] if now - a[0] <= window_s]
             out.append(
                 {
                     "region": spec.name,

@@ -223,7 +223,9 @@ class Router:
 
     async def stream(self, inp: CompletionInput) -> AsyncGenerator[StreamDelta, None]:
         """The request's deltas, the last with its finish reason; aborts it if not consumed."""
-        self.obs.arrived(inp.region or self.config.home_region, len(inp.prompt_token_ids))
+        self.obs.arrived(
+            inp.region or self.config.home_region, len(inp.prompt_token_ids), inp.model
+        )
         inp, capped = self._degrade(inp)
         try:
             choice = await self._choose(inp)
@@ -308,10 +310,10 @@ class Router:
                 yield delta
             self.finished["ok"] += 1
             self.obs.finished(region, stream.finish_reason or "stop", stream)
-            self._outcome(inp.model, stream, True)
+            self._outcome(inp.model, stream, True, region)
         except BaseException as e:
             self.finished[_status(e)] += 1
-            self._outcome(inp.model, stream, _status(e) == "cancelled")
+            self._outcome(inp.model, stream, _status(e) == "cancelled", region)
             self.obs.finished(region, _status(e), None)
             logger.info("request %s ended: %s", stream.request_id, _status(e))
             raise
@@ -330,7 +332,7 @@ class Router:
         version = self.catalog.by_key(model) if model else None
         return version.tokenizer if version is not None else self.tokenizer
 
-    def _outcome(self, model: str, stream: RequestStream, ok: bool) -> None:
+    def _outcome(self, model: str, stream: RequestStream, ok: bool, region: str) -> None:
         """Count a finished request for its version (a client's cancel is no failure)."""
         ttft = tpot = None
         if stream.first_token_at is not None:
@@ -339,6 +341,8 @@ class Router:
             if len(times) > 1:
                 tpot = (times[-1] - times[0]) / (len(times) - 1)
         self.outcomes.record(model, ok, ttft, tpot)
+        if ok and stream.finish_reason is not None:
+            self.obs.model_finished(region, model, ttft, tpot, len(stream.token_times))
         version = self.catalog.by_key(model)
         if version is not None:
             self.obs.metrics["pdserve_model_requests_total"].labels(

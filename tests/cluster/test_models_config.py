@@ -38,7 +38,10 @@ rollout: {min_requests: 5, max_latency_regression: 0.25}
     assert (code.name, code.version, code.key) == ("code", "v7", "code@v7")
     sub = config.deployment(code)
     assert sub.model == "registry:pycode@v7" and sub.engine["max_num_seqs"] == 8
-    assert [r.name for r in sub.regions] == ["west"] and sub.planner.mode == "off"
+    assert [r.name for r in sub.regions] == ["west"] and (sub.planner.mode, sub.planner.policy) == (
+        "advisory",
+        "reactive",
+    )
     assert config.rollout.min_requests == 5 and config.rollout.max_latency_regression == 0.25
     canary = canary_regions(config.regions)
     assert [(r.prefill.count, r.decode.count, r.decode.min) for r in canary] == [

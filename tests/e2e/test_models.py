@@ -190,3 +190,23 @@ def test_a_slower_canary_is_rolled_back_automatically(ray_session) -> None:
         load.stop()
         c.stop()
     assert load.errors == []
+
+
+def test_each_model_has_its_own_planner(ray_session) -> None:
+    extra = CODE_MODEL.replace(
+        "prefill: {count: 1, num_cpus_per_rank: 0.25}",
+        "prefill: {count: 1, max: 2, num_cpus_per_rank: 0.25}",
+    )
+    # Every request misses a TTFT SLO of 1 ms: each planner wants more prefill. The
+    # cluster's own model is held at one instance a role; code may grow to two prefill.
+    c = Running(planner="on", ttft_ms=1, bounds=(1, 1, 1, 1), extra=extra)
+    try:
+        code = lambda: next(r for r in models(c) if r["model"] == "code")  # noqa: E731
+        deadline = time.monotonic() + 60
+        while code()["regions"]["east"]["prefill"] < 2:
+            assert time.monotonic() < deadline, code()
+            ask(c, "code")
+        assert "planner east add_prefill" in "\n".join(c.status().events)
+        assert c.status().regions[0].prefill == 1
+    finally:
+        c.stop()
