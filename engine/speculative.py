@@ -41,6 +41,7 @@ from pdserve.engine.draft import PENDING, DraftProposer, ModelDrafter
 
 EWMA_WEIGHT = 0.3  # weight of the newest verifying step in a request's acceptance rate
 PROBE_EVERY = 8  # a request below min_acceptance drafts once per this many decode steps
+PLAIN_EVERY = 16  # with a draft model, one step in this many drafts nothing (timed as plain)
 
 
 def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -89,10 +90,12 @@ class Speculator:
         self.stats = SpeculationStats()
         self._tracks: dict[str, _Track] = {}
         self._model: ModelDrafter | None = None
-        # A draft model's cost per draft token over a target step (EWMA), and the
-        # last fill's (seconds, passes) until the step it drafted for is timed.
+        # The acceptance rate below which a draft model's drafting costs more than it
+        # wins (see observe_step), from EWMAs of step times with and without drafts.
         self.draft_cost = 0.0
-        self._fill: tuple[float, int] | None = None
+        self._times = {"pass": 0.0, "verify": 0.0, "plain": 0.0}
+        self._fill: tuple[float, int] | None = None  # the last fill: (seconds, passes)
+        self._steps = 0
         if config.method == "draft":
             if proposer is None:
                 raise InvalidArgumentError(
@@ -111,7 +114,8 @@ class Speculator:
         if num_decoding > self.config.max_batch:
             self.stats.skipped_batches += 1
             return False
-        return True
+        self._steps += 1  # a draft model's drafts are priced against a plain step, timed
+        return self._model is None or self._steps % PLAIN_EVERY != 0  # now and then
 
     def propose(self, request: Request, budget: int, max_model_len: int) -> list[int]:
         """Drafts for one decoding request (may be empty).
@@ -130,7 +134,8 @@ class Speculator:
         track = self._tracks.setdefault(request.request_id, _Track())
         if track.rate < max(self.config.min_acceptance, self.draft_cost):
             track.steps_since_probe += 1
-            if track.steps_since_probe < PROBE_EVERY:
+            # A draft model's probe also reads every token since the last one: rarer.
+            if track.steps_since_probe < (PROBE_EVERY if self._model is None else 4 * PROBE_EVERY):
                 return []
             track.steps_since_probe = 0
         c = self.config
@@ -158,20 +163,33 @@ class Speculator:
         return filled
 
     def observe_step(self, seconds: float) -> None:
-        """The target step just run took ``seconds``: update the draft's cost ratio.
+        """The target step just run took ``seconds``: update what drafting costs.
 
         A request drafting ``k`` tokens at acceptance rate ``r`` (accepted over
-        proposed) gets ``1 + k r`` tokens from a step that costs ``1 + k c``
-        target steps, ``c`` being one draft pass over one target step: drafting
-        pays while ``r > c``, so a request below ``draft_cost`` stops drafting
-        (and probes every ``PROBE_EVERY`` steps) as it does below ``min_acceptance``.
+        proposed) gets ``1 + k r`` tokens from a step that costs, in plain steps,
+        ``(verify + k pass) / plain``: the verifying step (longer than a plain one
+        where extra tokens are not free) and ``k`` draft passes. Drafting pays
+        while ``r`` is above ``((verify + k pass) / plain - 1) / k``; until a plain
+        step was timed, a verifying step stands in for one (``r > pass / verify``).
+        A request below ``draft_cost`` stops drafting (and probes every
+        ``PROBE_EVERY`` steps) as it does below ``min_acceptance``.
         """
-        if self._fill is None or seconds <= 0:
+        if self._model is None or seconds <= 0:
+            return
+        t = self._times
+        if self._fill is None:
+            t["plain"] += EWMA_WEIGHT * (seconds - t["plain"]) if t["plain"] else seconds
             return
         took, passes = self._fill
         self._fill = None
-        ratio = took / max(passes, 1) / seconds
-        self.draft_cost += EWMA_WEIGHT * (ratio - self.draft_cost)
+        for name, value in (("verify", seconds), ("pass", took / max(passes, 1))):
+            t[name] += EWMA_WEIGHT * (value - t[name]) if t[name] else value
+        k = self.config.num_speculative_tokens
+        plain = t["plain"] or t["verify"]
+        # At least the passes alone (a verifying step is never cheaper than a plain
+        # one; timed at other batch sizes, it may look so).
+        floor = t["pass"] / t["verify"]
+        self.draft_cost = max(((t["verify"] + k * t["pass"]) / plain - 1) / k, floor)
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         """A row verified ``proposed`` drafts and kept ``accepted`` of them."""
