@@ -199,8 +199,9 @@ class SpeculativeConfig:
         max_batch: a step with more decoding requests than this drafts nothing
             (``speculative_max_batch``): a verifying row costs ``k + 1`` tokens of
             compute, which a large batch pays for and a small one hardly does.
-        min_acceptance: a request whose running acceptance rate falls below this
-            drafts only on occasional probe steps (``speculative_min_acceptance``).
+        min_acceptance: a request whose running acceptance rate falls below this (or
+            below a draft model's measured break-even) drafts only on occasional
+            probe steps (``speculative_min_acceptance``; 0: always drafts).
     """
 
     method: str = "none"

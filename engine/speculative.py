@@ -132,7 +132,8 @@ class Speculator:
         if limit <= 0 or request.num_output_tokens < p.min_tokens:
             return []  # tokens banned below min_tokens would differ per draft position
         track = self._tracks.setdefault(request.request_id, _Track())
-        if track.rate < max(self.config.min_acceptance, self.draft_cost):
+        floor = self.config.min_acceptance  # 0: both per-request rules off
+        if track.rate < (max(floor, self.draft_cost) if floor > 0 else 0.0):
             track.steps_since_probe += 1
             # A draft model's probe also reads every token since the last one: rarer.
             if track.steps_since_probe < (PROBE_EVERY if self._model is None else 4 * PROBE_EVERY):
@@ -172,7 +173,8 @@ class Speculator:
         while ``r`` is above ``((verify + k pass) / plain - 1) / k``; until a plain
         step was timed, a verifying step stands in for one (``r > pass / verify``).
         A request below ``draft_cost`` stops drafting (and probes every
-        ``PROBE_EVERY`` steps) as it does below ``min_acceptance``.
+        ``4 PROBE_EVERY`` steps) as it does below ``min_acceptance``; a
+        ``min_acceptance`` of 0 turns both rules off.
         """
         if self._model is None or seconds <= 0:
             return

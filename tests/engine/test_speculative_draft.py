@@ -19,7 +19,11 @@ from pdserve.engine.speculative import Speculator
 from tests.engine.test_speculative import FAMILIES, GREEDY, _chi_square_ok, _same, _tokens
 from tests.reference import _COMMON, ReferenceSpec, build_reference_model
 
-PYCODE = dict(speculative_method="draft", speculative_draft_model="builtin:pycode-draft")
+PYCODE = dict(
+    speculative_method="draft",
+    speculative_draft_model="builtin:pycode-draft",
+    speculative_min_acceptance=0.0,  # always draft: these tests check the tokens
+)
 
 
 def _draft(model: str | Path, **more: object) -> dict[str, object]:
@@ -223,9 +227,9 @@ def test_seeded_sampling_is_token_identical(pycode) -> None:
         SamplingParams(max_tokens=32, temperature=t, top_k=k, seed=s, ignore_eos=True)
         for t, k, s in [(0.3, -1, 1), (0.7, 20, 2), (1.0, 5, 3), (0.5, -1, 4)]
     ]
-    accepted = _stats(on).accepted
+    verified = _stats(on).steps
     assert _tokens(on.generate(prompts, params)) == _tokens(off.generate(prompts, params))
-    assert _stats(on).accepted > accepted
+    assert _stats(on).steps > verified  # sampled rows verified drafts
     on.check_idle()
 
 
@@ -258,10 +262,8 @@ def test_large_batches_and_low_acceptance_turn_it_off(references, tiny_draft: Pa
     eager = LLM(str(folder), **_draft(tiny_draft, speculative_min_acceptance=0.0))
     picky = LLM(str(folder), **_draft(tiny_draft, speculative_min_acceptance=0.9))
     assert _tokens(picky.generate(prompts[:4], long)) == _tokens(eager.generate(prompts[:4], long))
-    # A random draft is mostly rejected: requests draft only on probe steps, by
-    # min_acceptance, and by the draft's measured cost even where min_acceptance is 0.
-    always = 4 * 47 * 4  # requests x decode steps x drafts, were it never turned off
-    assert _stats(picky).proposed <= _stats(eager).proposed < always / 3
+    # A random draft is mostly rejected: requests draft only on probe steps.
+    assert _stats(picky).proposed < _stats(eager).proposed / 2
     picky.check_idle()
 
 
