@@ -8,13 +8,20 @@
 2. Under load, on a real local cluster (builtin:tiny, one prefill and one
    decode instance) driven over gRPC by many concurrent streams: the router's
    recorded decision times, and the time from a token being ready at the
-   router to the front door having written it to the client.
+   router to the front door having written it to the client; with
+   ``--router-cpu N`` also with the router actor alone on core N and every
+   other process on the remaining cores, alternated ``--repeat`` times.
+3. After each load run, the floor gRPC sets: a bare grpc.aio server whose
+   streams are all woken at once and each write one chunk (no router).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+import os
 import random
 import statistics
 import threading
@@ -112,7 +119,34 @@ def _tiny_cluster() -> tuple[Any, Any, Any]:
     return router, doors, region
 
 
-def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[str, Any]:
+def _threads_on(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` on ``cpus`` (``taskset -a -p``; threads started later
+    inherit their creator's set)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def pin_router(router: Any, router_cpu: int) -> None:
+    """The router actor on core ``router_cpu`` alone; this process (the clients) and
+    every other process of the local Ray session (engines, raylet) on the others."""
+    import psutil
+    import ray
+
+    router_pid = ray.get(router.__ray_call__.remote(lambda _: os.getpid()))
+    others = os.sched_getaffinity(0) - {router_cpu}
+    if not others:
+        raise SystemExit(f"--router-cpu {router_cpu}: no other core is left for the engines")
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(FileNotFoundError):  # a process that ended meanwhile
+            _threads_on(proc.pid, {router_cpu} if proc.pid == router_pid else others)
+
+
+def front_door_under_load(
+    concurrency: int, requests: int, tokens: int, router_cpu: int | None = None
+) -> dict[str, Any]:
+    """``router_cpu``: pin the router actor to that core and the rest to the others."""
     import grpc
     import ray
 
@@ -120,6 +154,8 @@ def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[
     from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
     router, doors, region = _tiny_cluster()
+    if router_cpu is not None:
+        pin_router(router, router_cpu)
     stub = pb_grpc.CompletionStub(grpc.insecure_channel(f"{doors.host}:{doors.grpc_port}"))
     client_ttft: list[float] = []
 
@@ -146,6 +182,7 @@ def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[
         instance.shutdown()
     ray.kill(router)
     return {
+        "router_cpu": "shared" if router_cpu is None else router_cpu,
         "concurrency": concurrency,
         "requests": concurrency * requests,
         "tokens_per_request": tokens,
@@ -153,6 +190,106 @@ def front_door_under_load(concurrency: int, requests: int, tokens: int) -> dict[
         "door_delay_us": stats.door_delay_us,
         "decision_us": stats.decision_us,
         "client_ttft_ms_p50": round(statistics.median(client_ttft) * 1e3, 1),
+    }
+
+
+class _FloorService:
+    """``Generate`` streams on a bare grpc.aio server, woken together each step."""
+
+    def __init__(self, concurrency: int, steps: int) -> None:
+        self.concurrency, self.steps = concurrency, steps
+        self.waiters: list[Any] = []
+        self.parked = asyncio.Event()  # every stream waits for the next step
+        self.delays: list[float] = []
+
+    async def Generate(self, request: Any, context: Any) -> Any:
+        from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+
+        for _ in range(self.steps):
+            woken = asyncio.get_running_loop().create_future()
+            self.waiters.append(woken)
+            if len(self.waiters) == self.concurrency:
+                self.parked.set()
+            ready_at = await woken
+            yield pb.CompletionChunk(request_id="r", text="ab", token_ids=[1], model="tiny")
+            self.delays.append(time.monotonic() - ready_at)
+
+
+def _floor_clients(port: int, concurrency: int, cpus: set[int] | None) -> None:
+    import grpc
+
+    from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+    from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
+
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    stub = pb_grpc.CompletionStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+    def one() -> None:
+        for _ in stub.Generate(pb.CompletionRequest(prompt="x")):
+            pass
+
+    threads = [threading.Thread(target=one) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+async def _serve_floor(concurrency: int, steps: int, others: set[int] | None) -> list[float]:
+    import multiprocessing
+
+    import grpc
+
+    from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+
+    server = grpc.aio.server()
+    service = _FloorService(concurrency, steps)
+    generate = grpc.unary_stream_rpc_method_handler(
+        service.Generate,
+        request_deserializer=pb.CompletionRequest.FromString,
+        response_serializer=pb.CompletionChunk.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("pdserve.v1.Completion", {"Generate": generate}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ctx = multiprocessing.get_context("spawn")
+    clients = ctx.Process(target=_floor_clients, args=(port, concurrency, others))
+    clients.start()
+    for _ in range(steps):
+        await service.parked.wait()
+        service.parked.clear()
+        woken, service.waiters = service.waiters, []
+        now = time.monotonic()
+        for future in woken:
+            future.set_result(now)
+        await asyncio.sleep(0.01)  # the next engine step
+    await asyncio.to_thread(clients.join)
+    await server.stop(None)
+    return service.delays
+
+
+def grpc_floor(concurrency: int, steps: int, router_cpu: int | None) -> dict[str, Any]:
+    """gRPC alone, no router: ``concurrency`` streams woken together every 10 ms (as
+    one token batch wakes them), one chunk each; the time from the wake-up to the
+    chunk written, the floor under ``door_delay_us``. Clients in another process."""
+    mine = os.sched_getaffinity(0)
+    others = None if router_cpu is None else mine - {router_cpu}
+    if router_cpu is not None:
+        os.sched_setaffinity(0, {router_cpu})
+    try:
+        delays = asyncio.run(_serve_floor(concurrency, steps, others))
+    finally:
+        os.sched_setaffinity(0, mine)
+    return {
+        "router_cpu": "shared" if router_cpu is None else router_cpu,
+        "concurrency": concurrency,
+        "grpc_only_delay_us": {
+            "p50": round(_percentile(delays, 0.5) * 1e6, 1),
+            "p99": round(_percentile(delays, 0.99) * 1e6, 1),
+        },
     }
 
 
@@ -199,6 +336,29 @@ def validation_cost(rounds: int) -> dict[str, Any]:
     return out
 
 
+def under_load(args: argparse.Namespace) -> dict[str, Any]:
+    """The load runs, shared cores and (with ``--router-cpu``) pinned, alternated
+    ``--repeat`` times; each with the gRPC-only floor measured right after it."""
+    placements = [None] if args.router_cpu is None else [None, args.router_cpu]
+    runs = []
+    for _ in range(args.repeat):
+        for cpu in placements:
+            row = front_door_under_load(args.concurrency, args.requests, args.tokens, cpu)
+            row["grpc_only_delay_us"] = grpc_floor(args.concurrency, 100, cpu)["grpc_only_delay_us"]
+            print(json.dumps(row))
+            runs.append(row)
+    medians = {}
+    for cpu in placements:
+        mine = [r for r in runs if r["router_cpu"] == ("shared" if cpu is None else cpu)]
+        medians["shared" if cpu is None else f"cpu{cpu}"] = {
+            f"{key}_{q}": statistics.median(r[key][q] for r in mine)
+            for key in ("door_delay_us", "decision_us", "grpc_only_delay_us")
+            for q in ("p50", "p99")
+        }
+    print(json.dumps({"medians": medians}))
+    return {"runs": runs, "medians": medians}
+
+
 def run(args: argparse.Namespace) -> int:
     decisions = [
         decision_times(n, policy, args.rounds, holders)
@@ -210,10 +370,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row))
     validation = validation_cost(args.rounds)
     print(json.dumps(validation))
-    load = front_door_under_load(args.concurrency, args.requests, args.tokens)
-    print(json.dumps(load))
+    load = under_load(args)
     if args.out:
-        cmd = f"pdserve bench router --concurrency {args.concurrency} --requests {args.requests} --tokens {args.tokens}"
+        cmd = (
+            f"pdserve bench router --concurrency {args.concurrency} --requests {args.requests}"
+            f" --tokens {args.tokens} --repeat {args.repeat}"
+            + ("" if args.router_cpu is None else f" --router-cpu {args.router_cpu}")
+        )
         result = {"command": cmd, "decisions": decisions, "validation": validation, "load": load}
         write_json(Path(args.out), result)
     return 0
@@ -225,5 +388,12 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--requests", type=int, default=4, help="per concurrent client")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument(
+        "--router-cpu",
+        type=int,
+        default=None,
+        help="also run with the router actor pinned to this core, the rest on the others",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="load runs per placement, alternated")
     p.add_argument("--out", default="bench/out/router.json")
     p.set_defaults(func=run)

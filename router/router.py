@@ -216,8 +216,11 @@ class Router:
         self.obs.finished(region or self.config.home_region, status, None)
 
     def delivered(self, delta: StreamDelta) -> None:
-        """A front door wrote ``delta`` to its client."""
-        self.door_delay_s.append(time.monotonic() - delta.ready_at)
+        """A front door wrote ``delta`` to its client (one delay per delta the stream
+        made, when several left as one)."""
+        now = time.monotonic()
+        for ready_at in delta.parts_ready_at or (delta.ready_at,):
+            self.door_delay_s.append(now - ready_at)
 
     # -- one request ---------------------------------------------------------------------------
 

@@ -6,12 +6,21 @@ either order. Each carries its index, so the stream places them and releases
 them only in order. Text is produced here, once, by the same incremental
 detokenizer the engine uses, so stop strings end the stream at exactly the
 token the engine would stop at.
+
+Per engine step a stream does a fixed amount of work however many tokens the
+step brought: the tokens in order become one delta (text detokenized in one
+call unless stop strings need a check after each token), put on the stream's
+own list, and its consumer is woken once. Deltas that pile up while the
+consumer is busy (a slow client, a front door behind) leave as one. The idle
+timeout is one timer per stream, re-armed only when it fires, not a timer per
+delta.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from pdserve.core.errors import PdserveError
@@ -37,6 +46,8 @@ class StreamDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     ready_at: float = 0.0  # time.monotonic() when the router had it ready for the client
+    # A delta made of several the consumer had not taken yet: when each was ready.
+    parts_ready_at: tuple[float, ...] = ()
 
 
 class RequestStream:
@@ -66,7 +77,10 @@ class RequestStream:
         self.cached_prompt_tokens = 0
         self.tokens: list[int] = []
         self._pending: dict[int, int] = {}
-        self._queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self._ready: deque[StreamDelta | BaseException] = deque()  # for the consumer
+        self._waiter: asyncio.Future[None] | None = None  # the consumer, while it waits
+        self._wait_since = 0.0  # when the consumer last started waiting
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._finish_at: int | None = None
         self._finish_reason: str | None = None
         self._first_token = asyncio.Event()
@@ -101,36 +115,58 @@ class RequestStream:
         self._release()
 
     def _release(self) -> None:
-        new: list[int] = []
-        while len(self.tokens) in self._pending and not self._done_by_count():
-            token = self._pending.pop(len(self.tokens))
-            self.tokens.append(token)
-            new.append(token)
-            now = time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = now
-                self._first_token.set()
-            self.token_times.append(now)
-            self.last_token_at = now
-            if self.detok.update([token]) is not None:  # a stop string ended it here
-                self._finish_at, self._finish_reason = len(self.tokens), "stop"
-                break
+        """Move the tokens now in order (up to the finish) to one delta for the consumer."""
+        n = len(self.tokens)
+        end = n
+        while end in self._pending:
+            end += 1
+        if self._finish_at is not None:
+            end = max(n, min(end, self._finish_at))
+        new = [self._pending.pop(i) for i in range(n, end)]
+        if new:
+            self._take(new)
         done = self._done_by_count()
+        if not new and not done:
+            return
         if done:
             self.detok.finish(self.tokens)  # flush bytes of an incomplete last character
-        if new or done:
-            text = self.detok.pop_new_text(done)
-            self._queue.put_nowait(
-                StreamDelta(
-                    new,
-                    text,
-                    self._finish_reason if done else None,
-                    self.usage() if done else None,
-                    time.monotonic(),
-                )
+        now = time.monotonic()
+        self._put(
+            StreamDelta(
+                new,
+                self.detok.pop_new_text(done),
+                self._finish_reason if done else None,
+                self.usage() if done else None,
+                now,
             )
+        )
         if done:
             self.finished = self.completed = True
+            self._stop_timer()
+
+    def _take(self, new: list[int]) -> None:
+        """Append ``new`` (cut after a token that completes a stop string) and its text."""
+        if self.params.stop:  # a stop string may end the request inside the batch
+            for i, token in enumerate(new):
+                if self.detok.update([token]) is not None:
+                    del new[i + 1 :]
+                    self._finish_at, self._finish_reason = len(self.tokens) + i + 1, "stop"
+                    break
+        else:
+            self.detok.update(new)
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self._first_token.set()
+        self.tokens.extend(new)
+        self.token_times.extend([now] * len(new))
+        self.last_token_at = now
+
+    def _put(self, item: StreamDelta | BaseException) -> None:
+        self._ready.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     @property
     def finish_reason(self) -> str | None:
@@ -142,8 +178,9 @@ class RequestStream:
     def fail(self, error: BaseException) -> None:
         if not self.finished:
             self.finished = True
-            self._queue.put_nowait(error)
+            self._put(error)
             self._first_token.set()  # nobody waits for a first token that will not come
+            self._stop_timer()
 
     async def wait_first_token(self, timeout_s: float | None) -> bool:
         """True once the first token (or a failure) is in; False after ``timeout_s``."""
@@ -161,21 +198,61 @@ class RequestStream:
     async def deltas(self):  # type: ignore[no-untyped-def]
         """Yield deltas until the finishing one; raise what ``fail`` was given."""
         while True:
-            try:
-                if not self._queue.empty():  # the common case needs no timer
-                    item = self._queue.get_nowait()
-                else:
-                    item = await asyncio.wait_for(self._queue.get(), self.idle_timeout_s)
-            except asyncio.TimeoutError:
-                self.fail(
-                    StreamFailed(f"{self.request_id}: no token for {self.idle_timeout_s:g} s")
-                )
-                continue  # the failure is queued now
+            while not self._ready:
+                await self._wait()
+            item = self._ready.popleft()
             if isinstance(item, BaseException):
                 raise item
+            while self._ready and item.finish_reason is None:
+                later = self._ready[0]
+                if isinstance(later, BaseException):
+                    break
+                self._ready.popleft()
+                item = _merged(item, later)
             yield item
             if item.finish_reason is not None:
                 return
+
+    async def _wait(self) -> None:
+        """Until ``_put`` wakes the consumer (or the idle timeout fails the stream)."""
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        self._wait_since = loop.time()
+        if self.idle_timeout_s is not None and self._idle_timer is None:
+            self._idle_timer = loop.call_at(self._wait_since + self.idle_timeout_s, self._idle)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _idle(self) -> None:
+        """The idle timer: fail the stream if its consumer has waited too long, else re-arm."""
+        self._idle_timer = None
+        if self._waiter is None or self.idle_timeout_s is None:
+            return  # not waiting now: the next wait arms the timer again
+        loop = asyncio.get_running_loop()
+        deadline = self._wait_since + self.idle_timeout_s
+        if loop.time() >= deadline:
+            self.fail(StreamFailed(f"{self.request_id}: no token for {self.idle_timeout_s:g} s"))
+        else:
+            self._idle_timer = loop.call_at(deadline, self._idle)
+
+    def _stop_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+
+def _merged(first: StreamDelta, then: StreamDelta) -> StreamDelta:
+    """Two deltas the consumer had not taken yet, as one (ready since the first was)."""
+    return StreamDelta(
+        first.token_ids + then.token_ids,
+        first.text + then.text,
+        then.finish_reason,
+        then.usage,
+        first.ready_at,
+        (first.parts_ready_at or (first.ready_at,)) + (then.ready_at,),
+    )
 
 
 class StreamFailed(PdserveError):
