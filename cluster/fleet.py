@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 class Deployment:
     spec: ModelSpec
     controller: Controller
-    state: str = "stable"  # stable, canary or retiring
+    state: str = "stable"  # starting, stable, canary, promoting or retiring
 
 
 def judge(stable: VersionHealth, canary: VersionHealth, config: RolloutConfig) -> str | None:
@@ -106,7 +106,7 @@ class Fleet:
         """Start every model of the config's ``models`` list, then the canary judge."""
         for spec in self.root.config.models:
             self.models[spec.name] = {}
-            self._launch(spec, new_model=True)
+            self._launch(spec, "stable")
         threading.Thread(target=self._judge_loop, daemon=True).start()
 
     def stop(self) -> None:
@@ -137,7 +137,9 @@ class Fleet:
                 raise InvalidArgumentError(
                     "version", f"{name}@{version} is served already; versions are immutable"
                 )
-            if self._canary(name) is not None:
+            if any(
+                d.state in ("starting", "canary", "promoting") for d in self.models[name].values()
+            ):
                 raise InvalidArgumentError(
                     "model", f"a rollout of {name} is in progress: promote or roll it back first"
                 )
@@ -146,7 +148,7 @@ class Fleet:
             spec = ModelSpec(name, version, model, stable.spec.engine, regions)
             self.models[name][version] = placeholder = Deployment(spec, self.root, "starting")
         try:
-            new = self._launch(spec, new_model=False)
+            new = self._launch(spec, "starting")  # no traffic until it is given some
         except BaseException:
             with self._lock:
                 if self.models[name].get(version) is placeholder:
@@ -214,9 +216,9 @@ class Fleet:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _launch(self, spec: ModelSpec, new_model: bool) -> Deployment:
-        """Start a version's controller and instances; the router serves it (with no
-        traffic unless it is a new model) once they are up."""
+    def _launch(self, spec: ModelSpec, state: str) -> Deployment:
+        """Start a version's controller and instances; the router serves it once they
+        are up (a further version of a model with no traffic yet)."""
         config = self.root.config.deployment(spec)
         controller = type(self.root)(config, None, router=self.root.router, key=spec.key)
         controller.events = self.root.events  # one event log for every deployment
@@ -232,7 +234,7 @@ class Fleet:
         except BaseException:
             controller.stop()
             raise
-        deployment = Deployment(spec, controller)
+        deployment = Deployment(spec, controller, state)
         with self._lock:
             self.models.setdefault(spec.name, {})[spec.version] = deployment
         self.root._event(f"serving {spec.key} from {spec.model}")
