@@ -29,7 +29,6 @@ import yaml
 from pdserve.cluster.config_models import (
     ModelSpec,
     RolloutConfig,
-    default_version,
     parse_models,
     parse_rollout,
 )
@@ -176,9 +175,13 @@ class ClusterConfig:
     ray_num_cpus: int | None = None
     metrics_port: int = 0
     source: str = "<config>"
-    version: str = "v1"  # of ``model`` (router.model_name is its name)
     models: tuple[ModelSpec, ...] = ()  # the models served beside ``model``
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    @property
+    def version(self) -> str:
+        """The version of ``model`` (``router.model_name`` is its name)."""
+        return self.router.model_version
 
     def deployment(self, spec: ModelSpec) -> ClusterConfig:
         """The config of one more model's instances: its source, engine and pools, the
@@ -190,7 +193,6 @@ class ClusterConfig:
             model=spec.model,
             engine={**self.engine, **spec.engine},
             regions=spec.regions,
-            version=spec.version,
             models=(),
             planner=planner,
         )
@@ -319,7 +321,6 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
         ray_num_cpus=get_map(raw, "ray", lines).get("num_cpus"),
         metrics_port=int(server.get("metrics_port", 0)),
         source=lines.source,
-        version=str(raw.get("version", default_version(raw["model"]))),
         models=parse_models(raw, lines, names, router.model_name, _region),
         rollout=parse_rollout(raw, lines),
     )

@@ -313,10 +313,10 @@ class Router:
                 yield delta
             self.finished["ok"] += 1
             self.obs.finished(region, stream.finish_reason or "stop", stream)
-            self._outcome(inp.model, stream, True, region)
+            self._outcome(inp, stream, True, region)
         except BaseException as e:
             self.finished[_status(e)] += 1
-            self._outcome(inp.model, stream, _status(e) == "cancelled", region)
+            self._outcome(inp, stream, _status(e) == "cancelled", region)
             self.obs.finished(region, _status(e), None)
             logger.info("request %s ended: %s", stream.request_id, _status(e))
             raise
@@ -335,7 +335,7 @@ class Router:
         version = self.catalog.by_key(model) if model else None
         return version.tokenizer if version is not None else self.tokenizer
 
-    def _outcome(self, model: str, stream: RequestStream, ok: bool, region: str) -> None:
+    def _outcome(self, inp: CompletionInput, stream: RequestStream, ok: bool, region: str) -> None:
         """Count a finished request for its version (a client's cancel is no failure)."""
         ttft = tpot = None
         if stream.first_token_at is not None:
@@ -343,14 +343,13 @@ class Router:
             times = stream.token_times
             if len(times) > 1:
                 tpot = (times[-1] - times[0]) / (len(times) - 1)
-        self.outcomes.record(model, ok, ttft, tpot)
+        self.outcomes.record(inp.model, ok, ttft, tpot)
         if ok and stream.finish_reason is not None:
-            self.obs.model_finished(region, model, ttft, tpot, len(stream.token_times))
-        version = self.catalog.by_key(model)
-        if version is not None:
-            self.obs.metrics["pdserve_model_requests_total"].labels(
-                version.name, version.version, "ok" if ok else "failed"
-            ).inc()
+            self.obs.model_finished(region, inp.model, ttft, tpot, len(stream.token_times))
+        if inp.served_as:  # name@version, as the front door resolved it
+            name, _, version = inp.served_as.rpartition("@")
+            outcome = "ok" if ok else "failed"
+            self.obs.metrics["pdserve_model_requests_total"].labels(name, version, outcome).inc()
 
 
 def _status(e: BaseException) -> str:
