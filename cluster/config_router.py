@@ -7,7 +7,7 @@ from typing import Any
 
 from pdserve.cluster.config_models import default_version
 from pdserve.cluster.config_yaml import Lines, api_key_entries, get_map, known_fields, typed
-from pdserve.core.config import adapter_pairs
+from pdserve.core.adapters import adapter_pairs
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RegionSpec, RouterConfig, TlsConfig
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from pdserve.cluster.config_models import ModelSpec, RolloutConfig
-from pdserve.core.config import adapter_pairs
+from pdserve.core.adapters import adapter_pairs
 from pdserve.core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:

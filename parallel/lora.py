@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.config import UnknownAdapterError
+from pdserve.core.adapters import UnknownAdapterError
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.core.config import UnknownAdapterError
+from pdserve.core.adapters import UnknownAdapterError
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.core.config import UnknownAdapterError
+from pdserve.core.adapters import UnknownAdapterError
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import Request

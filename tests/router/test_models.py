@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.cluster.config_models import RolloutConfig
 from pdserve.cluster.fleet import judge
-from pdserve.core.config import UnknownAdapterError
+from pdserve.core.adapters import UnknownAdapterError
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.models import ModelCatalog, ServedVersion, VersionHealth, VersionOutcomes
 
