@@ -308,7 +308,8 @@ class SimCluster:
         for attempt, decode in enumerate([first, *[d for d in others if d is not first]]):
             if attempt and not self.retries.try_spend():
                 return None
-            self._interrupt(decode)
+            # A reservation takes blocks but leaves the batch as it is: a run goes on.
+            decode.hold_run_blocks()
             if decode.kv.block_size != first.kv.block_size:
                 probe.block_hashes = []
             cached = decode.scheduler.reserve(probe)

@@ -169,10 +169,17 @@ class SimInstance:
             if steps < self._steps:
                 self._steps, self._end, cut = steps, self._start + elapsed, True
                 self.generation += 1
+        self.hold_run_blocks()
+        return cut
+
+    def hold_run_blocks(self) -> None:
+        """Take now the blocks the rest of a fast-mode run needs (it was planned on the
+        blocks free when it started); the run itself goes on unchanged."""
+        if self._plan is None or self._steps == 1:
+            return
         for seq in self._plan.seqs:
             ok = self.kv.allocate_slots(self.scheduler.requests[seq.request_id], self._steps)
             assert ok, "a fast-mode run was planned with too few free blocks"
-        return cut
 
     def complete(self, want_step_ends: bool = False) -> StepDone:
         """Apply the finished step (or run) to the scheduler's state."""
