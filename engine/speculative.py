@@ -26,6 +26,17 @@ When it turns itself off:
   per verifying step, weight ``EWMA_WEIGHT`` on the newest) starts at 1. Below
   ``min_acceptance`` the request drafts only every ``PROBE_EVERY`` decode
   steps, so a request whose text turns repetitive again can come back.
+- with a draft model, how many drafts (0 to ``k``) a request gets each step
+  comes from what they cost and what they win (:meth:`Speculator.observe_step`,
+  :func:`best_draft_length`): each draft position is accepted with the
+  request's probability ``a`` once the ones before it were, so ``j`` drafts
+  yield ``1 + a + ... + a^j`` tokens, against a step that costs the verified
+  drafts and ``j`` passes of the draft model over a plain step. A request
+  whose best length is 0 drafts nothing; one such row in ``4 PROBE_EVERY``
+  probes with one draft, and probes grow rarer while drafting stays
+  unprofitable. A new request starts from the instance's acceptance, so once
+  an instance has learned that its draft does not pay, new requests do not pay
+  for the draft reading their prompts.
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ from pdserve.engine.draft import PENDING, DraftProposer, ModelDrafter
 EWMA_WEIGHT = 0.3  # weight of the newest verifying step in a request's acceptance rate
 PROBE_EVERY = 8  # a request below min_acceptance drafts once per this many decode steps
 PLAIN_EVERY = 16  # with a draft model, one step in this many drafts nothing (timed as plain)
+MAX_PROBE_BACKOFF = 8  # a draft model's probes wait at most this many times their base interval
+PRIOR_WEIGHT = 0.05  # weight of the newest verify in the instance's acceptance
 
 
 def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -77,8 +90,41 @@ class SpeculationStats:
 
 @dataclass
 class _Track:
-    rate: float = 1.0
+    """One request's acceptance and probing state."""
+
+    rate: float = 1.0  # accepted / proposed (the min_acceptance rule)
+    # Accepted drafts, and drafts tested (accepted plus the first rejected), per
+    # verify: ``kept / tried`` is the chance that a draft position is accepted.
+    kept: float = 1.0
+    tried: float = 1.0
     steps_since_probe: int = 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.rate += EWMA_WEIGHT * (accepted / proposed - self.rate)
+        tried = accepted + (accepted < proposed)
+        self.kept += EWMA_WEIGHT * (accepted - self.kept)
+        self.tried += EWMA_WEIGHT * (tried - self.tried)
+
+    @property
+    def alpha(self) -> float:
+        return self.kept / self.tried if self.tried > 0 else 1.0
+
+
+def best_draft_length(alpha: float, k_max: int, draft_cost: float) -> int:
+    """Drafts (0..``k_max``) that maximise tokens per unit of step time.
+
+    ``j`` drafts, each accepted with probability ``alpha`` once the ones before
+    it were, yield ``1 + alpha + ... + alpha^j`` tokens from a step costing
+    ``1 + j draft_cost`` plain steps.
+    """
+    best, best_k, tokens, gain = 1.0, 0, 1.0, 1.0
+    for k in range(1, k_max + 1):
+        gain *= alpha
+        tokens += gain
+        value = tokens / (1.0 + k * draft_cost)
+        if value > best:
+            best, best_k = value, k
+    return best_k
 
 
 class Speculator:
@@ -90,12 +136,16 @@ class Speculator:
         self.stats = SpeculationStats()
         self._tracks: dict[str, _Track] = {}
         self._model: ModelDrafter | None = None
-        # The acceptance rate below which a draft model's drafting costs more than it
-        # wins (see observe_step), from EWMAs of step times with and without drafts.
+        # What one draft of a draft model costs, in plain steps (see observe_step),
+        # from EWMAs of step times with and without drafts.
         self.draft_cost = 0.0
-        self._times = {"pass": 0.0, "verify": 0.0, "plain": 0.0}
-        self._fill: tuple[float, int] | None = None  # the last fill: (seconds, passes)
+        self._times = dict.fromkeys(("pass", "verify", "plain", "drafts", "rows"), 0.0)
+        # The last fill: (seconds, passes, drafts, rows).
+        self._fill: tuple[float, int, int, int] | None = None
         self._steps = 0
+        self._prior: _Track | None = None  # the instance's acceptance, over every request
+        self._idle_rows = 0  # a draft model's rows that drafted nothing since its last probe
+        self._probe_every = 0  # their probe interval now (0: the base)
         if config.method == "draft":
             if proposer is None:
                 raise InvalidArgumentError(
@@ -124,26 +174,67 @@ class Speculator:
         request's ``max_tokens`` (the step's own token would be the last).
         """
         p = request.sampling_params
-        limit = min(
+        c = self.config
+        k = min(
             budget,
             max_model_len - request.num_tokens,
             p.max_tokens - request.num_output_tokens - 1,
+            c.num_speculative_tokens,
         )
-        if limit <= 0 or request.num_output_tokens < p.min_tokens:
+        if k <= 0 or request.num_output_tokens < p.min_tokens:
             return []  # tokens banned below min_tokens would differ per draft position
-        track = self._tracks.setdefault(request.request_id, _Track())
-        floor = self.config.min_acceptance  # 0: both per-request rules off
-        if track.rate < (max(floor, self.draft_cost) if floor > 0 else 0.0):
-            track.steps_since_probe += 1
-            # A draft model's probe also reads every token since the last one: rarer.
-            if track.steps_since_probe < (PROBE_EVERY if self._model is None else 4 * PROBE_EVERY):
+        track = self._track(request.request_id)
+        if self._model is None:
+            if c.min_acceptance > 0 and track.rate < c.min_acceptance and not self._probe(track):
                 return []
+            return propose_ngram(request.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        k = min(k, self._model.limit(request))
+        if c.min_acceptance > 0 and k > 0:  # 0: both per-request rules off
+            want = 0 if track.rate < c.min_acceptance else self._length(track, k)
+            if want == 0 and not self._probe(track):
+                return []
+            if want:
+                self._probe_every = 0  # drafting pays again: probes back to their base rate
+            k = max(want, 1)  # slots for now; fill() puts the draft model's tokens in
+        return [PENDING] * max(k, 0)
+
+    def _track(self, request_id: str) -> _Track:
+        track = self._tracks.get(request_id)
+        if track is None:
+            prior = self._prior
+            track = _Track() if prior is None else _Track(kept=prior.alpha, tried=1.0)
+            self._tracks[request_id] = track
+        return track
+
+    def _length(self, track: _Track, k: int) -> int:
+        """A draft model's best draft count for this request (``k`` until timed)."""
+        if not self._times["verify"]:
+            return k
+        return best_draft_length(track.alpha, k, self.draft_cost)
+
+    def _probe(self, track: _Track) -> bool:
+        """Whether a request that does not draft tries once now.
+
+        With n-grams each such request tries every ``PROBE_EVERY`` steps. A
+        draft model's probe also reads every token since the request's last
+        one, so its probes are counted over the instance: one per
+        ``4 PROBE_EVERY`` non-drafting rows, twice as rare after each probe
+        while no request finds drafting worth it again.
+        """
+        if self._model is None:
+            track.steps_since_probe += 1
+            if track.steps_since_probe < PROBE_EVERY:
+                return False
             track.steps_since_probe = 0
-        c = self.config
-        k = min(limit, c.num_speculative_tokens)
-        if self._model is not None:  # slots for now; fill() puts the draft model's tokens in
-            return [PENDING] * min(k, self._model.limit(request))
-        return propose_ngram(request.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+            return True
+        base = 4 * PROBE_EVERY
+        every = self._probe_every or base
+        self._idle_rows += 1
+        if self._idle_rows < every:
+            return False
+        self._idle_rows = 0
+        self._probe_every = min(2 * every, MAX_PROBE_BACKOFF * base)
+        return True
 
     def fill(
         self,
@@ -160,48 +251,53 @@ class Speculator:
             return drafts
         start = time.perf_counter()
         filled = self._model.fill(drafts, requests, block_table)
-        self._fill = (time.perf_counter() - start, max(len(d) for d in filled.values()))
+        lengths = [len(d) for d in filled.values() if d]
+        self._fill = (time.perf_counter() - start, max(lengths), sum(lengths), len(lengths))
         return filled
 
     def observe_step(self, seconds: float) -> None:
-        """The target step just run took ``seconds``: update what drafting costs.
+        """The target step just run took ``seconds``: update what a draft costs.
 
-        A request drafting ``k`` tokens at acceptance rate ``r`` (accepted over
-        proposed) gets ``1 + k r`` tokens from a step that costs, in plain steps,
-        ``(verify + k pass) / plain``: the verifying step (longer than a plain one
-        where extra tokens are not free) and ``k`` draft passes. Drafting pays
-        while ``r`` is above ``((verify + k pass) / plain - 1) / k``; until a plain
-        step was timed, a verifying step stands in for one (``r > pass / verify``).
-        A request below ``draft_cost`` stops drafting (and probes every
-        ``4 PROBE_EVERY`` steps) as it does below ``min_acceptance``; a
-        ``min_acceptance`` of 0 turns both rules off.
+        A step of ``R`` rows drafting ``j`` tokens each costs a plain step plus
+        ``R j extra`` (verifying the drafts) plus ``j pass`` (the draft model's
+        passes, shared by the rows), so one draft of one row costs
+        ``(R extra + pass) / plain`` plain steps: :attr:`draft_cost`. Until a
+        plain step was timed, a verifying step stands in for one (drafts then
+        cost their passes only).
         """
         if self._model is None or seconds <= 0:
             return
         t = self._times
         if self._fill is None:
-            t["plain"] += EWMA_WEIGHT * (seconds - t["plain"]) if t["plain"] else seconds
+            _ewma(t, "plain", seconds)
             return
-        took, passes = self._fill
+        took, passes, drafted, rows = self._fill
         self._fill = None
-        for name, value in (("verify", seconds), ("pass", took / max(passes, 1))):
-            t[name] += EWMA_WEIGHT * (value - t[name]) if t[name] else value
-        k = self.config.num_speculative_tokens
+        _ewma(t, "verify", seconds)
+        _ewma(t, "pass", took / max(passes, 1))
+        _ewma(t, "drafts", float(drafted))
+        _ewma(t, "rows", float(rows))
         plain = t["plain"] or t["verify"]
-        # At least the passes alone (a verifying step is never cheaper than a plain
-        # one; timed at other batch sizes, it may look so).
-        floor = t["pass"] / t["verify"]
-        self.draft_cost = max(((t["verify"] + k * t["pass"]) / plain - 1) / k, floor)
+        extra = max(t["verify"] - plain, 0.0) / t["drafts"]  # verifying one draft
+        self.draft_cost = (t["rows"] * extra + t["pass"]) / plain
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         """A row verified ``proposed`` drafts and kept ``accepted`` of them."""
         self.stats.steps += 1
         self.stats.proposed += proposed
         self.stats.accepted += accepted
-        track = self._tracks.setdefault(request_id, _Track())
-        track.rate += EWMA_WEIGHT * (accepted / proposed - track.rate)
+        self._track(request_id).observe(proposed, accepted)
+        prior = self._prior = self._prior or _Track(kept=0.0, tried=0.0)
+        tried = accepted + (accepted < proposed)
+        prior.kept += PRIOR_WEIGHT * (accepted - prior.kept)
+        prior.tried += PRIOR_WEIGHT * (tried - prior.tried)
 
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
         if self._model is not None:
             self._model.forget(request_id)
+
+
+def _ewma(times: dict[str, float], name: str, value: float) -> None:
+    old = times[name]
+    times[name] = old + EWMA_WEIGHT * (value - old) if old else value
