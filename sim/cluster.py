@@ -27,7 +27,7 @@ is not simulated (the policy sees no cached blocks).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -302,10 +302,7 @@ class SimCluster:
     ) -> tuple[SimInstance, int] | None:
         """Reserve pages for ``probe`` on ``first``, then (within the retry budget) on the
         fastest others; the request object itself joins the decode instance."""
-        table = self.view.table("decode", region)
-        others = [self.instances[table.views[j].instance_id]
-                  for j in np.argsort(table.decode_tpot())]  # fmt: skip
-        for attempt, decode in enumerate([first, *[d for d in others if d is not first]]):
+        for attempt, decode in enumerate(self._reserve_order(region, first)):
             if attempt and not self.retries.try_spend():
                 return None
             # A reservation takes blocks but leaves the batch as it is: a run goes on.
@@ -317,6 +314,13 @@ class SimCluster:
                 self._refresh(decode)
                 return decode, cached
         return None
+
+    def _reserve_order(self, region: str, first: SimInstance) -> Iterator[SimInstance]:
+        """``first``, then the region's other decode instances by TPOT (sorted if needed)."""
+        yield first
+        table = self.view.table("decode", region)
+        ids = [table.views[j].instance_id for j in np.argsort(table.decode_tpot())]
+        yield from (self.instances[i] for i in ids if i != first.instance_id)
 
     def _placed(self, inst: SimInstance) -> None:
         inst.view.inflight += 1
