@@ -28,6 +28,10 @@ class Backend(Protocol):
 
     def check_idle(self) -> None: ...
 
+    def load_lora_adapter(self, name: str, folder: str) -> None: ...
+
+    def unload_lora_adapter(self, name: str) -> None: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -46,6 +50,12 @@ class LocalBackend:
 
     def check_idle(self) -> None:
         self.engine.assert_idle()
+
+    def load_lora_adapter(self, name: str, folder: str) -> None:
+        self.engine.load_adapter(name, folder)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -69,6 +79,12 @@ class InstanceBackend:
 
     def check_idle(self) -> None:
         self.instance.check_idle()
+
+    def load_lora_adapter(self, name: str, folder: str) -> None:
+        self.instance.load_lora_adapter(name, folder)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.instance.unload_lora_adapter(name)
 
     def shutdown(self) -> None:
         self.instance.shutdown()
@@ -135,6 +151,19 @@ class DisaggregatedBackend:
         import ray
 
         ray.get([self.prefill.leader.check_idle.remote(), self.decode.leader.check_idle.remote()])
+
+    def load_lora_adapter(self, name: str, folder: str) -> None:
+        """On both roles: a request's KV is computed and extended under the same adapter."""
+        self.prefill.group.load_lora_adapter(name, folder)
+        try:
+            self.decode.group.load_lora_adapter(name, folder)
+        except BaseException:
+            self.prefill.group.unload_lora_adapter(name)
+            raise
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.decode.group.unload_lora_adapter(name)
+        self.prefill.group.unload_lora_adapter(name)
 
     def shutdown(self) -> None:
         for instance in (getattr(self, "prefill", None), getattr(self, "decode", None)):

@@ -8,6 +8,7 @@ print(outputs[0].outputs[0].text)
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, cast
@@ -40,7 +41,8 @@ class LLM:
     ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``tensor_parallel_size``, ``pipeline_parallel_size``, ``expert_parallel_size``,
     ``lora_adapters`` (``{name: PEFT folder}``; a request picks one with
-    ``SamplingParams(lora=name)``) and ``max_lora_rank``.
+    ``SamplingParams(lora=name)``), ``max_lora_rank`` and ``max_loras``; adapters
+    load and unload at runtime too (:meth:`load_lora_adapter`).
     A layout of more than one rank runs as an instance of Ray actors (on the Ray
     cluster found, or a local one); ``num_cpus_per_rank`` and
     ``num_gpus_per_rank`` size each rank.
@@ -118,6 +120,19 @@ class LLM:
     def check_idle(self) -> None:
         """Raise AssertionError unless every request ended and every KV block is free."""
         self.backend.check_idle()
+
+    def load_lora_adapter(self, name: str, folder: str | os.PathLike[str]) -> None:
+        """Serve the PEFT LoRA adapter in ``folder`` as ``name`` from now on, on every rank.
+
+        Checked as at start-up (InvalidArgumentError naming the field); refused
+        (AdapterConflictError, 409) when ``name`` is taken or ``max_loras`` are held.
+        """
+        self.backend.load_lora_adapter(name, os.fspath(folder))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name``: UnknownAdapterError (404) if not held,
+        AdapterConflictError (409, naming how many) while requests use it."""
+        self.backend.unload_lora_adapter(name)
 
     def generate(
         self,

@@ -86,6 +86,7 @@ def register(router: Any, instance: Instance, region: str, model: str = "") -> N
                 info.block_size,
                 info.max_model_len,
                 model=model,
+                adapters=ray.get(instance.leader.lora_fingerprints.remote()),
             )
         )
     )

@@ -149,8 +149,27 @@ class InstanceWorker(RankWorker):
             m.head_dim,
             self.spec.layout,
             self.spec.engine.quantization,
-            adapter_fingerprints(self.spec.engine.lora_adapters),
+            self.lora_fingerprints(),
         )
+
+    def lora_fingerprints(self) -> tuple[tuple[str, str], ...]:
+        """Leader: (name, content fingerprint) of each LoRA adapter the engine holds now."""
+        if self.engine is None:
+            return adapter_fingerprints(self.spec.engine.lora_adapters)
+        return self.engine.adapters.fingerprints()
+
+    @ray.method(concurrency_group=CONTROL)
+    def load_lora_adapter(self, name: str, folder: str) -> tuple[str, str]:  # type: ignore[override]
+        """Leader: serve a LoRA adapter on every rank, between two steps of the engine loop."""
+        assert self.server is not None
+        served = self.server.loop.call(lambda e: e.load_adapter(name, folder)).result()
+        return served.name, served.fingerprint
+
+    @ray.method(concurrency_group=CONTROL)
+    def unload_lora_adapter(self, name: str) -> None:  # type: ignore[override]
+        """Leader: stop serving an adapter (refused while requests use it)."""
+        assert self.server is not None
+        self.server.loop.call(lambda e: e.unload_adapter(name)).result()
 
     def kv_endpoint(self) -> PeerEndpoint:
         return self.transfer.receiver.endpoint(ray.get_runtime_context().current_actor)

@@ -3,6 +3,9 @@ YAML and CLI give them in."""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from pdserve.core.errors import InvalidArgumentError
 
 
@@ -17,7 +20,41 @@ class UnknownAdapterError(InvalidArgumentError):
         super().__init__("model", f"unknown model or LoRA adapter {name!r}; valid names: {valid}")
 
 
-def check_adapters(adapters: object) -> None:
+class AdapterConflictError(InvalidArgumentError):
+    """A runtime load or unload that the adapters held now forbid (HTTP 409): the name
+    is taken, the instance is full (``max_loras``), or requests still use the adapter."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 409
+
+
+def check_adapter_name(field: str, name: object) -> str:
+    """A valid adapter name (1 to 128 printable characters), or InvalidArgumentError."""
+    if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 128:
+        raise InvalidArgumentError(field, f"must be 1 to 128 printable characters, got {name!r}")
+    return name
+
+
+def adapter_fingerprint(folder: str | Path) -> str:
+    """Hash of an adapter folder's adapter_config.json and weight files: same content, same hash.
+
+    Prefix-cache blocks computed under an adapter are salted by it (not by the
+    name alone), and a prefill/decode pair compares it per name.
+    """
+    h = hashlib.sha256()
+    root = Path(folder)
+    for file in [root / "adapter_config.json", *sorted(root.glob("*.safetensors"))]:
+        h.update(file.name.encode())
+        if file.is_file():
+            h.update(file.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def check_adapters(adapters: object, max_loras: int | None = None) -> None:
+    if max_loras is not None and isinstance(adapters, tuple) and len(adapters) > max_loras:
+        raise InvalidArgumentError(
+            "lora_adapters", f"{len(adapters)} adapters exceed max_loras={max_loras}"
+        )
     if not isinstance(adapters, tuple):
         raise InvalidArgumentError("lora_adapters", "must be (name, folder) pairs or a mapping")
     names = set()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.core.adapters import UnknownAdapterError, adapter_pairs, check_adapters
+from pdserve.core.adapters import adapter_pairs, check_adapters
 from pdserve.core.errors import InvalidArgumentError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -267,6 +267,8 @@ class EngineConfig:
             model; a request picks one by name (``SamplingParams.lora``). See
             ``parallel/lora.py``.
         max_lora_rank: largest LoRA rank ``r`` an adapter may have.
+        max_loras: most LoRA adapters the instance holds at once, start-up and
+            runtime loads (``LLM.load_lora_adapter``) together.
     """
 
     model: str
@@ -283,10 +285,12 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora_adapters: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64
+    max_loras: int = 8
 
     def __post_init__(self) -> None:
         _positive("max_lora_rank", self.max_lora_rank)
-        check_adapters(self.lora_adapters)
+        _positive("max_loras", self.max_loras)
+        check_adapters(self.lora_adapters, self.max_loras)
         if self.speculative.method == "draft" and self.parallel.pipeline_parallel_size > 1:
             msg = "is supported with pipeline_parallel_size 1 only (use tensor parallelism)"
             raise InvalidArgumentError("speculative_draft_model", msg)
@@ -307,13 +311,8 @@ class EngineConfig:
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        """The served LoRA adapters' names; an adapter's index in the step is its position."""
+        """The start-up LoRA adapters' names; an adapter's slot is its position."""
         return tuple(name for name, _ in self.lora_adapters)
-
-    def check_adapter(self, name: str | None) -> None:
-        """Raise :class:`UnknownAdapterError` unless ``name`` is None (base) or served."""
-        if name is not None and name not in self.adapter_names:
-            raise UnknownAdapterError(name, self.adapter_names)
 
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:

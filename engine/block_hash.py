@@ -7,9 +7,12 @@ instance holds how long a prefix of it.
 
 KV computed under a LoRA adapter differs from the base model's, so a request
 with an adapter starts its chain from :func:`adapter_salt` instead of nothing:
-its blocks never match another adapter's or the base's. The router and the
-engine both salt by the adapter's name; the pairing handshake checks that every
-instance serving a name holds the same adapter content.
+its blocks never match another adapter's or the base's. The salt is the
+adapter's name and content fingerprint, so an adapter unloaded at runtime and
+replaced by another under the same name never reuses the old one's KV. The
+router and the engine salt alike (the router learns fingerprints from the
+instances); the pairing handshake checks that both sides of a pair hold the same
+content under a name.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return _chain(parent, array("q", token_ids).tobytes())
 
 
-def adapter_salt(lora: str | None) -> bytes | None:
-    """The parent of a request's first block: None for the base model, else the adapter's."""
+def adapter_salt(lora: str | None, fingerprint: str = "") -> bytes | None:
+    """The parent of a request's first block: None for the base model, else the adapter's
+    (its name and content fingerprint, ``pdserve.core.adapters.adapter_fingerprint``)."""
     if lora is None:
         return None
-    return hashlib.blake2b(b"pdserve-lora\0" + lora.encode(), digest_size=16).digest()
+    key = b"pdserve-lora\0" + lora.encode() + b"\0" + fingerprint.encode()
+    return hashlib.blake2b(key, digest_size=16).digest()
 
 
 def _chain(parent: bytes | None, block: bytes | memoryview) -> bytes:

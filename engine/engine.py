@@ -29,6 +29,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
 from pdserve.core.step import KVSend, StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.engine.adapters import AdapterSet, ServedAdapter
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.executor import Executor
 from pdserve.engine.isolation import execute_isolating
@@ -56,6 +57,8 @@ class EngineCore:
         num_blocks = executor.num_kv_blocks
         self.max_model_len = resolve_max_model_len(config, model, num_blocks)
         self.kv = KVCacheManager.from_config(config.cache, num_blocks, executor.tier_slots)
+        self.adapters = AdapterSet(config)  # LoRA adapters served now (engine/adapters.py)
+        self.kv.adapter_salt = self.adapters.salt
         self.scheduler = Scheduler(
             config.scheduler, self.kv, self.max_model_len,
             speculative=config.speculative, proposer=executor.draft_proposer,
@@ -163,6 +166,15 @@ class EngineCore:
         blocks = {name: tiers.num_blocks(name) for name in TIERS if tiers.capacity(name)}
         return KVTierCounters(dict(c.hits), c.misses, c.failed_loads, blocks, moved, seconds)
 
+    def load_adapter(self, name: str, folder: str) -> ServedAdapter:
+        """Serve the PEFT LoRA adapter in ``folder`` as ``name`` from the next step on."""
+        return self.adapters.load(self.executor, name, folder)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name``; refused (409, naming how many) while requests use it."""
+        users = sum(r.sampling_params.lora == name for r in self.scheduler.requests.values())
+        self.adapters.unload(self.executor, name, users)
+
     def release(self, request_id: str) -> bool:
         """Prefill role: free a finished request's held blocks (kept as prefix cache)."""
         return self.scheduler.release(request_id)
@@ -182,7 +194,7 @@ class EngineCore:
                 f"max_model_len={self.max_model_len}",
             )
         params.check_vocab(self.model.vocab_size)
-        self.config.check_adapter(params.lora)
+        self.adapters.check(params.lora)
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop", "stop strings need a model with a tokenizer")
         return Request(request_id, token_ids, params, self.eos_token_ids, arrival)
@@ -242,7 +254,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        if self.config.lora_adapters:  # each row runs under its request's adapter
+        if self.adapters:  # each row runs under its request's adapter
             plan = plan.with_lora(self._adapter_of)
         if self.plan_hook is not None:
             plan = self.plan_hook(plan)

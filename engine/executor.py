@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 
+from pdserve.core.errors import UnsupportedError
 from pdserve.core.step import StepPlan, StepResult
 from pdserve.engine.draft import DraftProposer
 
@@ -47,6 +48,16 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def load_adapter(self, slot: int, name: str, folder: str) -> None:
+        """Between two steps: read and check a PEFT adapter, then hold it in ``slot`` on
+        every rank (plans name it ``name`` from the next step on). Raises
+        InvalidArgumentError naming the field before any rank changes."""
+        raise UnsupportedError("this executor cannot load LoRA adapters at runtime")
+
+    def unload_adapter(self, slot: int, name: str) -> None:
+        """Between two steps: drop the adapter in ``slot`` on every rank."""
+        raise UnsupportedError("this executor cannot unload LoRA adapters at runtime")
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...

@@ -20,7 +20,7 @@ block keeps its hash and stays reusable until the pool evicts it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.core.config import CacheConfig, EngineConfig
@@ -73,6 +73,9 @@ class KVCacheManager:
         # How many leading blocks of each table are indexed in the prefix cache.
         self._num_cached: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # The first block's parent per LoRA adapter name; the engine sets it to
+        # its adapters' salt (name and content fingerprint).
+        self.adapter_salt: Callable[[str | None], bytes | None] = adapter_salt
 
     @classmethod
     def from_config(
@@ -110,7 +113,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) < request.num_tokens // self.block_size:
             # The first block chains from the request's LoRA adapter (None: base).
-            parent = hashes[-1] if hashes else adapter_salt(request.sampling_params.lora)
+            parent = hashes[-1] if hashes else self.adapter_salt(request.sampling_params.lora)
             hashes.extend(block_hashes(request.token_ids, self.block_size, len(hashes), parent))
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:

@@ -64,9 +64,9 @@ def _decode_entries(decodes: list[ScheduledSeq]) -> tuple[list[int], list[list[i
 
 
 def _lora_rows(
-    ordered: list[ScheduledSeq], adapters: Sequence[str], device: torch.device
+    ordered: list[ScheduledSeq], adapters: Sequence[str | None], device: torch.device
 ) -> LoRABatch | None:
-    """Each token row's adapter (``adapters``: the served names, by index)."""
+    """Each token row's adapter (``adapters``: the served names, by slot; None: free)."""
     if not any(s.lora is not None for s in ordered):
         return None
     per_seq = adapter_indices([s.lora for s in ordered], adapters)
@@ -75,7 +75,7 @@ def _lora_rows(
 
 
 def prepare_batch(
-    plan: StepPlan, block_size: int, device: torch.device, adapters: Sequence[str] = ()
+    plan: StepPlan, block_size: int, device: torch.device, adapters: Sequence[str | None] = ()
 ) -> PreparedBatch:
     decodes = [s for s in plan.seqs if s.num_tokens == 1 or s.num_draft_tokens]
     prefills = [s for s in plan.seqs if s.num_tokens > 1 and not s.num_draft_tokens]

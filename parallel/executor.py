@@ -44,5 +44,11 @@ class LocalExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
 
+    def load_adapter(self, slot: int, name: str, folder: str) -> None:
+        self.runner.load_adapter(slot, name, self.runner.read_adapter(name, folder))
+
+    def unload_adapter(self, slot: int, name: str) -> None:
+        self.runner.unload_adapter(slot)
+
     def shutdown(self) -> None:
         self.runner.close()

@@ -120,6 +120,14 @@ class RankGroup:
     def check_idle(self) -> None:
         _get(self.leader.check_idle.remote(), 60)
 
+    def load_lora_adapter(self, name: str, folder: str) -> tuple[str, str]:
+        """Serve a LoRA adapter on every rank between two steps; (name, fingerprint)."""
+        served, fingerprint = _get(self.leader.load_lora_adapter.remote(name, folder), 120)
+        return str(served), str(fingerprint)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        _get(self.leader.unload_lora_adapter.remote(name), 120)
+
     def shutdown(self) -> None:
         try:
             _get(self.leader.shutdown.remote(), 60)

@@ -55,19 +55,22 @@ class LoRABatch:
         )
 
 
-def adapter_indices(names: Sequence[str | None], served: Sequence[str]) -> list[int]:
-    """Each name's index among the served adapters (-1 for None, the base model)."""
-    index = {name: i for i, name in enumerate(served)}
+def adapter_indices(names: Sequence[str | None], served: Sequence[str | None]) -> list[int]:
+    """Each name's slot among the served adapters (-1 for None, the base model).
+
+    ``served[i]`` names the adapter in slot ``i`` (None: a free slot)."""
+    index = {name: i for i, name in enumerate(served) if name is not None}
     out = []
     for name in names:
         if name is not None and name not in index:
-            raise UnknownAdapterError(name, tuple(served))
+            raise UnknownAdapterError(name, tuple(index))
         out.append(-1 if name is None else index[name])
     return out
 
 
 class LinearLoRA:
-    """The adapters of one linear layer: per adapter index ``(A, B)`` or None (not targeted).
+    """The adapters of one linear layer: per adapter slot ``(A, B)`` or None (not
+    targeted, or a free slot).
 
     A: [r, in_local], B: [out_local, r] with the adapter's scale folded in.
     """

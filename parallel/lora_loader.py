@@ -6,8 +6,10 @@ An adapter is a folder with ``adapter_config.json`` (``r``, ``lora_alpha``,
 (A: [r, in], B: [out, r], full size). Every rank reads the whole (small) file
 and keeps the part its layers need (see ``lora.py`` for the per-rank shapes).
 
-An adapter that does not fit is refused at start-up with an error naming the
-adapter and the field: a rank above ``max_lora_rank``, a target module the
+Adapters are read at start-up (:func:`attach_adapters`) and at runtime, each
+into a slot (:func:`install_adapter`, :func:`remove_adapter`). An adapter that
+does not fit is refused, at start-up or at a runtime load, with an error naming
+the adapter and the field: a rank above ``max_lora_rank``, a target module the
 model has no adapter path for, a tensor whose shape does not match the model,
 or a PEFT feature pdserve does not run (DoRA, per-module ranks, trained bias or
 extra modules).
@@ -192,29 +194,51 @@ def _dense(layer: DecoderLayer) -> DenseMLP:
     return layer.mlp
 
 
-def attach_adapters(model: CausalLM, config: EngineConfig) -> list[PeftAdapter]:
-    """Read every configured adapter and hang each linear's share on it (``linear.lora``)."""
-    adapters = [
-        read_adapter(name, folder, config.max_lora_rank, model.config)
-        for name, folder in config.lora_adapters
-    ]
+def attach_adapters(model: CausalLM, config: EngineConfig) -> list[str | None]:
+    """Read every start-up adapter and hang each linear's share on it (``linear.lora``),
+    adapter ``i`` in slot ``i`` of ``max_loras``; returns each slot's adapter (None: free)."""
+    for slot, (name, folder) in enumerate(config.lora_adapters):
+        adapter = read_adapter(name, folder, config.max_lora_rank, model.config)
+        install_adapter(model, slot, adapter, config.max_loras)
+    slots: list[str | None] = [name for name, _ in config.lora_adapters]
+    return slots + [None] * (config.max_loras - len(slots))
+
+
+def _linears(layer: DecoderLayer) -> dict[str, ColumnParallelLinear | RowParallelLinear]:
+    """The linears of a decoder layer that may carry adapters, by ``_MODULES`` name."""
+    linears: dict[str, ColumnParallelLinear | RowParallelLinear] = {
+        "qkv": layer.attn.qkv,
+        "o_proj": layer.attn.o_proj,
+    }
+    if isinstance(layer.mlp, DenseMLP):
+        linears.update(gate_up=layer.mlp.gate_up, down=layer.mlp.down)
+    return linears
+
+
+def install_adapter(model: CausalLM, slot: int, adapter: PeftAdapter, capacity: int) -> None:
+    """Hold ``adapter`` in ``slot`` of each linear of this rank's layers that it targets."""
     weight = next(model.parameters())
     for offset, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
-        per_adapter = [_layer_pairs(layer, model.layer_start + offset, a) for a in adapters]
-        linears: dict[str, ColumnParallelLinear | RowParallelLinear] = {
-            "qkv": layer.attn.qkv,
-            "o_proj": layer.attn.o_proj,
-        }
-        if isinstance(layer.mlp, DenseMLP):
-            linears.update(gate_up=layer.mlp.gate_up, down=layer.mlp.down)
-        for key, linear in linears.items():
-            weights: list[tuple[torch.Tensor, torch.Tensor] | None] = [
-                None if key not in pairs else _like(pairs[key], weight) for pairs in per_adapter
-            ]
-            if any(w is not None for w in weights):
-                linear.lora = LinearLoRA(weights)
-    return adapters
+        pairs = _layer_pairs(layer, model.layer_start + offset, adapter)
+        for key, linear in _linears(layer).items():
+            if key not in pairs:
+                continue
+            if linear.lora is None:
+                linear.lora = LinearLoRA([None] * capacity)
+            linear.lora.weights[slot] = _like(pairs[key], weight)
+
+
+def remove_adapter(model: CausalLM, slot: int) -> None:
+    """Drop whatever adapter ``slot`` holds from every linear (its memory is freed)."""
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        for linear in _linears(layer).values():
+            if linear.lora is None:
+                continue
+            linear.lora.weights[slot] = None
+            if all(w is None for w in linear.lora.weights):
+                linear.lora = None
 
 
 def _like(

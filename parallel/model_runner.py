@@ -29,7 +29,13 @@ from pdserve.parallel.cpu_linear import pack_linears, packing_available
 from pdserve.parallel.kernels import select_kernels
 from pdserve.parallel.kv_tiers import TierStore, tier_slots
 from pdserve.parallel.loader import load_checkpoint
-from pdserve.parallel.lora_loader import attach_adapters
+from pdserve.parallel.lora_loader import (
+    PeftAdapter,
+    attach_adapters,
+    install_adapter,
+    read_adapter,
+    remove_adapter,
+)
 from pdserve.parallel.models import build_model
 from pdserve.parallel.quant import quantize_linears, select_path, weights_bytes
 from pdserve.parallel.sampler import Sampler
@@ -79,8 +85,8 @@ class ModelRunner:
                 model_config, ctx, self.dtype, self.layer_range, backend_cls, kernels
             )
         load_checkpoint(self.model, model_config.path)
-        if config.lora_adapters:  # before packing or quantizing: adapters ride on top
-            attach_adapters(self.model, config)
+        # The adapter in each LoRA slot (None: free); they ride on any packing or quantizing.
+        self.adapter_slots = attach_adapters(self.model, config)
         self.model.eval()
         if config.quantization != "none":
             path = select_path(config.quantization, kernels.name, self.device, self.dtype)
@@ -188,7 +194,20 @@ class ModelRunner:
         return max(1, budget // (self.bytes_per_block() + extra_bytes_per_block))
 
     def prepare(self, plan: StepPlan) -> PreparedBatch:
-        return prepare_batch(plan, self.block_size, self.device, self.config.adapter_names)
+        return prepare_batch(plan, self.block_size, self.device, self.adapter_slots)
+
+    def read_adapter(self, name: str, folder: str) -> PeftAdapter:
+        """Read and check a PEFT adapter for this model (InvalidArgumentError naming the field)."""
+        return read_adapter(name, folder, self.config.max_lora_rank, self.model_config)
+
+    def load_adapter(self, slot: int, name: str, adapter: PeftAdapter) -> None:
+        """Between steps: hold ``adapter`` in ``slot``; plans may name it from now on."""
+        install_adapter(self.model, slot, adapter, len(self.adapter_slots))
+        self.adapter_slots[slot] = name
+
+    def unload_adapter(self, slot: int) -> None:
+        remove_adapter(self.model, slot)
+        self.adapter_slots[slot] = None
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:

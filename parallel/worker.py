@@ -54,6 +54,7 @@ from pdserve.parallel.groups import (
     send_plan,
     store_address,
 )
+from pdserve.parallel.lora_control import apply_lora, encode_lora, is_lora
 from pdserve.parallel.model_runner import KVAllocator, ModelRunner, resolve_device
 from pdserve.parallel.moe import expert_load, expert_rows
 from pdserve.parallel.pipeline import StageExecutor, StepHooks
@@ -135,6 +136,18 @@ class GroupExecutor(Executor):
             raise InstanceFailedError(
                 f"instance {self.groups.layout.describe()} lost a rank during step {plan.step_id}: {e}"
             ) from e
+
+    def load_adapter(self, slot: int, name: str, folder: str) -> None:
+        """Check on the leader, then load on every rank between two steps (lora_control.py)."""
+        adapter = self.stage.runner.read_adapter(name, folder)
+        with self.step_lock:
+            send_plan(self.groups, encode_lora(slot, name, folder))
+            self.stage.runner.load_adapter(slot, name, adapter)
+
+    def unload_adapter(self, slot: int, name: str) -> None:
+        with self.step_lock:
+            send_plan(self.groups, encode_lora(slot, name, None))
+            self.stage.runner.unload_adapter(slot)
 
     def shutdown(self) -> None:
         with self.step_lock, contextlib.suppress(RuntimeError, dist.DistError):
@@ -242,6 +255,8 @@ class RankWorker:
             while (payload := receive_plan(self.groups)) is not None:
                 if is_rebalance(payload):
                     self._place_experts(payload)
+                elif is_lora(payload):
+                    apply_lora(self.stage.runner, payload)
                 else:
                     self.stage.run(StepPlan.from_msgpack(payload))
         except Exception as e:  # the leader notices through its own collectives
@@ -258,6 +273,16 @@ class RankWorker:
         """Raise AssertionError unless no request and no KV block is held."""
         assert self.engine is not None
         self.engine.assert_idle()
+
+    def load_lora_adapter(self, name: str, folder: str) -> tuple[str, str]:
+        """Leader: serve a LoRA adapter on every rank; returns (name, content fingerprint)."""
+        assert self.engine is not None, "load_lora_adapter is served by the leader (rank 0)"
+        served = self.engine.load_adapter(name, folder)
+        return served.name, served.fingerprint
+
+    def unload_lora_adapter(self, name: str) -> None:
+        assert self.engine is not None, "unload_lora_adapter is served by the leader (rank 0)"
+        self.engine.unload_adapter(name)
 
     def rebalance_experts(self, loads: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
         """Leader: re-place every MoE layer's expert slots on every rank, between two steps.

@@ -9,6 +9,9 @@ A request is pinned to the version picked when it is admitted: its
 tokenizer, its instances (the router's tables are per version) and every
 retry or migration stay with that version, so a stream never mixes two.
 
+A model's LoRA adapters are named at start-up and loaded or unloaded at
+runtime (:meth:`ModelCatalog.add_adapter`, from ``router/lora_admin.py``).
+
 Each version has a deployment key: ``""`` for the cluster's own ``model``
 (the key every instance of a one-model cluster carries), ``name@version``
 for every other. The controller adds a version when its instances are up,
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.core.adapters import UnknownAdapterError
@@ -119,6 +122,19 @@ class ModelCatalog:
         if total <= 0:
             raise InvalidArgumentError("traffic", "at least one version must take traffic")
         model.traffic = {v: shares.get(v, 0.0) / total for v in model.versions}
+
+    def add_adapter(self, name: str, adapter: str) -> None:
+        """Model ``name``'s versions serve LoRA adapter ``adapter`` too (a runtime load)."""
+        model = self._model(name)
+        for key, v in model.versions.items():
+            if adapter not in v.adapters:
+                model.versions[key] = replace(v, adapters=(*v.adapters, adapter))
+
+    def remove_adapter(self, name: str, adapter: str) -> None:
+        """Model ``name`` no longer serves ``adapter``: requests naming it get 404."""
+        model = self._model(name)
+        for key, v in model.versions.items():
+            model.versions[key] = replace(v, adapters=tuple(a for a in v.adapters if a != adapter))
 
     def resolve(self, model: object) -> tuple[str, str | None]:
         """(model name, LoRA adapter or None) for a request's ``model`` field."""

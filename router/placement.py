@@ -3,7 +3,8 @@
     choose(request)
       home    <- the request's region, else the config's first
       for each region with a decode instance and room under its admission limit:
-        placement <- the policy's prefill/decode pick there (prefix hits priced in)
+        placement <- the policy's prefill/decode pick there (prefix hits priced in);
+                     under a LoRA adapter, among the instances holding it only
         cost      <- placement's estimated TTFT + the round trip to that region
       the cheapest region wins; ties stay home
     peer_prefix(request, choice)
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.core.errors import InvalidArgumentError, OverloadedError
+from pdserve.core.errors import InvalidArgumentError, OverloadedError, PdserveError
 from pdserve.core.messages import PeerPrefix
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission
@@ -77,6 +78,14 @@ class RegionUnservedError(OverloadedError):
         self.model = model
 
 
+class AdapterUnavailableError(PdserveError):
+    """A request names a LoRA adapter the cluster serves, but no available instance of a
+    role it needs holds it now (being loaded, or its holders are down)."""
+
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+
+
 class RegionChooser:
     def __init__(
         self,
@@ -110,7 +119,10 @@ class RegionChooser:
             raise InvalidArgumentError("region", f"unknown region; known: {regions}")
         hashes: dict[int, list[bytes]] = {}
         best: tuple[float, str, Placement] | None = None
-        candidates = [r for r in self._candidates(regions, inp.model) if r not in skip]
+        lora = inp.params.lora
+        if lora is not None:
+            self._check_holders(regions, inp.model, lora)
+        candidates = [r for r in self._candidates(regions, inp.model, lora) if r not in skip]
         for region in candidates:
             inflight = self.region_inflight[region]
             if not self.admission.admit(region, inflight, inp.params.priority):
@@ -131,7 +143,22 @@ class RegionChooser:
             if lacking:
                 raise RegionUnservedError(message, home, lacking, inp.model)
             raise OverloadedError(message, retry_after_s=1.0)
-        return self._resolve(best[1], best[2], hashes, inp.model)
+        return self._resolve(best[1], best[2], hashes, inp)
+
+    def _check_holders(self, regions: list[str], model: str, lora: str) -> None:
+        """Refuse a request under an adapter that no available instance of a role it needs
+        holds, in any region (it would fail there); placement sends it only to holders."""
+        needed = ("decode", "prefill") if self.config.without_prefill == "refuse" else ("decode",)
+        for role in needed:
+            if not any(len(self.cluster.table(role, r, model, lora)) for r in regions):
+                holders = sorted(
+                    v.instance_id for v in self.cluster.instances.values()
+                    if lora in v.adapters and v.model == model
+                )  # fmt: skip
+                raise AdapterUnavailableError(
+                    f"no available {role} instance holds LoRA adapter {lora!r} now "
+                    f"(held by: {holders or 'none'}); load it with /v1/load_lora_adapter"
+                )
 
     def _lacking(self, region: str, model: str) -> tuple[str, ...]:
         """The roles ``region`` needs and has no available instance of."""
@@ -140,13 +167,18 @@ class RegionChooser:
 
     def place(self, inp: CompletionInput, region: str, hashes: dict[int, list[bytes]]) -> Choice:
         """The policy's instances in ``region`` now (OverloadedError: it has no decode)."""
-        return self._resolve(region, self.score(inp, region, hashes), hashes, inp.model)
+        return self._resolve(region, self.score(inp, region, hashes), hashes, inp)
 
     def _resolve(
-        self, region: str, placement: Placement, hashes: dict[int, list[bytes]], model: str
+        self,
+        region: str,
+        placement: Placement,
+        hashes: dict[int, list[bytes]],
+        inp: CompletionInput,
     ) -> Choice:
-        prefills = self.cluster.table("prefill", region, model).views
-        decode = self.cluster.table("decode", region, model).views[placement.decode]
+        model, lora = inp.model, inp.params.lora
+        prefills = self.cluster.table("prefill", region, model, lora).views
+        decode = self.cluster.table("decode", region, model, lora).views[placement.decode]
         prefill = prefills[placement.prefill] if placement.prefill is not None else None
         return Choice(region, prefill, decode, hashes)
 
@@ -164,26 +196,28 @@ class RegionChooser:
             return f"without an available {role} instance ({sick} unhealthy, {len(views) - sick} draining)"
         return "without a decode and prefill instance"
 
-    def _candidates(self, regions: list[str], model: str) -> list[str]:
-        """Regions with a decode instance of ``model``; per ``without_prefill``, also a
-        prefill one."""
-        serving = [r for r in regions if len(self.cluster.table("decode", r, model))]
+    def _candidates(self, regions: list[str], model: str, lora: str | None) -> list[str]:
+        """Regions with a decode instance of ``model`` (holding ``lora``); per
+        ``without_prefill``, also a prefill one."""
+        serving = [r for r in regions if len(self.cluster.table("decode", r, model, lora))]
         if self.config.without_prefill == "local":
             return serving
-        full = [r for r in serving if len(self.cluster.table("prefill", r, model))]
+        full = [r for r in serving if len(self.cluster.table("prefill", r, model, lora))]
         return full if full or self.config.without_prefill == "refuse" else serving
 
     def score(self, inp: CompletionInput, region: str, hashes: dict[int, list[bytes]]) -> Placement:
         """The policy's placement in ``region``, with each prefill's cached prefix priced in."""
-        prefills = self.cluster.table("prefill", region, inp.model)
-        decodes = self.cluster.table("decode", region, inp.model)
+        lora = inp.params.lora  # only instances holding the request's adapter
+        prefills = self.cluster.table("prefill", region, inp.model, lora)
+        decodes = self.cluster.table("decode", region, inp.model, lora)
         if not len(decodes):
             raise OverloadedError(
                 f"region {region!r} has no decode instance available", retry_after_s=1.0
             )
         bs = decodes.block_tokens
         if bs not in hashes:
-            hashes[bs] = prompt_block_hashes(inp.prompt_token_ids, bs, inp.params.lora)
+            fingerprint = self.cluster.adapter_fingerprints.get(lora or "", "")
+            hashes[bs] = prompt_block_hashes(inp.prompt_token_ids, bs, lora, fingerprint)
         cached = np.zeros(len(prefills))
         for instance, blocks in self.prefixes.cached_prefixes(hashes[bs]).items():
             row = prefills.index.get(instance)

@@ -17,11 +17,12 @@ from pdserve.engine.block_hash import adapter_salt, block_hashes
 
 
 def prompt_block_hashes(
-    token_ids: list[int], block_size: int, lora: str | None = None
+    token_ids: list[int], block_size: int, lora: str | None = None, fingerprint: str = ""
 ) -> list[bytes]:
     """Chained hashes of the prompt's full blocks, as an instance would compute them
-    for a request under LoRA adapter ``lora`` (None: the base model)."""
-    return block_hashes(token_ids, block_size, parent=adapter_salt(lora))
+    for a request under LoRA adapter ``lora`` (None: the base model) whose content
+    has ``fingerprint``."""
+    return block_hashes(token_ids, block_size, parent=adapter_salt(lora, fingerprint))
 
 
 class PrefixIndex:

@@ -34,6 +34,7 @@ from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.admission import Admission, ColdStartQueue, RetryBudget
 from pdserve.router.attempts import Attempts
 from pdserve.router.config import RouterConfig
+from pdserve.router.lora_admin import LoraAdmin
 from pdserve.router.models import ModelCatalog, Served, ServedVersion, VersionOutcomes
 from pdserve.router.observe import Observer
 from pdserve.router.placement import Choice, CompletionInput, RegionChooser, RegionUnservedError
@@ -59,6 +60,7 @@ class InstanceInfo:
     max_model_len: int
     paired: tuple[str, ...] = ()
     model: str = ""  # the deployment key of the model version it serves (router.models)
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, fingerprint) of each LoRA adapter held
 
 
 class Router:
@@ -103,6 +105,7 @@ class Router:
         self.attempts = Attempts(
             config, self.cluster, self.chooser, self.retries, self.obs, sink, self.unregister
         )
+        self.lora = LoraAdmin(self.cluster, self.catalog)  # runtime LoRA loads and unloads
         self.finished: dict[str, int] = defaultdict(int)
         self.placed: dict[str, int] = defaultdict(int)  # requests placed per region
         # The time from a delta being ready to the front door having written it (seconds).
@@ -134,6 +137,8 @@ class Router:
             info.model,
         )
         self.cluster.add(view)
+        for name, fingerprint in info.adapters:
+            self.cluster.set_adapter(info.instance_id, name, fingerprint)
         if info.role == "decode" and not info.model:
             self.last_max_model_len = info.max_model_len
         self.cold.opened(info.region)

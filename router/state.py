@@ -35,6 +35,8 @@ class InstanceView:
     inflight: int = 0
     pending_prompt_tokens: int = 0
     draining: bool = False
+    # LoRA adapters it holds now: name -> content fingerprint (router/lora_admin.py).
+    adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def healthy(self) -> bool:
@@ -117,9 +119,32 @@ class RegionTable:
 
 
 class ClusterView:
+    """Every instance, and per (role, region, model version, LoRA adapter) a table of
+    the available ones; an adapter's table holds only instances that hold it with
+    the content the cluster serves under its name (``adapter_fingerprints``)."""
+
     def __init__(self) -> None:
         self.instances: dict[str, InstanceView] = {}
-        self._tables: dict[tuple[str, str, str], RegionTable] = {}
+        self._tables: dict[tuple[str, str, str, str | None], RegionTable] = {}
+        self.adapter_fingerprints: dict[str, str] = {}
+
+    def set_adapter(self, instance_id: str, name: str, fingerprint: str | None) -> None:
+        """``instance_id`` now holds adapter ``name`` (None: no longer holds it). The first
+        content seen under a name is the one served; other content there is no holder."""
+        view = self.instances.get(instance_id)
+        if view is None:
+            return
+        if fingerprint is None:
+            view.adapters.pop(name, None)
+            if not any(name in v.adapters for v in self.instances.values()):
+                self.adapter_fingerprints.pop(name, None)
+        else:
+            view.adapters[name] = fingerprint
+            self.adapter_fingerprints.setdefault(name, fingerprint)
+        self._tables.clear()
+
+    def holds(self, view: InstanceView, lora: str | None) -> bool:
+        return lora is None or view.adapters.get(lora, "") == self.adapter_fingerprints.get(lora)
 
     def add(self, view: InstanceView) -> None:
         self.instances[view.instance_id] = view
@@ -133,27 +158,32 @@ class ClusterView:
         self.instances[instance_id].draining = draining
         self._tables.clear()
 
-    def table(self, role: str, region: str, model: str = "") -> RegionTable:
+    def table(
+        self, role: str, region: str, model: str = "", lora: str | None = None
+    ) -> RegionTable:
         """The available instances of ``role`` in ``region`` serving the model version
-        whose deployment key is ``model``."""
-        key = (role, region, model)
+        whose deployment key is ``model`` (and, with ``lora``, holding that adapter)."""
+        key = (role, region, model, lora)
         if key not in self._tables:
             views = [
                 v
                 for v in self.instances.values()
                 if v.role == role and v.region == region and v.model == model and v.available
-            ]
+                and self.holds(v, lora)
+            ]  # fmt: skip
             self._tables[key] = RegionTable(views)
         return self._tables[key]
 
     def touch(self, view: InstanceView) -> None:
-        """Refresh the view's row after its load changed."""
-        key = (view.role, view.region, view.model)
-        table = self._tables.get(key)
-        if table is not None and view.instance_id in table.index:
-            table.refresh(table.index[view.instance_id])
-        if table is not None and (view.instance_id in table.index) != view.available:
-            self._tables.pop(key, None)
+        """Refresh the view's row, in every table of its role, region and model, after its
+        load changed."""
+        for key, table in list(self._tables.items()):
+            if key[:3] != (view.role, view.region, view.model):
+                continue
+            if view.instance_id in table.index:
+                table.refresh(table.index[view.instance_id])
+            if (view.instance_id in table.index) != (view.available and self.holds(view, key[3])):
+                self._tables.pop(key, None)
 
     def regions(self) -> list[str]:
         return sorted({v.region for v in self.instances.values()})

@@ -62,3 +62,24 @@ def merged_greedy(
     out = adapter.parent / f"{adapter.name}-merged"
     merged.save_pretrained(out)
     return hf_greedy(out, prompts, max_new_tokens=max_new_tokens)
+
+
+def build_lora_case(reference_models, tmp_path_factory, new_tokens: int):
+    """(base folder, adapters {name: folder}, prompts, tokens {None or name: per prompt}):
+    every adapter of :data:`ADAPTERS` over the llama reference, and transformers' tokens."""
+    from pdserve.core.model_config import ModelConfig
+    from tests.reference import parity_prompts
+
+    base = reference_models("llama")
+    prompts = parity_prompts(ModelConfig.from_dir(base).vocab_size)[:4]
+    root = tmp_path_factory.mktemp("lora")
+    adapters: dict[str, str] = {}
+    tokens: dict[str | None, list[list[int]]] = {
+        None: hf_greedy(base, prompts, max_new_tokens=new_tokens)
+    }
+    for spec in ADAPTERS:
+        folder = root / spec.name
+        make_adapter(base, spec, folder)
+        adapters[spec.name] = str(folder)
+        tokens[spec.name] = merged_greedy(base, folder, prompts, new_tokens)
+    return base, adapters, prompts, tokens

@@ -3,8 +3,9 @@
 Each side describes its KV cache in a :class:`KVSpec`. KV pages move between
 them only if the model (its config and weights), the dtype, the weight
 quantization (KV computed from int8 weights differs from float KV), the LoRA
-adapters (names and content: a request's KV is computed under its adapter on the
-prefill side and extended under the same name on the decode side) and the page
+adapters both hold (same name, same content: a request's KV is computed under
+its adapter on the prefill side and extended under the same name on the decode
+side) and the page
 size agree; parallel layouts may differ (the transfer layer re-shards heads and
 layers). A mismatch is refused with both sides' values, before any page moves:
 never wrong output.
@@ -17,6 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.core.adapters import adapter_fingerprint
 from pdserve.core.errors import PdserveError
 from pdserve.core.layout import Layout
 
@@ -59,24 +61,22 @@ def model_fingerprint(folder: str | Path) -> str:
 
 def adapter_fingerprints(adapters: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
     """(name, hash of adapter_config.json and the weight files) of each (name, folder)."""
-    out = []
-    for name, folder in adapters:
-        h = hashlib.sha256()
-        root = Path(folder)
-        for file in [root / "adapter_config.json", *sorted(root.glob("*.safetensors"))]:
-            h.update(file.name.encode())
-            h.update(file.read_bytes())
-        out.append((name, h.hexdigest()[:24]))
-    return tuple(out)
+    return tuple((name, adapter_fingerprint(folder)) for name, folder in adapters)
 
 
 def _adapter_problems(prefill: KVSpec, decode: KVSpec) -> list[str]:
+    """Adapters both sides hold under one name with different content.
+
+    A name only one side holds is no mismatch: adapters load and unload at
+    runtime, instance by instance, and the router places a request under an
+    adapter only on a pair that both hold it (with the same fingerprint).
+    """
     p, d = dict(prefill.lora_adapters), dict(decode.lora_adapters)
     return [
         f"lora adapter {name!r}: prefill {prefill.instance_id} has "
-        f"{p.get(name, 'none')}, decode {decode.instance_id} has {d.get(name, 'none')}"
-        for name in sorted(p.keys() | d.keys())
-        if p.get(name) != d.get(name)
+        f"{p[name]}, decode {decode.instance_id} has {d[name]}"
+        for name in sorted(p.keys() & d.keys())
+        if p[name] != d[name]
     ]
 
 

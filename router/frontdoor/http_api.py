@@ -3,6 +3,7 @@
     POST /v1/completions        text or token-id prompt; SSE when "stream": true
     POST /v1/chat/completions   messages rendered by the model's chat template
     GET  /v1/models
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (lora_admin.py)
     GET  /health                liveness (no key): the front door answers
     GET  /ready                 readiness (no key): 200 once a prefill and a decode
                                 instance take requests, else 503
@@ -34,6 +35,7 @@ from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batches import BatchJobs
 from pdserve.router.frontdoor.dashboard import add_routes
+from pdserve.router.frontdoor.lora_admin import add_lora_routes
 from pdserve.router.frontdoor.requests import (
     completion_input,
     fit_context,
@@ -79,6 +81,7 @@ class HttpApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         add_routes(app, self.router, self.keys)
+        add_lora_routes(app, self.router, self.keys, self.max_body_bytes)  # runtime LoRA loads
         if self.batches is not None:
             self.batches.add_routes(app)
         return app

@@ -61,3 +61,32 @@ def test_model_field_selects_the_adapter_and_models_lists_them() -> None:
         assert status == 404
         message = answer["error"]["message"]
         assert "'nope'" in message and all(n in message for n in ("tiny", *ADAPTERS)), message
+
+
+def test_malformed_adapter_admin_bodies_get_400_naming_the_field() -> None:
+    results, _ = _run(
+        [
+            ("POST", "/v1/load_lora_adapter", {"lora_path": "/x"}),
+            ("POST", "/v1/load_lora_adapter", {"lora_name": 5, "lora_path": "/x"}),
+            ("POST", "/v1/load_lora_adapter", {"lora_name": "a"}),
+            ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x", "x": 1}),
+            (
+                "POST",
+                "/v1/load_lora_adapter",
+                {"lora_name": "a", "lora_path": "/x", "instances": "p"},
+            ),
+            ("POST", "/v1/unload_lora_adapter", {}),
+            ("POST", "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": "/x"}),
+        ]
+    )
+    fields = ["lora_name", "lora_name", "lora_path", "x", "instances", "lora_name", "lora_name"]
+    for (status, answer), field in zip(results, fields, strict=True):
+        assert status == 400 and answer["error"]["param"] == field, answer
+    # Well formed, but no instance holds "nope" / there is no instance to load on.
+    results, _ = _run(
+        [
+            ("POST", "/v1/unload_lora_adapter", {"lora_name": "nope"}),
+            ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}),
+        ]
+    )
+    assert [status for status, _ in results] == [404, 503], results

@@ -12,11 +12,9 @@ from safetensors.torch import load_file, save_file
 from pdserve import LLM, SamplingParams
 from pdserve.core.adapters import UnknownAdapterError
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import Request
 from pdserve.router.prefix_index import prompt_block_hashes
-from tests.lora_adapters import ADAPTERS, make_adapter, merged_greedy
-from tests.reference import hf_greedy, parity_prompts
+from tests.lora_adapters import build_lora_case
 
 NEW_TOKENS = 8
 
@@ -24,19 +22,7 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def lora_case(reference_models, tmp_path_factory):
     """(base folder, adapters {name: folder}, prompts, tokens {None or name: per prompt})."""
-    base = reference_models("llama")
-    prompts = parity_prompts(ModelConfig.from_dir(base).vocab_size)[:4]
-    root = tmp_path_factory.mktemp("lora")
-    adapters: dict[str, str] = {}
-    tokens: dict[str | None, list[list[int]]] = {
-        None: hf_greedy(base, prompts, max_new_tokens=NEW_TOKENS)
-    }
-    for spec in ADAPTERS:
-        folder = root / spec.name
-        make_adapter(base, spec, folder)
-        adapters[spec.name] = str(folder)
-        tokens[spec.name] = merged_greedy(base, folder, prompts, NEW_TOKENS)
-    return base, adapters, prompts, tokens
+    return build_lora_case(reference_models, tmp_path_factory, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +76,8 @@ def test_prefix_cache_does_not_mix_adapters(lora_case, lora_llm) -> None:
     for name in ("qv", "all", None):
         request = Request("probe", prompt, _greedy(name))
         kv.update_block_hashes(request)
-        assert request.block_hashes == prompt_block_hashes(prompt, kv.block_size, name)
+        fingerprint = dict(lora_llm.engine.adapters.fingerprints()).get(name or "", "")
+        assert request.block_hashes == prompt_block_hashes(prompt, kv.block_size, name, fingerprint)
         hashes[name] = request.block_hashes
     assert not set(hashes["qv"]) & set(hashes["all"])
     assert not set(hashes["qv"]) & set(hashes[None])
@@ -181,15 +168,16 @@ def test_a_disaggregated_pair_serves_adapters_and_refuses_a_mismatch(
         llm.check_idle()
     finally:
         llm.shutdown()
-    only_one = dict(list(adapters.items())[:1])
-    with pytest.raises(IncompatibleInstancesError, match="lora adapter"):
+    # The same name over other content on one side is refused (a name only one
+    # side holds is not: adapters load at runtime instance by instance).
+    with pytest.raises(IncompatibleInstancesError, match="lora adapter 'qv'"):
         LLM(
             str(base),
             dtype="float32",
             disaggregated=True,
             num_cpus_per_rank=0.5,
-            prefill=dict(lora_adapters=adapters),
-            decode=dict(lora_adapters=only_one),
+            prefill=dict(lora_adapters={"qv": adapters["qv"]}),
+            decode=dict(lora_adapters={"qv": adapters["all"]}),
         )
 
 

@@ -1,4 +1,4 @@
-"""Prefill and decode instances must serve the same LoRA adapters (names and content)."""
+"""Prefill and decode instances must hold the same content under each adapter name both serve."""
 
 from __future__ import annotations
 
@@ -37,6 +37,6 @@ def test_same_adapters_pass_and_a_different_one_is_refused(tmp_path: Path) -> No
     with pytest.raises(IncompatibleInstancesError, match="lora adapter 'sql': prefill p0 has "):
         check_compatible(prefill, changed)
 
-    missing = dataclasses.replace(same, lora_adapters=())
-    with pytest.raises(IncompatibleInstancesError, match=r"'sql'.*decode d0 has none"):
-        check_compatible(prefill, missing)
+    # Held by one side only (loaded at runtime on some instances): no mismatch;
+    # the router places requests under it only where both hold it.
+    check_compatible(prefill, dataclasses.replace(same, lora_adapters=()))
