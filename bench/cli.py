@@ -9,8 +9,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (see bench/RESULTS.md)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     from pdserve.bench import (
+        afd,
         coldstart,
         disagg_ttft,
+        elastic,
         eplb,
         headline,
         kernels,
@@ -45,5 +47,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     priority.add_parser(kinds)
     spec.add_parser(kinds)
     eplb.add_parser(kinds)
+    elastic.add_parser(kinds)
+    afd.add_parser(kinds)
     coldstart.add_parser(kinds)
     weights.add_parser(kinds)

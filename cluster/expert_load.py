@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from pdserve.cluster.elastic_ep import refresh_members
 from pdserve.core.snapshot import ExpertLoad
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class ExpertLoadReader:
 
     def read(self, instances: list[Instance], timeout_s: float) -> dict[str, ExpertLoad]:
         """Instance id -> its expert load, for the instances whose ranks all answered."""
+        elastic = refresh_members(instances, timeout_s)  # first drop ranks an instance lost
         refs = {
             i.instance_id: [w.expert_load.remote() for w in i.group.workers]
             + [w.expert_rows.remote() for w in i.group.workers]
@@ -64,7 +66,10 @@ class ExpertLoadReader:
             except Exception:  # a rank died: the health check deals with it
                 continue
             n = len(instance.group.workers)
-            out[instance.instance_id] = self._update(instance, answers[:n], answers[n:])
+            load = self._update(instance, answers[:n], answers[n:])
+            status = elastic.get(instance.instance_id)
+            load.ep_rank_failures = sum(len(r.dead) for r in status.recoveries) if status else 0
+            out[instance.instance_id] = load
         for gone in set(self._last) - {i.instance_id for i in instances}:
             self._last.pop(gone, None)
             self._last_rows.pop(gone, None)

@@ -122,6 +122,19 @@ class ParallelConfig:
             when asked, ``rebalance_experts``).
         rebalance_min_tokens: a layer whose window holds fewer routed tokens keeps
             its placement and goes on counting (noise never moves weights).
+        afd: attention-FFN disaggregation (MoE models, ``parallel/afd.py``): the
+            attention, KV cache and dense parts run on ``afd_attention_ranks``
+            ranks (heads split over them), the experts on ``afd_expert_ranks``
+            other ranks; the tensor, pipeline and expert sizes stay 1.
+        afd_attention_ranks: ranks of the attention group (with ``afd``).
+        afd_expert_ranks: ranks of the expert group (with ``afd``).
+        afd_micro_batches: micro-batches a step is cut into so that the two
+            groups work at the same time (fewer when the step has fewer sequences).
+        elastic_ep: keep serving on the surviving ranks when an expert-parallel
+            follower rank dies (``parallel/elastic.py``). None: on wherever the
+            layout allows it (``expert_parallel_size > 1`` with tensor and
+            pipeline sizes 1, on CPU); True: required (other layouts are
+            refused); False: a lost rank fails the instance.
     """
 
     tensor_parallel_size: int = 1
@@ -131,9 +144,16 @@ class ParallelConfig:
     redundant_experts: int = 0
     rebalance_interval_s: float = 0.0
     rebalance_min_tokens: int = 1024
+    afd: bool = False
+    afd_attention_ranks: int = 1
+    afd_expert_ranks: int = 1
+    afd_micro_batches: int = 2
+    elastic_ep: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            _positive(name, getattr(self, name))
+        for name in ("afd_attention_ranks", "afd_expert_ranks", "afd_micro_batches"):
             _positive(name, getattr(self, name))
         for name in ("redundant_experts", "rebalance_interval_s", "rebalance_min_tokens"):
             if getattr(self, name) < 0:
@@ -143,6 +163,12 @@ class ParallelConfig:
                 "redundant_experts",
                 f"{self.redundant_experts} needs expert_parallel_size > 1 "
                 "(with one EP rank every expert already sits on every rank)",
+            )
+        if self.elastic_ep and (self.expert_parallel_size == 1 or self.world_size > 1 or self.afd):
+            raise InvalidArgumentError(
+                "elastic_ep",
+                "needs expert_parallel_size > 1 with tensor_parallel_size and "
+                "pipeline_parallel_size 1 (a lost rank must hold only experts, no KV shard)",
             )
         if self.pipeline_layers is not None:
             if len(self.pipeline_layers) != self.pipeline_parallel_size:
@@ -156,6 +182,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        if self.afd:
+            return self.afd_attention_ranks + self.afd_expert_ranks
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 

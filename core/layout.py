@@ -14,6 +14,15 @@ rank. With ``ep > tp`` (e.g. EP=2, TP=1) every TP group computes the attention
 of all tokens (replicated) and only the experts are split: EP then buys memory
 for experts, not attention speed. With ``ep == 1`` each expert's intermediate
 dimension is split over the TP ranks instead. Other mixes are refused.
+
+With attention-FFN disaggregation (``afd``, MoE models only) the instance has
+``A + F`` ranks: ranks ``[0, A)`` are the attention group (the attention split
+by heads over them, TP ``A``, with the KV cache, embeddings, norms and LM head)
+and ranks ``[A, A + F)`` the expert group (whole experts split over them);
+there is one stage and no other TP or EP group::
+
+    attention group  = ranks 0 .. A-1       (tp = A, rank 0 leads)
+    expert group     = ranks A .. A+F-1     (ep = F, expert rank = rank - A)
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ class Layout:
     pp: int
     ep: int
     stage_layers: tuple[tuple[int, int], ...]  # [start, end) of each stage
+    afd_experts: int = 0  # ranks of the expert group with afd (0: no afd)
 
     @property
     def ranks_per_stage(self) -> int:
@@ -49,9 +59,18 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.ranks_per_stage * self.pp
+        return self.ranks_per_stage * self.pp + self.afd_experts
+
+    def is_expert_rank(self, rank: int) -> bool:
+        """An afd expert-group rank (holds experts only, no KV cache)."""
+        return self.afd_experts > 0 and rank >= self.tp
+
+    def expert_ranks(self) -> list[int]:
+        return list(range(self.tp, self.tp + self.afd_experts))
 
     def coords(self, rank: int) -> RankCoords:
+        if self.is_expert_rank(rank):
+            return RankCoords(rank, 0, rank, 0, rank - self.tp)
         stage, r = divmod(rank, self.ranks_per_stage)
         return RankCoords(rank, stage, r, r % self.tp, r if self.ep > 1 else 0)
 
@@ -68,11 +87,15 @@ class Layout:
         return [[s * rps + i for i in range(rps)] for s in range(self.pp)]
 
     def describe(self) -> str:
+        if self.afd_experts:
+            return f"afd attention={self.tp} experts={self.afd_experts} ({self.world_size} ranks)"
         return f"tp={self.tp} pp={self.pp} ep={self.ep} ({self.world_size} ranks)"
 
 
 def plan_layout(model: ModelConfig, parallel: ParallelConfig) -> Layout:
     """Check that ``model`` can take the layout; raise naming the reason if not."""
+    if parallel.afd:
+        return _plan_afd(model, parallel)
     tp, pp, ep = (
         parallel.tensor_parallel_size,
         parallel.pipeline_parallel_size,
@@ -107,6 +130,37 @@ def plan_layout(model: ModelConfig, parallel: ParallelConfig) -> Layout:
             f"{tp} does not divide intermediate_size={model.intermediate_size}",
         )
     return Layout(tp, pp, ep, _stage_layers(model.num_layers, pp, parallel.pipeline_layers))
+
+
+def _plan_afd(model: ModelConfig, parallel: ParallelConfig) -> Layout:
+    """Attention on ``afd_attention_ranks``, experts on ``afd_expert_ranks`` (one stage)."""
+    if not model.is_moe:
+        raise InvalidArgumentError(
+            "afd", f"the model ({model.architecture}) has no experts to put on other ranks"
+        )
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+        if getattr(parallel, name) != 1:
+            raise InvalidArgumentError(
+                name,
+                f"{getattr(parallel, name)} with afd: set afd_attention_ranks and "
+                "afd_expert_ranks instead (one stage)",
+            )
+    if parallel.redundant_experts:
+        raise InvalidArgumentError("redundant_experts", "is not supported with afd")
+    a, f = parallel.afd_attention_ranks, parallel.afd_expert_ranks
+    if model.num_heads % a or (
+        model.num_kv_heads % a if model.num_kv_heads >= a else a % model.num_kv_heads
+    ):
+        raise InvalidArgumentError(
+            "afd_attention_ranks",
+            f"{a} does not split the model's {model.num_heads} attention heads and "
+            f"{model.num_kv_heads} KV heads evenly",
+        )
+    if model.num_experts % f:
+        raise InvalidArgumentError(
+            "afd_expert_ranks", f"{f} does not divide the model's {model.num_experts} experts"
+        )
+    return Layout(a, 1, 1, ((0, model.num_layers),), afd_experts=f)
 
 
 def _check_experts(model: ModelConfig, tp: int, ep: int) -> None:

@@ -230,6 +230,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         source="instance",
     ),
     MetricSpec(
+        "pdserve_ep_rank_failures_total",
+        "counter",
+        "Expert-parallel ranks an elastic MoE instance lost and went on serving without.",
+        _INSTANCE,
+        source="instance",
+    ),
+    MetricSpec(
         "pdserve_kv_tier_hits_total",
         "counter",
         "Prefix blocks found below the device pool (tier: host, disk) and loaded back.",

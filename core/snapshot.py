@@ -42,6 +42,7 @@ class ExpertLoad:
     tokens: dict[int, list[int]]  # layer -> tokens routed to each expert since start
     by_expert: dict[int, float]  # layer -> max over mean per expert, recent tokens
     by_rank: dict[int, float]  # layer -> max over mean per EP rank, recent tokens
+    ep_rank_failures: int = 0  # EP ranks lost and recovered from
 
 
 @dataclass
@@ -200,3 +201,4 @@ def _add_experts(
     for over, values in (("expert", load.by_expert), ("rank", load.by_rank)):
         for layer, ratio in values.items():
             fams["pdserve_moe_imbalance_ratio"].add_metric([*who, str(layer), over], ratio)
+    fams["pdserve_ep_rank_failures_total"].add_metric(who, load.ep_rank_failures)

@@ -19,6 +19,7 @@ Pure Python, no torch: the same counts give the same placement on every rank.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -111,3 +112,45 @@ def imbalance(per_rank: Sequence[float]) -> float:
     """Max over mean of ``per_rank``; 1.0 when nothing was counted."""
     total = sum(per_rank)
     return max(per_rank) * len(per_rank) / total if total else 1.0
+
+
+def shrink(placement: Placement, survivors: Sequence[int], num_experts: int) -> Placement:
+    """The placement over the ``survivors`` (old EP ranks, in order) when the others die.
+
+        Deterministic, so every survivor computes the same one. Each survivor keeps
+        the experts it holds (a dead rank's expert that a survivor already holds as
+        a replica needs no load); each expert no survivor holds goes to the survivor
+        with the fewest experts, over a replica if every slot is taken (from the
+    survivor that gave up the fewest so far); free slots
+        take replicas of the least-replicated experts. A survivor holds
+        ``max(S, ceil(E / survivors))`` slots (at most ``E``); with one survivor,
+        every expert once, in order (the layout without expert parallelism).
+    """
+    ep = len(survivors)
+    if ep == 1:
+        return static_placement(num_experts, 0, 1)
+    per_rank = min(num_experts, max(placement.slots_per_rank, -(-num_experts // ep)))
+    held = [list(dict.fromkeys(placement.rank_slots(r)))[:per_rank] for r in survivors]
+    count = Counter(e for h in held for e in h)
+    taken = [0] * ep  # replicas each survivor gave up: spread the reads
+    for e in range(num_experts):
+        if count[e]:
+            continue
+        free = [i for i in range(ep) if len(held[i]) < per_rank]
+        if free:
+            held[min(free, key=lambda i: (len(held[i]), i))].append(e)
+        else:  # every slot taken: some expert has a replica to give up
+            i, x = max(
+                ((i, x) for i in range(ep) for x in held[i] if count[x] > 1),
+                key=lambda p: (-taken[p[0]], count[p[1]], -p[0], -p[1]),
+            )
+            held[i][held[i].index(x)] = e
+            count[x] -= 1
+            taken[i] += 1
+        count[e] += 1
+    for h in held:
+        while len(h) < per_rank:
+            x = min((e for e in range(num_experts) if e not in h), key=lambda e: (count[e], e))
+            h.append(x)
+            count[x] += 1
+    return Placement(tuple(e for h in held for e in h), ep)

@@ -202,6 +202,13 @@ def receive_plan(groups: InstanceGroups) -> bytes | None:
     return buf.numpy().tobytes()
 
 
+def abort_groups(groups: InstanceGroups, why: str) -> None:
+    """Give the groups up after a rank died: peers still waiting in them raise; leave them."""
+    for comm in groups.shm:
+        comm.abort(why)
+    destroy_groups(groups)
+
+
 def destroy_groups(groups: InstanceGroups | None = None) -> None:
     if groups is not None:
         groups.close()

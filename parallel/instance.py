@@ -54,7 +54,8 @@ class RankGroup:
         start_phases: dict[str, float] | None = None,
     ) -> None:
         self.layout = layout
-        self.workers = workers
+        self.workers = workers  # the ranks serving (see ``refresh``)
+        self.all_workers = list(workers)
         self.leader = workers[0]
         self.placement_group = pg
         self.info = info
@@ -97,6 +98,7 @@ class RankGroup:
             num_blocks = min(capacities)
             _get([w.allocate_kv.remote(num_blocks) for w in workers], res.start_timeout_s)
             info = _get(workers[0].start_engine.remote(), res.start_timeout_s)
+            _get(workers[0].attach_peers.remote(workers), res.start_timeout_s)  # elastic EP
             clock.mark("warmup")
         except BaseException:
             for w in workers:
@@ -120,6 +122,17 @@ class RankGroup:
     def check_idle(self) -> None:
         _get(self.leader.check_idle.remote(), 60)
 
+    def refresh(self) -> int:
+        """Drop ranks an elastic instance lost (``parallel/elastic.py``); the ranks serving."""
+        status = _get(self.leader.elastic_status.remote(), 60)
+        if status is not None:
+            self.set_members(status.members)
+        return len(self.workers)
+
+    def set_members(self, members: tuple[int, ...]) -> None:
+        """The ranks serving, as numbered at start (``ElasticStatus.members``)."""
+        self.workers = [self.all_workers[r] for r in members]
+
     def load_lora_adapter(self, name: str, folder: str) -> tuple[str, str]:
         """Serve a LoRA adapter on every rank between two steps; (name, fingerprint)."""
         served, fingerprint = _get(self.leader.load_lora_adapter.remote(name, folder), 120)
@@ -130,11 +143,12 @@ class RankGroup:
 
     def shutdown(self) -> None:
         try:
+            self.refresh()
             _get(self.leader.shutdown.remote(), 60)
             _get([w.shutdown.remote() for w in self.workers[1:]], 60)
         except (InstanceFailedError, GetTimeoutError):
             pass
-        for w in self.workers:
+        for w in self.all_workers:
             ray.kill(w)
         remove_placement_group(self.placement_group)
 

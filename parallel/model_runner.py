@@ -19,8 +19,10 @@ from dataclasses import replace
 import torch
 
 from pdserve.core.config import EngineConfig
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import StepPlan, StepResult
+from pdserve.parallel.afd_model import ExpertStack
 from pdserve.parallel.attention import select_backend
 from pdserve.parallel.batch import PreparedBatch, prepare_batch
 from pdserve.parallel.context import SINGLE_RANK, ParallelContext
@@ -36,7 +38,7 @@ from pdserve.parallel.lora_loader import (
     read_adapter,
     remove_adapter,
 )
-from pdserve.parallel.models import build_model
+from pdserve.parallel.models import CausalLM, build_model
 from pdserve.parallel.quant import quantize_linears, select_path, weights_bytes
 from pdserve.parallel.sampler import Sampler
 
@@ -69,7 +71,10 @@ class ModelRunner:
         config: EngineConfig,
         ctx: ParallelContext = SINGLE_RANK,
         layer_range: tuple[int, int] | None = None,
+        afd_role: str = "",
     ) -> None:
+        """``afd_role``: "attention" or "experts" on an afd instance (``parallel/afd.py``)."""
+        self.afd_role = afd_role
         self.model_config = model_config
         self.config = config
         self.ctx = ctx
@@ -81,9 +86,19 @@ class ModelRunner:
         kernels = select_kernels(config.kernel_backend, self.device)
         self.layer_range = layer_range or (0, model_config.num_layers)
         with torch.device(self.device):
-            self.model = build_model(
-                model_config, ctx, self.dtype, self.layer_range, backend_cls, kernels
-            )
+            if afd_role == "experts":
+                self.model: CausalLM = ExpertStack(
+                    model_config, ctx, self.dtype, self.layer_range, kernels
+                )
+            else:
+                self.model = build_model(
+                    model_config, ctx, self.dtype, self.layer_range, backend_cls, kernels,
+                    remote_experts=bool(afd_role),
+                )  # fmt: skip
+        if afd_role and self.tier_slots() != (0, 0):
+            raise InvalidArgumentError("afd", "host and disk KV tiers are not supported with afd")
+        if afd_role and config.lora_adapters:
+            raise InvalidArgumentError("afd", "LoRA adapters are not supported with afd")
         load_checkpoint(self.model, model_config.path)
         # The adapter in each LoRA slot (None: free); they ride on any packing or quantizing.
         self.adapter_slots = attach_adapters(self.model, config)
@@ -106,7 +121,11 @@ class ModelRunner:
 
         ``allocator(shape, dtype, device)`` may place it (e.g. in shared memory);
         it must return zeros: masked-out slots still meet V in the attention sum.
+        An afd expert rank holds no KV cache.
         """
+        if self.afd_role == "experts":
+            self.num_blocks = num_blocks
+            return
         kv_heads = max(1, self.model_config.num_kv_heads // self.ctx.tp_size)
         shape = (
             len(self.model.layers),
@@ -184,6 +203,8 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
+        if self.afd_role == "experts":  # no KV here: the attention ranks' count rules
+            return 1 << 40
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
@@ -198,6 +219,8 @@ class ModelRunner:
 
     def read_adapter(self, name: str, folder: str) -> PeftAdapter:
         """Read and check a PEFT adapter for this model (InvalidArgumentError naming the field)."""
+        if self.afd_role:
+            raise InvalidArgumentError("afd", "LoRA adapters are not supported with afd")
         return read_adapter(name, folder, self.config.max_lora_rank, self.model_config)
 
     def load_adapter(self, slot: int, name: str, adapter: PeftAdapter) -> None:

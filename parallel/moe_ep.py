@@ -28,12 +28,19 @@ if TYPE_CHECKING:
 def expert_parallel_forward(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     # x: [T, H] (every rank of the stage holds all T tokens) -> [T, H]
     ctx = moe.ctx
+    lo, hi = split_evenly(x.shape[0], ctx.ep_size, ctx.ep_rank)
+    out = route_and_combine(moe, x[lo:hi], lo)
+    return _all_gather_rows(out, x.shape[0], ctx.ep_size, ctx)
+
+
+def route_and_combine(moe: SparseMoE, mine: torch.Tensor, lo: int) -> torch.Tensor:
+    """Route this rank's tokens ``mine`` [t, H] (rows ``lo ..`` of the batch) through the
+    EP group's experts; their combined outputs [t, H]. Collective over the EP group."""
+    ctx = moe.ctx
     ep, rank, per_rank = ctx.ep_size, ctx.ep_rank, moe.local_experts
-    lo, hi = split_evenly(x.shape[0], ep, rank)
-    mine = x[lo:hi]  # [t, H]: the tokens this rank routes
     weights, experts = moe.ops.route(F.linear(mine, moe.gate), moe.top_k)  # [t, k]
     moe._count(experts)
-    pair_token = torch.arange(mine.shape[0], device=x.device).repeat_interleave(moe.top_k)
+    pair_token = torch.arange(mine.shape[0], device=mine.device).repeat_interleave(moe.top_k)
     pair_expert = experts.reshape(-1)  # [P]
     pick = (pair_token + lo) % moe.replica_count[pair_expert]
     pair_slot = moe.replica_slots[pair_expert, pick]  # [P]: the physical slot
@@ -53,7 +60,7 @@ def expert_parallel_forward(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     back = _all_to_all(outputs, sends, recvs, ctx)  # [P_out, H]
     out = torch.zeros_like(mine)
     out.index_add_(0, pair_token, (back * pair_weight[:, None]).to(out.dtype))
-    return _all_gather_rows(out, x.shape[0], ep, ctx)
+    return out
 
 
 def _run_slots(moe: SparseMoE, rows: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor:

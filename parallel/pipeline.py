@@ -14,6 +14,7 @@ the leader itself.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Protocol
 
@@ -81,6 +82,9 @@ class StageExecutor:
         self.ctx = groups.ctx
         self.hidden_size = runner.model_config.hidden_size
         self.hooks = hooks
+        # Seconds this rank spent running plans (its ``ctx.comm`` says how much of
+        # it went to waiting for peers): the rank's busy time.
+        self.run_seconds = 0.0
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> tuple[dict[str, list[int]], bool, list[bool]]:
@@ -89,6 +93,7 @@ class StageExecutor:
         The flag says whether every rank delivered the plan's KV pages; the list
         has a flag per KV-tier load, True where every rank loaded that block.
         """
+        start = time.perf_counter()
         loads_ok = self._tier_loads(plan)
         try:
             if not plan.seqs:  # tier work or exports; ranks still hear of finished requests
@@ -96,6 +101,7 @@ class StageExecutor:
             tokens, ok = self._forward(plan)
         finally:
             self.runner.finish_tier_ops()
+            self.run_seconds += time.perf_counter() - start
         return tokens, ok, loads_ok
 
     def _without_forward(self, plan: StepPlan) -> bool:

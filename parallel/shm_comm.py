@@ -8,6 +8,7 @@ group maps instead::
     offset 0             header, one 64-byte line per rank r:
                            [r*64 + 0]  int64  calls rank r has entered (its counter)
                            [r*64 + 8]  int64  pid of rank r (checked while waiting)
+                           [r*64 + 16] int64  1 once rank r aborted the group
     offset 64 * world    slots[phase][rank], phase = call % 2, slot_bytes each
 
 Call ``n`` on every rank: write this rank's part into ``slots[n % 2][rank]``,
@@ -27,7 +28,8 @@ rank's counter (its low 32 bits), which that rank wakes after each store: a
 waiting rank gives its core back, which matters when ranks share cores with
 other processes, and wakes within microseconds. A peer whose process is gone, or a wait longer than the timeout, raises
 :class:`ShmCollectiveError` (a ``RuntimeError``, as gloo's failures are), and
-the communicator refuses every later call.
+the communicator refuses every later call; so does every peer's wait, however
+patient, once a rank gave the group up (:meth:`ShmCommunicator.abort`).
 
 Set-up (:func:`open_group_shm`, collective over the group's gloo channel):
 every rank gathers a host key (hostname, boot id, pid namespace); if all keys
@@ -237,6 +239,13 @@ class ShmCommunicator:
         for lo in range(room, len(payload), self.slot_bytes):
             self._exchange_bytes(payload[lo : lo + self.slot_bytes], src)
 
+    def abort(self, why: str) -> None:
+        """Give the group up: every peer's current or next wait raises, as do later calls."""
+        self.error = self.error or why
+        self._header[self.rank, 2] = 1
+        for address in self._addresses:
+            _futex(address, FUTEX_WAKE, 1 << 30, None)
+
     def close(self) -> None:
         """Stop using the segment; remove its file if it is still there."""
         self.error = self.error or "the communicator was closed"
@@ -297,6 +306,9 @@ class ShmCommunicator:
         next_check = start + LIVENESS_PERIOD_S
         while (low := int(counters.min())) < n:
             now = time.monotonic()
+            if self._header[:, 2].any():
+                self.error = "a rank aborted the group"
+                raise ShmCollectiveError("a rank aborted the shared-memory group")
             if now >= next_check:
                 next_check = now + LIVENESS_PERIOD_S
                 self._check_peers(n, 0.0 if patient else now - start)

@@ -11,6 +11,9 @@ sends a stop. Start-up, in order, driven by :mod:`pdserve.parallel.instance`::
     every rank .allocate_kv(n)  -> n = the smallest capacity; followers start looping
                                    (the leader's counts its draft model's KV too)
     leader.start_engine()       -> EngineCore over a GroupExecutor
+    leader.attach_peers(actors) -> elastic EP armed where the layout allows it
+                                   (a dead follower is regrouped around:
+                                   ``pdserve.parallel.elastic``)
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ from pdserve.core.step import StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.executor import Executor
+from pdserve.parallel.afd import afd_role, stage_executor
+from pdserve.parallel.afd_groups import init_afd_groups
 from pdserve.parallel.context import CommStats
 from pdserve.parallel.draft_runner import DraftRunner
+from pdserve.parallel.elastic import ElasticLeader, ElasticRank
 from pdserve.parallel.expert_slots import (
     decode_rebalance,
     encode_rebalance,
@@ -110,6 +116,7 @@ class GroupExecutor(Executor):
         # Held while a step's plan is sent and run; control messages on the plan
         # channel (expert re-placement) take it to fall between two steps.
         self.step_lock = threading.Lock()
+        self.elastic: ElasticLeader | None = None  # set by attach_peers (elastic EP)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -127,15 +134,22 @@ class GroupExecutor(Executor):
         return self.stage.runner.tier_io()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        try:
-            with self.step_lock:
-                send_plan(self.groups, plan.to_msgpack())
-                tokens, transfer_ok, loads_ok = self.stage.run(plan)
-            return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok)
-        except (RuntimeError, dist.DistError) as e:
-            raise InstanceFailedError(
-                f"instance {self.groups.layout.describe()} lost a rank during step {plan.step_id}: {e}"
-            ) from e
+        with self.step_lock:
+            while True:
+                try:
+                    send_plan(self.groups, plan.to_msgpack())
+                    tokens, transfer_ok, loads_ok = self.stage.run(plan)
+                    break
+                except (RuntimeError, dist.DistError) as e:
+                    if self.elastic is None or not self.elastic.recover(self.groups, e):
+                        raise InstanceFailedError(
+                            f"instance {self.groups.layout.describe()} lost a rank "
+                            f"during step {plan.step_id}: {e}"
+                        ) from e
+                    self.groups = self.stage.groups  # the survivors' (parallel/elastic.py)
+            if self.elastic is not None:
+                self.elastic.ran()
+        return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok)
 
     def load_adapter(self, slot: int, name: str, folder: str) -> None:
         """Check on the leader, then load on every rank between two steps (lora_control.py)."""
@@ -154,7 +168,7 @@ class GroupExecutor(Executor):
             send_plan(self.groups, None)  # (the followers may be gone already)
 
 
-class RankWorker:
+class RankWorker(ElasticRank):
     """Ray actor body for one rank (wrapped with ``ray.remote`` by the instance)."""
 
     def __init__(self, spec: RankSpec) -> None:
@@ -171,6 +185,7 @@ class RankWorker:
         self.follower_error: str | None = None
         self._stopping = threading.Event()  # set at shutdown: background work ends
         self.rebalances = 0  # expert re-placements run (leader)
+        self.redundant_experts = spec.engine.parallel.redundant_experts
         # Set by subclasses before ``join``: where the KV cache lives, and what
         # runs around each step (the KV transfer layer).
         self.kv_allocator: KVAllocator | None = None
@@ -186,7 +201,8 @@ class RankWorker:
     def join(self, address: str) -> int:
         """Join the process groups, load this rank's shard; return its KV capacity."""
         spec = self.spec
-        self.groups = init_groups(
+        init = init_afd_groups if spec.layout.afd_experts else init_groups
+        self.groups = init(
             spec.layout,
             spec.rank,
             address,
@@ -197,9 +213,13 @@ class RankWorker:
         )
         coords = spec.layout.coords(spec.rank)
         self.runner = ModelRunner(
-            spec.model, spec.engine, self.groups.ctx, spec.layout.stage_layers[coords.stage]
+            spec.model,
+            spec.engine,
+            self.groups.ctx,
+            spec.layout.stage_layers[coords.stage],
+            afd_role(spec.layout, spec.rank),
         )
-        self.stage = StageExecutor(self.runner, self.groups, self.step_hooks)
+        self.stage = stage_executor(self.runner, self.groups, self.step_hooks)
         if spec.engine.parallel.redundant_experts:
             model, start = self.runner.model, self.runner.layer_range[0]
             initial_placement(model, start, spec.engine.parallel.redundant_experts, spec.model.path)
@@ -314,7 +334,7 @@ class RankWorker:
         placements = rebalance(
             self.runner.model,
             self.runner.layer_range[0],
-            parallel.redundant_experts,
+            self.redundant_experts,
             self.spec.model.path,
             decode_rebalance(message),
             parallel.rebalance_min_tokens,

@@ -31,6 +31,7 @@ RECORDS_LIMIT = 100_000  # runs up to this many requests keep per-request record
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_profile(sub)
     _add_sim(sub)
+    from pdserve.sim.afd import add_parser as add_afd_parser
     from pdserve.sim.plan_cli import add_plan_parser
     from pdserve.sim.replay import add_parser as add_replay_parser
     from pdserve.sim.validate import add_parser as add_validate_parser
@@ -38,6 +39,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_plan_parser(sub)
     add_replay_parser(sub)
     add_validate_parser(sub)
+    add_afd_parser(sub)
 
 
 # -- pdserve profile --------------------------------------------------------------------

@@ -26,9 +26,13 @@ def build_model(
     layer_range: tuple[int, int],
     backend_cls: type[AttentionBackend],
     ops: KernelOps | None = None,
+    remote_experts: bool = False,
 ) -> CausalLM:
-    """One pipeline stage of ``config``'s model; ``ops`` (default: torch) run its fused layers."""
-    return MODEL_FAMILIES[config.family](config, ctx, dtype, layer_range, backend_cls, ops)
+    """One pipeline stage of ``config``'s model; ``ops`` (default: torch) run its fused layers.
+
+    ``remote_experts``: leave the MoE experts out (they run on afd expert ranks)."""
+    family = MODEL_FAMILIES[config.family]
+    return family(config, ctx, dtype, layer_range, backend_cls, ops, remote_experts)
 
 
 __all__ = ["MODEL_FAMILIES", "CausalLM", "build_model"]

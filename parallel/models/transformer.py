@@ -95,6 +95,17 @@ class DenseMLP(nn.Module):
         return self.down(self.ops.silu_and_mul(self.gate_up(x, lora)), lora)
 
 
+class RemoteExperts(nn.Module):
+    """Where a MoE layer's experts sit on an afd attention rank: on other ranks.
+
+    The layer's post-attention hidden states go to the expert group and its
+    combined output comes back (:mod:`pdserve.parallel.afd`); nothing runs here.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this layer's experts run on the afd expert ranks")
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -103,13 +114,17 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         backend_cls: type[AttentionBackend],
         ops: KernelOps,
+        remote_experts: bool = False,
     ) -> None:
+        """``remote_experts``: the MoE experts run on other ranks (afd attention rank)."""
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.attn = Attention(config, ctx, dtype, backend_cls, ops)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.mlp: nn.Module
-        if config.is_moe:
+        if config.is_moe and remote_experts:
+            self.mlp = RemoteExperts()
+        elif config.is_moe:
             self.mlp = SparseMoE(
                 config.hidden_size,
                 config.intermediate_size,
@@ -131,12 +146,24 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_norm(hidden, residual)
-        h = self.attn(rope, h, cache, meta, lora)
-        h, residual = self.post_attn_norm(h, residual)
+        h, residual = self.attention_part(rope, hidden, residual, cache, meta, lora)
         if isinstance(self.mlp, DenseMLP):
             return self.mlp(h, lora), residual
         return self.mlp(h), residual  # MoE experts take no adapters
+
+    def attention_part(
+        self,
+        rope: RopeTables,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm, attention, norm: the MLP's input ``[T, hidden]`` and the residual."""
+        h, residual = self.input_norm(hidden, residual)
+        h = self.attn(rope, h, cache, meta, lora)
+        return self.post_attn_norm(h, residual)
 
 
 class CausalLM(nn.Module):
@@ -150,7 +177,9 @@ class CausalLM(nn.Module):
         layer_range: tuple[int, int],
         backend_cls: type[AttentionBackend],
         ops: KernelOps | None = None,
+        remote_experts: bool = False,
     ) -> None:
+        """``remote_experts``: an afd attention rank's model, the experts elsewhere."""
         super().__init__()
         self.config = config
         self.ctx = ctx
@@ -163,7 +192,7 @@ class CausalLM(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ctx, dtype, backend_cls, ops)
+            DecoderLayer(config, ctx, dtype, backend_cls, ops, remote_experts)
             for _ in range(self.layer_start, self.layer_end)
         )
         self.norm: RMSNorm | None = None

@@ -1,0 +1,150 @@
+"""Elastic EP: the time from killing an expert-parallel follower rank to the next token.
+
+    pdserve bench elastic
+
+A Mixtral-shaped checkpoint with random weights (``--hidden``, ``--experts``,
+... as in ``pdserve bench afd``) is served over ``--ranks`` EP ranks (TP = PP
+= 1) of Ray actors. Each run starts a fresh instance, streams ``--batch``
+greedy requests of ``--tokens`` tokens once undisturbed (the baseline: its
+tokens, and its median step time from the leader's step counter), then again,
+sending SIGKILL to rank ``--victim``'s process ``--kill-after`` steps in. The
+leader stamps the recovery (``parallel/elastic.py``); reported per run:
+
+- detect: the kill to the leader's failed collective;
+- identify: pinging the followers through Ray to find the dead one;
+- regroup: new process groups over the survivors (the slowest survivor);
+- experts: re-placing the experts (read from the checkpoint, or kept/copied
+  from replicas already on the survivors);
+- kill to next token: the kill to the re-run step's tokens, next to the
+  baseline step time.
+
+Two cases: no redundant experts (the dead rank's experts are read from the
+checkpoint) and ``--redundant`` replicas (with enough of them every expert of
+the dead rank already lives on a survivor). Every killed run's tokens must
+equal the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.afd import write_checkpoint
+from pdserve.bench.report import write_json
+from pdserve.core.config import build_engine_config
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.parallel.instance import RankGroup, RankResources
+from pdserve.parallel.worker import GenerateItem
+
+
+def _stream(ray: Any, group: RankGroup, args: argparse.Namespace, kill: bool) -> dict[str, Any]:
+    """One stream of the batch; with ``kill``, SIGKILL the victim a few steps in."""
+    leader, victim = group.leader, group.workers[args.victim]
+    pid = ray.get(victim.__ray_call__.remote(lambda _: os.getpid()))
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    prompts = [[(7 * i + 13 * j) % 500 + 3 for j in range(16)] for i in range(args.batch)]
+    stamp = time.monotonic_ns()
+    items = [GenerateItem(f"r{i}-{stamp}", p, params) for i, p in enumerate(prompts)]
+    first = ray.get(leader.elastic_status.remote()).steps
+    start = time.perf_counter()
+    pending = leader.generate.remote(items)
+    out: dict[str, Any] = {}
+    if kill:
+        while ray.get(leader.elastic_status.remote()).steps < first + args.kill_after:
+            time.sleep(0.001)
+        out["killed_at"] = time.time()
+        os.kill(pid, signal.SIGKILL)
+    outputs = ray.get(pending)
+    seconds = time.perf_counter() - start
+    steps = ray.get(leader.elastic_status.remote()).steps - first
+    out.update(tokens=[o.outputs[0].token_ids for o in outputs], step_s=seconds / steps)
+    return out
+
+
+def run_once(folder: Path, redundant: int, args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    model = ModelConfig.from_dir(folder)
+    engine = build_engine_config(
+        str(folder), expert_parallel_size=args.ranks, redundant_experts=redundant,
+        max_num_seqs=args.batch, max_num_batched_tokens=16 * args.batch,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    group = RankGroup.start(model, engine, RankResources(num_cpus=args.cpus / args.ranks))
+    try:
+        _stream(ray, group, args, kill=False)  # warm-up
+        base = _stream(ray, group, args, kill=False)
+        killed = _stream(ray, group, args, kill=True)
+        status = ray.get(group.leader.elastic_status.remote())
+    finally:
+        group.shutdown()
+    r, kill_at = status.recoveries[0], killed["killed_at"]
+    return {
+        "same_tokens": killed["tokens"] == base["tokens"],
+        "detect_s": r.failed_at - kill_at,
+        "identify_s": r.identify_s,
+        "regroup_s": r.regroup_s,
+        "experts_s": r.reload_s,
+        "slots_read": r.loaded_slots,
+        "slots_copied": r.copied_slots,
+        "kill_to_next_token_s": r.resumed_at - kill_at,
+        "baseline_step_s": base["step_s"],
+    }
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = [k for k in runs[0] if k.endswith("_s")]
+    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 4) for k in keys}
+    out["same_tokens"] = all(r["same_tokens"] for r in runs)
+    out["slots_read"] = runs[0]["slots_read"]
+    out["slots_copied"] = runs[0]["slots_copied"]
+    out["runs"] = runs
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_checkpoint(folder, args)
+        for name, redundant in (("no replicas", 0), (f"{args.redundant} replicas", args.redundant)):
+            results[name] = _summary([run_once(folder, redundant, args) for _ in range(args.runs)])
+            row = {k: v for k, v in results[name].items() if k != "runs"}
+            print(name, row)
+    write_json(
+        Path(args.out),
+        {"args": vars(args) | {"func": None}, "host": platform.node(), "results": results},
+    )
+    return 0 if all(r["same_tokens"] for r in results.values()) else 1
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("elastic", help="time from killing an EP rank to the next token")
+    p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks")
+    p.add_argument("--victim", type=int, default=1, help="the follower rank to kill")
+    p.add_argument("--redundant", type=int, default=8, help="replica slots (second case)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--inter", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4, help="requests streaming at the kill")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--kill-after", type=int, default=8, help="steps before the kill")
+    p.add_argument("--runs", type=int, default=3, help="instances killed per case")
+    p.add_argument("--cpus", type=float, default=2.0, help="CPUs over all ranks")
+    p.add_argument("--out", default="bench/out/elastic.json")
+    p.set_defaults(func=run)
