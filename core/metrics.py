@@ -78,6 +78,9 @@ CATALOG: tuple[MetricSpec, ...] = (
         ("model", "version", "outcome"),
     ),
     MetricSpec(
+        "pdserve_lora_replay_failures_total", "counter", "Runtime LoRA loads new instances failed."
+    ),
+    MetricSpec(
         "pdserve_model_traffic_share",
         "gauge",
         "Each served model version's share of its model's new requests (rollouts).",

@@ -118,6 +118,13 @@ class RouterActor:
     async def unregister(self, instance_id: str) -> None:
         self._router().unregister(instance_id)
 
+    async def adapters(self) -> dict[str, dict[str, str]]:
+        """Each instance's LoRA adapters as the router records them (name -> content
+        fingerprint), once the runtime loads under way on instances started later end."""
+        router = self._router()
+        await router.lora.replayed()
+        return {i: dict(v.adapters) for i, v in router.cluster.instances.items()}
+
     # -- models and versions (the controller's rollouts) ----------------------------------------
 
     async def add_version(

@@ -105,7 +105,7 @@ class Router:
         self.attempts = Attempts(
             config, self.cluster, self.chooser, self.retries, self.obs, sink, self.unregister
         )
-        self.lora = LoraAdmin(self.cluster, self.catalog)  # runtime LoRA loads and unloads
+        self.lora = LoraAdmin(self.cluster, self.catalog, metrics=self.obs.metrics)
         self.finished: dict[str, int] = defaultdict(int)
         self.placed: dict[str, int] = defaultdict(int)  # requests placed per region
         # The time from a delta being ready to the front door having written it (seconds).
@@ -139,6 +139,7 @@ class Router:
         self.cluster.add(view)
         for name, fingerprint in info.adapters:
             self.cluster.set_adapter(info.instance_id, name, fingerprint)
+        self.lora.instance_added(view)  # loads the model's runtime adapters in the background
         if info.role == "decode" and not info.model:
             self.last_max_model_len = info.max_model_len
         self.cold.opened(info.region)

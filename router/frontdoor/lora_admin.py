@@ -7,7 +7,8 @@
 Both need an API key like every ``/v1`` call. The router loads the adapter on
 every instance of the model (or the ones named), prefill and decode alike,
 through :class:`~pdserve.router.lora_admin.LoraAdmin`; the answer lists where
-it was loaded (and where it failed and why). A malformed body is a 400 naming
+it was loaded (and where it failed and why). Instances of the model started
+later load it too, until it is unloaded. A malformed body is a 400 naming
 the field; a bad adapter a 400 naming the adapter's field; a taken name, a
 full instance or an adapter still in use a 409; an unknown name on unload a 404.
 """

@@ -2,7 +2,8 @@
 
 load -> use (tokens equal transformers with the adapter merged) -> /v1/models and
 gRPC ListModels list it -> unload -> 404; another adapter under the same name gives
-its own tokens; bad adapters and taken names are refused and the cluster serves on.
+its own tokens; bad adapters and taken names are refused and the cluster serves on;
+a decode instance started after a load (scale-up) loads the adapter and serves it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+import ray
 
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from tests.lora_adapters import build_lora_case
@@ -112,4 +114,41 @@ def test_refusals_name_the_reason_and_the_cluster_serves_on(door, lora_case, tmp
     assert door.generate("", prompts[1]) == tokens[None][1]  # the base model
     for name in ("a", "b"):
         assert door.post("unload_lora_adapter", {"lora_name": name})[0] == 200
+    door.c.assert_idle()
+
+
+def test_an_instance_started_after_a_load_gets_the_adapter(door, lora_case) -> None:
+    _, adapters, prompts, tokens = lora_case
+    c = door.c
+    router = ray.get(c.controller.router_handle.remote())
+    status, answer = door.post(
+        "load_lora_adapter", {"lora_name": "late", "lora_path": adapters["qv"]}
+    )
+    assert status == 200 and len(answer["loaded_on"]) == 2, answer
+    before = ray.get(router.adapters.remote())
+    served = {held["late"] for held in before.values()}
+    assert len(served) == 1, before
+
+    ray.get(c.controller.scale.remote("east", None, 2))  # a second decode instance
+    after = ray.get(router.adapters.remote())  # (once its runtime loads are answered)
+    [new] = sorted(set(after) - set(before))
+    assert after[new] == {"late": served.pop()}, after
+    fingerprints = [dict(ray.get(h.lora_fingerprints.remote())) for h in c.leaders("decode")]
+    assert len(fingerprints) == 2 and all(f["late"] == after[new]["late"] for f in fingerprints)
+
+    # Only the new instance holds it on the decode side now: its requests go there.
+    decodes = {i.instance_id for i in c.status().instances if i.role == "decode"}
+    [old] = [i for i in answer["loaded_on"] if i in decodes]
+    status, answer = door.post("unload_lora_adapter", {"lora_name": "late", "instances": [old]})
+    assert status == 200 and answer["unloaded_from"] == [old], answer
+    for i, prompt in enumerate(prompts[:2]):
+        assert door.generate("late", prompt) == tokens["qv"][i]
+    assert door.generate("", prompts[0]) == tokens[None][0]
+
+    # Unloaded everywhere: forgotten, so an instance started now holds none.
+    assert door.post("unload_lora_adapter", {"lora_name": "late"})[0] == 200
+    ray.get(c.controller.scale.remote("east", None, 1))
+    ray.get(c.controller.scale.remote("east", None, 2))
+    assert all(not held for held in ray.get(router.adapters.remote()).values())
+    ray.get(c.controller.scale.remote("east", None, 1))
     door.c.assert_idle()

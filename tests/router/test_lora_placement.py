@@ -1,6 +1,10 @@
-"""Adapter-aware placement: a request under a LoRA adapter goes only to instances holding it."""
+"""Adapter-aware placement: a request under a LoRA adapter goes only to instances holding it,
+and an instance started after a runtime load holds it once its own load is answered."""
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 import pytest
 
@@ -91,3 +95,82 @@ def test_without_a_prefill_holder_the_decode_holder_prefills_itself() -> None:
     router = _router("round_robin")  # without_prefill: local
     router.cluster.set_adapter("d1", "poems", "f9")
     assert _choose(router, "poems") == (None, "d1")
+
+
+class _Remote:
+    def __init__(self, call: Any) -> None:
+        self.remote = call
+
+
+class _Leader:
+    """An instance's leader as the router calls it: each call waits for the test's answer."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, asyncio.Future[Any]]] = []
+        self.load_lora_adapter = _Remote(lambda name, folder: self._call("load", name))
+        self.unload_lora_adapter = _Remote(lambda name: self._call("unload", name))
+
+    def _call(self, kind: str, name: str) -> asyncio.Future[Any]:
+        answer = asyncio.get_running_loop().create_future()
+        self.calls.append((kind, name, answer))
+        return answer
+
+    async def answer(self, kind: str, result: Any) -> None:
+        """Answer the next call (which must be ``kind``) with ``result`` (an exception: raise it)."""
+        while not any(not f.done() for _, _, f in self.calls):
+            await asyncio.sleep(0)
+        [(k, _, f)] = [c for c in self.calls if not c[2].done()]
+        assert k == kind, self.calls
+        f.set_exception(result) if isinstance(result, BaseException) else f.set_result(result)
+
+
+def _join(router: Router, name: str) -> _Leader:
+    leader = _Leader()
+    role = "prefill" if name[0] == "p" else "decode"
+    router.register(InstanceInfo(name, role, "local", leader, 16, 4096, (), ""))
+    return leader
+
+
+def test_an_instance_started_after_a_load_holds_the_adapter_once_its_load_is_answered() -> None:
+    async def run() -> None:
+        config = RouterConfig(model_name="tiny", auth_disabled=True, policy="round_robin")
+        router = Router(config, None, None, vocab_size=100)
+        first = {name: _join(router, name) for name in ("p0", "d0")}
+        load = asyncio.ensure_future(router.lora.load("poems", "/adapters/poems"))
+        for leader in first.values():
+            await leader.answer("load", ("poems", "f9"))
+        assert sorted((await load)["loaded_on"]) == ["d0", "p0"]
+
+        late = _join(router, "d1")  # started after the load: it loads the adapter too
+        while not late.calls:
+            await asyncio.sleep(0)
+        assert [(k, n) for k, n, _ in late.calls] == [("load", "poems")]
+        assert {_choose(router, "poems")[1] for _ in range(4)} == {"d0"}  # not answered yet
+        await late.answer("load", ("poems", "f9"))
+        await router.lora.replayed()
+        assert {_choose(router, "poems")[1] for _ in range(4)} == {"d0", "d1"}
+
+        changed = _join(router, "d2")  # the folder holds other content now: taken off again
+        await changed.answer("load", ("poems", "f0"))
+        await changed.answer("unload", None)
+        failed = _join(router, "d3")  # did not answer: logged and counted, serves the base
+        await failed.answer("load", TimeoutError())
+        await router.lora.replayed()
+        assert {_choose(router, "poems")[1] for _ in range(6)} == {"d0", "d1"}
+        assert {_choose(router, None)[1] for _ in range(8)} == {"d0", "d1", "d2", "d3"}
+        registry = router.obs.metrics.registry
+        assert registry.get_sample_value("pdserve_lora_replay_failures_total") == 2
+
+        pending = _join(router, "d4")  # its load is under way when the adapter is unloaded
+        unload = asyncio.ensure_future(router.lora.unload("poems"))
+        for leader in (*first.values(), late):
+            await leader.answer("unload", None)
+        assert sorted((await unload)["unloaded_from"]) == ["d0", "d1", "p0"]
+        await pending.answer("load", ("poems", "f9"))
+        await pending.answer("unload", None)  # no longer served: taken off again
+        await router.lora.replayed()
+        assert not any(v.adapters for v in router.cluster.instances.values())
+        assert registry.get_sample_value("pdserve_lora_replay_failures_total") == 2
+        assert not _join(router, "d5").calls  # unloaded: instances started now load nothing
+
+    asyncio.run(run())
