@@ -21,16 +21,22 @@ micro-batch ``m`` of layer ``L``, the attention ranks run micro-batch
 
 A step with one sequence runs as one micro-batch (no overlap). Time a rank
 waits for the other group is counted in its :class:`CommStats`.
+
+An afd instance may be the prefill or the decode instance of a disaggregated
+pair: the KV transfer moves attention state only, so it runs on the attention
+ranks (their step hooks) and never reaches an expert rank; the other instance
+may use any layout, with or without afd, and any expert placement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.layout import Layout
 from pdserve.core.step import StepPlan
 from pdserve.parallel.afd_model import ExpertStack
@@ -56,15 +62,9 @@ def stage_executor(
     """The executor of ``runner``'s rank: afd attention or experts, else a pipeline stage."""
     if not runner.afd_role:
         return StageExecutor(runner, groups, hooks)
-    if hooks is not None:
-        raise InvalidArgumentError(
-            "afd",
-            "is not supported on the prefill and decode instances of a disaggregated "
-            "deployment yet (their KV transfer); serve an afd instance colocated",
-        )
     if runner.afd_role == "experts":
-        return ExpertExecutor(runner, groups)
-    return AttentionExecutor(runner, groups)
+        return ExpertExecutor(runner, groups)  # no KV cache: the hooks have nothing to do
+    return AttentionExecutor(runner, groups, hooks)
 
 
 @dataclass
@@ -77,31 +77,53 @@ class _InFlight:
 
 
 class AttentionExecutor(StageExecutor):
-    """An attention rank: every layer's attention, the experts' output from the expert ranks."""
+    """An attention rank: every layer's attention, the experts' output from the expert ranks.
 
-    def __init__(self, runner: ModelRunner, groups: InstanceGroups) -> None:
-        super().__init__(runner, groups, None)
+    On a prefill or decode instance of a disaggregated pair the KV transfer
+    hooks run here, as on any stage: ``on_layer`` right after a micro-batch's
+    attention wrote that layer's KV (before its MoE output is back).
+    """
+
+    def __init__(
+        self, runner: ModelRunner, groups: InstanceGroups, hooks: StepHooks | None = None
+    ) -> None:
+        super().__init__(runner, groups, hooks)
         self.experts = groups.layout.expert_ranks()
         self.parts = runner.config.parallel.afd_micro_batches
 
     def _forward(self, plan: StepPlan) -> tuple[dict[str, list[int]], bool]:
-        batches = [self.runner.prepare(mb) for mb in split_micro_batches(plan, self.parts)]
-        hidden = self._layers(batches)
+        hooks = self.hooks
+        if hooks is not None:
+            hooks.before_step(plan)
+        micro = split_micro_batches(plan, self.parts)
+        on_layer: list[Callable[[int], None]] | None = None
+        if hooks is not None and plan.kv_sends:
+            micro = [StepPlan(mb.step_id, mb.seqs, kv_sends=plan.kv_sends) for mb in micro]
+            on_layer = [partial(hooks.on_layer, micro=mb) for mb in micro]
+        batches = [self.runner.prepare(mb) for mb in micro]
+        hidden = self._layers(batches, on_layer)
         tokens: dict[str, list[int]] = {}
         for batch, h in zip(batches, hidden, strict=True):
             if batch.sample_ids:
                 self._sample(batch, h, tokens)  # the sampler is rank 0, the leader
-        return tokens, True
+        ok = hooks.after_step(plan) if hooks is not None else True
+        # The expert ranks join the MIN over the ranks' flags (they sent nothing).
+        return tokens, self._all_landed(ok) if plan.kv_sends else ok
 
-    def _layers(self, batches: list[PreparedBatch]) -> list[torch.Tensor]:
-        """Every layer over every micro-batch, ping-ponging with the expert ranks."""
+    def _layers(
+        self, batches: list[PreparedBatch], on_layer: list[Callable[[int], None]] | None
+    ) -> list[torch.Tensor]:
+        """Every layer over every micro-batch, ping-ponging with the expert ranks.
+
+        ``on_layer[m](i)`` runs once micro-batch ``m`` wrote layer ``i``'s KV.
+        """
         model = self.runner.model
         assert model.embed is not None and model.norm is not None
         hidden = [model.embed(b.input_ids) for b in batches]  # each [T_m, hidden]
         residual: list[torch.Tensor | None] = [None] * len(batches)
         ropes = [model.rotary.tables(b.positions, hidden[0].dtype) for b in batches]
         flying: list[_InFlight | None] = [None] * len(batches)
-        for layer, cache in zip(model.layers, self.runner.caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(model.layers, self.runner.caches, strict=True)):
             assert isinstance(layer, DecoderLayer)
             for m, b in enumerate(batches):
                 hidden[m] = self._landed(flying[m], hidden[m])
@@ -109,6 +131,8 @@ class AttentionExecutor(StageExecutor):
                 h, residual[m] = layer.attention_part(
                     ropes[m], hidden[m], residual[m], cache, b.meta, b.lora
                 )
+                if on_layer is not None:
+                    on_layer[m](i)
                 if isinstance(layer.mlp, RemoteExperts):
                     flying[m] = self._dispatch(h)
                 else:
@@ -147,7 +171,12 @@ class AttentionExecutor(StageExecutor):
 
 
 class ExpertExecutor(StageExecutor):
-    """An expert rank: each MoE layer's experts for the rows the attention ranks send."""
+    """An expert rank: each MoE layer's experts for the rows the attention ranks send.
+
+    It holds no KV cache, so no KV transfer reaches it (``transfer/routes.py``
+    routes attention ranks only); on a step that sends pages it only joins the
+    ranks' MIN over their "every page landed" flags.
+    """
 
     def __init__(self, runner: ModelRunner, groups: InstanceGroups) -> None:
         super().__init__(runner, groups, None)
@@ -166,7 +195,11 @@ class ExpertExecutor(StageExecutor):
             for work, _ in sent:
                 if work is not None:
                     work.wait()
-        return {}, True
+        return {}, self._all_landed(True) if plan.kv_sends else True
+
+    def _without_forward(self, plan: StepPlan) -> bool:
+        """Exports and tier work: nothing to do here but join the landed flags."""
+        return self._all_landed(True) if plan.kv_sends else True
 
     def _layer(self, local_layer: int, t: int) -> list[tuple[dist.Work | None, torch.Tensor]]:
         """One micro-batch of ``t`` tokens through layer ``local_layer``'s experts."""

@@ -13,6 +13,9 @@
   complete, then wait until everything sent this step has landed;
 - ``before_step`` (decode side): wait until each request that joins the batch
   has all its pages (only connectors that need arrival marks make this wait).
+
+An afd expert rank (``parallel/afd.py``) holds no KV cache: no route starts or
+ends there (``routes.py``) and its executor runs none of these hooks.
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ adjacent heads from the same source become one :class:`Route`::
         route p0 -> d0, heads 0-3 into local 0-3
         route p1 -> d0, heads 4-7 into local 4-7
 
+An attention-FFN disaggregated (afd) layout's expert ranks hold no KV cache:
+they hold no heads, so they neither send nor receive (nor wait for) a route,
+and the instance's attention ranks exchange KV like a TP group::
+
+    prefill TP=1  ->  decode afd 1+1 (rank 0 attention, rank 1 experts)
+        route p0 -> d0, heads 0-7                  (nothing into d1)
+
 Layouts are described by (tp, pp, ep, stage layers) only; this module does no I/O.
 """
 
@@ -41,7 +48,9 @@ class Route:
 
 
 def kv_heads_of(num_kv_heads: int, layout: Layout, rank: int) -> tuple[int, int]:
-    """Global KV head range held by ``rank``."""
+    """Global KV head range held by ``rank`` (empty on an afd expert rank)."""
+    if layout.is_expert_rank(rank):
+        return 0, 0
     tp_rank = layout.coords(rank).tp_rank
     if num_kv_heads >= layout.tp:
         per = num_kv_heads // layout.tp
@@ -54,6 +63,8 @@ def plan_routes(num_kv_heads: int, src: Layout, dst: Layout) -> list[Route]:
     """Every route from ``src`` (prefill) ranks to ``dst`` (decode) ranks."""
     routes: list[Route] = []
     for d in range(dst.world_size):
+        if dst.is_expert_rank(d):
+            continue  # no KV cache there
         d_layers = dst.stage_layers[dst.coords(d).stage]
         d_heads = kv_heads_of(num_kv_heads, dst, d)
         for s_stage, s_layers in enumerate(src.stage_layers):
@@ -61,6 +72,7 @@ def plan_routes(num_kv_heads: int, src: Layout, dst: Layout) -> list[Route]:
             if lo >= hi:
                 continue
             stage_ranks = [s_stage * src.ranks_per_stage + i for i in range(src.ranks_per_stage)]
+            stage_ranks = [r for r in stage_ranks if not src.is_expert_rank(r)]
             routes.extend(
                 _head_runs(num_kv_heads, src, stage_ranks, d, d_heads, (lo, hi), s_layers, d_layers)
             )
@@ -115,5 +127,8 @@ def _holds(num_kv_heads: int, layout: Layout, rank: int, head: int) -> bool:
 
 
 def routes_into(routes: list[Route], dst_rank: int) -> int:
-    """How many routes feed one decode rank (each ends a transfer with one marker)."""
+    """How many routes feed one decode rank (each ends a transfer with one marker).
+
+    0 for an afd expert rank: a decode step never waits for one there.
+    """
     return sum(1 for r in routes if r.dst_rank == dst_rank)

@@ -23,6 +23,15 @@ def test_same_model_different_layouts_pass() -> None:
     check_compatible(BASE, other)
 
 
+def test_afd_layouts_pass_and_the_kv_shape_still_counts() -> None:
+    """An afd side (attention ranks 0..A-1, expert ranks after them) pairs with any layout."""
+    afd = dataclasses.replace(BASE, instance_id="d0", layout=Layout(2, 1, 1, ((0, 4),), 2))
+    check_compatible(BASE, afd)
+    check_compatible(afd, BASE)
+    with pytest.raises(IncompatibleInstancesError, match="head_dim: prefill p0 has 8"):
+        check_compatible(BASE, dataclasses.replace(afd, head_dim=16))
+
+
 @pytest.mark.parametrize(
     ("field", "value", "text"),
     [

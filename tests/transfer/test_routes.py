@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.core.config import ParallelConfig
@@ -19,7 +21,17 @@ def model(kv_heads: int, heads: int = 8, layers: int = 4) -> ModelConfig:
     )  # fmt: skip
 
 
-def layout(m: ModelConfig, tp: int = 1, pp: int = 1):
+def moe(kv_heads: int) -> ModelConfig:
+    return dataclasses.replace(
+        model(kv_heads), architecture="MixtralForCausalLM", family="mixtral", num_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+
+
+def layout(m: ModelConfig, tp: int = 1, pp: int = 1, afd: tuple[int, int] | None = None):
+    if afd is not None:  # (attention ranks, expert ranks)
+        a, f = afd
+        return plan_layout(m, ParallelConfig(afd=True, afd_attention_ranks=a, afd_expert_ranks=f))
     return plan_layout(m, ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
 
 
@@ -34,10 +46,47 @@ CASES = [
 ]
 
 
+AFD_CASES = [
+    (4, {}, {"afd": (1, 1)}),  # TP=1 -> afd 1+1
+    (4, {"afd": (2, 1)}, {}),  # afd 2+1 -> TP=1
+    (4, {"afd": (2, 2)}, {"afd": (1, 1)}),  # afd -> afd, other sizes
+    (2, {"afd": (1, 2)}, {"afd": (4, 1)}),  # ... KV heads replicated on the decode side
+    (4, {"pp": 2}, {"afd": (2, 1)}),  # PP=2 -> afd 2+1
+]
+
+
 @pytest.mark.parametrize(("kv", "src", "dst"), CASES)
 def test_routes_cover_every_decode_slice_once(kv: int, src, dst) -> None:
     m = model(kv)
-    s, d = layout(m, *src), layout(m, *dst)
+    _check_cover(kv, layout(m, *src), layout(m, *dst))
+
+
+@pytest.mark.parametrize(("kv", "src", "dst"), AFD_CASES, ids=str)
+def test_afd_expert_ranks_neither_send_nor_receive_kv(kv: int, src, dst) -> None:
+    """Expert ranks hold no KV: no route starts or ends there, none is awaited there."""
+    m = moe(kv)
+    s, d = layout(m, **src), layout(m, **dst)
+    routes = plan_routes(kv, s, d)
+    assert routes
+    assert not [r for r in routes if s.is_expert_rank(r.src_rank) or d.is_expert_rank(r.dst_rank)]
+    for rank in range(d.world_size):
+        if d.is_expert_rank(rank):
+            assert kv_heads_of(kv, d, rank) == (0, 0) and routes_into(routes, rank) == 0
+        else:
+            assert routes_into(routes, rank) > 0
+    _check_cover(kv, s, d)
+
+
+def test_plain_to_afd_sends_every_head_to_the_attention_rank() -> None:
+    m = moe(4)
+    routes = plan_routes(4, layout(m, 2), layout(m, afd=(1, 1)))
+    assert [(r.src_rank, r.dst_rank, r.heads, r.layers) for r in routes] == [
+        (0, 0, (0, 2), (0, 4)),
+        (1, 0, (2, 4), (0, 4)),
+    ]
+
+
+def _check_cover(kv: int, s, d) -> None:
     routes = plan_routes(kv, s, d)
     for rank in range(d.world_size):
         lo, hi = d.stage_layers[d.coords(rank).stage]
