@@ -63,6 +63,8 @@ def start_instance(
 
 def pair(prefill: Instance, decode: Instance, timeout_s: float = 120.0) -> None:
     """Handshake, then connect every prefill rank to the decode ranks it sends to."""
+    for instance in (prefill, decode):  # an elastic instance may have lost ranks since
+        instance.group.refresh()
     p_spec, d_spec = ray.get(
         [prefill.leader.kv_spec.remote(), decode.leader.kv_spec.remote()], timeout=timeout_s
     )
@@ -85,6 +87,8 @@ def pair(prefill: Instance, decode: Instance, timeout_s: float = 120.0) -> None:
 
 def pair_peers(a: Instance, b: Instance, timeout_s: float = 120.0) -> None:
     """Two prefill instances: each may pull prompt prefixes from the other's cache."""
+    for instance in (a, b):
+        instance.group.refresh()
     a_spec, b_spec = ray.get(
         [a.leader.kv_spec.remote(), b.leader.kv_spec.remote()], timeout=timeout_s
     )

@@ -40,6 +40,7 @@ from pdserve.core.messages import (
 )
 from pdserve.core.request import RequestOutput
 from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
+from pdserve.decode.elastic import republish
 from pdserve.decode.server import DecodeServer
 from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
 from pdserve.prefill.server import PrefillServer
@@ -115,6 +116,17 @@ class InstanceWorker(RankWorker):
         self._start_server()
         return info
 
+    # -- elastic EP (pdserve.parallel.elastic) ---------------------------------------------
+
+    def on_regrouped(self) -> None:
+        assert self.groups is not None
+        self.transfer.renumber(self.groups.rank, self.groups.layout)
+
+    def on_recovered(self, ranks: list[Any]) -> None:
+        """Decode leader: the survivors' layout and endpoints to the paired prefill instances."""
+        if isinstance(self.server, DecodeServer):
+            republish(self.server, self.transfer.layout, ranks, self.spec.collective_timeout_s)
+
     def _start_server(self) -> None:
         assert self.engine is not None
         if self.instance.role == "prefill":
@@ -147,7 +159,7 @@ class InstanceWorker(RankWorker):
             m.num_layers,
             m.num_kv_heads,
             m.head_dim,
-            self.spec.layout,
+            self.transfer.layout,  # the survivors' after an elastic regroup
             self.spec.engine.quantization,
             self.lora_fingerprints(),
         )
@@ -200,6 +212,15 @@ class InstanceWorker(RankWorker):
 
     def register_decode(self, decode_id: str, leader: Any) -> None:
         self._prefill().register_decode(decode_id, leader)
+
+    def repair_decode(
+        self, decode_id: str, decode_layout: Layout, endpoints: list[PeerEndpoint]
+    ) -> None:
+        """Leader: a paired decode instance regrouped (elastic EP); every rank re-plans its
+        routes to it from its new layout and its survivors' endpoints."""
+        assert decode_id in self._prefill().decodes, f"not paired with {decode_id}"
+        refs = [w.pair_ranks.remote(decode_layout, endpoints) for w in self.serving_peers()]
+        ray.get(refs, timeout=self.spec.collective_timeout_s)
 
     def register_peer(self, prefill_id: str, leader: Any, layout: Layout) -> None:
         self._prefill().register_peer(prefill_id, leader, layout)

@@ -18,6 +18,11 @@ failed (:class:`ElasticLeader`, called by the leader's ``GroupExecutor``)::
     re-place  every MoE layer over the survivors (:func:`pdserve.parallel.eplb.shrink`):
               a slot keeps its expert, copies it from a local slot, or reads it
               from the checkpoint
+    re-pair   every survivor's KV transfer layer takes its new number and
+              layout (``ElasticRank.on_regrouped``); the leader's
+              ``on_recovered`` hook gets the survivors' actors (a decode
+              instance re-publishes its layout and endpoints to its paired
+              prefill instances, whose ranks re-plan their routes)
     re-run    the leader runs the failed step's plan again on the survivors
 
 The failed step's tokens were never emitted and re-running its plan writes the
@@ -211,6 +216,8 @@ class ElasticLeader:
         self.recoveries: list[Recovery] = []
         self.steps = 0
         self.store: Any = None  # the survivors' rendezvous store, held while they serve
+        # Called after a recovery with the serving ranks' actors (in rank order).
+        self.on_recovered: Callable[[list[Any]], None] | None = None
 
     def status(self) -> ElasticStatus:
         return ElasticStatus(tuple(self.members), self.steps, tuple(self.recoveries))
@@ -246,6 +253,11 @@ class ElasticLeader:
             return False
         self.members = [self.members[r] for r in survivors]
         self._record(lost, failed_at, identified - start, done)
+        if self.on_recovered is not None:
+            try:
+                self.on_recovered([self.peers[m] for m in self.members])
+            except Exception:  # the instance serves; only its peers' routes are stale
+                logger.exception("re-pairing after the loss of rank(s) %s failed", lost)
         return True
 
     def _record(
@@ -305,15 +317,30 @@ class ElasticRank:
     _follow: Callable[[], None]
     # Slots over the experts in the current placement (grows when ranks are lost).
     redundant_experts: int = 0
+    peers: list[Any]  # leader: every rank's actor, by rank as numbered at start
 
     def attach_peers(self, peers: list[Any]) -> bool:
         """Leader: every rank's actor, by rank; arms elastic EP where the layout allows it."""
         assert self.engine is not None, "attach_peers is served by the leader (rank 0)"
+        self.peers = list(peers)
         if not elastic_enabled(self.spec.engine, self.device):
             return False
         timeout = self.spec.collective_timeout_s
-        self.engine.executor.elastic = ElasticLeader(peers, self._rejoin, timeout)
+        leader = ElasticLeader(peers, self._rejoin, timeout)
+        leader.on_recovered = self.on_recovered
+        self.engine.executor.elastic = leader
         return True
+
+    def serving_peers(self) -> list[Any]:
+        """Leader: the actors of the ranks serving, in rank order (all of them if not elastic)."""
+        elastic: ElasticLeader | None = getattr(self.engine.executor, "elastic", None)
+        return self.peers if elastic is None else [self.peers[m] for m in elastic.members]
+
+    def on_regrouped(self) -> None:
+        """Every survivor, once in its new groups: a subclass renumbers what it keys by rank."""
+
+    def on_recovered(self, ranks: list[Any]) -> None:
+        """Leader, after a recovery: ``ranks`` are the serving ranks' actors, in rank order."""
 
     def elastic_status(self) -> ElasticStatus | None:
         """Leader: the ranks serving and the recoveries so far (None: not elastic)."""
@@ -353,4 +380,5 @@ class ElasticRank:
         )
         self.groups = self.stage.groups = groups
         self.redundant_experts = done.redundant_experts
+        self.on_regrouped()
         return done

@@ -8,7 +8,9 @@ actor handles and :mod:`pdserve.core.messages`. For each request, in order:
    for a running one to finish, then tries again;
 2. otherwise ask the prefill instance to run the prompt into the reservation;
    its first token comes back before the pages finish moving;
-3. collect the finished output from the decode instance.
+3. collect the finished output from the decode instance; a request whose KV
+   never reached it (the transfer failed: the decode instance ended it) runs
+   again from step 1, prefilled on the decode instance this time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import ray
 
-from pdserve.core.errors import OverloadedError, PdserveError
+from pdserve.core.errors import OverloadedError, PdserveError, TransferError
 from pdserve.core.messages import FirstToken, PrefillRequest, ReserveRequest
 from pdserve.core.request import CompletionOutput, RequestMetrics, RequestOutput
 from pdserve.core.sampling_params import SamplingParams
@@ -52,10 +54,11 @@ class PairClient:
         refs: dict[Any, tuple[str, str]] = {}  # ObjectRef -> (kind, request id)
         done: dict[str, RequestOutput] = {}
         queue = list(work)
+        here: set[str] = set()  # prefilled on decode: their KV transfer failed
         while queue or refs:
             while queue:
                 rid, prompt, params = queue[0]
-                request = ReserveRequest(rid, prompt, params, self.ttl_s)
+                request = ReserveRequest(rid, prompt, params, self.ttl_s, prefill_here=rid in here)
                 try:
                     res = self._get(self.decode.reserve.remote(request, self.prefill_id, None))
                 except OverloadedError:
@@ -76,6 +79,11 @@ class PairClient:
             kind, rid = refs.pop(ready[0])
             if kind == "first":
                 first_seen[rid] = time.monotonic()
+                continue
+            if self._transfer_failed(first.get(rid)):  # recompute it on the decode instance
+                del first[rid]
+                here.add(rid)
+                queue.append(next(w for w in work if w[0] == rid))
                 continue
             done[rid] = self._finish(rid, ready[0], first.pop(rid, None), arrival[rid], first_seen)
         return [done[rid] for rid, _, _ in work]
@@ -114,6 +122,17 @@ class PairClient:
             True,
             RequestMetrics(arrival, now, now),
         )
+
+    @staticmethod
+    def _transfer_failed(first_ref: Any) -> bool:
+        """Whether a request's prefill ended with a failed KV transfer (its output is over)."""
+        if first_ref is None:
+            return False
+        try:
+            ray.get(first_ref)
+        except ray.exceptions.RayTaskError as e:
+            return isinstance(e.cause, TransferError)
+        return False
 
     @staticmethod
     def _get(ref: Any) -> Any:

@@ -58,11 +58,19 @@ class RankTransfer:
         self.routes: dict[str, list[Route]] = {}  # decode instance id -> routes from this rank
         self.kv_cache: torch.Tensor | None = None
         self.arrival_timeout_s = arrival_timeout_s
+        # (step id, requests whose pages landed in it): a re-run of that step skips them.
+        self._landed: tuple[int, set[str]] = (-1, set())
+        self._send_error: Exception | None = None  # a send of this step (id above) failed
 
     # -- pairing ---------------------------------------------------------------
 
     def pair(self, decode_layout: Layout, endpoints: list[PeerEndpoint]) -> None:
-        """Connect to the decode ranks this rank sends to (called once per pairing)."""
+        """Connect to the decode ranks this rank sends to; the routes replace any before.
+
+        Called once per pairing, and again when the decode instance regrouped
+        (elastic EP: fewer ranks, renumbered); a rank whose endpoint is
+        unchanged keeps its connection.
+        """
         instance_id = endpoints[0].instance_id
         mine = [
             r
@@ -71,8 +79,19 @@ class RankTransfer:
         ]
         by_rank = {e.rank: e for e in endpoints}
         for dst in sorted({r.dst_rank for r in mine}):
-            self.sender.connect(by_rank[dst])
+            if self.sender.endpoints.get((instance_id, dst)) != by_rank[dst]:
+                self.sender.connect(by_rank[dst])
         self.routes[instance_id] = mine
+
+    def renumber(self, rank: int, layout: Layout) -> None:
+        """This rank's number and instance layout after its instance regrouped (elastic EP).
+
+        Only layouts whose ranks each hold every layer and head regroup, so
+        the cache, its layers and its heads stay as they are; the receiver
+        publishes the new number in its endpoint.
+        """
+        self.rank = self.receiver.rank = rank
+        self.layout = layout
 
     def unpair(self, instance_id: str) -> None:
         self.routes.pop(instance_id, None)
@@ -119,17 +138,23 @@ class RankTransfer:
                 run = (header, PageSource(cache, send.src_blocks, sh0, sh1))
                 messages.setdefault((send.peer, route.dst_rank), []).append(run)
         for peer, runs in messages.items():
-            self.sender.send(peer, runs)
+            try:
+                self.sender.send(peer, runs)
+            except (TransferError, RuntimeError) as e:  # e.g. that decode rank died
+                self._send_error = self._send_error or e  # the step runs on; after_step fails
 
     def after_step(self, plan: StepPlan) -> bool:
         if not plan.kv_sends:
             return True
+        error, self._send_error = self._send_error, None
         try:
-            for send in plan.kv_sends:
+            for send in plan.kv_sends if error is None else ():
                 if send.final:
                     for route in self.routes.get(send.peer, ()):
                         self.sender.finish((send.peer, route.dst_rank), send.request_id)
-            self.sender.flush()
+            self.sender.flush()  # what was sent lands before its pages change
+            if error is not None:
+                raise error
         except (TransferError, RuntimeError) as e:
             logger.warning("rank %d: KV transfer of step %d failed: %s", self.rank, plan.step_id, e)
             return False
@@ -138,9 +163,16 @@ class RankTransfer:
     # -- decode side hook -----------------------------------------------------------
 
     def before_step(self, plan: StepPlan) -> None:
+        """Wait for the pages of requests joining the batch; a step run again on the
+        survivors of an elastic instance waits only for those not seen landing yet."""
+        if plan.step_id != self._landed[0]:  # a new step (not one run again)
+            self._landed = (plan.step_id, set())
+            self._send_error = None
         for request_id in plan.finished_request_ids:  # ended before its pages were awaited
             self.receiver.forget(request_id)
         for arrival in plan.kv_arrivals:
+            if arrival.request_id in self._landed[1]:
+                continue
             expected = arrival.expected[self.rank]
             if not self.receiver.wait_landed(arrival.request_id, expected, self.arrival_timeout_s):
                 raise TransferError(
@@ -148,6 +180,7 @@ class RankTransfer:
                     f"within {self.arrival_timeout_s:.0f} s"
                 )
             self.receiver.forget(arrival.request_id)
+            self._landed[1].add(arrival.request_id)
 
     def close(self) -> None:
         self.sender.close()
