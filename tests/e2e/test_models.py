@@ -132,7 +132,11 @@ def test_two_models_each_served_by_its_own_instances(ray_session, want) -> None:
 
 
 def test_canary_promote_blue_green_and_rollbacks_lose_no_request(ray_session, want) -> None:
-    extra = "rollout: {drain_grace_s: 0.5, check_interval_s: 0.5, min_requests: 4}\n"
+    # The canaries here are slower models; latency judging has its own test below.
+    extra = (
+        "rollout: {drain_grace_s: 0.5, check_interval_s: 0.5, min_requests: 4,"
+        " max_latency_regression: 100}\n"
+    )
     c = Running(extra=extra)
     load = Load(c)
     try:
