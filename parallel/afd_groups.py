@@ -11,7 +11,6 @@ order, as torch requires.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 from pdserve.core.layout import Layout
 from pdserve.parallel.context import ParallelContext
-from pdserve.parallel.groups import InstanceGroups, _shared_memory
+from pdserve.parallel.groups import InstanceGroups, _shared_memory, join_world
 
 
 def init_afd_groups(
@@ -32,17 +31,7 @@ def init_afd_groups(
     shm_collectives: bool = True,
 ) -> InstanceGroups:
     """Join the afd instance through the leader's store at ``address``; build its groups."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if store is None:
-        host, port = address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), layout.world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=layout.world_size, timeout=timeout
-    )
-    cpu_group = (
-        dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    )
+    backend, timeout, cpu_group = join_world(layout, rank, address, device, timeout_s, store)
     attention, experts = list(range(layout.tp)), layout.expert_ranks()
     attention_group = dist.new_group(attention, timeout=timeout)
     expert_group = dist.new_group(experts, timeout=timeout)

@@ -48,17 +48,7 @@ class ExpertStack(CausalLM):
         self.norm = None
         self.lm_head = None
         self.layers = nn.ModuleList(
-            ExpertLayer(
-                SparseMoE(
-                    config.hidden_size,
-                    config.intermediate_size,
-                    config.num_experts,
-                    config.num_experts_per_tok,
-                    ctx,
-                    dtype,
-                    ops,
-                )
-            )
+            ExpertLayer(SparseMoE.of_model(config, ctx, dtype, ops))
             for _ in range(self.layer_start, self.layer_end)
         )
 

@@ -90,6 +90,33 @@ def store_address(store: dist.TCPStore) -> str:
     return f"{store.host}:{store.port}"
 
 
+def join_world(
+    layout: Layout,
+    rank: int,
+    address: str,
+    device: torch.device,
+    timeout_s: float,
+    store: dist.TCPStore | None,
+) -> tuple[str, timedelta, Any]:
+    """Join the instance's default group through the leader's store at ``address``.
+
+    Returns the backend, the timeout and the gloo group for control messages,
+    the first group every rank creates (every rank creates every group, in the
+    same order, as torch requires)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), layout.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=layout.world_size, timeout=timeout
+    )
+    cpu_group = (
+        dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    )
+    return backend, timeout, cpu_group
+
+
 def init_groups(
     layout: Layout,
     rank: int,
@@ -102,18 +129,7 @@ def init_groups(
     """Join the instance through the leader's store at ``address``; build every group.
 
     ``shm_collectives``: CPU groups on one host may use shared memory."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if store is None:
-        host, port = address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), layout.world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=layout.world_size, timeout=timeout
-    )
-    # Every rank creates every group, in the same order, as torch requires.
-    cpu_group = (
-        dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    )
+    backend, timeout, cpu_group = join_world(layout, rank, address, device, timeout_s, store)
     tp_group = _member_group(layout.tp_groups(), rank, timeout)
     stage_group = _member_group(layout.stage_groups(), rank, timeout)
     world = list(range(layout.world_size))

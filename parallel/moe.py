@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.core.model_config import ModelConfig
 from pdserve.parallel.context import ParallelContext
 from pdserve.parallel.eplb import Placement, static_placement
 from pdserve.parallel.kernels import KernelOps, reference_kernels
@@ -73,6 +74,21 @@ class SparseMoE(nn.Module):
         # rank's work is not the sum of its experts' routed tokens.
         self.rows_computed = torch.zeros((), dtype=torch.int64, device=self.gate.device)
         self.set_placement(static_placement(num_experts, 0, ctx.ep_size))
+
+    @classmethod
+    def of_model(
+        cls, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, ops: KernelOps | None
+    ) -> SparseMoE:
+        """The MoE block of ``config``'s layers on this rank."""
+        return cls(
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            ctx,
+            dtype,
+            ops,
+        )
 
     def set_placement(self, placement: Placement) -> list[int]:
         """Hold ``placement``'s slots of this rank; return the local slots whose expert

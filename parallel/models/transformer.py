@@ -125,15 +125,7 @@ class DecoderLayer(nn.Module):
         if config.is_moe and remote_experts:
             self.mlp = RemoteExperts()
         elif config.is_moe:
-            self.mlp = SparseMoE(
-                config.hidden_size,
-                config.intermediate_size,
-                config.num_experts,
-                config.num_experts_per_tok,
-                ctx,
-                dtype,
-                ops,
-            )
+            self.mlp = SparseMoE.of_model(config, ctx, dtype, ops)
         else:
             self.mlp = DenseMLP(config, ctx, dtype, ops)
 
