@@ -69,6 +69,7 @@ class ExpertLoadReader:
             load = self._update(instance, answers[:n], answers[n:])
             status = elastic.get(instance.instance_id)
             load.ep_rank_failures = sum(len(r.dead) for r in status.recoveries) if status else 0
+            load.ep_ranks = len(status.members) if status else 0
             out[instance.instance_id] = load
         for gone in set(self._last) - {i.instance_id for i in instances}:
             self._last.pop(gone, None)

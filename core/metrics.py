@@ -25,8 +25,7 @@ here (a test checks it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -36,32 +35,16 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-Kind = Literal["counter", "gauge", "histogram"]
+from pdserve.core.metric_spec import (
+    INSTANCE_LABELS,
+    LATENCY_BUCKETS,
+    PHASES,
+    TOKEN_BUCKETS,
+    MetricSpec,
+)
+from pdserve.core.metrics_reported import REPORTED
 
-# Latency buckets (seconds): 1 ms .. 60 s, denser where SLOs usually sit.
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
-)  # fmt: skip
-TOKEN_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
-    0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
-)  # fmt: skip
-
-PHASES = ("prefill_queue", "prefill", "transfer", "decode_queue", "decode")
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    name: str
-    kind: Kind
-    help: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] | None = None
-    source: Literal["router", "instance", "controller"] = "router"
-
-
-_INSTANCE = ("region", "role", "instance")
+__all__ = ["BY_NAME", "CATALOG", "PHASES", "MetricSpec", "Metrics", "exported_names"]
 
 CATALOG: tuple[MetricSpec, ...] = (
     # -- measured at the router -------------------------------------------------------------------
@@ -144,215 +127,21 @@ CATALOG: tuple[MetricSpec, ...] = (
         "pdserve_queue_length",
         "gauge",
         "Requests waiting for their first step at an instance.",
-        _INSTANCE,
+        INSTANCE_LABELS,
     ),
     MetricSpec(
         "pdserve_running_requests",
         "gauge",
         "Requests in an instance's running batch.",
-        _INSTANCE,
+        INSTANCE_LABELS,
     ),
     MetricSpec(
         "pdserve_kv_usage_ratio",
         "gauge",
         "Fraction of an instance's KV-cache pages in use.",
-        _INSTANCE,
+        INSTANCE_LABELS,
     ),
-    # -- reported by instances through the controller ---------------------------------------------
-    MetricSpec(
-        "pdserve_prefix_cache_queries_total",
-        "counter",
-        "Prompt tokens looked up in an instance's prefix cache.",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_prefix_cache_hits_total",
-        "counter",
-        "Prompt tokens found in an instance's prefix cache.",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_prefix_cache_hit_ratio",
-        "gauge",
-        "Hits over queries of an instance's prefix cache since it started.",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_transfer_bytes_total",
-        "counter",
-        "KV bytes moved, per connector and direction (sent, received).",
-        (*_INSTANCE, "connector", "direction"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_transfer_seconds_total",
-        "counter",
-        "Seconds spent moving KV bytes, per connector and direction.",
-        (*_INSTANCE, "connector", "direction"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_transfer_messages_total",
-        "counter",
-        "KV transfer messages, per connector and direction.",
-        (*_INSTANCE, "connector", "direction"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_transfer_failures_total",
-        "counter",
-        "KV transfer messages that failed, per connector and direction.",
-        (*_INSTANCE, "connector", "direction"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_leases_total",
-        "counter",
-        "Page reservations (decode) and holds (prefill) by how they ended: reserved, "
-        "committed, expired, aborted, peer_lost, refused; peer_filled: prompts whose "
-        "prefix came from a peer's cache; exported: prefixes sent to a peer.",
-        (*_INSTANCE, "outcome"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_moe_expert_tokens_total",
-        "counter",
-        "Tokens routed to each expert of each MoE layer of an instance (all its ranks).",
-        (*_INSTANCE, "layer", "expert"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_moe_imbalance_ratio",
-        "gauge",
-        "Max over mean tokens per expert (over=expert) or per EP rank (over=rank) of an MoE "
-        "layer, over the tokens routed since the previous read.",
-        (*_INSTANCE, "layer", "over"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_ep_rank_failures_total",
-        "counter",
-        "Expert-parallel ranks an elastic MoE instance lost and went on serving without.",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_kv_tier_hits_total",
-        "counter",
-        "Prefix blocks found below the device pool (tier: host, disk) and loaded back.",
-        (*_INSTANCE, "tier"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_kv_tier_misses_total",
-        "counter",
-        "Prefix lookups below the device pool that found nothing (the rest is recomputed).",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_kv_tier_failed_loads_total",
-        "counter",
-        "Tier blocks that did not come back intact (missing or failing their checksum).",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_kv_tier_blocks",
-        "gauge",
-        "Prefix blocks a tier of an instance holds now.",
-        (*_INSTANCE, "tier"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_kv_tier_bytes_total",
-        "counter",
-        "KV bytes moved by an instance's leader rank to (in) and from (out) a tier.",
-        (*_INSTANCE, "tier", "direction"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_kv_tier_seconds_total",
-        "counter",
-        "Seconds the leader rank spent moving KV bytes to (in) and from (out) a tier.",
-        (*_INSTANCE, "tier", "direction"),
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_spec_draft_tokens_total",
-        "counter",
-        "Draft tokens an instance proposed and verified (speculative decoding).",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_spec_accepted_tokens_total",
-        "counter",
-        "Draft tokens the target model accepted (each saves one decode step).",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_spec_verify_steps_total",
-        "counter",
-        "Rows that verified drafts (one per decoding request and step with drafts).",
-        _INSTANCE,
-        source="instance",
-    ),
-    MetricSpec(
-        "pdserve_spec_skipped_batches_total",
-        "counter",
-        "Steps that drafted nothing because more requests decoded than speculative_max_batch.",
-        _INSTANCE,
-        source="instance",
-    ),
-    # -- the controller ---------------------------------------------------------------------------
-    MetricSpec(
-        "pdserve_instances",
-        "gauge",
-        "Instances per region and role, by state (serving, draining).",
-        ("region", "role", "state"),
-        source="controller",
-    ),
-    MetricSpec(
-        "pdserve_instances_target",
-        "gauge",
-        "The number of instances the controller is converging to, per region and role.",
-        ("region", "role"),
-        source="controller",
-    ),
-    MetricSpec(
-        "pdserve_pd_ratio",
-        "gauge",
-        "Prefill over decode instances per region: the target and the actual count.",
-        ("region", "kind"),
-        source="controller",
-    ),
-    MetricSpec(
-        "pdserve_planner_decisions_total",
-        "counter",
-        "Planner and operator scaling decisions, by action and reason.",
-        ("region", "action", "reason"),
-        source="controller",
-    ),
-    MetricSpec(
-        "pdserve_instance_restarts_total",
-        "counter",
-        "Instances replaced after they died, per region and role.",
-        ("region", "role"),
-        source="controller",
-    ),
-    MetricSpec(
-        "pdserve_instance_start_seconds",
-        "gauge",
-        "Seconds the latest instance of a region and role took per start-up phase: schedule "
-        "(resources reserved), spawn (rank processes up), load (weights), warmup (KV, engine).",
-        ("region", "role", "phase"),
-        source="controller",
-    ),
+    *REPORTED,
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}

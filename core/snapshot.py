@@ -43,6 +43,7 @@ class ExpertLoad:
     by_expert: dict[int, float]  # layer -> max over mean per expert, recent tokens
     by_rank: dict[int, float]  # layer -> max over mean per EP rank, recent tokens
     ep_rank_failures: int = 0  # EP ranks lost and recovered from
+    ep_ranks: int = 0  # EP ranks serving now (0: not known)
 
 
 @dataclass
@@ -202,3 +203,5 @@ def _add_experts(
         for layer, ratio in values.items():
             fams["pdserve_moe_imbalance_ratio"].add_metric([*who, str(layer), over], ratio)
     fams["pdserve_ep_rank_failures_total"].add_metric(who, load.ep_rank_failures)
+    if load.ep_ranks:
+        fams["pdserve_ep_ranks"].add_metric(who, load.ep_ranks)

@@ -68,6 +68,7 @@ def test_killing_a_follower_mid_stream_keeps_greedy_tokens(ray_session, referenc
         instance = Instance("d0", "decode", llm.instance)
         load = ExpertLoadReader().read([instance], 30)["d0"]
         assert len(llm.instance.workers) == 1 and load.ep_rank_failures == 1
+        assert load.ep_ranks == 1
         assert sorted(load.tokens) == [0, 1, 2]
         # A request submitted after the kill is served by the survivor.
         after = llm.generate(prompts[:2], GREEDY)
