@@ -125,7 +125,8 @@ class ClusterView:
 
     def __init__(self) -> None:
         self.instances: dict[str, InstanceView] = {}
-        self._tables: dict[tuple[str, str, str, str | None], RegionTable] = {}
+        # (role, region, model) -> LoRA adapter (None: any) -> its table.
+        self._tables: dict[tuple[str, str, str], dict[str | None, RegionTable]] = {}
         self.adapter_fingerprints: dict[str, str] = {}
 
     def set_adapter(self, instance_id: str, name: str, fingerprint: str | None) -> None:
@@ -163,27 +164,28 @@ class ClusterView:
     ) -> RegionTable:
         """The available instances of ``role`` in ``region`` serving the model version
         whose deployment key is ``model`` (and, with ``lora``, holding that adapter)."""
-        key = (role, region, model, lora)
-        if key not in self._tables:
+        tables = self._tables.setdefault((role, region, model), {})
+        if lora not in tables:
             views = [
                 v
                 for v in self.instances.values()
                 if v.role == role and v.region == region and v.model == model and v.available
                 and self.holds(v, lora)
             ]  # fmt: skip
-            self._tables[key] = RegionTable(views)
-        return self._tables[key]
+            tables[lora] = RegionTable(views)
+        return tables[lora]
 
     def touch(self, view: InstanceView) -> None:
         """Refresh the view's row, in every table of its role, region and model, after its
         load changed."""
-        for key, table in list(self._tables.items()):
-            if key[:3] != (view.role, view.region, view.model):
-                continue
+        tables = self._tables.get((view.role, view.region, view.model))
+        if not tables:
+            return
+        for lora, table in list(tables.items()):
             if view.instance_id in table.index:
                 table.refresh(table.index[view.instance_id])
-            if (view.instance_id in table.index) != (view.available and self.holds(view, key[3])):
-                self._tables.pop(key, None)
+            if (view.instance_id in table.index) != (view.available and self.holds(view, lora)):
+                tables.pop(lora, None)
 
     def regions(self) -> list[str]:
         return sorted({v.region for v in self.instances.values()})
