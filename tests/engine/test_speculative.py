@@ -65,19 +65,26 @@ def test_greedy_is_token_identical(name: str, references) -> None:
     off.check_idle()
 
 
-def test_preemption_and_prefix_hits_keep_the_tokens(references) -> None:
-    """Drafted KV past the accepted tokens is never cached or reused as valid."""
+def preempted_twice(references, **speculation: object) -> LLM:
+    """Repetitive llama prompts on a small cache (preemptions), run twice (the second
+    time, prompts and outputs are prefix-cache hits): each run's tokens equal those of
+    decoding one token a step. Returns the speculating engine."""
     folder, prompts, _ = references("llama")
     repetitive = [p[:12] * 3 for p in prompts[:6]]
     longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     want = _tokens(LLM(str(folder)).generate(repetitive, longer))
-    on = LLM(str(folder), num_blocks=30, block_size=4, max_num_batched_tokens=128, **SPEC)
-    for _ in range(2):  # the second time, prompts and outputs are prefix-cache hits
+    on = LLM(str(folder), num_blocks=30, block_size=4, max_num_batched_tokens=128, **speculation)
+    for _ in range(2):
         assert _tokens(on.generate(repetitive, longer)) == want
         on.check_idle()
     assert on.engine.scheduler.num_preemptions > 0
     assert on.engine.kv.stats.hits > 0
-    assert _stats(on).accepted > 0
+    return on
+
+
+def test_preemption_and_prefix_hits_keep_the_tokens(references) -> None:
+    """Drafted KV past the accepted tokens is never cached or reused as valid."""
+    assert _stats(preempted_twice(references, **SPEC)).accepted > 0
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,14 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.request import Request
 from pdserve.engine.draft import PENDING, DraftProposer, DraftRow, ModelDrafter
 from pdserve.engine.speculative import Speculator, best_draft_length
-from tests.engine.test_speculative import FAMILIES, GREEDY, _chi_square_ok, _same, _tokens
+from tests.engine.test_speculative import (
+    FAMILIES,
+    GREEDY,
+    _chi_square_ok,
+    _same,
+    _tokens,
+    preempted_twice,
+)
 from tests.reference import _COMMON, ReferenceSpec, build_reference_model
 
 PYCODE = dict(
@@ -197,17 +204,8 @@ def test_greedy_is_token_identical(name: str, references, tiny_draft: Path) -> N
 
 def test_preemption_and_prefix_hits_keep_the_tokens(references) -> None:
     """A preempted request's draft reads its tokens again from its new blocks."""
-    folder, prompts, _ = references("llama")
-    prompts = [p[:12] * 3 for p in prompts[:6]]
-    longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    want = _tokens(LLM(str(folder)).generate(prompts, longer))
-    on = LLM(str(folder), num_blocks=30, block_size=4, max_num_batched_tokens=128, **_draft(folder))
-    for _ in range(2):  # the second time, prompts and outputs are prefix-cache hits
-        assert _tokens(on.generate(prompts, longer)) == want
-        on.check_idle()
-    assert on.engine.scheduler.num_preemptions > 0
-    assert on.engine.kv.stats.hits > 0
-    assert _stats(on).acceptance_rate > 0.9
+    folder, _, _ = references("llama")
+    assert _stats(preempted_twice(references, **_draft(folder))).acceptance_rate > 0.9
 
 
 @pytest.fixture(scope="module")
