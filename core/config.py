@@ -337,11 +337,6 @@ class EngineConfig:
             msg = f"must be a kernels name (auto, torch, triton), got {self.kernel_backend!r}"
             raise InvalidArgumentError("kernel_backend", msg)
 
-    @property
-    def adapter_names(self) -> tuple[str, ...]:
-        """The start-up LoRA adapters' names; an adapter's slot is its position."""
-        return tuple(name for name, _ in self.lora_adapters)
-
 
 def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword arguments (the API's and the CLI's)."""
