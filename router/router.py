@@ -317,6 +317,9 @@ class Router:
                 ):
                     self.admission.observe(region, stream.first_token_at - stream.arrival)
                 yield delta
+            # The streams that the same token batch woke write their deltas before this
+            # finished request's bookkeeping runs (a front door's write may not yield).
+            await asyncio.sleep(0)
             self.finished["ok"] += 1
             self.obs.finished(region, stream.finish_reason or "stop", stream)
             self._outcome(inp, stream, True, region)

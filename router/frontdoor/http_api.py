@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -44,10 +43,11 @@ from pdserve.router.frontdoor.requests import (
     prompt_tokens,
     sampling_params,
 )
+from pdserve.router.frontdoor.sse import DONE, ResponseShape, event
 from pdserve.router.frontdoor.tls import ssl_context
 from pdserve.router.models import Served
 from pdserve.router.router import CompletionInput, Router
-from pdserve.router.stream import StreamDelta, Usage
+from pdserve.router.stream import Usage
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class HttpApi:
     ) -> web.StreamResponse:
         request["admitted"] = True  # from here the router counts the outcome
         model = inp.params.lora or inp.served_as.rpartition("@")[0] or self.router.config.model_name
-        shape = _Shape(inp.request_id, model, chat, inp.served_as)
+        shape = ResponseShape(inp.request_id, model, chat, inp.served_as)
         if not body.get("stream"):
             text, reason, usage = [], None, Usage(0, 0)
             async with contextlib.aclosing(self.router.stream(inp)) as deltas:
@@ -234,95 +234,26 @@ class HttpApi:
                             }
                         )
                         await response.prepare(request)
-                    await _sse(response, shape.chunk(delta))
-                    self.router.delivered(delta)
+                    data = shape.chunk_event(delta)  # one write per delta
                     if (
                         delta.finish_reason is not None
                         and include_usage
                         and delta.usage is not None
                     ):
-                        await _sse(response, shape.usage_chunk(delta.usage))
+                        data += shape.usage_event(delta.usage)
+                    await response.write(data)
+                    self.router.delivered(delta)
         except (ConnectionResetError, OSError):
             raise  # the client left: the stream was closed, which aborted the request
         except Exception as e:
             if response is None:
                 raise
             status = wire_status(e)  # mid-stream: the status line is gone; say it in the stream
-            await _sse(
-                response, {"error": {"message": status.message, "code": status.grpc_code.lower()}}
-            )
+            error = {"error": {"message": status.message, "code": status.grpc_code.lower()}}
+            await response.write(event(error))
         assert response is not None
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        await response.write_eof(DONE)
         return response
-
-
-class _Shape:
-    """OpenAI's response objects for one request."""
-
-    def __init__(self, request_id: str, model: str, chat: bool, version: str = "") -> None:
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.model = model
-        self.version = version  # name@version that served it (system_fingerprint)
-        self.chat = chat
-        self.created = int(time.time())
-        self.first = True
-
-    def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": self.version or None}  # fmt: skip
-
-    def whole(self, text: str, reason: str | None, usage: Usage) -> dict[str, Any]:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-                "logprobs": None,
-            }
-            out = self._base("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-            out = self._base("text_completion")
-        return {**out, "choices": [choice], "usage": _usage(usage)}
-
-    def chunk(self, delta: StreamDelta) -> dict[str, Any]:
-        if self.chat:
-            d: dict[str, Any] = {"content": delta.text}
-            if self.first:
-                d["role"] = "assistant"
-            self.first = False
-            choice = {
-                "index": 0,
-                "delta": d,
-                "finish_reason": delta.finish_reason,
-                "logprobs": None,
-            }
-            return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {
-            "index": 0,
-            "text": delta.text,
-            "finish_reason": delta.finish_reason,
-            "logprobs": None,
-        }
-        return {**self._base("text_completion"), "choices": [choice]}
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": _usage(usage)}
-
-
-def _usage(u: Usage) -> dict[str, Any]:
-    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-           "total_tokens": u.prompt_tokens + u.completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
-    if u.max_tokens_capped is not None:  # overload: the router lowered max_tokens
-        out["max_tokens_capped"] = u.max_tokens_capped
-    return out
-
-
-async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
 def _message(m: Any, i: int) -> dict[str, str]:

@@ -1,0 +1,85 @@
+"""OpenAI's response objects for one request, and its stream as server-sent events.
+
+A streamed completion writes one event per token delta, so the bytes of a
+chunk are assembled from pieces encoded once per request (everything before
+the delta's text, and the tail after its finish reason): per delta only the
+text and the finish reason are encoded. The bytes equal ``json.dumps`` of the
+chunk object (default separators, ASCII), so clients see the same stream as
+from a dict.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from json.encoder import encode_basestring_ascii
+from typing import Any
+
+from pdserve.router.stream import StreamDelta, Usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+class ResponseShape:
+    """The response objects of one request (``chat``: chat completions)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, version: str = "") -> None:
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.version = version  # name@version that served it (system_fingerprint)
+        self.chat = chat
+        self.created = int(time.time())
+        self.first = True
+        base = json.dumps(self._base("chat.completion.chunk" if chat else "text_completion"))
+        # `{...base, "choices": [{"index": 0, "text": ` or `... "delta": {"content": `
+        opening = '"delta": {"content": ' if chat else '"text": '
+        self._head = "data: " + base[:-1] + ', "choices": [{"index": 0, ' + opening
+        self._tail = ', "logprobs": null}]}\n\n'
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.version or None}  # fmt: skip
+
+    def whole(self, text: str, reason: str | None, usage: Usage) -> dict[str, Any]:
+        """The response of a request that does not stream."""
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
+            out = self._base("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            out = self._base("text_completion")
+        return {**out, "choices": [choice], "usage": usage_object(usage)}
+
+    def chunk_event(self, delta: StreamDelta) -> bytes:
+        """The event of one delta: ``data: {chunk}\\n\\n``."""
+        text = encode_basestring_ascii(delta.text)
+        if self.chat:
+            text += ', "role": "assistant"}' if self.first else "}"
+            self.first = False
+        reason = delta.finish_reason
+        finish = "null" if reason is None else encode_basestring_ascii(reason)
+        return f'{self._head}{text}, "finish_reason": {finish}{self._tail}'.encode()
+
+    def usage_event(self, usage: Usage) -> bytes:
+        """The last chunk of a stream that asked for usage (no choices)."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return event({**self._base(obj), "choices": [], "usage": usage_object(usage)})
+
+
+def usage_object(u: Usage) -> dict[str, Any]:
+    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+           "total_tokens": u.prompt_tokens + u.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
+    if u.max_tokens_capped is not None:  # overload: the router lowered max_tokens
+        out["max_tokens_capped"] = u.max_tokens_capped
+    return out
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
