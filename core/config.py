@@ -285,7 +285,8 @@ class EngineConfig:
         seed: seed for requests sampled without their own seed.
         attention_backend: attention implementation by registry name ("auto": the
             device's default).
-        kernel_backend: fused-layer kernels by registry name; auto: triton on CUDA, torch elsewhere.
+        kernel_backend: fused-layer kernels by registry name; auto: triton on CUDA, cpu
+            (C kernels) on a CPU with a C compiler, torch elsewhere.
         device: "cpu", "cuda" or "auto".
         quantization: "none"; "int8": weight-only int8 of the dense linears (one
             symmetric scale per output channel); "int4": 4-bit, one scale per
@@ -334,7 +335,7 @@ class EngineConfig:
             msg = f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}"
             raise InvalidArgumentError("quantization", msg)
         if not isinstance(self.kernel_backend, str) or not self.kernel_backend:
-            msg = f"must be a kernels name (auto, torch, triton), got {self.kernel_backend!r}"
+            msg = f"must be a kernels name (auto, torch, cpu, triton), got {self.kernel_backend!r}"
             raise InvalidArgumentError("kernel_backend", msg)
 
 

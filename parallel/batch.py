@@ -50,11 +50,18 @@ class PreparedBatch:
         return int(self.input_ids.shape[0])
 
 
-def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """[N, max_blocks] int32 block tables, padded with block 0."""
+def _padded(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Block tables as one flat row-major list, padded with block 0, and its width."""
     width = max((len(t) for t in tables), default=0)
-    rows = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+    return [b for t in tables for b in (*t, *[0] * (width - len(t)))], width
+
+
+def _tensors(
+    groups: list[list[int]], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One 1-D tensor per list: views of one buffer, built with one copy to ``device``."""
+    whole = torch.tensor([v for g in groups for v in g], dtype=dtype, device=device)
+    return list(whole.split_with_sizes([len(g) for g in groups]))
 
 
 def _decode_entries(decodes: list[ScheduledSeq]) -> tuple[list[int], list[list[int]]]:
@@ -72,6 +79,39 @@ def _lora_rows(
     per_seq = adapter_indices([s.lora for s in ordered], adapters)
     rows = [i for s, i in zip(ordered, per_seq, strict=True) for _ in range(s.num_tokens)]
     return LoRABatch.build(rows, device)
+
+
+def _layout(
+    decodes: list[ScheduledSeq],
+    prefills: list[ScheduledSeq],
+    slot_mapping: torch.Tensor,
+    device: torch.device,
+) -> AttentionMetadata:
+    """The attention metadata of decodes then prefill chunks (int32 tensors, one copy)."""
+    query_lens = [s.num_tokens for s in prefills]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    decode_lens, decode_tables = _decode_entries(decodes)
+    decode_flat, decode_width = _padded(decode_tables)
+    prefill_flat, prefill_width = _padded([s.block_table for s in prefills])
+    lens, tables, start_loc, prefill_lens, prefill_tables = _tensors(
+        [decode_lens, decode_flat, starts, [s.seq_len for s in prefills], prefill_flat],
+        torch.int32,
+        device,
+    )
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        num_decode_tokens=len(decode_lens),
+        decode_seq_lens=lens,
+        decode_block_tables=tables.view(len(decode_tables), decode_width),
+        max_decode_seq_len=max(decode_lens, default=0),
+        prefill_query_start_loc=start_loc,
+        prefill_seq_lens=prefill_lens,
+        prefill_block_tables=prefill_tables.view(len(prefills), prefill_width),
+        prefill_query_lens_list=query_lens,
+        prefill_seq_lens_list=[s.seq_len for s in prefills],
+    )
 
 
 def prepare_batch(
@@ -94,31 +134,16 @@ def prepare_batch(
             sample_indices.extend(range(len(input_ids) - 1 - seq.num_draft_tokens, len(input_ids)))
     sampled = [s for s in ordered if s.sampling is not None]
 
-    def ints(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    query_lens = [s.num_tokens for s in prefills]
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    decode_lens, decode_tables = _decode_entries(decodes)
-    meta = AttentionMetadata(
-        slot_mapping=ints(slots, torch.int64),
-        num_decode_tokens=len(decode_lens),
-        decode_seq_lens=ints(decode_lens),
-        decode_block_tables=_block_tables(decode_tables, device),
-        max_decode_seq_len=max(decode_lens, default=0),
-        prefill_query_start_loc=ints(starts),
-        prefill_seq_lens=ints([s.seq_len for s in prefills]),
-        prefill_block_tables=_block_tables([s.block_table for s in prefills], device),
-        prefill_query_lens_list=query_lens,
-        prefill_seq_lens_list=[s.seq_len for s in prefills],
+    # Two host-to-device copies per step: the int64 inputs here, the int32 layout in _layout.
+    ids_t, positions_t, slot_mapping, samples_t = _tensors(
+        [input_ids, positions, slots, sample_indices], torch.int64, device
     )
+    meta = _layout(decodes, prefills, slot_mapping, device)
     return PreparedBatch(
-        input_ids=ints(input_ids, torch.int64),
-        positions=ints(positions, torch.int64),
+        input_ids=ids_t,
+        positions=positions_t,
         meta=meta,
-        sample_indices=ints(sample_indices, torch.int64),
+        sample_indices=samples_t,
         sample_ids=[s.request_id for s in sampled],
         sample_rows=[s.sampling for s in sampled if s.sampling is not None],
         sample_drafts=[s.token_ids[s.num_tokens - s.num_draft_tokens :] for s in sampled],

@@ -198,6 +198,8 @@ QUANT_PATHS = {
         "int4", "triton", _triton_int4_prepare, _triton_int4_matmul, _int4_fake, _triton_int4_check
     ),
 }
+# The "cpu" kernels (C row-wise ops) multiply as the torch ones do.
+QUANT_PATHS.update({(scheme, "cpu"): QUANT_PATHS[scheme, "torch"] for scheme in ("int8", "int4")})
 
 
 @dataclass(frozen=True)

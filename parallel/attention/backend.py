@@ -91,7 +91,9 @@ class AttentionBackend(abc.ABC):
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
         nd = meta.num_decode_tokens
-        if nd:
+        if nd == q.shape[0]:  # decodes only (no slicing: the common step at small batch)
+            self.decode(q, k_cache, v_cache, meta, out)
+        elif nd:
             self.decode(q[:nd], k_cache, v_cache, meta, out[:nd])
         if meta.num_prefills:
             self.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, out[nd:])

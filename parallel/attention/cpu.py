@@ -3,12 +3,13 @@
 The torch reference gathers every decode sequence's blocks into a padded copy
 each layer and step; on a CPU that copy costs more than the attention itself.
 ``cpu_kernel.c`` reads each key and value row once, in place, through the block
-table. It is compiled with the system C compiler on first use (about a second)
-and cached next to the built-in models; without a compiler the ``cpu`` backend
+table. It is compiled with the system C compiler on first use
+(:mod:`~pdserve.parallel.kernels.cpu_build`); without a compiler the ``cpu`` backend
 reports itself unsupported and ``auto`` falls back to ``torch``.
 
 The kernel reads a float32 or a bfloat16 cache (bf16 rows are widened to
-float32 as they are loaded; every sum is float32). With bfloat16 it rounds the
+float32 as they are loaded, or multiplied pairwise by the AVX-512 BF16 dot
+product where the CPU has it; every sum is float32). With bfloat16 it rounds the
 softmax weights to bf16 before they weight V, as torch's CPU flash attention
 (what ``transformers`` runs) does, so greedy tokens track it; float32 is unchanged.
 """
@@ -17,67 +18,128 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pdserve.core.builtin_models import cache_dir
 from pdserve.parallel.attention.backend import AttentionMetadata, register_backend
 from pdserve.parallel.attention.torch_ref import TorchAttention
-from pdserve.parallel.cpu_features import cpu_model
+from pdserve.parallel.kernels.cpu_build import compile_library, declare
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("cpu_kernel.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class _Kernels:
+    """The compiled kernel's two entry points, declared once."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.decode = declare(
+            lib, "paged_decode_attention", [_P, _P, _I, *[_P] * 4, *[_I] * 6, _F, _C, _C]
+        )
+        self.write_kv = declare(lib, "write_kv", [_P, _P, _P, _I, _P, _I, _P, _I, _I, _C])
+        self.decode_step = declare(
+            lib, "paged_decode_step", [_P, _P, _I, _P, _I, _P, _I, *[_P] * 5, *[_I] * 6, _F, _C, _C]
+        )
+
+
 @functools.cache
-def kernel_library() -> ctypes.CDLL | None:
+def kernel_library() -> _Kernels | None:
     """The compiled kernel, building it on first use; None if it cannot be built."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: the cpu attention backend is unavailable")
-        return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + cpu_model().encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"paged_decode_{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("building the cpu attention kernel failed:\n%s", proc.stderr)
-            return None
-        os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = (
-        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    )
-    return lib
+    lib = compile_library(Path(__file__).with_name("cpu_kernel.c"), "paged_decode")
+    return None if lib is None else _Kernels(lib)
+
+
+def _heads_packed(x: torch.Tensor) -> bool:
+    """[T, H, D] whose heads and dims are contiguous (tokens may be strided)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 @register_backend
 class CpuAttention(TorchAttention):
-    """Decode through the C kernel; prefill (and its cached prefix) as the reference."""
+    """Decode through the C kernel; prefill (and its cached prefix) as the reference.
+
+    The K/V write is C too; a step of decodes only writes and attends in one call.
+    """
 
     name = "cpu"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        lib = kernel_library()
+        assert lib is not None, "CpuAttention built where cpu_kernel.c does not compile"
+        self.lib = lib
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:
         return device.type == "cpu" and kernel_library() is not None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """As every backend's; a decode-only step writes K/V and attends in one C call."""
+        # q: [T, Hq, D], k/v: [T, Hkv, D] (tokens may be strided) -> out: [T, Hq, D]
+        code = self._code(k, v, k_cache, v_cache, meta.slot_mapping)
+        if code is None or meta.num_prefills or not _heads_packed(q):
+            return super().forward(q, k, v, k_cache, v_cache, meta)
+        out = q.new_empty(q.shape)
+        tables = meta.decode_block_tables.contiguous()
+        failed = self.lib.decode_step(
+            out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+            v.stride(0), meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), meta.decode_seq_lens.contiguous().data_ptr(), q.shape[0],
+            self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], tables.shape[1],
+            self.scale, code, torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("cpu attention kernel could not allocate its scratch memory")
+        return out
+
+    @staticmethod
+    def _code(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> int | None:
+        """The kernel's dtype code if it can write k, v into the caches, else None."""
+        code = _DTYPE_CODES.get(k.dtype)
+        if (
+            code is None
+            or not k_cache.dtype == v_cache.dtype == v.dtype == k.dtype
+            or not (_heads_packed(k) and _heads_packed(v))
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or not (slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous())
+        ):
+            return None
+        return code
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        # k, v: [T, Hkv, D] (tokens may be strided); caches [num_blocks, bs, Hkv, D]
+        code = self._code(k, v, k_cache, v_cache, slot_mapping)
+        if code is None:
+            super().write_kv(k, v, k_cache, v_cache, slot_mapping)
+            return
+        self.lib.write_kv(
+            k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
+            v.stride(0), slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], code,
+        )  # fmt: skip
 
     def decode(
         self,
@@ -87,32 +149,21 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        # q, out: [Nd, Hq, D]; caches [num_blocks, bs, Hkv, D] (contiguous)
+        # q: [Nd, Hq, D] (sequences may be strided), out: [Nd, Hq, D];
+        # caches [num_blocks, bs, Hkv, D] (contiguous)
         if q.dtype not in _DTYPE_CODES:
             super().decode(q, k_cache, v_cache, meta, out)
             return
-        lib = kernel_library()
-        assert lib is not None
-        q = q.contiguous()
+        if not _heads_packed(q):
+            q = q.contiguous()
         tables = meta.decode_block_tables.contiguous()
         lens = meta.decode_seq_lens.contiguous()
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
-        failed = lib.paged_decode_attention(
-            out.data_ptr(),
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            tables.data_ptr(),
-            lens.data_ptr(),
-            q.shape[0],
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            k_cache.shape[1],
-            tables.shape[1],
-            self.scale,
-            _DTYPE_CODES[q.dtype],
+        failed = self.lib.decode(
+            out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), lens.data_ptr(), q.shape[0], self.num_heads, self.num_kv_heads,
+            self.head_dim, k_cache.shape[1], tables.shape[1], self.scale, _DTYPE_CODES[q.dtype],
             torch.get_num_threads(),
-        )
+        )  # fmt: skip
         if failed:
             raise MemoryError("cpu attention kernel could not allocate its scratch memory")

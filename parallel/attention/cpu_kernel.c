@@ -2,15 +2,17 @@
  * Paged decode attention for CPUs: one query token per sequence, keys and
  * values read once, straight from the paged cache through the block table.
  *
- * Layouts (row-major, contiguous):
- *   q, out        [num_seqs, num_heads, head_dim]
+ * Layouts (row-major, contiguous unless a stride is given, in elements):
+ *   q             [num_seqs, num_heads, head_dim], sequence stride q_stride (heads packed)
+ *   out           [num_seqs, num_heads, head_dim]
  *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables  [num_seqs, max_blocks] int32
  *   seq_lens      [num_seqs] int32 (context length, the new token included)
  * dtype: 0 = float32, 1 = bfloat16 (accumulation is always float32; bf16 rows are
  *   widened to float32 on load, the softmax weights rounded to bf16 before they
  *   weight V and divided by their float32 sum at the end, as torch's CPU flash
- *   attention does).
+ *   attention does). Where the CPU has AVX-512 BF16, bf16 q.k dot products use its
+ *   dot-product instruction (exact products, float32 sums, subnormals flushed).
  *
  * Work is split over (sequence, KV head); the query heads of a GQA group
  * share each key/value row they read.
@@ -23,27 +25,14 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_math.h" /* bf16 conversions, exp_poly (parallel/kernels/) */
+
 /* Eight floats; the compiler maps it to one AVX register, or two NEON ones. */
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf8u __attribute__((vector_size(32), aligned(4))); /* unaligned access */
 typedef uint16_t vu16x8u __attribute__((vector_size(16), aligned(2))); /* eight bf16 */
 typedef uint32_t vu32x8 __attribute__((vector_size(32)));
 #define MAX_HEADS 64 /* most query heads one work item handles */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 static inline float hsum8(vf8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -113,6 +102,28 @@ DEFINE_DOTS8(dots8_bf16, uint16_t, load8_bf16)
 DEFINE_AXPY8(axpy8, float, LOAD8)
 DEFINE_AXPY8(axpy8_bf16, uint16_t, load8_bf16)
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define HAVE_DPBF16 1
+/* dots[i] = dot(q_i, k_{i / group}) straight from bf16 q and k (head_dim a multiple
+ * of 16): pairs of bf16 products, exact in float32, summed in float32 by the CPU's
+ * bf16 dot-product instruction. */
+static inline void dots_dpbf16(float *dots, const uint16_t *q, const uint16_t *k, int64_t nq,
+                               int64_t group, int64_t head_dim) {
+    for (int64_t i = 0; i < nq; i++) {
+        const uint16_t *qi = q + i * head_dim, *kh = k + (i / group) * head_dim;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 16)
+            acc = _mm256_dpbf16_ps(acc, (__m256bh)_mm256_loadu_si256((const __m256i *)(qi + d)),
+                                   (__m256bh)_mm256_loadu_si256((const __m256i *)(kh + d)));
+        vf8 v;
+        memcpy(&v, &acc, sizeof v);
+        dots[i] = hsum8(v);
+    }
+}
+#else
+#define HAVE_DPBF16 0
+#endif
+
 /* Row `index` (in elements) of a cache or query tensor, as float32. fp32 data is
  * returned in place; bf16 data is converted into `tmp`. */
 static inline const float *row_f32(const void *base, int64_t index, int64_t n, int dtype, float *tmp) {
@@ -158,30 +169,80 @@ static inline void value_sum(float *acc, const float *w, const void *v_cache, in
     }
 }
 
+/* acc_i = sum_t w_it * v_{t, i / group} (head_dim a multiple of 64), 64 dims at a
+ * time held in eight registers over all tokens; the same sums, in the same order,
+ * as value_sum token by token. w: [nq, len]; rows[t]: token t's row in the cache. */
+#define DEFINE_WEIGHTED_VALUES64(NAME, VT, LOADV)                                                  \
+    static void NAME(float *acc, const float *w, const void *v_cache, const int64_t *rows,         \
+                     int64_t len, int64_t nq, int64_t group, int64_t head_dim) {                   \
+        const VT *v = (const VT *)v_cache;                                                         \
+        for (int64_t i = 0; i < nq; i++) {                                                         \
+            const float *wi = w + i * len;                                                         \
+            const int64_t head = (i / group) * head_dim;                                           \
+            for (int64_t d = 0; d < head_dim; d += 64) {                                           \
+                vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0}; \
+                for (int64_t t = 0; t < len; t++) {                                                \
+                    const VT *p = v + rows[t] + head + d;                                          \
+                    const float wt = wi[t];                                                        \
+                    a0 += wt * LOADV(p);                                                           \
+                    a1 += wt * LOADV(p + 8);                                                       \
+                    a2 += wt * LOADV(p + 16);                                                      \
+                    a3 += wt * LOADV(p + 24);                                                      \
+                    a4 += wt * LOADV(p + 32);                                                      \
+                    a5 += wt * LOADV(p + 40);                                                      \
+                    a6 += wt * LOADV(p + 48);                                                      \
+                    a7 += wt * LOADV(p + 56);                                                      \
+                }                                                                                  \
+                float *ai = acc + i * head_dim + d;                                                \
+                *(vf8u *)ai = a0;                                                                  \
+                *(vf8u *)(ai + 8) = a1;                                                            \
+                *(vf8u *)(ai + 16) = a2;                                                           \
+                *(vf8u *)(ai + 24) = a3;                                                           \
+                *(vf8u *)(ai + 32) = a4;                                                           \
+                *(vf8u *)(ai + 40) = a5;                                                           \
+                *(vf8u *)(ai + 48) = a6;                                                           \
+                *(vf8u *)(ai + 56) = a7;                                                           \
+            }                                                                                      \
+        }                                                                                          \
+    }
+DEFINE_WEIGHTED_VALUES64(weighted_values64, float, LOAD8)
+DEFINE_WEIGHTED_VALUES64(weighted_values64_bf16, uint16_t, load8_bf16)
+
 /* Attention of query heads [h0 * group, h1 * group) of sequence s. */
-static int attend(void *out, const void *q, const void *k_cache, const void *v_cache,
+static int attend(void *out, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                   const int32_t *table, int64_t len, int64_t s, int64_t h0, int64_t h1,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                   int64_t group, float scale, int dtype) {
     const int64_t nq = (h1 - h0) * group;  /* query heads handled here */
     const int64_t width = (h1 - h0) * head_dim; /* K/V elements of one token used here */
-    float *scratch = malloc((size_t)(nq * len + 2 * nq * head_dim + width + nq) * sizeof(float));
-    if (scratch == NULL) return 1;
+    int64_t *rows = malloc((size_t)len * sizeof(int64_t) +
+                           (size_t)(nq * len + 2 * nq * head_dim + width + nq) * sizeof(float));
+    if (rows == NULL) return 1;
+    /* rows[t]: where token t's K/V for these heads start in the caches, in elements */
+    for (int64_t t = 0, b = 0; t < len; b++)
+        for (int64_t j = 0; j < block_size && t < len; j++, t++)
+            rows[t] = (((int64_t)table[b] * block_size + j) * num_kv_heads + h0) * head_dim;
+    float *scratch = (float *)(rows + len);
     float *scores = scratch;          /* [nq, len] */
     float *qv = scores + nq * len;    /* [nq, head_dim] */
     float *acc = qv + nq * head_dim;  /* [nq, head_dim] */
     float *tmp = acc + nq * head_dim; /* [width] */
     float *maxs = tmp + width;        /* [nq] */
     for (int64_t i = 0; i < nq; i++) {
-        const float *qi = row_f32(q, (s * num_heads + h0 * group + i) * head_dim, head_dim, dtype, tmp);
+        const float *qi = row_f32(q, s * q_stride + (h0 * group + i) * head_dim, head_dim, dtype, tmp);
         memcpy(qv + i * head_dim, qi, (size_t)head_dim * sizeof(float));
         maxs[i] = -INFINITY;
     }
+    const int use_dp = HAVE_DPBF16 && dtype == 1 && head_dim % 16 == 0;
     for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
         float dots[MAX_HEADS];
-        key_dots(dots, qv, k_cache, (slot * num_kv_heads + h0) * head_dim, nq, group, head_dim,
-                 dtype, tmp);
+#if HAVE_DPBF16
+        if (use_dp)
+            dots_dpbf16(dots, (const uint16_t *)q + s * q_stride + h0 * group * head_dim,
+                        (const uint16_t *)k_cache + rows[t], nq, group, head_dim);
+        else
+#endif
+            key_dots(dots, qv, k_cache, rows[t], nq, group, head_dim, dtype, tmp);
         for (int64_t i = 0; i < nq; i++) {
             const float dot = dots[i] * scale;
             scores[i * len + t] = dot;
@@ -191,10 +252,10 @@ static int attend(void *out, const void *q, const void *k_cache, const void *v_c
     for (int64_t i = 0; i < nq; i++) {
         float sum = 0.0f;
         float *si = scores + i * len;
-        for (int64_t t = 0; t < len; t++) {
-            si[t] = expf(si[t] - maxs[i]);
-            sum += si[t];
-        }
+        const float m = maxs[i];
+        for (int64_t t = 0; t < len; t++) si[t] = exp_poly(si[t] - m);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) sum += si[t];
         maxs[i] = 1.0f / sum; /* from here on: the reciprocal of the softmax sum */
         if (dtype == 0) {
             for (int64_t t = 0; t < len; t++) si[t] *= maxs[i];
@@ -204,13 +265,16 @@ static int attend(void *out, const void *q, const void *k_cache, const void *v_c
             for (int64_t t = 0; t < len; t++) si[t] = bf16_to_f32(f32_to_bf16(si[t]));
         }
     }
-    memset(acc, 0, (size_t)(nq * head_dim) * sizeof(float));
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        float w[MAX_HEADS];
-        for (int64_t i = 0; i < nq; i++) w[i] = scores[i * len + t];
-        value_sum(acc, w, v_cache, (slot * num_kv_heads + h0) * head_dim, nq, group, head_dim,
-                  dtype, tmp);
+    if (head_dim % 64 == 0) {
+        if (dtype == 0) weighted_values64(acc, scores, v_cache, rows, len, nq, group, head_dim);
+        else weighted_values64_bf16(acc, scores, v_cache, rows, len, nq, group, head_dim);
+    } else {
+        memset(acc, 0, (size_t)(nq * head_dim) * sizeof(float));
+        for (int64_t t = 0; t < len; t++) {
+            float w[MAX_HEADS];
+            for (int64_t i = 0; i < nq; i++) w[i] = scores[i * len + t];
+            value_sum(acc, w, v_cache, rows[t], nq, group, head_dim, dtype, tmp);
+        }
     }
     for (int64_t i = 0; i < nq; i++) {
         const int64_t o = (s * num_heads + h0 * group + i) * head_dim;
@@ -221,30 +285,70 @@ static int attend(void *out, const void *q, const void *k_cache, const void *v_c
             for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(acc[i * head_dim + d] * maxs[i]);
         }
     }
-    free(scratch);
+    free(rows);
     return 0;
 }
 
-int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                           const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, int64_t max_blocks, float scale, int dtype,
+/* Query-head splits per sequence: whole rows per sequence read best, so the
+ * fewest splits that give every thread an equal share of work items. */
+static int64_t head_splits(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    /* Whole rows per sequence read best; split heads only when sequences are
-     * too few to keep every thread busy. */
-    int64_t splits = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
+    int64_t splits = 1;
+    if (num_seqs < 2 * num_threads) {
+        while (splits < num_kv_heads &&
+               (num_kv_heads % splits || num_seqs * splits < num_threads ||
+                (num_seqs * splits) % num_threads))
+            splits++;
+    }
     while (num_heads / splits > MAX_HEADS) splits *= 2; /* keep work items within MAX_HEADS */
     if (splits > num_kv_heads || num_kv_heads % splits) splits = num_kv_heads;
+    return splits;
+}
+
+int paged_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, const int32_t *block_tables,
+                           const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t max_blocks, float scale, int dtype, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t splits = head_splits(num_seqs, num_heads, num_kv_heads, num_threads);
     const int64_t per_split = num_kv_heads / splits;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed) \
+    if (num_threads > 1 && num_seqs * splits > 1)
     for (int64_t item = 0; item < num_seqs * splits; item++) {
         const int64_t s = item / splits;
         const int64_t h0 = (item % splits) * per_split;
-        failed |= attend(out, q, k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s], s, h0,
-                         h0 + per_split, num_heads, num_kv_heads, head_dim, block_size, group, scale,
-                         dtype);
+        failed |= attend(out, q, q_stride, k_cache, v_cache, block_tables + s * max_blocks,
+                         seq_lens[s], s, h0, h0 + per_split, num_heads, num_kv_heads, head_dim,
+                         block_size, group, scale, dtype);
     }
     return failed;
+}
+
+/* k/v [tokens, row] (token strides k_stride, v_stride; row = num_kv_heads * head_dim
+ * elements, packed) into the caches' slots [tokens] (int64). */
+int write_kv(void *k_cache, void *v_cache, const void *k, int64_t k_stride, const void *v,
+             int64_t v_stride, const int64_t *slots, int64_t tokens, int64_t row, int dtype) {
+    const size_t size = dtype == 0 ? 4 : 2, bytes = (size_t)row * size;
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy((char *)k_cache + slots[t] * bytes, (const char *)k + t * k_stride * size, bytes);
+        memcpy((char *)v_cache + slots[t] * bytes, (const char *)v + t * v_stride * size, bytes);
+    }
+    return 0;
+}
+
+/* A decode-only step in one call: write_kv for the step's num_seqs tokens (one
+ * per sequence), then paged_decode_attention. */
+int paged_decode_step(void *out, const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                      const void *v, int64_t v_stride, const int64_t *slots, void *k_cache,
+                      void *v_cache, const int32_t *block_tables, const int32_t *seq_lens,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t max_blocks, float scale, int dtype,
+                      int num_threads) {
+    write_kv(k_cache, v_cache, k, k_stride, v, v_stride, slots, num_seqs, num_kv_heads * head_dim,
+             dtype);
+    return paged_decode_attention(out, q, q_stride, k_cache, v_cache, block_tables, seq_lens,
+                                  num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                  max_blocks, scale, dtype, num_threads);
 }

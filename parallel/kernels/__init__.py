@@ -7,8 +7,10 @@ picks the ops once (:func:`select_kernels`) and passes them down through
 :func:`~pdserve.parallel.models.build_model`. Implementations register by name in
 :data:`KERNEL_OPS` (:mod:`~pdserve.parallel.kernels.ops`, the interface):
 "torch" (:mod:`~pdserve.parallel.kernels.reference`, the arithmetic the layers
-are defined by) and "triton" (:mod:`pdserve.parallel.kernels.triton_ops`, for
-CUDA, or the CPU under ``TRITON_INTERPRET=1``). The paged attention kernels are
+are defined by), "cpu" (:mod:`~pdserve.parallel.kernels.cpu_ops`, the row-wise
+ops as C kernels, the default on CPUs with a C compiler) and "triton"
+(:mod:`pdserve.parallel.kernels.triton_ops`, for CUDA, or the CPU under
+``TRITON_INTERPRET=1``). The paged attention kernels are
 used through the attention backend registry instead
 (:mod:`pdserve.parallel.attention.triton`).
 """
@@ -26,15 +28,17 @@ from pdserve.parallel.kernels.torch_ops import TorchKernels
 
 
 def _import_implementations() -> None:
+    from pdserve.parallel.kernels import cpu_ops  # noqa: F401
+
     with contextlib.suppress(ImportError):  # without Triton the torch ops serve every device
         from pdserve.parallel.kernels import triton_ops  # noqa: F401
 
 
 def select_kernels(name: str, device: torch.device) -> KernelOps:
-    """The ops called ``name``, or for "auto" Triton on CUDA and torch elsewhere."""
+    """The ops called ``name``, or for "auto" Triton on CUDA, C on the CPU, else torch."""
     _import_implementations()
     if name == "auto":
-        preferred = {"cuda": ["triton"]}.get(device.type, [])
+        preferred = {"cuda": ["triton"], "cpu": ["cpu"]}.get(device.type, [])
         name = next(
             (n for n in preferred if n in KERNEL_OPS and KERNEL_OPS[n].supports(device)), "torch"
         )

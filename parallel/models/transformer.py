@@ -61,7 +61,11 @@ class Attention(nn.Module):
             dtype,
         )
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, False, ctx, dtype)
-        self.backend = backend_cls(self.qkv.num_heads, self.qkv.num_kv_heads, d, d**-0.5)
+        # This rank's head shape, kept as plain ints: read every layer and step.
+        self.num_heads = self.qkv.num_heads
+        self.num_kv_heads = self.qkv.num_kv_heads
+        self.head_dim = d
+        self.backend = backend_cls(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
     def forward(
         self,
@@ -72,11 +76,11 @@ class Attention(nn.Module):
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        nq, nkv, d = self.qkv.num_heads, self.qkv.num_kv_heads, self.qkv.head_dim
-        qkv = self.qkv(x, lora).view(t, nq + 2 * nkv, d)
+        nq, nkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x, lora).view(t, nq + 2 * nkv, self.head_dim)
         # q and k sit side by side in the fused output: rotate both in one go.
-        qk = self.ops.rotate(qkv[:, : nq + nkv], *rope)
-        q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
+        qk, v = torch.split_with_sizes(qkv, [nq + nkv, nkv], 1)
+        q, k = torch.split_with_sizes(self.ops.rotate(qk, *rope), [nq, nkv], 1)
         o = self.backend.forward(q, k, v, cache[0], cache[1], meta)
         return self.o_proj(o.reshape(t, -1), lora)
 
