@@ -115,21 +115,24 @@ def _start_stand_in(connector: str, num_blocks: int) -> Any:
     )
 
 
-def _runs(src: torch.Tensor, pages: int, requests: int) -> list[PageRun]:
-    """One message: ``pages`` pages of layer 0, every head, into blocks ``pages..2*pages``.
+def _runs(src: torch.Tensor, pages: int, requests: int, apart: bool = False) -> list[PageRun]:
+    """One message: ``pages`` pages of layer 0, every head, into blocks from ``pages`` on.
 
     The pages are split into ``requests`` runs of consecutive pages, one per
     request, as a step streaming several prompts to one decode rank sends them.
+    With ``apart``, one free page separates the requests' destination pages, so
+    no two runs can be copied as one.
     """
     runs: list[PageRun] = []
     per = pages // requests
     for i in range(requests):
         first = i * per
         n = per if i < requests - 1 else pages - first
+        to = pages + first + (i if apart else 0)
         header = PageHeader(
             f"bench-{i}",
             0,
-            list(range(pages + first, pages + first + n)),
+            list(range(to, to + n)),
             "float32",
             [2, n, BLOCK, HEADS, DIM],
             0,
@@ -140,17 +143,17 @@ def _runs(src: torch.Tensor, pages: int, requests: int) -> list[PageRun]:
 
 
 def measure(
-    connector: str, pages: int, rounds: int, repeats: int, requests: int = 1
+    connector: str, pages: int, rounds: int, repeats: int, requests: int = 1, apart: bool = False
 ) -> dict[str, Any]:
     """Median GB/s of the connector and of its raw channel, ``repeats`` batches each."""
-    num_blocks = pages * 2
+    num_blocks = pages * 2 + (requests if apart else 0)
     actor = _start_stand_in(connector, num_blocks)
     endpoint: PeerEndpoint = ray.get(actor.endpoint.remote())
     sender_cls, _ = connector_classes(connector)
     sender = sender_cls()
     sender.connect(endpoint)
     src = torch.randn(2, num_blocks, BLOCK, HEADS, DIM)
-    runs = _runs(src, pages, requests)
+    runs = _runs(src, pages, requests, apart)
     nbytes = sum(header.nbytes for header, _ in runs)
 
     def connector_round() -> None:
@@ -171,6 +174,7 @@ def measure(
         "connector": connector,
         "message_mib": round(nbytes / 2**20, 2),
         "requests": requests,
+        "apart": apart,
         "connector_gb_s": round(ours_gb, 2),
         "raw_gb_s": round(raw_gb, 2),
         "ratio": round(ours_gb / raw_gb, 2),
@@ -205,13 +209,14 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for connector in args.connectors:
         for pages in args.pages:
-            row = measure(connector, pages, args.rounds, args.repeats, args.requests)
+            row = measure(connector, pages, args.rounds, args.repeats, args.requests, args.apart)
             rows.append(row)
             print(json.dumps(row))
     if args.out:
         cmd = (
             f"pdserve bench transfer --pages {' '.join(map(str, args.pages))} "
             f"--rounds {args.rounds} --repeats {args.repeats} --requests {args.requests}"
+            + (" --apart" if args.apart else "")
         )
         write_json(Path(args.out), {"command": cmd, "results": rows})
     return 0
@@ -225,6 +230,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=7, help="interleaved batches; medians reported")
     p.add_argument(
         "--requests", type=int, default=1, help="requests whose pages share each message"
+    )
+    p.add_argument(
+        "--apart",
+        action="store_true",
+        help="a free page between the requests' destination pages (no runs merge)",
     )
     p.add_argument("--out", default="bench/out/transfer.json")
     p.set_defaults(func=run)

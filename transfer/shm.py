@@ -2,12 +2,13 @@
 
 The decode rank allocates its KV cache in a file under ``/dev/shm``; a prefill
 rank on the same node maps that file and copies each layer's pages straight
-into the reserved pages: one copy per run of pages, no message on the data
-path. The sender keeps each mapped layer as a page-major view made once at
-``connect``, so a run costs two slices and a copy. The copy runs
-inline, right after the layer that wrote the pages: at memory speed (~25 GB/s
-here) a layer's pages take far less time than the layer's compute, and a copy
-on a helper thread measured half as fast (torch runs it single-threaded there).
+into the reserved pages, no message on the data path. The sender keeps each
+mapped layer's address and page-major view (:class:`~pdserve.transfer.page_copy.LayerPages`),
+made once at ``connect``; a message's runs are merged and copied by one call
+(:func:`~pdserve.transfer.page_copy.copy_runs`). The copy runs inline, right
+after the layer that wrote the pages: at memory speed a layer's pages take far
+less time than the layer's compute, and a copy on a helper thread measured half
+as fast (torch runs it single-threaded there).
 
 The decode rank removes its file when it closes; files left by a process that
 died are swept when the next receiver starts.
@@ -27,10 +28,12 @@ import torch
 
 from pdserve.core.errors import TransferError
 from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
+from pdserve.transfer.page_copy import LayerPages, copy_runs
 from pdserve.transfer.wire import PageRun, dtype_name, torch_dtype
 
 SHM_DIR = Path(os.environ.get("PDSERVE_SHM_DIR", "/dev/shm"))
 _PATTERN = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]+$")
+PARALLEL_FROM = 256 * 1024  # bytes of a message from which its copy uses torch's threads
 
 
 def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -95,10 +98,14 @@ class ShmReceiver(KVReceiver):
 
 
 class ShmSender(KVSender):
-    def __init__(self) -> None:
+    def __init__(self, parallel_from: int = PARALLEL_FROM) -> None:
+        """``parallel_from``: bytes of a message from which its copy is split over
+        torch's threads (below, one thread copies it: a thread wakes slower than
+        it copies a few pages)."""
         super().__init__()
-        # Per decode rank, per local layer: [blocks, 2, bs, H_local, D] views of its file.
-        self._pages: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.parallel_from = parallel_from
+        # Per decode rank, per local layer: that layer of its file.
+        self._pages: dict[tuple[str, int], list[LayerPages]] = {}
 
     def connect(self, endpoint: PeerEndpoint) -> None:
         super().connect(endpoint)
@@ -109,19 +116,13 @@ class ShmSender(KVSender):
             )
         key = (endpoint.instance_id, endpoint.rank)
         cache = _map(endpoint.address, endpoint.kv_shape, torch_dtype(endpoint.dtype))
-        self._pages[key] = [layer.transpose(0, 1) for layer in cache.unbind(0)]
+        self._pages[key] = [LayerPages.of(layer) for layer in cache.unbind(0)]
 
     def send(self, peer: tuple[str, int], runs: list[PageRun]) -> None:
-        layers = self._pages[peer]
         start = time.perf_counter()
-        nbytes = 0
         try:
-            for header, source in runs:
-                source.copy_into(
-                    layers[header.layer], header.block_ids, header.head_start, header.head_end
-                )
-                nbytes += header.nbytes
-        except RuntimeError as e:
+            nbytes = copy_runs(self._pages[peer], runs, self.parallel_from)
+        except (RuntimeError, IndexError) as e:
             self.stats.failures += 1
             raise TransferError(f"shared-memory copy to {peer} failed: {e}") from e
         self.stats.add(nbytes, time.perf_counter() - start)
