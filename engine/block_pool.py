@@ -11,6 +11,12 @@ A block is in exactly one of three states::
 ``touch`` takes a block (maybe cached) into use, ``free`` returns it. The pool
 knows nothing about requests; :class:`~pdserve.engine.kv_cache_manager.KVCacheManager`
 owns the block tables and calls ``check_integrity`` with the expected counts.
+
+Blocks are built on first use: ids ``len(blocks)..num_blocks-1`` have never
+been handed out, are free and hold no hash, and exist only as that range.
+``allocate`` takes them after the queue's uncached blocks and before its
+cached ones (a policy hands out uncached blocks first), so a pool starts at
+once and holds objects only for as many blocks as were ever in use together.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.clock = clock
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks: list[KVBlock] = []  # the blocks built so far; blocks[i].block_id == i
         self._evictable = make_policy(eviction) if isinstance(eviction, str) else eviction
         self._by_hash: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
@@ -47,13 +53,11 @@ class BlockPool:
         # KV events for routers: (True, hash) cached, (False, hash) evicted.
         # None until someone asks for them (see ``drain_events``).
         self._events: list[tuple[bool, bytes]] | None = None
-        for block in self.blocks:
-            self._evictable.add(block)
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that ``allocate`` can hand out now (free or cached, unreferenced)."""
-        return len(self._evictable)
+        return len(self._evictable) + self.num_blocks - len(self.blocks)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -68,13 +72,18 @@ class BlockPool:
         """Take ``n`` unreferenced blocks (evicting cached ones if needed), ref_cnt 1."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"allocate({n}) with only {self.num_free_blocks} free blocks")
-        out = []
-        for _ in range(n):
+        out = self._evictable.pop_uncached(min(n, self._evictable.num_uncached))
+        for block in out:  # freed before, never cached since
+            block.ref_cnt, block.priority = 1, 0
+        start = len(self.blocks)
+        fresh = [KVBlock(i, 1) for i in range(start, min(start + n - len(out), self.num_blocks))]
+        self.blocks.extend(fresh)
+        out.extend(fresh)
+        for _ in range(n - len(out)):  # cached ones: each loses its hash
             block = self._evictable.pop()
             if block.block_hash is not None:
                 self._evicted(block)
-            block.ref_cnt = 1
-            block.priority = 0
+            block.ref_cnt, block.priority = 1, 0
             out.append(block)
         return out
 
@@ -93,15 +102,16 @@ class BlockPool:
 
         ``priority`` is the releasing request's; a block keeps the highest it has seen.
         """
-        now = self.clock()
+        now, add = self.clock(), self._evictable.add
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
-            block.priority = max(block.priority, priority)
+            if priority > block.priority:
+                block.priority = priority
             block.last_used = now
             if block.ref_cnt == 0:
-                self._evictable.add(block)
+                add(block)
 
     def cache(self, block: KVBlock, block_hash: bytes) -> bool:
         """Index a full, in-use block under its hash. False if another holds the hash."""
@@ -182,6 +192,7 @@ class BlockPool:
                 assert self._by_hash.get(block.block_hash) is block, (
                     f"block {block.block_id} has a hash the index does not map to it"
                 )
+        assert all(i < len(self.blocks) for i in expected_refs), "a table holds an unbuilt block"
         assert len(self._evictable) == sum(b.ref_cnt == 0 for b in self.blocks)
         for h, block in self._by_hash.items():
             assert block.block_hash == h, f"index entry for block {block.block_id} is stale"

@@ -63,6 +63,15 @@ class EvictionPolicy(abc.ABC):
         """Cached blocks to move down a tier now, without pressure (none by default)."""
         return []
 
+    @property
+    def num_uncached(self) -> int:
+        """Blocks without a hash, which ``pop`` hands out before any cached one."""
+        return 0
+
+    def pop_uncached(self, n: int) -> list[KVBlock]:
+        """The next ``n`` blocks ``pop`` would give, all uncached (``n <= num_uncached``)."""
+        return [self.pop() for _ in range(n)]
+
 
 class LRUEviction(EvictionPolicy):
     """Least recently freed first; uncached blocks before cached ones."""
@@ -86,6 +95,14 @@ class LRUEviction(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._plain) + len(self._cached)
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self._plain)
+
+    def pop_uncached(self, n: int) -> list[KVBlock]:
+        plain = self._plain
+        return [plain.popitem(last=False)[1] for _ in range(n)]
 
     def __contains__(self, block: KVBlock) -> bool:
         return block.block_id in self._plain or block.block_id in self._cached
@@ -144,6 +161,14 @@ class PriorityEviction(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._plain) + len(self._where)
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self._plain)
+
+    def pop_uncached(self, n: int) -> list[KVBlock]:
+        plain = self._plain
+        return [plain.popitem(last=False)[1] for _ in range(n)]
 
     def __contains__(self, block: KVBlock) -> bool:
         return block.block_id in self._plain or block.block_id in self._where

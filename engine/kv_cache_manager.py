@@ -70,6 +70,7 @@ class KVCacheManager:
         # (device prefix held, blocks being loaded, their hashes, priority).
         self._loading: dict[str, tuple[list[KVBlock], list[KVBlock], list[bytes], int]] = {}
         self._tables: dict[str, list[KVBlock]] = {}
+        self._ids: dict[str, list[int]] = {}  # each table's block ids, kept beside it
         # How many leading blocks of each table are indexed in the prefix cache.
         self._num_cached: dict[str, int] = {}
         self.stats = PrefixCacheStats()
@@ -103,7 +104,9 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(request_id, ())]
+        """The request's block ids (a copy: a step's plan keeps its own)."""
+        ids = self._ids.get(request_id)
+        return ids.copy() if ids is not None else []
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -255,6 +258,7 @@ class KVCacheManager:
         if n_new is None:
             return False
         table = self._tables.setdefault(request.request_id, [])
+        ids = self._ids.setdefault(request.request_id, [])
         if not table and request.num_computed_tokens == 0 and self.pool.enable_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += len(cached_prefix) * self.block_size
@@ -262,10 +266,14 @@ class KVCacheManager:
             assert not table, "a cached prefix can only start an empty block table"
             self.pool.touch(cached_prefix)
             table.extend(cached_prefix)
+            ids.extend([b.block_id for b in cached_prefix])
             self._num_cached[request.request_id] = len(cached_prefix)
             request.num_computed_tokens = len(cached_prefix) * self.block_size
             request.num_cached_prompt_tokens = request.num_computed_tokens
-        table.extend(self.pool.allocate(n_new))
+        if n_new:
+            blocks = self.pool.allocate(n_new)
+            table.extend(blocks)
+            ids.extend([b.block_id for b in blocks])
         return True
 
     def _num_new_blocks_needed(
@@ -310,11 +318,13 @@ class KVCacheManager:
             return
         tail = table[keep:]
         del table[keep:]
+        del self._ids[request.request_id][keep:]
         self.pool.free(reversed(tail), request.sampling_params.priority)
 
     def free(self, request: Request) -> None:
         """Release every block of the request; tail blocks become evictable first."""
         table = self._tables.pop(request.request_id, None)
+        self._ids.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         if table:
             self.pool.free(reversed(table), request.sampling_params.priority)
@@ -332,8 +342,10 @@ class KVCacheManager:
         tables = dict(self._tables)
         for rid, (prefix, blocks, _, _) in self._loading.items():
             tables[f"{rid} (loading)"] = prefix + blocks
+        assert self._ids.keys() == self._tables.keys(), "block ids kept for other tables"
         for rid, table in tables.items():
             ids = [b.block_id for b in table]
+            assert rid not in self._ids or self._ids[rid] == ids, f"{rid}: stale block ids"
             assert len(ids) == len(set(ids)), f"request {rid} holds a block twice"
             for block_id in ids:
                 refs[block_id] = refs.get(block_id, 0) + 1

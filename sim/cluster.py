@@ -336,9 +336,8 @@ class SimCluster:
         rec = self.run_info.recorder
         for rid, count in done.tokens.items():
             track = self.tracks[rid]
-            times = done.step_ends[-count:] if self.options.keep_itl else [done.end]
             first = rec.tokens[track.index] == 0
-            rec.tokens_at(track.index, times, count)
+            rec.tokens_at(track.index, count, done.end, done.step_ends, done.step_gaps)
             if first:
                 self._first_token(track, done.end)
         for request in done.finished:

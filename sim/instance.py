@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
 
 from pdserve.core.config import SchedulerConfig
 from pdserve.core.messages import LoadReport
@@ -54,6 +55,7 @@ class StepDone:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> new tokens
     finished: list[Request] = field(default_factory=list)
     step_ends: list[float] = field(default_factory=list)  # filled when asked for (ITL)
+    step_gaps: list[float] = field(default_factory=list)  # successive differences of those
 
 
 class SimInstance:
@@ -87,6 +89,7 @@ class SimInstance:
         self._start = 0.0
         self._end = 0.0
         self._steps = 1
+        self._held = False  # the blocks of the run's later steps are taken
         self._seqs = 0
         self._context = 0
         self._mean_step = 0.0
@@ -112,7 +115,7 @@ class SimInstance:
         steps = 1
         if fast and self.scheduler.num_preemptions == preemptions:
             steps = self._run_length(plan)
-        self._plan, self._start, self._steps = plan, now, steps
+        self._plan, self._start, self._steps, self._held = plan, now, steps, False
         self._seqs, self._context = len(rows), sum(c for _, c in rows)
         if steps == 1:
             duration = self.step_model.time(StepFeatures.of(rows))
@@ -142,11 +145,17 @@ class SimInstance:
             return 1
         # Blocks the later steps need must be free now: nothing else frees any
         # (no request finishes before step k) and a shortfall would preempt.
-        lo, hi, bs, free = 1, k, self.kv.block_size, self.kv.num_free_blocks
+        bs, free = self.kv.block_size, self.kv.num_free_blocks
+
+        def need(steps: int) -> int:
+            return sum(max(0, -(-(c + steps) // bs) - held) for c, held, _ in remaining)
+
+        if need(k) <= free:  # the common case: the blocks of the whole run are free
+            return k
+        lo, hi = 1, k - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            need = sum(max(0, -(-(c + mid) // bs) - held) for c, held, _ in remaining)
-            if need <= free:
+            if need(mid) <= free:
                 lo = mid
             else:
                 hi = mid - 1
@@ -175,8 +184,9 @@ class SimInstance:
     def hold_run_blocks(self) -> None:
         """Take now the blocks the rest of a fast-mode run needs (it was planned on the
         blocks free when it started); the run itself goes on unchanged."""
-        if self._plan is None or self._steps == 1:
-            return
+        if self._plan is None or self._steps == 1 or self._held:
+            return  # held already: a cut run needs no more than it had
+        self._held = True
         for seq in self._plan.seqs:
             ok = self.kv.allocate_slots(self.scheduler.requests[seq.request_id], self._steps)
             assert ok, "a fast-mode run was planned with too few free blocks"
@@ -195,7 +205,8 @@ class SimInstance:
         if steps > 1:
             self._apply_run(plan, steps - 1, done)
         if want_step_ends:
-            done.step_ends = self._step_ends(plan, steps)
+            ends = done.step_ends = self._step_ends(steps)
+            done.step_gaps = [t - s for s, t in pairwise(ends)]
         self._account(plan, steps)
         return done
 
@@ -217,13 +228,11 @@ class SimInstance:
                 self.scheduler.finish(r.request_id, RequestStatus.FINISHED_LENGTH)
                 done.finished.append(r)
 
-    def _step_ends(self, plan: StepPlan, steps: int) -> list[float]:
+    def _step_ends(self, steps: int) -> list[float]:
         if steps == 1:
             return [self._end]
-        out, t = [], self._start
-        for i in range(steps):
-            t += self.step_model.decode_run_time(self._seqs, self._context + i * self._seqs, 1)
-            out.append(t)
+        times = self.step_model.decode_step_times(self._seqs, self._context, steps)
+        out = list(accumulate(times, initial=self._start))[1:]
         out[-1] = self._end
         return out
 

@@ -23,6 +23,7 @@ and the fit's error. ``load_profile`` checks everything and names the bad field.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,30 +84,57 @@ class StepModel:
     def decode_run_time(self, seqs: int, context: int, steps: int) -> float:
         """Total time of ``steps`` pure decode steps of ``seqs`` sequences whose
         summed context is ``context`` before the first (it grows by ``seqs`` a step)."""
+        if steps <= 0:
+            return 0.0
+        # step i: compute = a + b*i, memory = m + n*i (linear in i), both combined
+        a, b, m, n = self._decode_lines(seqs, context)
+        fixed = steps * (self.overhead_s + self.s_per_seq * seqs)
         if self.combine == "sum":
-            # step i reads (and attends over) context + (i + 1) * seqs tokens
-            per = self.overhead_s + (self.s_per_seq + self.s_per_token) * seqs + self.weights_s
-            read = steps * (context + seqs) + seqs * steps * (steps - 1) / 2
-            return steps * per + (self.s_per_attn + self.s_per_ctx) * read
-        total = 0.0
-        for i in range(steps):  # max(): no closed form worth the bugs; steps are few per call
-            total += self.time(_decode_features(seqs, context + i * seqs))
-        return total
+            return fixed + _linear_sum(a + m, b + n, 0, steps)
+        if b == n:
+            return fixed + _linear_sum(max(a, m), b, 0, steps)
+        # the two lines cross once, at i = x: one bounds the steps before, the other after
+        k = min(max(math.ceil((m - a) / (b - n)), 0), steps)
+        early, late = ((m, n), (a, b)) if b > n else ((a, b), (m, n))
+        return fixed + _linear_sum(*early, 0, k) + _linear_sum(*late, k, steps)
+
+    def decode_step_times(self, seqs: int, context: int, steps: int) -> list[float]:
+        """Each step's time of the pure decode run of ``decode_run_time``, in order."""
+        a, b, m, n = self._decode_lines(seqs, context)
+        fixed = self.overhead_s + self.s_per_seq * seqs
+        if self.combine == "sum":
+            return [fixed + (a + m) + (b + n) * i for i in range(steps)]
+        return [fixed + max(a + b * i, m + n * i) for i in range(steps)]
 
     def decode_step_end(self, seqs: int, context: int, elapsed: float) -> tuple[int, float]:
         """(steps, their time) of the pure decode run above whose last step is the
         one in flight ``elapsed`` seconds after the run started (at least one)."""
-        steps, total = 0, 0.0
-        while True:
-            total += self.time(_decode_features(seqs, context + steps * seqs))
-            steps += 1
-            if total >= elapsed:
-                return steps, total
+        hi = 1
+        while self.decode_run_time(seqs, context, hi) < elapsed:
+            hi *= 2
+        lo = hi // 2 + 1 if hi > 1 else 1  # the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.decode_run_time(seqs, context, mid) >= elapsed:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi, self.decode_run_time(seqs, context, hi)
+
+    def _decode_lines(self, seqs: int, context: int) -> tuple[float, float, float, float]:
+        """(a, b, m, n): step i of a pure decode run computes for ``a + b*i`` seconds and
+        reads memory for ``m + n*i``. Each sequence computes one token over its cached
+        ones, so a step's attention pairs and KV tokens read are both context + seqs."""
+        first = context + seqs  # attention pairs and KV tokens read by the first step
+        a = self.s_per_token * seqs + self.s_per_attn * first
+        m = self.weights_s + self.s_per_ctx * first
+        return a, self.s_per_attn * seqs, m, self.s_per_ctx * seqs
 
 
-def _decode_features(seqs: int, context: int) -> StepFeatures:
-    # each sequence computes one token over c_i cached ones: attn = sum(c_i + 1)
-    return StepFeatures(float(seqs), float(context + seqs), float(context + seqs), float(seqs))
+def _linear_sum(c0: float, c1: float, lo: int, hi: int) -> float:
+    """Sum of ``c0 + c1 * i`` over ``lo <= i < hi``."""
+    k = hi - lo
+    return k * c0 + c1 * (lo + hi - 1) * k / 2 if k > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ same percentile arithmetic (per-token ITL samples are kept only when asked).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -50,22 +51,33 @@ class Recorder:
         self.tokens = np.zeros(n, dtype=np.int32)
         self.error = np.zeros(n, dtype=np.int8)  # index into ERRORS; 0: ok
         self.done = np.zeros(n, dtype=bool)
-        self.itl: dict[int, list[float]] | None = {} if keep_itl else None
+        # Per request its token gaps, 8 bytes each (a million-token run stays small).
+        self.itl: dict[int, array[float]] | None = {} if keep_itl else None
         self._last: dict[int, float] = {}
 
-    def tokens_at(self, i: int, times: Sequence[float], count: int) -> None:
-        """Request ``i`` got ``count`` tokens, the last at ``times[-1]`` (one time per token
-        when ITL samples are kept, else at least the last)."""
+    def tokens_at(
+        self, i: int, count: int, end: float, ends: Sequence[float], gaps: Sequence[float]
+    ) -> None:
+        """Request ``i`` got ``count`` tokens, the last at ``end``. With ITL samples kept,
+        ``ends`` are the step ends of the step (or run of steps) that made them (its last
+        ``count`` hold this request's tokens) and ``gaps`` their successive differences."""
+        if self.itl is None:
+            if self.tokens[i] == 0:
+                self.first[i] = end
+            self.tokens[i] += count
+            return
+        start = ends[-count]
         if self.tokens[i] == 0:
-            self.first[i] = times[0] if self.itl is not None else times[-1]
-        if self.itl is not None:
-            last = self._last.get(i)
-            gaps = self.itl.setdefault(i, [])
-            for t in times[-count:]:
-                if last is not None:
-                    gaps.append(t - last)
-                last = t
-            self._last[i] = last if last is not None else times[-1]
+            self.first[i] = start
+        samples = self.itl.get(i)
+        if samples is None:
+            samples = self.itl[i] = array("d")
+        last = self._last.get(i)
+        if last is not None:
+            samples.append(start - last)
+        if count > 1:
+            samples.extend(gaps[len(gaps) - count + 1 :])
+        self._last[i] = end
         self.tokens[i] += count
 
     def finish(self, i: int, at: float) -> None:
@@ -92,7 +104,7 @@ class Recorder:
             out.append(RequestRecord(
                 int(i), float(self.arrival[i]), float(self.arrival[i]), int(self.prompt_len[i]),
                 int(self.output_len[i]), ok, None if ok else ERRORS[self.error[i]], n, ttft, tpot,
-                e2e, list(self.itl.get(int(i), [])) if self.itl is not None else [],
+                e2e, list(self.itl.get(int(i), ())) if self.itl is not None else [],
             ))  # fmt: skip
         return out
 

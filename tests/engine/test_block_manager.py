@@ -88,6 +88,26 @@ def test_lru_evicts_least_recently_freed_first() -> None:
     assert pool.num_evictions == 1
 
 
+@pytest.mark.parametrize("eviction", ["lru", "priority"])
+def test_blocks_are_built_on_first_use_and_used_ones_go_first(eviction: str) -> None:
+    pool = BlockPool(10_000_000, eviction=eviction)  # no object per block up front
+    assert pool.num_free_blocks == 10_000_000 and not pool.blocks
+    a, b, c = pool.allocate(3)
+    assert [x.block_id for x in (a, b, c)] == [0, 1, 2] and len(pool.blocks) == 3
+    pool.cache(a, b"a")
+    pool.free([c, b, a])
+    # Freed uncached blocks, then never-used ones, then cached ones (each evicted).
+    assert [x.block_id for x in pool.allocate(3)] == [2, 1, 3]
+    assert pool.num_free_blocks == 10_000_000 - 3 and len(pool.blocks) == 4
+    pool.check_integrity({1: 1, 2: 1, 3: 1})
+    small = BlockPool(4, eviction=eviction)
+    x = small.allocate(3)
+    small.cache(x[0], b"x")
+    small.free(x)
+    assert [y.block_id for y in small.allocate(4)] == [1, 2, 3, 0]
+    assert small.lookup(b"x") is None and small.num_evictions == 1
+
+
 def test_allocation_failure_changes_nothing() -> None:
     kv = KVCacheManager(num_blocks=3, block_size=BS)
     big = make_request("big", list(range(20)))

@@ -52,6 +52,30 @@ def test_decode_run_time_is_the_sum_of_its_steps() -> None:
         )
 
 
+def test_decode_run_closed_forms_match_step_by_step_sums() -> None:
+    # "max" models whose compute and memory lines cross inside the run, either way,
+    # and ones where one bound holds throughout: every prefix of the run must agree.
+    models = [
+        replace(TRUE, combine="max"),
+        replace(TRUE, combine="max", weights_s=0.004),
+        replace(TRUE, combine="max", s_per_attn=2e-6, weights_s=0.002),
+        replace(TRUE, combine="max", s_per_token=1e-3, s_per_ctx=5e-6),
+        replace(TRUE, combine="max", s_per_attn=3e-7, s_per_ctx=3e-7, weights_s=0.01),
+    ]
+    for model in [TRUE, *models]:
+        for seqs, context in ((1, 0), (3, 300), (40, 50_000)):
+            steps = [model.time(StepFeatures.of([(1, context // seqs + i)] * seqs))
+                     for i in range(300)]  # fmt: skip
+            if context % seqs:
+                continue  # the per-row split above must sum to ``context`` exactly
+            times = model.decode_step_times(seqs, context, 300)
+            assert times == pytest.approx(steps, rel=1e-9)
+            for k in (1, 2, 17, 150, 300):
+                total = sum(steps[:k])
+                assert model.decode_run_time(seqs, context, k) == pytest.approx(total, rel=1e-9)
+                assert model.decode_step_end(seqs, context, total - 1e-9)[0] == k
+
+
 def test_measured_profile_of_the_real_engine_reproduces_its_measurements(tmp_path) -> None:
     # The one-rank engine on builtin:tiny, a small grid: the fit must reproduce the
     # steps it was fitted to. Another process can slow a step down on a shared
