@@ -2,9 +2,16 @@
 
 :class:`LocalExecutor` runs one rank in the calling process: the offline API on
 one device, and each decode or prefill instance whose layout is a single rank.
+Every executor keeps the time of its last steps (:class:`StepTimes`), which
+``pdserve bench parallel`` compares across layouts.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from pdserve.core.config import EngineConfig
 from pdserve.core.model_config import ModelConfig
@@ -12,6 +19,27 @@ from pdserve.core.step import StepPlan, StepResult
 from pdserve.engine.executor import Executor
 from pdserve.parallel.draft_runner import DraftRunner
 from pdserve.parallel.model_runner import ModelRunner
+
+
+@dataclass
+class StepTimes:
+    """Wall seconds of the last ``keep`` steps an executor ran, with each step's tokens."""
+
+    keep: int = 1024
+    steps: deque[tuple[int, float]] = field(default_factory=deque)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
+        if len(self.steps) > self.keep:
+            self.steps.popleft()
+
+    def median(self, tokens: int) -> float | None:
+        """Median seconds of the kept steps of exactly ``tokens`` tokens; None if none."""
+        times = [s for n, s in self.steps if n == tokens]
+        return statistics.median(times) if times else None
+
+    def clear(self) -> None:
+        self.steps.clear()
 
 
 class LocalExecutor(Executor):
@@ -25,6 +53,7 @@ class LocalExecutor(Executor):
         runner.allocate_kv(num_blocks)
         if self.drafter is not None:
             self.drafter.allocate_kv(num_blocks)
+        self.step_times = StepTimes()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -42,7 +71,10 @@ class LocalExecutor(Executor):
         return self.runner.tier_io()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.runner.execute(plan)
+        start = time.perf_counter()
+        result = self.runner.execute(plan)
+        self.step_times.record(plan.num_tokens, time.perf_counter() - start)
+        return result
 
     def load_adapter(self, slot: int, name: str, folder: str) -> None:
         self.runner.load_adapter(slot, name, self.runner.read_adapter(name, folder))

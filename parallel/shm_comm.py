@@ -23,7 +23,9 @@ Ordering relies on x86-64's total store order (the data stores are visible
 before the counter store after them), so the communicator is only offered
 there (:func:`shm_supported`); elsewhere groups stay on gloo.
 
-Waiting spins for a few tens of µs, then sleeps on a futex on the lagging
+Waiting spins for a few tens of µs (a follower waiting for the next plan: up
+to 1 ms, the leader's work between two steps), then sleeps on a futex
+(:mod:`pdserve.parallel.futex`) on the lagging
 rank's counter (its low 32 bits), which that rank wakes after each store: a
 waiting rank gives its core back, which matters when ranks share cores with
 other processes, and wakes within microseconds. A peer whose process is gone, or a wait longer than the timeout, raises
@@ -59,11 +61,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.parallel.futex import FUTEX_WAIT, FUTEX_WAKE, Timespec, futex, process_alive
+
 logger = logging.getLogger(__name__)
 
 LINE = 64  # bytes of header per rank: counter, pid, padding (one cache line)
 DEFAULT_SLOT_BYTES = 4 << 20  # per rank and phase; larger tensors go in chunks
 SPIN_S = 50e-6  # spin this long before sleeping on the futex (1 ms measured slower)
+PATIENT_SPIN_S = 1e-3  # a follower waiting for the next plan: the leader's between-step work
+PARTS_CACHED = 64  # (dtype, length, phase) slot views kept for the one-slot path
 LIVENESS_PERIOD_S = 0.05  # longest futex sleep: how often a waiter checks its peers
 ENV_SWITCH = "PDSERVE_SHM_COLLECTIVES"  # "0" keeps every group on gloo
 SHM_DIR = Path("/dev/shm")
@@ -90,47 +96,8 @@ def shm_supported() -> tuple[bool, str]:
     return True, ""
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-SYS_FUTEX = 202  # x86-64
-FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared (not private): the word is in a shared mapping
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _futex(address: int, op: int, value: int, timeout: Any) -> None:
-    """``futex(2)`` on the 32-bit word at ``address``; EAGAIN and timeouts are normal."""
-    _LIBC.syscall(
-        ctypes.c_long(SYS_FUTEX),
-        ctypes.c_void_p(address),
-        ctypes.c_int(op),
-        ctypes.c_uint32(value),
-        timeout,
-        None,
-        ctypes.c_int(0),
-    )
-
-
 def segment_bytes(world: int, slot_bytes: int) -> int:
     return LINE * world + 2 * world * slot_bytes
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
 
 
 class ShmCommunicator:
@@ -153,12 +120,16 @@ class ShmCommunicator:
         header = np.frombuffer(self._mm, dtype=np.int64, count=world * LINE // 8)
         self._header = header.reshape(world, LINE // 8)  # [world, 8]
         self._counters = self._header[:, 0]  # [world]
+        # The same counters read as Python ints (cheaper than numpy per call).
+        self._count = memoryview(self._mm)[: world * LINE].cast("q")
+        self._peer_words = [r * LINE // 8 for r in range(world) if r != rank]
         self._calls = int(self._counters[rank])
         self._header[rank, 1] = os.getpid()
         base = self._header.ctypes.data
         self._addresses = [base + r * LINE for r in range(world)]  # low word of each counter
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._views: dict[torch.dtype, torch.Tensor] = {}
+        self._parts: dict[tuple[torch.dtype, int, int], tuple[torch.Tensor, ...]] = {}
         self.error: str | None = None
 
     @classmethod
@@ -174,14 +145,27 @@ class ShmCommunicator:
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum ``x`` over the group, in place; every rank gets the same bits."""
         flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
-        for lo, hi in self._chunks(flat):
-            part = flat[lo:hi]
-            slots = self._exchange(part)[:, : hi - lo]  # [world, hi - lo]
-            torch.add(slots[0], slots[1], out=part)
-            for r in range(2, self.world):
-                part.add_(slots[r])
+        numel = flat.numel()
+        if numel * flat.element_size() <= self.slot_bytes:  # one call: every decode step's
+            n = self._calls + 1
+            parts = self._slot_parts(flat.dtype, numel, n % 2)
+            parts[self.rank].copy_(flat)
+            self._enter(n)
+            self._sum(parts, flat)
+        else:
+            for lo, hi in self._chunks(flat):
+                part = flat[lo:hi]
+                slots = self._exchange(part)[:, : hi - lo]  # [world, hi - lo]
+                self._sum(slots.unbind(0), part)
         if flat.data_ptr() != x.data_ptr():
             x.copy_(flat.view_as(x))
+
+    @staticmethod
+    def _sum(parts: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        """``out = parts[0] + parts[1] + ...``, in rank order (the same bits on every rank)."""
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` stacked in rank order: ``[world, *x.shape]``."""
@@ -244,7 +228,7 @@ class ShmCommunicator:
         self.error = self.error or why
         self._header[self.rank, 2] = 1
         for address in self._addresses:
-            _futex(address, FUTEX_WAKE, 1 << 30, None)
+            futex(address, FUTEX_WAKE, 1 << 30, None)
 
     def close(self) -> None:
         """Stop using the segment; remove its file if it is still there."""
@@ -266,6 +250,21 @@ class ShmCommunicator:
             view = data.view(dtype).view(2, self.world, self.slot_bytes // itemsize)
             self._views[dtype] = view
         return view[phase]
+
+    def _slot_parts(self, dtype: torch.dtype, numel: int, phase: int) -> tuple[torch.Tensor, ...]:
+        """Every rank's slot of ``phase`` as a ``[numel]`` view; cached, as a step's shapes repeat."""
+        key = (dtype, numel, phase)
+        parts = self._parts.get(key)
+        if parts is None:
+            if len(self._parts) >= PARTS_CACHED:
+                self._parts.clear()
+            slots = self._slots(dtype, phase)
+            parts = self._parts[key] = tuple(slots[r, :numel] for r in range(self.world))
+        return parts
+
+    def _arrived(self, n: int) -> bool:
+        """Whether every peer has entered call ``n``."""
+        return min(map(self._count.__getitem__, self._peer_words)) >= n
 
     def _exchange(
         self, part: torch.Tensor | None, dtype: torch.dtype | None = None
@@ -293,15 +292,15 @@ class ShmCommunicator:
             raise ShmCollectiveError(f"shared-memory collectives unusable: {self.error}")
         self._calls = n
         self._counters[self.rank] = n
-        _futex(self._addresses[self.rank], FUTEX_WAKE, 1 << 30, None)
-        if int(self._counters.min()) < n:
+        futex(self._addresses[self.rank], FUTEX_WAKE, 1 << 30)
+        if not self._arrived(n):
             self._wait(n, patient)
 
     def _wait(self, n: int, patient: bool) -> None:
         counters = self._counters
         start = time.monotonic()
-        while time.monotonic() - start < SPIN_S:
-            if int(counters.min()) >= n:
+        while time.monotonic() - start < (PATIENT_SPIN_S if patient else SPIN_S):
+            if self._arrived(n):
                 return
         next_check = start + LIVENESS_PERIOD_S
         while (low := int(counters.min())) < n:
@@ -313,14 +312,14 @@ class ShmCommunicator:
                 next_check = now + LIVENESS_PERIOD_S
                 self._check_peers(n, 0.0 if patient else now - start)
             r = int(np.argmin(counters))
-            pause = _Timespec(0, int(LIVENESS_PERIOD_S * 1e9))
-            _futex(self._addresses[r], FUTEX_WAIT, low & 0xFFFFFFFF, ctypes.byref(pause))
+            pause = Timespec(0, int(LIVENESS_PERIOD_S * 1e9))
+            futex(self._addresses[r], FUTEX_WAIT, low & 0xFFFFFFFF, ctypes.byref(pause))
 
     def _check_peers(self, n: int, waited: float) -> None:
         lagging = [r for r in range(self.world) if int(self._counters[r]) < n]
         for r in lagging:
             pid = int(self._header[r, 1])
-            if pid and not _alive(pid):
+            if pid and not process_alive(pid):
                 self.error = f"group rank {r} (pid {pid}) died"
                 raise ShmCollectiveError(
                     f"group rank {r} (pid {pid}) died during a shared-memory collective"
@@ -394,7 +393,7 @@ def sweep_stale_segments() -> int:
     removed = 0
     for path in SHM_DIR.glob("pdserve-coll-*"):
         m = _PATTERN.match(path.name)
-        if m is not None and not _alive(int(m.group(1))):
+        if m is not None and not process_alive(int(m.group(1))):
             path.unlink(missing_ok=True)
             removed += 1
     return removed

@@ -43,6 +43,7 @@ from pdserve.parallel.afd_groups import init_afd_groups
 from pdserve.parallel.context import CommStats
 from pdserve.parallel.draft_runner import DraftRunner
 from pdserve.parallel.elastic import ElasticLeader, ElasticRank
+from pdserve.parallel.executor import StepTimes
 from pdserve.parallel.expert_slots import (
     decode_rebalance,
     encode_rebalance,
@@ -117,6 +118,7 @@ class GroupExecutor(Executor):
         # channel (expert re-placement) take it to fall between two steps.
         self.step_lock = threading.Lock()
         self.elastic: ElasticLeader | None = None  # set by attach_peers (elastic EP)
+        self.step_times = StepTimes()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -134,6 +136,7 @@ class GroupExecutor(Executor):
         return self.stage.runner.tier_io()
 
     def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
         with self.step_lock:
             while True:
                 try:
@@ -149,6 +152,7 @@ class GroupExecutor(Executor):
                     self.groups = self.stage.groups  # the survivors' (parallel/elastic.py)
             if self.elastic is not None:
                 self.elastic.ran()
+        self.step_times.record(plan.num_tokens, time.perf_counter() - start)
         return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok)
 
     def load_adapter(self, slot: int, name: str, folder: str) -> None:
@@ -347,6 +351,13 @@ class RankWorker(ElasticRank):
         """Communication time and bytes of this rank since it started."""
         assert self.groups is not None
         return self.groups.ctx.comm
+
+    def step_times(self) -> StepTimes:
+        """Leader: the time of the last steps the engine ran over every rank."""
+        assert self.engine is not None, "step_times is served by the leader (rank 0)"
+        executor = self.engine.executor
+        assert isinstance(executor, GroupExecutor)
+        return executor.step_times
 
     def ping(self) -> float:
         return time.monotonic()
