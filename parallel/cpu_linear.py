@@ -14,6 +14,7 @@ oneDNN then multiplies bf16 with float32 accumulation, rounding the output once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,21 @@ _PACK_BATCH_HINT = 32
 _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
+def _missing_op(*args: object) -> torch.Tensor:
+    raise RuntimeError("this torch build has no oneDNN packed linear")
+
+
+# The op's overload, looked up once: a model makes ~30 of these calls per decode step.
+_LINEAR_POINTWISE: Callable[..., torch.Tensor]
+try:
+    _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+except (AttributeError, RuntimeError):
+    _LINEAR_POINTWISE = _missing_op
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # x: [T, in] in the weight's dtype; packed: oneDNN weight for [out, in] -> [T, out]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -242,11 +242,29 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary; every rank ends with the full logits."""
+    """Output projection to the vocabulary; every rank ends with the full logits.
+
+    Packed like the linears (``pack``): a tied checkpoint loads this weight as a
+    copy of the embedding's, so packing replaces the copy and never the lookup table.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the weight by a matmul-ready copy (see ``cpu_linear``); loading ends here."""
+        self.packed = reorder(self.weight.data)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def held_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The packed weight, held outside ``parameters()``."""
+        return () if self.packed is None else (self.packed,)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> logits: [S, vocab]
-        logits = F.linear(hidden, self.weight)
+        if self.packed is not None:
+            logits = packed_linear(hidden, self.packed, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         return self.ctx.tp_all_gather(logits)[:, : self.vocab_size]
 
 

@@ -246,12 +246,14 @@ class ModelRunner:
             result = self.sample(plan, batch, hidden)
         finally:
             self.finish_tier_ops()
-        return replace(result, loads_ok=loads_ok)
+        return replace(result, loads_ok=loads_ok) if loads_ok else result
 
     def sample(self, plan: StepPlan, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
         if not batch.sample_ids:
             return StepResult(plan.step_id, {})
-        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        # Distinct rising indices, as many as there are rows: every row, in order.
+        every_row = batch.sample_indices.shape[0] == hidden.shape[0]
+        logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_indices])
         tokens = self.sampler.verify(logits, batch.sample_rows, batch.sample_drafts)
         return StepResult.from_tokens(
             plan.step_id, dict(zip(batch.sample_ids, tokens, strict=True))

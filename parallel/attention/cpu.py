@@ -54,7 +54,8 @@ def kernel_library() -> _Kernels | None:
 
 def _heads_packed(x: torch.Tensor) -> bool:
     """[T, H, D] whose heads and dims are contiguous (tokens may be strided)."""
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    stride = x.stride()
+    return stride[2] == 1 and stride[1] == x.shape[2]
 
 
 @register_backend
@@ -87,8 +88,8 @@ class CpuAttention(TorchAttention):
     ) -> torch.Tensor:
         """As every backend's; a decode-only step writes K/V and attends in one C call."""
         # q: [T, Hq, D], k/v: [T, Hkv, D] (tokens may be strided) -> out: [T, Hq, D]
-        code = self._code(k, v, k_cache, v_cache, meta.slot_mapping)
-        if code is None or meta.num_prefills or not _heads_packed(q):
+        code = None if meta.num_prefills else self._code(k, v, k_cache, v_cache, meta.slot_mapping)
+        if code is None or not _heads_packed(q):
             return super().forward(q, k, v, k_cache, v_cache, meta)
         out = q.new_empty(q.shape)
         tables = meta.decode_block_tables.contiguous()

@@ -47,13 +47,16 @@ def library() -> _Library | None:
 
 def _rows_ok(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> bool:
     """[T, H] rows with a contiguous last dimension and a contiguous [H] weight, on the CPU."""
+    # Ordered cheapest first; a decode step makes this check 17 times.
+    shape = x.shape
     return (
-        x.is_cpu
-        and x.dim() == r.dim() == 2
-        and x.stride(1) == r.stride(1) == 1
-        and x.shape == r.shape
-        and weight.shape == x.shape[1:]
-        and weight.stride(0) == 1
+        len(shape) == 2
+        and (r is x or r.shape == shape)
+        and x.is_cpu
+        and weight.is_contiguous()
+        and weight.shape == shape[1:]
+        and x.stride(1) == 1
+        and (r is x or r.stride(1) == 1)
     )
 
 
@@ -81,10 +84,11 @@ class CpuKernels(TorchKernels):
         if code is None or not _rows_ok(x, r, weight) or not r.dtype == x.dtype == weight.dtype:
             return reference.rms_norm_residual(x, residual, weight, eps)
         rows, width = x.shape
+        out = x.new_empty(rows, width)
         if residual is None:
-            out, res_out, res_ptr, r_ptr = x.new_empty(rows, width), x, None, None
+            res_out, res_ptr, r_ptr = x, None, None
         else:
-            out, res_out = x.new_empty(2, rows, width).unbind(0)
+            res_out = x.new_empty(rows, width)  # two allocations cost less than one unbind
             res_ptr, r_ptr = res_out.data_ptr(), r.data_ptr()
         self.lib.rms_norm_residual(
             out.data_ptr(), res_ptr, x.data_ptr(), x.stride(0), r_ptr, r.stride(0),
@@ -111,13 +115,15 @@ class CpuKernels(TorchKernels):
         # x: [T, H, D] (tokens may be strided, heads packed); cos/sin [T, 1, D / 2] -> [T, H, D]
         code = _DTYPE_CODES.get(x.dtype)
         tokens, heads, dim = x.shape
+        stride = x.stride()
         if (
             code is None
-            or not x.is_cpu
-            or x.stride(2) != 1
-            or x.stride(1) != dim
+            or stride[2] != 1
+            or stride[1] != dim
             or dim % 2
-            or {cos.dtype, sin.dtype} != {x.dtype}
+            or not x.is_cpu
+            or cos.dtype != x.dtype
+            or sin.dtype != x.dtype
             or cos.shape != (tokens, 1, dim // 2)
             or sin.shape != cos.shape
         ):

@@ -38,6 +38,13 @@ LayerCache = tuple[torch.Tensor, torch.Tensor]
 # RoPE (cos, sin) at the step's positions, each [T, 1, D / 2]; shared by all layers.
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
+# The step's hot path (a layer and its attention, norms, MLP and linears) calls
+# submodules through bound ``forward`` methods kept as plain attributes (``_qkv``,
+# ``_attn``...): nothing here registers hooks, and ``nn.Module.__call__`` with the
+# ``Module.__getattr__`` lookup of a submodule costs about 1 us a call, 75 calls a
+# decode step. Modules are never swapped after construction (loading, packing,
+# quantizing and LoRA change them in place), so the bound methods stay current.
+
 
 class Attention(nn.Module):
     def __init__(
@@ -66,6 +73,7 @@ class Attention(nn.Module):
         self.num_kv_heads = self.qkv.num_kv_heads
         self.head_dim = d
         self.backend = backend_cls(self.num_heads, self.num_kv_heads, d, d**-0.5)
+        self._qkv, self._o_proj = self.qkv.forward, self.o_proj.forward
 
     def forward(
         self,
@@ -77,12 +85,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         nq, nkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x, lora).view(t, nq + 2 * nkv, self.head_dim)
+        qkv = self._qkv(x, lora).view(t, nq + 2 * nkv, self.head_dim)
         # q and k sit side by side in the fused output: rotate both in one go.
         qk, v = torch.split_with_sizes(qkv, [nq + nkv, nkv], 1)
         q, k = torch.split_with_sizes(self.ops.rotate(qk, *rope), [nq, nkv], 1)
         o = self.backend.forward(q, k, v, cache[0], cache[1], meta)
-        return self.o_proj(o.reshape(t, -1), lora)
+        return self._o_proj(o.reshape(t, -1), lora)
 
 
 class DenseMLP(nn.Module):
@@ -94,9 +102,10 @@ class DenseMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up = ColumnParallelLinear(config.hidden_size, [inter, inter], False, ctx, dtype)
         self.down = RowParallelLinear(inter, config.hidden_size, False, ctx, dtype)
+        self._gate_up, self._down = self.gate_up.forward, self.down.forward
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return self.down(self.ops.silu_and_mul(self.gate_up(x, lora)), lora)
+        return self._down(self.ops.silu_and_mul(self._gate_up(x, lora)), lora)
 
 
 class RemoteExperts(nn.Module):
@@ -132,6 +141,10 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE.of_model(config, ctx, dtype, ops)
         else:
             self.mlp = DenseMLP(config, ctx, dtype, ops)
+        self._input_norm, self._attn = self.input_norm.forward, self.attn.forward
+        self._post_attn_norm = self.post_attn_norm.forward
+        self._mlp: Callable[..., torch.Tensor] = self.mlp.forward
+        self._mlp_takes_lora = isinstance(self.mlp, DenseMLP)  # MoE experts take no adapters
 
     def forward(
         self,
@@ -143,9 +156,9 @@ class DecoderLayer(nn.Module):
         lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.attention_part(rope, hidden, residual, cache, meta, lora)
-        if isinstance(self.mlp, DenseMLP):
-            return self.mlp(h, lora), residual
-        return self.mlp(h), residual  # MoE experts take no adapters
+        if self._mlp_takes_lora:
+            return self._mlp(h, lora), residual
+        return self._mlp(h), residual
 
     def attention_part(
         self,
@@ -157,9 +170,9 @@ class DecoderLayer(nn.Module):
         lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Norm, attention, norm: the MLP's input ``[T, hidden]`` and the residual."""
-        h, residual = self.input_norm(hidden, residual)
-        h = self.attn(rope, h, cache, meta, lora)
-        return self.post_attn_norm(h, residual)
+        h, residual = self._input_norm(hidden, residual)
+        h = self._attn(rope, h, cache, meta, lora)
+        return self._post_attn_norm(h, residual)
 
 
 class CausalLM(nn.Module):
@@ -223,7 +236,7 @@ class CausalLM(nn.Module):
         assert hidden is not None
         rope = self.rotary.tables(positions, hidden.dtype)
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            hidden, residual = layer(rope, hidden, residual, cache, meta, lora)
+            hidden, residual = layer.forward(rope, hidden, residual, cache, meta, lora)
             if on_layer is not None:
                 on_layer(i)
         if self.norm is not None:
