@@ -42,7 +42,14 @@ class KVBlock:
 
 
 class EvictionPolicy(abc.ABC):
-    """Orders unreferenced blocks for reuse. Implementations hold no other state."""
+    """Orders unreferenced blocks for reuse. Implementations hold no other state.
+
+    Every policy hands out uncached blocks (no hash) first, least recently freed
+    first; it keeps them in ``_plain`` and orders only the cached ones its own way.
+    """
+
+    def __init__(self) -> None:
+        self._plain: OrderedDict[int, KVBlock] = OrderedDict()
 
     @abc.abstractmethod
     def add(self, block: KVBlock) -> None: ...
@@ -66,18 +73,19 @@ class EvictionPolicy(abc.ABC):
     @property
     def num_uncached(self) -> int:
         """Blocks without a hash, which ``pop`` hands out before any cached one."""
-        return 0
+        return len(self._plain)
 
     def pop_uncached(self, n: int) -> list[KVBlock]:
         """The next ``n`` blocks ``pop`` would give, all uncached (``n <= num_uncached``)."""
-        return [self.pop() for _ in range(n)]
+        plain = self._plain
+        return [plain.popitem(last=False)[1] for _ in range(n)]
 
 
 class LRUEviction(EvictionPolicy):
     """Least recently freed first; uncached blocks before cached ones."""
 
     def __init__(self) -> None:
-        self._plain: OrderedDict[int, KVBlock] = OrderedDict()
+        super().__init__()
         self._cached: OrderedDict[int, KVBlock] = OrderedDict()
 
     def add(self, block: KVBlock) -> None:
@@ -95,14 +103,6 @@ class LRUEviction(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._plain) + len(self._cached)
-
-    @property
-    def num_uncached(self) -> int:
-        return len(self._plain)
-
-    def pop_uncached(self, n: int) -> list[KVBlock]:
-        plain = self._plain
-        return [plain.popitem(last=False)[1] for _ in range(n)]
 
     def __contains__(self, block: KVBlock) -> bool:
         return block.block_id in self._plain or block.block_id in self._cached
@@ -128,7 +128,7 @@ class PriorityEviction(EvictionPolicy):
     """Lowest priority first, least recently freed first within a priority."""
 
     def __init__(self) -> None:
-        self._plain: OrderedDict[int, KVBlock] = OrderedDict()
+        super().__init__()
         self._cached: dict[int, OrderedDict[int, KVBlock]] = {}
         self._where: dict[int, int] = {}  # block id -> its priority queue
 
@@ -161,14 +161,6 @@ class PriorityEviction(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._plain) + len(self._where)
-
-    @property
-    def num_uncached(self) -> int:
-        return len(self._plain)
-
-    def pop_uncached(self, n: int) -> list[KVBlock]:
-        plain = self._plain
-        return [plain.popitem(last=False)[1] for _ in range(n)]
 
     def __contains__(self, block: KVBlock) -> bool:
         return block.block_id in self._plain or block.block_id in self._where

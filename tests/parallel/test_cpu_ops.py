@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.parallel.attention import AttentionMetadata, select_backend, torch_ref
-from pdserve.parallel.kernels import reference, select_kernels
+from pdserve.parallel.kernels import cpu_ops, reference, select_kernels
 from pdserve.parallel.kernels.cpu_ops import CpuKernels, library
 
 CPU = torch.device("cpu")
@@ -22,6 +22,19 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 if library() is None:
     pytest.skip("no C compiler: the cpu kernel ops are unavailable", allow_module_level=True)
+
+
+class _NoFallback:
+    """Stands in for the reference module inside ``cpu_ops``: any fallback fails."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the C op fell back to reference.{name}")
+
+
+@pytest.fixture
+def c_only(monkeypatch):
+    """The test's inputs must take the C path: ``cpu_ops`` cannot reach the reference."""
+    monkeypatch.setattr(cpu_ops, "reference", _NoFallback())
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -48,6 +61,7 @@ def test_auto_picks_the_c_ops_on_the_cpu() -> None:
 @pytest.mark.parametrize(("tokens", "width"), [(1, 512), (37, 200), (3, 33)])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.usefixtures("c_only")
 def test_rms_norm_residual(dtype, tokens: int, width: int, strided: bool, with_residual: bool):
     gen = torch.Generator().manual_seed(tokens * width)
     x = _rows(tokens, width, dtype, gen, strided)
@@ -62,6 +76,7 @@ def test_rms_norm_residual(dtype, tokens: int, width: int, strided: bool, with_r
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "inter"), [(1, 64), (9, 1100), (4, 7)])
 @pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.usefixtures("c_only")
 def test_silu_and_mul(dtype, tokens: int, inter: int, strided: bool) -> None:
     gen = torch.Generator().manual_seed(tokens + inter)
     gate_up = 4 * _rows(tokens, 2 * inter, dtype, gen, strided)
@@ -70,6 +85,7 @@ def test_silu_and_mul(dtype, tokens: int, inter: int, strided: bool) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (6, 3, 12), (3, 1, 10)])
+@pytest.mark.usefixtures("c_only")
 def test_rotate_is_the_reference_exactly(dtype, heads: int, kv_heads: int, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(heads * head_dim)
     tokens = 7
