@@ -139,9 +139,11 @@ def test_abort_while_queued_at_prefill(tiny_pair) -> None:
 
 
 def test_abort_while_prefilling(tiny_pair) -> None:
-    prompt = [7 + (i * 11) % 800 for i in range(1600)]
+    # 225 prefill steps of 16 tokens: long enough that the abort lands mid-prefill
+    # however fast the CPU kernels are, after a short wait for the prefill to start.
+    prompt = [7 + (i * 11) % 800 for i in range(3600)]
     _, first, done = start(tiny_pair, "prefilling", prompt)
-    time.sleep(0.3)
+    time.sleep(0.15)
     assert not ray.wait([first], timeout=0)[0], "the prompt should still be prefilling"
     tiny_pair.backend.client.abort("prefilling")
     with pytest.raises(RequestAbortedError):
