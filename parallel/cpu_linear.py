@@ -36,9 +36,12 @@ def _missing_op(*args: object) -> torch.Tensor:
 
 
 # The op's overload, looked up once: a model makes ~30 of these calls per decode step.
+# Its builtin (``_op``) where torch exposes one: ``OpOverload.__call__`` is a Python
+# frame that only forwards to it.
 _LINEAR_POINTWISE: Callable[..., torch.Tensor]
 try:
-    _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+    _overload = torch.ops.mkldnn._linear_pointwise.default
+    _LINEAR_POINTWISE = getattr(_overload, "_op", _overload)
 except (AttributeError, RuntimeError):
     _LINEAR_POINTWISE = _missing_op
 

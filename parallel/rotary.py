@@ -57,11 +57,18 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        # dtype -> (the cos buffer they were made from, cos, sin in that dtype)
+        self._in_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at ``positions [T]``: each [T, 1, head_dim / 2] in ``dtype``."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
-            dtype
-        )
+        # The whole tables in ``dtype``, [max_positions, 1, head_dim / 2], converted on
+        # first use: a step then gathers its rows with one op per table, not three.
+        cos = self.cos
+        held = self._in_dtype.get(dtype)
+        if held is None or held[0] is not cos:  # first use, or the buffers were moved
+            held = (cos, cos.unsqueeze(1).to(dtype), self.sin.unsqueeze(1).to(dtype))
+            self._in_dtype[dtype] = held
+        return held[1].index_select(0, positions), held[2].index_select(0, positions)

@@ -16,7 +16,7 @@ Backends register by name in :data:`ATTENTION_BACKENDS`;
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -34,6 +34,8 @@ class AttentionMetadata:
         prefill_seq_lens: [Np] context length after the chunk.
         prefill_block_tables: [Np, max_blocks].
     Python lists mirror the prefill lengths for backends that loop on the host.
+    ``derived`` holds what a backend works out from these once per step for all
+    layers (host pointers, checks), under the backend's name; never copied.
     """
 
     slot_mapping: torch.Tensor
@@ -46,6 +48,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor
     prefill_query_lens_list: list[int]
     prefill_seq_lens_list: list[int]
+    derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_prefills(self) -> int:
@@ -98,6 +101,25 @@ class AttentionBackend(abc.ABC):
         if meta.num_prefills:
             self.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, out[nd:])
         return out
+
+    def forward_rope(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """RoPE and ``forward`` fused, for a step of decodes only; None where not fused.
+
+        qkv: [T, Hq + 2 * Hkv, D], the fused projection's output (this step's to
+        overwrite); cos/sin: [T, 1, D / 2]. Rotates q and k as
+        :func:`pdserve.parallel.kernels.reference.rotate` does, then as ``forward``
+        -> out [T, Hq, D], which the backend may reuse from its next call on (read
+        it before). On None the caller rotates and calls ``forward``.
+        """
+        return None
 
     @abc.abstractmethod
     def write_kv(

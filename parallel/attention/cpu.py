@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -43,6 +44,9 @@ class _Kernels:
         self.decode_step = declare(
             lib, "paged_decode_step", [_P, _P, _I, _P, _I, _P, _I, *[_P] * 5, *[_I] * 6, _F, _C, _C]
         )
+        self.decode_rope_step = declare(
+            lib, "paged_decode_rope_step", [_P, _P, _I, *[_P] * 7, *[_I] * 6, _F, _C, _C]
+        )
 
 
 @functools.cache
@@ -62,7 +66,8 @@ def _heads_packed(x: torch.Tensor) -> bool:
 class CpuAttention(TorchAttention):
     """Decode through the C kernel; prefill (and its cached prefix) as the reference.
 
-    The K/V write is C too; a step of decodes only writes and attends in one call.
+    The K/V write is C too; a step of decodes only writes and attends in one call,
+    with the layer's RoPE in it too where the model asks (``forward_rope``).
     """
 
     name = "cpu"
@@ -72,6 +77,9 @@ class CpuAttention(TorchAttention):
         lib = kernel_library()
         assert lib is not None, "CpuAttention built where cpu_kernel.c does not compile"
         self.lib = lib
+        # The output of the last fused decode step, reused by the next one of the same
+        # shape and dtype: the model reads it only in the o_proj right after.
+        self._out = torch.empty(0)
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:
@@ -99,6 +107,46 @@ class CpuAttention(TorchAttention):
             tables.data_ptr(), meta.decode_seq_lens.contiguous().data_ptr(), q.shape[0],
             self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], tables.shape[1],
             self.scale, code, torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("cpu attention kernel could not allocate its scratch memory")
+        return out
+
+    def forward_rope(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        # qkv: [T, (Hq + 2 * Hkv) * D] (tokens may be strided), cos/sin [T, 1, D / 2]
+        # -> [T, Hq * D]
+        step = _decode_step_args(meta)
+        code = _DTYPE_CODES.get(qkv.dtype)
+        d = self.head_dim
+        if (
+            step is None
+            or code is None
+            or qkv.shape[1] != (self.num_heads + 2 * self.num_kv_heads) * d
+            or not (qkv.is_contiguous() or qkv.stride(1) == 1)
+            or not cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype
+            or not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape)
+            or cos.shape != (qkv.shape[0], 1, d // 2)
+            or d % 2
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        ):
+            return None
+        out = self._out
+        if out.shape != (qkv.shape[0], self.num_heads * d) or out.dtype != qkv.dtype:
+            out = self._out = qkv.new_empty(qkv.shape[0], self.num_heads * d)
+        slots, tables, lens, max_blocks = step
+        failed = self.lib.decode_rope_step(
+            out.data_ptr(), qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), slots,
+            k_cache.data_ptr(), v_cache.data_ptr(), tables, lens, qkv.shape[0], self.num_heads,
+            self.num_kv_heads, d, k_cache.shape[1], max_blocks, self.scale, code,
+            torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("cpu attention kernel could not allocate its scratch memory")
@@ -168,3 +216,20 @@ class CpuAttention(TorchAttention):
         )  # fmt: skip
         if failed:
             raise MemoryError("cpu attention kernel could not allocate its scratch memory")
+
+
+def _decode_step_args(meta: AttentionMetadata) -> tuple[int, int, int, int] | None:
+    """(slots, block tables, seq lens pointers, max blocks) of a step of decodes only
+    (None for any other), worked out by the step's first layer for all of them."""
+    key = CpuAttention.name
+    if key not in meta.derived:
+        tables, lens, slots = meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping
+        decodes_only = not meta.num_prefills and slots.shape[0] == meta.num_decode_tokens
+        args = None
+        if decodes_only and slots.dtype == torch.int64 and slots.is_contiguous() and slots.is_cpu:
+            # The tables stay alive on meta: the contiguous copies (if any) must too.
+            tables, lens = tables.contiguous(), lens.contiguous()
+            meta.derived[f"{key}.held"] = (tables, lens)
+            args = (slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1])
+        meta.derived[key] = args
+    return cast("tuple[int, int, int, int] | None", meta.derived[key])

@@ -352,3 +352,28 @@ int paged_decode_step(void *out, const void *q, int64_t q_stride, const void *k,
                                   num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                   max_blocks, scale, dtype, num_threads);
 }
+
+/* A decode-only step from the fused q/k/v projection, in one call: qkv [num_seqs,
+ * num_heads + 2 * num_kv_heads, head_dim] (sequence stride qkv_stride, heads packed)
+ * has its q and k heads rotated in place by RoPE (cos/sin [num_seqs, head_dim / 2]
+ * contiguous; rotate_token of cpu_math.h, the reference's arithmetic), then k and v
+ * are written and q attends as in paged_decode_step. */
+int paged_decode_rope_step(void *out, void *qkv, int64_t qkv_stride, const void *cos,
+                           const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t max_blocks, float scale, int dtype,
+                           int num_threads) {
+    const int64_t size = dtype == 0 ? 4 : 2, half = head_dim / 2;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        char *x = (char *)qkv + s * qkv_stride * size;
+        const char *c = (const char *)cos + s * half * size, *sn = (const char *)sin + s * half * size;
+        if (dtype == 0) rotate_token(x, x, c, sn, num_heads + num_kv_heads, head_dim, 0);
+        else rotate_token(x, x, c, sn, num_heads + num_kv_heads, head_dim, 1);
+    }
+    const char *k = (const char *)qkv + num_heads * head_dim * size;
+    const char *v = k + num_kv_heads * head_dim * size;
+    return paged_decode_step(out, qkv, qkv_stride, k, qkv_stride, v, qkv_stride, slots, k_cache,
+                             v_cache, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
+                             head_dim, block_size, max_blocks, scale, dtype, num_threads);
+}

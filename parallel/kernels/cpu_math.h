@@ -1,5 +1,6 @@
 /*
- * Scalar helpers the CPU C kernels share: bf16 <-> float32 and a vectorizable exp.
+ * Scalar helpers the CPU C kernels share: bf16 <-> float32, a vectorizable exp,
+ * element access in either activation dtype, and the RoPE of one token.
  *
  * bf16 is the top half of a float32: widening is a shift; narrowing rounds to
  * nearest even (NaN stays NaN), as torch does. Both are branch-free so that
@@ -50,6 +51,38 @@ INLINE float exp_poly(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+/* Element i of a float32 (dtype 0) or bf16 (dtype 1) array, as float32. Called
+ * with a literal dtype, so each op compiles into one loop per dtype. */
+INLINE float load(const void *base, int64_t i, int dtype) {
+    return dtype == 0 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+INLINE void store(void *base, int64_t i, float v, int dtype) {
+    if (dtype == 0) ((float *)base)[i] = v;
+    else ((uint16_t *)base)[i] = f32_to_bf16(v);
+}
+
+/* In the activation dtype: float32 as is, bf16 rounded. */
+INLINE float in_dtype(float v, int dtype) { return dtype == 0 ? v : round_bf16(v); }
+
+/* RoPE of one token, GPT-NeoX half rotation as the reference: x [heads, head_dim]
+ * packed, cos/sin [head_dim / 2] -> out, packed: (x1 * c - x2 * s, x2 * c + x1 * s),
+ * each product and each sum in the activation dtype. out may be x (each pair is
+ * read before it is written). */
+INLINE void rotate_token(void *out, const void *x, const void *cos, const void *sin,
+                         int64_t heads, int64_t head_dim, int dtype) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t o = h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float c = load(cos, i, dtype), s = load(sin, i, dtype);
+            const float x1 = load(x, o + i, dtype), x2 = load(x, o + half + i, dtype);
+            store(out, o + i, in_dtype(x1 * c, dtype) - in_dtype(x2 * s, dtype), dtype);
+            store(out, o + half + i, in_dtype(x2 * c, dtype) + in_dtype(x1 * s, dtype), dtype);
+        }
+    }
 }
 
 #endif

@@ -20,20 +20,6 @@
 
 #define PARALLEL_MIN_ELEMENTS 65536
 
-/* Element i of a float32 (dtype 0) or bf16 (dtype 1) array, as float32. Called
- * with a literal dtype, so each op compiles into one loop per dtype. */
-INLINE float load(const void *base, int64_t i, int dtype) {
-    return dtype == 0 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
-}
-
-INLINE void store(void *base, int64_t i, float v, int dtype) {
-    if (dtype == 0) ((float *)base)[i] = v;
-    else ((uint16_t *)base)[i] = f32_to_bf16(v);
-}
-
-/* In the activation dtype: float32 as is, bf16 rounded. */
-INLINE float in_dtype(float v, int dtype) { return dtype == 0 ? v : round_bf16(v); }
-
 /* h = x + residual (residual may be NULL); out = norm(h) * weight; res_out = h
  * (not written when residual is NULL: the caller keeps x). One row, all contiguous. */
 INLINE void norm_row(void *out, void *res_out, const void *x, const void *residual,
@@ -70,21 +56,6 @@ int rms_norm_residual(void *out, void *res_out, const void *x, int64_t x_stride,
         else norm_row(o, ro, xr, rr, weight, width, eps, 1);
     }
     return 0;
-}
-
-/* One token: x [heads, head_dim] packed, cos/sin [head_dim / 2] -> out, packed. */
-INLINE void rotate_token(void *out, const void *x, const void *cos, const void *sin,
-                         int64_t heads, int64_t head_dim, int dtype) {
-    const int64_t half = head_dim / 2;
-    for (int64_t h = 0; h < heads; h++) {
-        const int64_t o = h * head_dim;
-        for (int64_t i = 0; i < half; i++) {
-            const float c = load(cos, i, dtype), s = load(sin, i, dtype);
-            const float x1 = load(x, o + i, dtype), x2 = load(x, o + half + i, dtype);
-            store(out, o + i, in_dtype(x1 * c, dtype) - in_dtype(x2 * s, dtype), dtype);
-            store(out, o + half + i, in_dtype(x2 * c, dtype) + in_dtype(x1 * s, dtype), dtype);
-        }
-    }
 }
 
 /* GPT-NeoX half rotation: x [tokens, heads, head_dim] (token stride x_stride, heads

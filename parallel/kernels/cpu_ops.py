@@ -47,7 +47,8 @@ def library() -> _Library | None:
 
 def _rows_ok(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> bool:
     """[T, H] rows with a contiguous last dimension and a contiguous [H] weight, on the CPU."""
-    # Ordered cheapest first; a decode step makes this check 17 times.
+    # Ordered cheapest first (is_contiguous() before stride()); a decode step makes
+    # this check 17 times.
     shape = x.shape
     return (
         len(shape) == 2
@@ -55,8 +56,8 @@ def _rows_ok(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.is_cpu
         and weight.is_contiguous()
         and weight.shape == shape[1:]
-        and x.stride(1) == 1
-        and (r is x or r.stride(1) == 1)
+        and (x.is_contiguous() or x.stride(1) == 1)
+        and (r is x or r.is_contiguous() or r.stride(1) == 1)
     )
 
 
@@ -99,11 +100,16 @@ class CpuKernels(TorchKernels):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [T, 2 * I] -> [T, I]
         code = _DTYPE_CODES.get(gate_up.dtype)
-        if code is None or not gate_up.is_cpu or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        shape = gate_up.shape
+        if (
+            code is None
+            or len(shape) != 2
+            or shape[1] % 2
+            or not gate_up.is_cpu
+            or not (gate_up.is_contiguous() or gate_up.stride(1) == 1)
+        ):
             return reference.silu_and_mul(gate_up)
-        if gate_up.shape[1] % 2:
-            return reference.silu_and_mul(gate_up)
-        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        rows, inter = shape[0], shape[1] // 2
         out = gate_up.new_empty(rows, inter)
         self.lib.silu_and_mul(
             out.data_ptr(), gate_up.data_ptr(), gate_up.stride(0), rows, inter, code,

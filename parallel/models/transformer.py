@@ -74,6 +74,10 @@ class Attention(nn.Module):
         self.head_dim = d
         self.backend = backend_cls(self.num_heads, self.num_kv_heads, d, d**-0.5)
         self._qkv, self._o_proj = self.qkv.forward, self.o_proj.forward
+        # A backend may rotate q and k inside its decode call (one native call, not
+        # two). Only under the C ops, whose RoPE that is: other ops keep being called.
+        self._fuse_rope = ops.name == "cpu"
+        self._attend_rope = self.backend.forward_rope
 
     def forward(
         self,
@@ -83,9 +87,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
+        qkv = self._qkv(x, lora)  # [T, (Hq + 2 * Hkv) * D]
+        if self._fuse_rope:
+            o = self._attend_rope(qkv, rope[0], rope[1], cache[0], cache[1], meta)
+            if o is not None:
+                return self._o_proj(o, lora)
         t = x.shape[0]
         nq, nkv = self.num_heads, self.num_kv_heads
-        qkv = self._qkv(x, lora).view(t, nq + 2 * nkv, self.head_dim)
+        qkv = qkv.view(t, nq + 2 * nkv, self.head_dim)
         # q and k sit side by side in the fused output: rotate both in one go.
         qk, v = torch.split_with_sizes(qkv, [nq + nkv, nkv], 1)
         q, k = torch.split_with_sizes(self.ops.rotate(qk, *rope), [nq, nkv], 1)

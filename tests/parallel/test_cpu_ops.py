@@ -9,6 +9,8 @@ step (``1e-2`` relative).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -125,6 +127,22 @@ def test_c_kv_write_fills_the_slots_like_the_reference(dtype) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _decode_meta(tables: torch.Tensor, lens: list[int], slots: torch.Tensor) -> AttentionMetadata:
+    """A step of one decode token per sequence: context ``lens``, new tokens at ``slots``."""
+    return AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=len(lens),
+        decode_seq_lens=torch.tensor(lens, dtype=torch.int32),
+        decode_block_tables=tables,
+        max_decode_seq_len=max(lens),
+        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+        prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        prefill_query_lens_list=[],
+        prefill_seq_lens_list=[],
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (6, 3, 12)])
 def test_decode_only_step_writes_and_attends_like_the_reference(
@@ -139,18 +157,7 @@ def test_decode_only_step_writes_and_attends_like_the_reference(
     )
     qkv = torch.randn(3, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q, k, v = qkv.split_with_sizes([heads, kv_heads, kv_heads], 1)  # strided views
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        num_decode_tokens=3,
-        decode_seq_lens=torch.tensor(lens, dtype=torch.int32),
-        decode_block_tables=tables,
-        max_decode_seq_len=max(lens),
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
-        prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32),
-        prefill_query_lens_list=[],
-        prefill_seq_lens_list=[],
-    )
+    meta = _decode_meta(tables, lens, slots)
     caches = [torch.randn(12, block, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv"]
     want_caches = [c.clone() for c in caches]
     backends = [
@@ -160,3 +167,36 @@ def test_decode_only_step_writes_and_attends_like_the_reference(
     want = backends[1].forward(q, k, v, want_caches[0], want_caches[1], meta)
     assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
     assert torch.allclose(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (6, 3, 12), (3, 1, 10)])
+def test_decode_step_with_rope_is_the_reference_rotation_then_the_step(
+    dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """RoPE inside the one-call decode step: k cached as the reference rotates it, and
+    the output that of the C step on the reference's rotated q, bit for bit."""
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    block, lens = 16, [40, 1, 17]
+    tables = torch.randperm(12, generator=gen, dtype=torch.int32).view(3, 4)
+    slots = torch.tensor(
+        [int(tables[i, (n - 1) // block]) * block + (n - 1) % block for i, n in enumerate(lens)]
+    )
+    qkv = torch.randn(3, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    angles = torch.rand(3, 1, head_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    caches = [torch.randn(12, block, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv"]
+    want_caches = [c.clone() for c in caches]
+    q, k = reference.rotate(qkv[:, : heads + kv_heads], cos, sin).split_with_sizes(
+        [heads, kv_heads], 1
+    )
+    backend = select_backend("cpu", CPU)(heads, kv_heads, head_dim, head_dim**-0.5)
+    meta = _decode_meta(tables, lens, slots)
+    want = backend.forward(q, k, qkv[:, heads + kv_heads :], *want_caches, meta)
+    flat = qkv.flatten(1).clone()  # [T, (Hq + 2 * Hkv) * D], as the projection gives it
+    got = backend.forward_rope(flat, cos, sin, caches[0], caches[1], meta)
+    assert got is not None and torch.equal(got, want.flatten(1))
+    assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+    # A step with prefill chunks is not fused: the caller rotates and calls forward.
+    mixed = replace(meta, prefill_query_lens_list=[2], prefill_seq_lens_list=[2], derived={})
+    assert backend.forward_rope(flat, cos, sin, caches[0], caches[1], mixed) is None
