@@ -251,8 +251,8 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         if not cached_prefix:  # the common case: a running request's table covers it already
-            held = self._tables.get(request.request_id)
-            if held and self.blocks_for(request.num_computed_tokens + num_new_tokens) <= len(held):
+            held, end = self._tables.get(request.request_id), request.num_computed_tokens
+            if held and -(-(end + num_new_tokens) // self.block_size) <= len(held):
                 return True
         n_new = self._num_new_blocks_needed(request, num_new_tokens, cached_prefix)
         if n_new is None:

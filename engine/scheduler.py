@@ -138,8 +138,8 @@ class Scheduler:
         chosen: list[tuple[Request, int]] = []
         preempted = False
         running = by_priority(self.running)
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding = [r for r in running if len(r.token_ids) - r.num_computed_tokens == 1]
+        prefilling = [r for r in running if len(r.token_ids) - r.num_computed_tokens > 1]
         self._drafts = {}
         drafting = self.spec.batch_allowed(len(decoding))
         for request in decoding + prefilling:
@@ -256,31 +256,23 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
-        start = request.num_computed_tokens
-        drafts = self._drafts.get(request.request_id, [])
-        num_known = num_new - len(drafts)
+        start, ids, rid = request.num_computed_tokens, request.token_ids, request.request_id
+        drafts = self._drafts.get(rid)
+        num_known = num_new - len(drafts) if drafts else num_new
         sampling = None
-        if start + num_known == request.num_tokens:
-            p = request.sampling_params
+        if start + num_known == len(ids):
+            p, num_output = request.sampling_params, len(ids) - request.num_prompt_tokens
             banned: tuple[int, ...] = ()
-            if request.num_output_tokens < p.min_tokens:
+            if num_output < p.min_tokens:
                 banned = request.eos_token_ids + p.stop_token_ids
             sampling = RowSampling(
-                p.temperature,
-                p.top_k,
-                p.top_p,
-                p.seed,
-                request.output_offset + request.num_output_tokens,
-                banned,
+                p.temperature, p.top_k, p.top_p, p.seed, request.output_offset + num_output, banned
             )
-        return ScheduledSeq(
-            request.request_id,
-            request.token_ids[start : start + num_known] + drafts,
-            start,
-            self.kv.block_table(request.request_id),
-            sampling,
-            len(drafts),
-        )
+        tokens = ids[start : start + num_known]
+        if drafts:
+            tokens += drafts
+        kv_ids = self.kv.block_table(rid)
+        return ScheduledSeq(rid, tokens, start, kv_ids, sampling, len(drafts) if drafts else 0)
 
     def update(
         self,
@@ -304,7 +296,7 @@ class Scheduler:
                 self._accept(request, seq, tokens)
                 out.append(request)
                 continue
-            request.num_computed_tokens += seq.num_tokens
+            request.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_computed_blocks(request)
             if seq.sampling is None:
                 continue

@@ -14,11 +14,13 @@ def token_stop(
 ) -> tuple[RequestStatus, int | None] | None:
     """Whether ``token``, just appended, ends ``request``: (status, stop reason) or None."""
     p = request.sampling_params
-    if request.num_output_tokens >= p.min_tokens:
+    num_tokens = len(request.token_ids)
+    num_output = num_tokens - request.num_prompt_tokens
+    if num_output >= p.min_tokens:
         if token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
         if token in p.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token
-    if request.num_output_tokens >= p.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= p.max_tokens or num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH, None
     return None

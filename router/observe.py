@@ -310,12 +310,33 @@ def drain_rate(
     if not len(t) or deadline_s <= 0:
         return 0.0
     cum = np.concatenate([[0.0], np.cumsum(np.asarray(tokens, dtype=np.float64))])
-    need = np.empty(len(t))
-    for lo in range(0, len(t), 256):  # rows of at most 256 x n
-        k = np.arange(lo, min(len(t), lo + 256))
-        j = np.arange(k[-1] + 1)
-        rate = (cum[k + 1][:, None] - cum[j][None, :]) / (
-            t[k][:, None] - t[j][None, :] + deadline_s
-        )
-        need[k] = np.where(j[None, :] <= k[:, None], rate, 0.0).max(axis=1)
-    return float(np.percentile(need, percentile))
+    return float(np.percentile(_max_rates(t.tolist(), cum.tolist(), deadline_s), percentile))
+
+
+def _max_rates(t: list[float], cum: list[float], deadline_s: float) -> list[float]:
+    """``need[k] = max over j <= k of (cum[k+1] - cum[j]) / (t[k] - t[j] + deadline_s)``.
+
+    The slope from point ``(t[j], cum[j])`` up to ``(t[k] + deadline_s, cum[k+1])``,
+    right of every point: its maximum lies on the points' lower convex hull, where
+    it rises then falls, so each arrival costs a binary search (O(n log n) in all).
+    """
+    hx: list[float] = []  # the lower hull of the points so far, left to right
+    hy: list[float] = []
+    need = []
+    for k, x in enumerate(t):
+        y = cum[k]
+        while len(hx) > 1 and (hx[-1] - hx[-2]) * (y - hy[-2]) <= (hy[-1] - hy[-2]) * (x - hx[-2]):
+            hx.pop()
+            hy.pop()
+        hx.append(x)
+        hy.append(y)
+        qx, qy = x + deadline_s, cum[k + 1]
+        lo, hi = 0, len(hx) - 1
+        while lo < hi:  # the vertex of the largest slope to the query: slopes rise, then fall
+            mid = (lo + hi) // 2
+            if (qy - hy[mid]) * (qx - hx[mid + 1]) < (qy - hy[mid + 1]) * (qx - hx[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        need.append((qy - hy[lo]) / (qx - hx[lo]))
+    return need

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,38 +47,13 @@ from pdserve.sim.capacity import ProfileCapacity
 from pdserve.sim.clock import EventQueue, VirtualClock
 from pdserve.sim.instance import TOKEN, SimInstance
 from pdserve.sim.metrics import RegionWindow
+from pdserve.sim.options import SimOptions, SimRun, long_lived_heap
 from pdserve.sim.profile import Profile
 from pdserve.sim.results import Recorder
 from pdserve.sim.scaling import SimScaling
 from pdserve.sim.workload import SimWorkload
 
 PLANNER_WINDOWS = 4  # the planner reads the last 4 intervals, as the controller does
-
-
-@dataclass(frozen=True)
-class SimOptions:
-    """How the simulator runs (the cluster itself comes from the YAML).
-
-    Attributes:
-        fast: jump over runs of decode steps whose batch cannot change.
-        keep_itl: keep every per-token gap (for ITL percentiles; memory grows with tokens).
-        startup_s: seconds from a planner's add decision to the instance serving.
-        planner: run the config's planner (its mode decides whether it applies changes).
-        request_overhead_s: a request's fixed cost outside the engines' steps (front
-            door, router, RPCs, the first token's way back), added to its TTFT.
-    """
-
-    fast: bool = True
-    keep_itl: bool = True
-    startup_s: float = 30.0
-    planner: bool = True
-    request_overhead_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.startup_s < 0:
-            from pdserve.core.errors import InvalidArgumentError
-
-            raise InvalidArgumentError("startup_s", "must be >= 0")
 
 
 @dataclass
@@ -91,19 +66,6 @@ class _Track:
     prefill: SimInstance | None
     prompt_len: int
     cached_on_decode: int = 0
-
-
-@dataclass
-class SimRun:
-    """Everything a finished run measured."""
-
-    recorder: Recorder
-    regions: list[str]
-    instances: list[SimInstance]  # every instance that ever ran
-    counts: list[dict[str, Any]] = field(default_factory=list)  # instance counts over time
-    decisions: list[dict[str, Any]] = field(default_factory=list)
-    end_s: float = 0.0
-    events: int = 0
 
 
 class SimCluster:
@@ -139,6 +101,7 @@ class SimCluster:
         )  # fmt: skip
         self._serial = 0
         self._next = 0  # the next arrival's index
+        self._orders: dict[str, list[str]] = {}  # per home region: the regions to try, in order
         self.scaling = SimScaling(self)
         for g in config.regions:
             for role in ("prefill", "decode"):
@@ -186,10 +149,17 @@ class SimCluster:
     # -- the loop --------------------------------------------------------------------
 
     def run(self) -> SimRun:
-        arrivals, n = self.work.arrival_s, len(self.work)
         if self.options.planner and self.config.planner.mode != "off":
             self.queue.push(self.config.planner.interval_s, "plan")
         self.scaling.count("start")
+        with long_lived_heap():
+            self._loop()
+        self.run_info.end_s = self.clock.now()
+        self.scaling.count("end")
+        return self.run_info
+
+    def _loop(self) -> None:
+        arrivals, n = self.work.arrival_s, len(self.work)
         handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff, "plan": self.scaling.on_plan,
                     "ready": self.scaling.on_ready, "launch": self._launch,
                     "kick": self._on_kick}  # fmt: skip
@@ -207,9 +177,6 @@ class SimCluster:
             self.clock.advance_to(at)
             self.run_info.events += 1
             handlers[kind](payload)
-        self.run_info.end_s = self.clock.now()
-        self.scaling.count("end")
-        return self.run_info
 
     def _only_planner(self) -> bool:
         return all(not x.busy for x in self.instances.values())
@@ -239,7 +206,12 @@ class SimCluster:
 
     def _choose_region(self, home: str, n: int, out: int) -> tuple[str, Placement] | None:
         best: tuple[float, str, Placement] | None = None
-        order = sorted(self.regions, key=lambda g: (g != home, self.config.router.latency(home, g)))
+        order = self._orders.get(home)
+        if order is None:  # home first, then the others nearest first
+            latency = self.config.router.latency
+            order = self._orders[home] = sorted(
+                self.regions, key=lambda g: (g != home, latency(home, g))
+            )
         for region in order:
             distance = 2 * self.config.router.latency(home, region)
             if best is not None and distance >= best[0]:
@@ -310,8 +282,7 @@ class SimCluster:
             if decode.kv.block_size != first.kv.block_size:
                 probe.block_hashes = []
             cached = decode.scheduler.reserve(probe)
-            if cached is not None:
-                self._refresh(decode)
+            if cached is not None:  # the router's view of it is refreshed once placed
                 return decode, cached
         return None
 
@@ -333,20 +304,19 @@ class SimCluster:
         if generation != inst.generation or not inst.busy:
             return  # a fast-mode run that was cut: its new end has its own event
         done = inst.complete(self.options.keep_itl)
-        rec = self.run_info.recorder
+        tracks, tokens_at = self.tracks, self.run_info.recorder.tokens_at
+        end, ends, gaps = done.end, done.step_ends, done.step_gaps
         for rid, count in done.tokens.items():
-            track = self.tracks[rid]
-            first = rec.tokens[track.index] == 0
-            rec.tokens_at(track.index, count, done.end, done.step_ends, done.step_gaps)
-            if first:
-                self._first_token(track, done.end)
+            track = tracks[rid]
+            if tokens_at(track.index, count, end, ends, gaps):
+                self._first_token(track, end)
         for request in done.finished:
             track = self.tracks[request.request_id]
             if inst.role == "prefill" and track.prefill is inst:
                 self._handoff_after(track, inst)
             else:
-                self._finished(request.request_id, done.end)
-        self._refresh(inst)
+                self._finished(request.request_id, done.end, refresh=False)
+        self._refresh(inst)  # the decode instance of every request that finished here
         if inst.draining and inst.idle:
             self.scaling.remove(inst)
         else:
@@ -381,13 +351,14 @@ class SimCluster:
             self._finished(rid, self.clock.now())
         self._kick(decode)
 
-    def _finished(self, rid: str, at: float) -> None:
+    def _finished(self, rid: str, at: float, refresh: bool = True) -> None:
         track = self.tracks.pop(rid)
         rec = self.run_info.recorder
         rec.finish(track.index, at)
         self.inflight[track.region] -= 1
         track.decode.view.inflight -= 1
-        self._refresh(track.decode)
+        if refresh:
+            self._refresh(track.decode)
         i = track.index
         ttft = float(rec.first[i] - rec.arrival[i])
         n = int(rec.tokens[i])

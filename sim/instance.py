@@ -111,13 +111,13 @@ class SimInstance:
         self.stats.runs += 1
         if plan.is_empty:
             return None
-        rows = [(s.num_tokens, s.start_pos) for s in plan.seqs]
         steps = 1
         if fast and self.scheduler.num_preemptions == preemptions:
             steps = self._run_length(plan)
         self._plan, self._start, self._steps, self._held = plan, now, steps, False
-        self._seqs, self._context = len(rows), sum(c for _, c in rows)
+        self._seqs, self._context = len(plan.seqs), sum(s.start_pos for s in plan.seqs)
         if steps == 1:
+            rows = [(len(s.token_ids), s.start_pos) for s in plan.seqs]
             duration = self.step_model.time(StepFeatures.of(rows))
         else:
             duration = self.step_model.decode_run_time(self._seqs, self._context, steps)
@@ -126,21 +126,18 @@ class SimInstance:
 
     def _run_length(self, plan: StepPlan) -> int:
         """Steps the decode-only batch of ``plan`` runs unchanged (1: not such a batch)."""
-        requests = self.scheduler.requests
-        running = self.scheduler.running
-        if len(plan.seqs) != len(running):
+        requests, limit = self.scheduler.requests, self.scheduler.max_model_len
+        if not plan.seqs or len(plan.seqs) != len(self.scheduler.running):
             return 1
-        remaining = []  # (computed tokens, blocks held, steps until it finishes) per request
+        remaining = []  # (computed tokens, blocks held) per request
+        k = limit  # steps until the first request finishes
         for seq in plan.seqs:
-            if seq.num_tokens != 1 or seq.sampling is None:
+            if len(seq.token_ids) != 1 or seq.sampling is None:
                 return 1
             r = requests[seq.request_id]
-            left = min(
-                r.sampling_params.max_tokens - r.num_output_tokens,
-                self.scheduler.max_model_len - r.num_tokens,
-            )
-            remaining.append((r.num_computed_tokens, len(seq.block_table), left))
-        k = min(left for _, _, left in remaining)
+            n = len(r.token_ids)
+            k = min(k, r.sampling_params.max_tokens - n + r.num_prompt_tokens, limit - n)
+            remaining.append((r.num_computed_tokens, len(seq.block_table)))
         if k <= 1:
             return 1
         # Blocks the later steps need must be free now: nothing else frees any
@@ -148,7 +145,7 @@ class SimInstance:
         bs, free = self.kv.block_size, self.kv.num_free_blocks
 
         def need(steps: int) -> int:
-            return sum(max(0, -(-(c + steps) // bs) - held) for c, held, _ in remaining)
+            return sum(max(0, -(-(c + steps) // bs) - held) for c, held in remaining)
 
         if need(k) <= free:  # the common case: the blocks of the whole run are free
             return k
@@ -187,8 +184,9 @@ class SimInstance:
         if self._plan is None or self._steps == 1 or self._held:
             return  # held already: a cut run needs no more than it had
         self._held = True
+        requests, allocate, steps = self.scheduler.requests, self.kv.allocate_slots, self._steps
         for seq in self._plan.seqs:
-            ok = self.kv.allocate_slots(self.scheduler.requests[seq.request_id], self._steps)
+            ok = allocate(requests[seq.request_id], steps)
             assert ok, "a fast-mode run was planned with too few free blocks"
 
     def complete(self, want_step_ends: bool = False) -> StepDone:
@@ -211,21 +209,25 @@ class SimInstance:
         return done
 
     def _apply_run(self, plan: StepPlan, more: int, done: StepDone) -> None:
+        sched, kv = self.scheduler, self.kv
+        requests, limit, tokens = sched.requests, sched.max_model_len, done.tokens
+        held, caching, extra = self._held, kv.pool.enable_caching, [TOKEN] * more
         for seq in plan.seqs:
-            r = self.scheduler.requests.get(seq.request_id)
+            r = requests.get(seq.request_id)
             if r is None or r.status is not RequestStatus.RUNNING:
                 continue
-            ok = self.kv.allocate_slots(r, more)
-            assert ok, "a fast-mode run was planned with too few free blocks"
+            if not held:  # held: the table covers the whole run already
+                ok = kv.allocate_slots(r, more)
+                assert ok, "a fast-mode run was planned with too few free blocks"
             r.num_computed_tokens += more
-            r.token_ids.extend([TOKEN] * more)
-            self.kv.cache_computed_blocks(r)
-            done.tokens[r.request_id] = done.tokens.get(r.request_id, 0) + more
-            if (
-                r.num_output_tokens >= r.sampling_params.max_tokens
-                or r.num_tokens >= self.scheduler.max_model_len
-            ):
-                self.scheduler.finish(r.request_id, RequestStatus.FINISHED_LENGTH)
+            ids = r.token_ids
+            ids.extend(extra)
+            if caching:
+                kv.cache_computed_blocks(r)
+            tokens[r.request_id] += more  # update() gave it the run's first token
+            n = len(ids)
+            if n - r.num_prompt_tokens >= r.sampling_params.max_tokens or n >= limit:
+                sched.finish(r.request_id, RequestStatus.FINISHED_LENGTH)
                 done.finished.append(r)
 
     def _step_ends(self, steps: int) -> list[float]:
@@ -249,10 +251,11 @@ class SimInstance:
 
     def report(self) -> LoadReport:
         """The load report a live instance would push (no KV events)."""
-        sched = self.scheduler
+        waiting = self.scheduler.waiting
+        prompts = sum(r.num_tokens - r.num_computed_tokens for r in waiting) if waiting else 0
         return LoadReport(
-            self.instance_id, self.role, waiting=len(sched.waiting), running=len(sched.running),
-            waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            self.instance_id, self.role, waiting=len(waiting), running=len(self.scheduler.running),
+            waiting_prompt_tokens=prompts,
             free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
             step_seconds=self._mean_step, step_tokens=self._mean_tokens,
         )  # fmt: skip

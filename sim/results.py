@@ -46,9 +46,13 @@ class Recorder:
             home,
         )
         self.region = np.full(n, -1, dtype=np.int16)
-        self.first = np.full(n, np.nan)
+        # First-token times and token counts are written per step: the run writes
+        # them through these arrays, which share memory with the numpy views.
+        self._first = array("d", [np.nan]) * n
+        self._tokens = array("i", bytes(4 * n))
+        self.first = np.frombuffer(self._first, dtype=np.float64) if n else np.full(0, np.nan)
         self.end = np.full(n, np.nan)
-        self.tokens = np.zeros(n, dtype=np.int32)
+        self.tokens = np.frombuffer(self._tokens, dtype=np.int32) if n else np.zeros(0, np.int32)
         self.error = np.zeros(n, dtype=np.int8)  # index into ERRORS; 0: ok
         self.done = np.zeros(n, dtype=bool)
         # Per request its token gaps, 8 bytes each (a million-token run stays small).
@@ -57,28 +61,29 @@ class Recorder:
 
     def tokens_at(
         self, i: int, count: int, end: float, ends: Sequence[float], gaps: Sequence[float]
-    ) -> None:
-        """Request ``i`` got ``count`` tokens, the last at ``end``. With ITL samples kept,
-        ``ends`` are the step ends of the step (or run of steps) that made them (its last
-        ``count`` hold this request's tokens) and ``gaps`` their successive differences."""
+    ) -> bool:
+        """Request ``i`` got ``count`` tokens, the last at ``end``; True if they are its
+        first. With ITL samples kept, ``ends`` are the step ends of the step (or run of
+        steps) that made them (its last ``count`` hold this request's tokens) and
+        ``gaps`` their successive differences."""
+        tokens = self._tokens
+        first = tokens[i] == 0
+        tokens[i] += count
         if self.itl is None:
-            if self.tokens[i] == 0:
-                self.first[i] = end
-            self.tokens[i] += count
-            return
+            if first:
+                self._first[i] = end
+            return first
         start = ends[-count]
-        if self.tokens[i] == 0:
-            self.first[i] = start
-        samples = self.itl.get(i)
-        if samples is None:
+        if first:
+            self._first[i] = start
             samples = self.itl[i] = array("d")
-        last = self._last.get(i)
-        if last is not None:
-            samples.append(start - last)
+        else:
+            samples = self.itl[i]
+            samples.append(start - self._last[i])
         if count > 1:
             samples.extend(gaps[len(gaps) - count + 1 :])
         self._last[i] = end
-        self.tokens[i] += count
+        return first
 
     def finish(self, i: int, at: float) -> None:
         self.end[i] = at

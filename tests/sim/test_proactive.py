@@ -136,6 +136,25 @@ def test_a_give_back_needs_consecutive_intervals_calm_and_the_recent_peak(config
     assert d is None
 
 
+def test_drain_rate_is_its_definition_on_steady_bursty_and_tied_arrivals() -> None:
+    # need[k] = max over j <= k of tokens[j..k] / (t[k] - t[j] + deadline), each j tried
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        n = int(rng.integers(1, 300))
+        times = [np.sort(rng.uniform(0, 8, n)), np.repeat(np.sort(rng.uniform(0, 8, n)), 4)[:n],
+                 np.round(np.sort(rng.uniform(0, 4, n)), 1)][trial % 3]  # fmt: skip
+        tokens = rng.integers(0, 2000, n).astype(np.float64)
+        deadline = [0.01, 0.5, 2.0][trial % 3]
+        cum = np.concatenate([[0.0], np.cumsum(tokens)])
+        need = [
+            max((cum[k + 1] - cum[j]) / (times[k] - times[j] + deadline) for j in range(k + 1))
+            for k in range(n)
+        ]
+        for q in (50.0, 90.0):
+            got = drain_rate(times, tokens, deadline, q)
+            assert got == pytest.approx(float(np.percentile(need, q)), rel=1e-12)
+
+
 def test_bursty_arrivals_size_prefill_above_poisson_of_the_same_rate(config, capacity) -> None:
     rng = np.random.default_rng(0)
     poisson = np.sort(rng.uniform(0.0, 40.0, 800))  # 20 req/s over a 40 s window

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -128,3 +130,16 @@ def test_planner_in_on_mode_adds_decode_under_overload() -> None:
     run = _run(toy_config(1, 1, planner="on"), toy_profile(slow), work, startup_s=0.5)
     assert any(d["action"] == "add_decode" for d in run.decisions)
     assert max(row["east.decode"] for row in run.counts) > 1
+
+
+def test_a_run_leaves_no_cyclic_garbage() -> None:
+    # A run pauses the cyclic collector (sim/options.py): what it drops must be
+    # freed by reference counting alone, or memory would grow with the requests.
+    work = workload(_poisson(300, 40.0), 120, 20)
+    cluster = SimCluster(toy_config(1, 2), book(toy_profile(LINEAR)), work, SimOptions())
+    assert gc.isenabled()
+    gc.collect()
+    run = cluster.run()
+    assert gc.isenabled(), "the collector is enabled again after the run"
+    assert gc.collect() == 0, "the run made reference cycles"
+    _check_no_leaks(run)
