@@ -154,19 +154,27 @@ def simulate(
 class Overhead:
     """What the live system spends outside the profiled steps, from the calibration
     requests: per engine step (the loop), per sequence of a step (its token streamed
-    out through the router) and per request (front door, router, RPCs)."""
+    out through the router), per hand-off from a prefill to a decode instance (the
+    RPCs, the activation and the decode loop waking, beyond the pages' copy) and per
+    request (front door, router, RPCs)."""
 
     step_s: float = 0.0
     seq_s: float = 0.0
+    handoff_s: float = 0.0
     request_s: float = 0.0
 
     def apply(self, book: Any) -> Any:
         from pdserve.sim.build import ProfileBook
+        from pdserve.sim.profile import TransferModel
+
+        def link(t: TransferModel) -> TransferModel:
+            return TransferModel(t.latency_s + self.handoff_s, t.bytes_per_s)
 
         profiles = [
             dataclasses.replace(p, step=dataclasses.replace(
                 p.step, overhead_s=p.step.overhead_s + self.step_s,
-                s_per_seq=p.step.s_per_seq + self.seq_s))
+                s_per_seq=p.step.s_per_seq + self.seq_s),
+                connectors={name: link(t) for name, t in p.connectors.items()})
             for p in book.profiles
         ]  # fmt: skip
         return ProfileBook(book.model, profiles, book.device, book.assumptions)
@@ -174,16 +182,23 @@ class Overhead:
 
 CALIBRATION = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
 BURST = ["--prompt-len", "256", "--output-len", "32", "--arrival", "burst", "--burst-size", "8"]
+SHORT = ["--prompt-len", "256", "--output-len", "4", "--arrival", "fixed"]
 CALIBRATION_BURST_RATE = 1.0  # req/s: a burst of 8 every 8 s, done well before the next
 
 
 def calibration_args(args: argparse.Namespace) -> list[tuple[argparse.Namespace, float]]:
     """(flags, rate) of the calibration runs: one request at a time (a fixed gap longer
-    than a request: no queueing, no batching), then bursts of 8 (batches of up to 8)."""
-    single, burst = bench_flags(CALIBRATION, args), bench_flags(BURST, args)
-    single.num_requests = args.calibration_requests
+    than a request: no queueing, no batching), bursts of 8 (batches of up to 8), and
+    one at a time again with 4 output tokens (the hand-off to decode weighs on their
+    TPOT eight times as much as on 32 tokens')."""
+    single, burst, short = (
+        bench_flags(CALIBRATION, args),
+        bench_flags(BURST, args),
+        bench_flags(SHORT, args),
+    )
+    single.num_requests = short.num_requests = args.calibration_requests
     burst.num_requests = 2 * 8
-    return [(single, CALIBRATION_RATE), (burst, CALIBRATION_BURST_RATE)]
+    return [(single, CALIBRATION_RATE), (burst, CALIBRATION_BURST_RATE), (short, CALIBRATION_RATE)]
 
 
 def _tpot(summary: dict[str, Any]) -> float:
@@ -195,10 +210,12 @@ def calibrate(
 ) -> Overhead:
     """The overheads that make the simulated calibration runs match the measured ones.
 
-    TPOT p50 of the single and the burst run, against the simulation's sensitivity to
-    each overhead (it differs with the batch), gives the per-step and per-sequence
-    overheads (two equations, two unknowns); then TTFT p50 of the single run gives the
-    per-request one. An overhead the equations make negative is taken as 0.
+    TPOT p50 of each run, against the simulation's sensitivity to each overhead (it
+    differs with the batch and the output length), gives the per-step, per-sequence
+    and per-hand-off overheads: the non-negative least-squares answer (exact when the
+    runs are independent; an overhead a setup lacks, such as the hand-off of a
+    colocated one, has no effect and comes out 0). Then TTFT p50 of the single run
+    gives the per-request one.
     """
 
     def tpots(o: Overhead) -> np.ndarray:
@@ -206,17 +223,35 @@ def calibrate(
 
     base = tpots(Overhead())
     probe = 1e-3
-    by_step = (tpots(Overhead(step_s=probe)) - base) / probe
-    by_seq = (tpots(Overhead(seq_s=probe)) - base) / probe
+    names = ("step_s", "seq_s", "handoff_s")
+    columns = [(tpots(Overhead(**{name: probe})) - base) / probe for name in names]
     gap = np.array([_tpot(r) for r in real]) - base
-    # least squares: exact for two independent runs, still an answer if they are not
-    step, seq = np.linalg.lstsq(np.column_stack([by_step, by_seq]), gap, rcond=None)[0]
-    if seq < 0 or step < 0:  # one overhead explains it: the per-step one, from the single run
-        step, seq = max(0.0, gap[0] / by_step[0]), 0.0
+    fitted = dict(zip(names, nonnegative_lstsq(np.column_stack(columns), gap), strict=True))
     single, rate = runs[0]
-    stepped = simulate(text, book, single, rate, Overhead(float(step), float(seq)))
+    stepped = simulate(text, book, single, rate, Overhead(**fitted))
     request = max(0.0, (real[0]["ttft_ms"]["p50"] - stepped["ttft_ms"]["p50"]) / 1e3)
-    return Overhead(float(step), float(seq), request)
+    return Overhead(**fitted, request_s=request)
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """``x >= 0`` minimising ``|a x - b|``, for a few columns: the best least-squares
+    answer over the subsets of columns whose answer is non-negative (columns without
+    effect, all zero, stay 0)."""
+    n = a.shape[1]
+    live = [j for j in range(n) if np.abs(a[:, j]).max() > 1e-9]
+    best: tuple[float, list[float]] = (float(np.sum(b**2)), [0.0] * n)
+    for mask in range(1, 1 << len(live)):
+        cols = [j for i, j in enumerate(live) if mask >> i & 1]
+        x = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if (x < 0).any():
+            continue
+        residual = float(np.sum((a[:, cols] @ x - b) ** 2))
+        if residual < best[0] - 1e-15:
+            full = [0.0] * n
+            for j, v in zip(cols, x, strict=True):
+                full[j] = float(v)
+            best = (residual, full)
+    return best[1]
 
 
 def measure(
@@ -273,6 +308,7 @@ def validate(
         overhead = calibrate(text, book, real[: len(cal)], cal)
         calibrations[setup] = {"step_overhead_ms": round(overhead.step_s * 1e3, 3),
                                "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
+                               "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
                                "request_overhead_ms": round(overhead.request_s * 1e3, 3),
                                "calibration": real[: len(cal)],
                                "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
@@ -333,8 +369,9 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     print(table(rows))
     for setup, c in calibrations.items():
         print(f"{setup}: +{c['step_overhead_ms']} ms a step, +{c['seq_overhead_ms']} ms a "
-              f"sequence of a step, +{c['request_overhead_ms']} ms a request outside the "
-              "profiled steps (calibrated on single requests and bursts of 8)")  # fmt: skip
+              f"sequence of a step, +{c['handoff_overhead_ms']} ms a hand-off, "
+              f"+{c['request_overhead_ms']} ms a request outside the profiled steps "
+              "(calibrated on single requests of 32 and 4 tokens and bursts of 8)")  # fmt: skip
     print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
     print(f"wrote {path}")
     return 0

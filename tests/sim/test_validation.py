@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 
 from pdserve.sim.validate import (
+    Overhead,
     Point,
     calibrate,
     calibration_args,
     compare_point,
     measure,
+    nonnegative_lstsq,
     setup_profiles,
     simulate,
     workload_args,
@@ -45,3 +48,21 @@ def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
     for key in ("ttft_p50", "tpot_p50"):
         c = result[key]
         assert c["error"] is not None and abs(c["error"]) <= TOLERANCE, (key, c, overhead)
+
+
+def test_nonnegative_lstsq_keeps_what_it_can_and_zeroes_the_rest() -> None:
+    a = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    assert nonnegative_lstsq(a, a @ np.array([2.0, 3.0, 0.0])) == pytest.approx([2, 3, 0])
+    # The unconstrained answer has a negative second part: it is 0, the first refitted.
+    assert nonnegative_lstsq(a, np.array([2.0, -1.0, 1.5])) == pytest.approx([1.75, 0, 0])
+
+
+def test_calibration_recovers_the_overheads_a_simulated_system_has() -> None:
+    args = argparse.Namespace(model="builtin:tiny", cores=[0, 1], num_requests=12, seed=0,
+                              length_scale=0.25, calibration_requests=8)  # fmt: skip
+    text, book = setup_profiles("disaggregated", args)
+    cal = calibration_args(args)
+    truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
+    got = calibrate(text, book, [simulate(text, book, ns, rate, truth) for ns, rate in cal], cal)
+    for name in ("step_s", "seq_s", "handoff_s", "request_s"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=0.1, abs=1e-4), name
