@@ -92,12 +92,17 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
 
 def decode_floor(llm: Any, outputs: list[Any], bandwidth: float) -> dict[str, float]:
     """Batch 1: the measured decode step against the bytes it must read over ``bandwidth``."""
+    from pdserve.parallel.cpu_linear import duplicate_bytes
+
     runner = llm.engine.executor.runner
     out = outputs[0]
     n = len(out.outputs[0].token_ids)
     step = (out.metrics.finished_time - out.metrics.first_token_time) / (n - 1)
     embed = runner.model.embed
-    weights = runner.weights_bytes - (0 if embed is None else embed.weight.nbytes)
+    # A step reads one copy of each weight (the GEMV's plain one or oneDNN's), the
+    # embedding table only for its row.
+    weights = runner.weights_bytes - duplicate_bytes(runner.model)
+    weights -= 0 if embed is None else embed.weight.nbytes
     mean_context = len(out.prompt_token_ids) + n / 2
     kv = runner.bytes_per_block() / runner.block_size * mean_context
     floor = (weights + kv) / bandwidth

@@ -9,6 +9,13 @@ emits on CPU; where they are missing or disagree with ``F.linear`` on a probe,
 nothing is packed and the layers keep ``F.linear``. bfloat16 weights are packed
 only where the CPU has bf16 natively (:mod:`~pdserve.parallel.cpu_features`):
 oneDNN then multiplies bf16 with float32 accumulation, rounding the output once.
+
+At one to eight rows (decode at batch 1-8) a linear only streams its weight, and
+oneDNN spends about 10 us per call before it starts; where the bf16 C GEMV is
+built (:mod:`~pdserve.parallel.kernels.cpu_gemv`) a bf16 layer also keeps its
+plain ``[out, in]`` weight, which the GEMV streams at the read bandwidth, and
+:func:`packed_linear` picks by row count. Those layers hold their weight twice
+(``PDSERVE_CPU_GEMV=0`` keeps one copy and oneDNN at every row count).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.parallel.cpu_features import has_native_bf16
+from pdserve.parallel.kernels import cpu_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +54,49 @@ except (AttributeError, RuntimeError):
     _LINEAR_POINTWISE = _missing_op
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # x: [T, in] in the weight's dtype; packed: oneDNN weight for [out, in] -> [T, out]
-    return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
+class PackedWeight:
+    """A dense linear's weight packed for this CPU; replaces the layer's plain weight.
+
+    ``onednn``: oneDNN's blocked copy, for any row count. ``plain``: the
+    ``[out, in]`` bf16 weight the C GEMV reads at up to ``cpu_gemv.MAX_ROWS`` rows,
+    kept where the GEMV is built; None elsewhere and for float32.
+    """
+
+    __slots__ = ("onednn", "plain")
+
+    def __init__(self, onednn: torch.Tensor, plain: torch.Tensor | None) -> None:
+        self.onednn = onednn
+        self.plain = plain
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the weight holds in memory."""
+        return (self.onednn,) if self.plain is None else (self.onednn, self.plain)
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    # x: [T, in] in the weight's dtype; packed: the weight [out, in] -> [T, out]
+    plain = packed.plain
+    if plain is not None and cpu_gemv.fits(x, plain, bias):
+        return cpu_gemv.gemv_bf16(x, plain, bias)
+    return _LINEAR_POINTWISE(x, packed.onednn, bias, "none", [], "")
+
+
+def duplicate_bytes(model: nn.Module) -> int:
+    """Bytes of the plain weight copies kept beside oneDNN's (a step reads one of the two)."""
+    total = 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, PackedWeight) and packed.plain is not None:
+            total += packed.plain.nbytes
+    return total
+
+
+def _pack(weight: torch.Tensor) -> PackedWeight:
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+    if weight.dtype != torch.bfloat16 or not cpu_gemv.available():
+        return PackedWeight(onednn, None)
+    return PackedWeight(onednn, weight.contiguous())
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -65,7 +109,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(48, 40, generator=gen).to(dtype)
         x = torch.randn(5, 40, generator=gen).to(dtype)
-        got = packed_linear(x, _pack(w), None)
+        got = _LINEAR_POINTWISE(x, _pack(w).onednn, None, "none", [], "")
     except (AttributeError, RuntimeError) as e:
         logger.info("oneDNN packed linear (%s) unavailable (%s); using F.linear", dtype, e)
         return False

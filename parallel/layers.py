@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.parallel.context import ParallelContext, split_evenly
-from pdserve.parallel.cpu_linear import packed_linear
+from pdserve.parallel.cpu_linear import PackedWeight, packed_linear
 from pdserve.parallel.kernels import KernelOps, reference_kernels
 from pdserve.parallel.lora import LinearLoRA, LoRABatch
 from pdserve.parallel.quant import QuantizedWeight
@@ -43,11 +43,11 @@ class _Linear(nn.Module):
     """Weight holder shared by the column and row layers; may be packed or quantized."""
 
     weight: nn.Parameter
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
     quantized: QuantizedWeight | None = None
     lora: LinearLoRA | None = None
 
-    def pack(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def pack(self, reorder: Callable[[torch.Tensor], PackedWeight]) -> None:
         """Replace the weight by a matmul-ready copy (see ``cpu_linear``); loading ends here."""
         self.packed = reorder(self.weight.data)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -62,7 +62,7 @@ class _Linear(nn.Module):
         adapters = () if self.lora is None else self.lora.tensors
         if self.quantized is not None:
             return self.quantized.tensors + adapters
-        return adapters if self.packed is None else (self.packed, *adapters)
+        return adapters if self.packed is None else (*self.packed.tensors, *adapters)
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, lora: LoRABatch | None = None
@@ -248,16 +248,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     copy of the embedding's, so packing replaces the copy and never the lookup table.
     """
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
-    def pack(self, reorder: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def pack(self, reorder: Callable[[torch.Tensor], PackedWeight]) -> None:
         """Replace the weight by a matmul-ready copy (see ``cpu_linear``); loading ends here."""
         self.packed = reorder(self.weight.data)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def held_tensors(self) -> tuple[torch.Tensor, ...]:
         """The packed weight, held outside ``parameters()``."""
-        return () if self.packed is None else (self.packed,)
+        return () if self.packed is None else self.packed.tensors
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> logits: [S, vocab]
