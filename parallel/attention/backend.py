@@ -113,11 +113,11 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor | None:
         """RoPE and ``forward`` fused, for a step of decodes only; None where not fused.
 
-        qkv: [T, Hq + 2 * Hkv, D], the fused projection's output (this step's to
-        overwrite); cos/sin: [T, 1, D / 2]. Rotates q and k as
+        qkv: [T, (Hq + 2 * Hkv) * D], the fused projection's output, heads flat (this
+        step's to overwrite); cos/sin: [T, 1, D / 2]. Rotates q and k as
         :func:`pdserve.parallel.kernels.reference.rotate` does, then as ``forward``
-        -> out [T, Hq, D], which the backend may reuse from its next call on (read
-        it before). On None the caller rotates and calls ``forward``.
+        -> out [T, Hq * D], heads flat, which the backend may reuse from its next
+        call on (read it before). On None the caller rotates and calls ``forward``.
         """
         return None
 

@@ -96,16 +96,16 @@ class CpuAttention(TorchAttention):
     ) -> torch.Tensor:
         """As every backend's; a decode-only step writes K/V and attends in one C call."""
         # q: [T, Hq, D], k/v: [T, Hkv, D] (tokens may be strided) -> out: [T, Hq, D]
-        code = None if meta.num_prefills else self._code(k, v, k_cache, v_cache, meta.slot_mapping)
-        if code is None or not _heads_packed(q):
+        step = _decode_step_args(meta)
+        code = None if step is None else self._code(k, v, k_cache, v_cache, meta.slot_mapping)
+        if step is None or code is None or not _heads_packed(q):
             return super().forward(q, k, v, k_cache, v_cache, meta)
         out = q.new_empty(q.shape)
-        tables = meta.decode_block_tables.contiguous()
+        slots, tables, lens, max_blocks = step
         failed = self.lib.decode_step(
             out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-            v.stride(0), meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            tables.data_ptr(), meta.decode_seq_lens.contiguous().data_ptr(), q.shape[0],
-            self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], tables.shape[1],
+            v.stride(0), slots, k_cache.data_ptr(), v_cache.data_ptr(), tables, lens, q.shape[0],
+            self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], max_blocks,
             self.scale, code, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
