@@ -10,7 +10,10 @@ after the layer that wrote the pages: at memory speed a layer's pages take far
 less time than the layer's compute, and a copy on a helper thread measured half
 as fast (torch runs it single-threaded there).
 
-The decode rank removes its file when it closes; files left by a process that
+The file is allocated and mapped in full when the cache is made
+(:mod:`~pdserve.transfer.host_memory`): no page fault lands in a step, and a
+``/dev/shm`` too small for the cache is an error at start-up, not a SIGBUS
+later. The decode rank removes its file when it closes; files left by a process that
 died are swept when the next receiver starts.
 """
 
@@ -28,6 +31,7 @@ import torch
 
 from pdserve.core.errors import TransferError
 from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
+from pdserve.transfer.host_memory import populate, reserve_file
 from pdserve.transfer.page_copy import LayerPages, copy_runs
 from pdserve.transfer.wire import PageRun, dtype_name, torch_dtype
 
@@ -82,10 +86,10 @@ class ShmReceiver(KVReceiver):
         numel = 1
         for d in shape:
             numel *= d
-        with open(self.path, "wb") as f:  # a sparse file of zeros
-            f.truncate(numel * torch.tensor([], dtype=dtype).element_size())
+        reserve_file(self.path, numel * torch.tensor([], dtype=dtype).element_size())
         self._shape, self._dtype = shape, dtype
         self.kv_cache = _map(str(self.path), shape, dtype)
+        populate(self.kv_cache)
         return self.kv_cache
 
     def endpoint(self, actor: Any) -> PeerEndpoint:
@@ -116,6 +120,7 @@ class ShmSender(KVSender):
             )
         key = (endpoint.instance_id, endpoint.rank)
         cache = _map(endpoint.address, endpoint.kv_shape, torch_dtype(endpoint.dtype))
+        populate(cache)  # no page faults in the copies of a step
         self._pages[key] = [LayerPages.of(layer) for layer in cache.unbind(0)]
 
     def send(self, peer: tuple[str, int], runs: list[PageRun]) -> None:

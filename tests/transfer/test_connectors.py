@@ -21,7 +21,7 @@ import torch
 from ray.exceptions import RayActorError
 
 from pdserve.core.errors import InvalidArgumentError, TransferError
-from pdserve.transfer import connector_classes, object_store, p2p, shm
+from pdserve.transfer import connector_classes, host_memory, object_store, p2p, shm
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.wire import PageHeader, PageSource
 from tests.fakes import FAKE_RAY, FakeActor
@@ -136,6 +136,32 @@ def test_shm_sender_copies_into_the_receivers_file(shm_dir: Path, prefill_cache)
     assert sender.endpoints == {}
     receiver.close()
     assert not receiver.path.exists()
+
+
+def test_shm_cache_file_is_allocated_in_full_when_made(shm_dir: Path) -> None:
+    receiver = shm.ShmReceiver("d0", 0)
+    cache = receiver.allocate(KV_SHAPE, torch.float32, CPU)
+    nbytes = cache.numel() * cache.element_size()
+    # every block is on the file system now (a sparse file would have none): the
+    # first write of a step no longer allocates, and a full /dev/shm fails here
+    assert os.stat(receiver.path).st_blocks * 512 >= nbytes
+    assert not cache.any()
+    receiver.close()
+
+
+def test_a_file_system_without_room_for_the_cache_is_a_clear_error(shm_dir: Path) -> None:
+    stat = os.statvfs(shm_dir)
+    too_big = stat.f_bavail * stat.f_frsize + (1 << 30)
+    path = shm_dir / "pdserve-kv-too-big"
+    try:
+        host_memory.reserve_file(path, too_big)
+    except TransferError as e:
+        assert "no room for the KV cache" in str(e) and str(shm_dir) in str(e)
+        assert "--shm-size" in str(e)
+        assert not path.exists()
+    else:  # a file system without fallocate: sparse, as before
+        path.unlink()
+        pytest.skip("this file system does not allocate files up front")
 
 
 def test_shm_refuses_a_decode_rank_on_another_node(shm_dir: Path) -> None:
