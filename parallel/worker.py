@@ -140,7 +140,8 @@ class GroupExecutor(Executor):
         with self.step_lock:
             while True:
                 try:
-                    send_plan(self.groups, plan.to_msgpack())
+                    if self.groups.layout.world_size > 1:  # the other ranks run it too
+                        send_plan(self.groups, plan.to_msgpack())
                     tokens, transfer_ok, loads_ok = self.stage.run(plan)
                     break
                 except (RuntimeError, dist.DistError) as e:
