@@ -37,6 +37,7 @@ from pdserve.core.messages import (
     PrefillRequest,
     Reservation,
     ReserveRequest,
+    StepRecord,
 )
 from pdserve.core.request import RequestOutput
 from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
@@ -292,6 +293,15 @@ class InstanceWorker(RankWorker):
             )
 
         return server.loop.call(read).result()
+
+    @ray.method(concurrency_group=CONTROL)
+    def step_trace(self, keep: int) -> list[StepRecord]:
+        """Leader: the engine steps recorded since the last call, then record the next
+        ``keep`` (0 stops): what each took and what it computed (``pdserve
+        sim-validate`` sets the simulator's step model against them)."""
+        assert self.server is not None
+        loop = self.server.loop
+        return loop.call(lambda _engine: loop.step_trace(keep)).result()
 
     # ray.method's stub types the decorated method as a remote-method handle; at
     # run time it is this function, so the override matches RankWorker's.

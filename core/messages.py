@@ -179,3 +179,16 @@ class LoadReport:
     kv_lower: list[bytes] = field(default_factory=list)
     kv_device: list[bytes] = field(default_factory=list)
     healthy: bool = True
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as its instance ran it (``step_trace``): when it started
+    (``time.monotonic``), how long the executor took, and per sequence the new
+    tokens it computed and the cached tokens before them, the inputs of the
+    simulator's step model (``pdserve.sim.profile.StepFeatures``)."""
+
+    start_s: float
+    seconds: float
+    new_tokens: tuple[int, ...]
+    cached_tokens: tuple[int, ...]

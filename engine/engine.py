@@ -72,6 +72,9 @@ class EngineCore:
         # Called with the plan when its KV pages did not all reach their decode instance.
         self.on_transfer_failure: Callable[[StepPlan], None] | None = None
         self.last_step_tokens = 0
+        self.last_step: tuple[StepPlan, float, float] | None = (
+            None  # plan, its monotonic start, seconds
+        )
 
     # -- requests in --------------------------------------------------------
 
@@ -259,9 +262,10 @@ class EngineCore:
         if self.plan_hook is not None:
             plan = self.plan_hook(plan)
         self.last_step_tokens = plan.num_tokens
-        start = time.perf_counter()
+        started, start = time.monotonic(), time.perf_counter()
         result, failed = self._execute(plan)
-        self.scheduler.spec.observe_step(time.perf_counter() - start)
+        self.last_step = (plan, started, time.perf_counter() - start)
+        self.scheduler.spec.observe_step(self.last_step[2])
         if not result.kv_transfer_ok and self.on_transfer_failure is not None:
             self.on_transfer_failure(plan)
         self.scheduler.loads_done(plan, result.loads_ok)

@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.core.errors import InstanceFailedError
-from pdserve.core.messages import LoadReport
+from pdserve.core.messages import LoadReport, StepRecord
 from pdserve.core.request import RequestOutput
 from pdserve.engine.engine import EngineCore
 
@@ -62,6 +62,7 @@ class EngineLoop:
         # Exponential moving averages of recent steps, for load reports.
         self.step_seconds = 0.0
         self.step_tokens = 0.0
+        self.trace: deque[StepRecord] | None = None  # see step_trace()
         self._idle = threading.Event()  # set while the engine holds no request or page
         # Health (written by the loop thread, read by any): see problem().
         self.progress_at = time.monotonic()
@@ -171,6 +172,19 @@ class EngineLoop:
         alpha = 0.2 if self.steps > 1 else 1.0
         self.step_seconds += alpha * (seconds - self.step_seconds)
         self.step_tokens += alpha * (tokens - self.step_tokens)
+        if self.trace is not None and self.engine.last_step is not None:
+            plan, started, executed = self.engine.last_step
+            self.trace.append(StepRecord(
+                started, executed, tuple(len(s.token_ids) for s in plan.seqs),
+                tuple(s.start_pos for s in plan.seqs)))  # fmt: skip
+
+    def step_trace(self, keep: int) -> list[StepRecord]:
+        """The steps recorded since the last call (oldest first), then record the
+        next ``keep`` at most (the newest kept); 0 stops recording. On the loop
+        thread (through :meth:`call`)."""
+        taken = list(self.trace or ())
+        self.trace = deque(maxlen=keep) if keep > 0 else None
+        return taken
 
     def _ready(self) -> bool:
         due = bool(self._timers) and self._timers[0][0] <= time.monotonic()
