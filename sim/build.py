@@ -18,7 +18,7 @@ from pdserve.cluster.config import ClusterConfig, RegionConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.analytic import Assumptions, analytic_profile, model_shape
 from pdserve.sim.instance import SimInstance
-from pdserve.sim.profile import ModelShape, Profile
+from pdserve.sim.profile import ModelShape, Profile, StepModel
 
 
 @dataclass
@@ -29,6 +29,9 @@ class ProfileBook:
     profiles: list[Profile] = field(default_factory=list)
     device: str | None = None
     assumptions: Assumptions = field(default_factory=Assumptions)
+    # A role's step model in place of its profile's (``pdserve sim-validate`` sets
+    # each role to the steps its engine actually ran)
+    role_steps: dict[str, StepModel] = field(default_factory=dict)
     _cache: dict[tuple[int, int], Profile] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,7 +103,7 @@ def make_instance(
             "max_model_len", f"{max_len} tokens do not fit {num_blocks} KV blocks of {bs}"
         )
     inst = SimInstance(
-        instance_id, role, region.name, profile.step, engine.scheduler, num_blocks, bs, max_len,
+        instance_id, role, region.name, book.role_steps.get(role, profile.step), engine.scheduler, num_blocks, bs, max_len,
         engine.cache.enable_prefix_caching, clock,
     )  # fmt: skip
     return inst, profile

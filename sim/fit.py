@@ -81,3 +81,24 @@ def fit_error(model: StepModel, samples: Sequence[Sample]) -> dict[str, float]:
         out[f"{name}_mean_rel"] = round(float(err.mean()), 4)
         out[f"{name}_max_rel"] = round(float(err.max()), 4)
     return out
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """``x >= 0`` minimising ``|a x - b|``, for a few columns: the best least-squares
+    answer over the subsets of columns whose answer is non-negative (columns without
+    effect, all zero, stay 0)."""
+    n = a.shape[1]
+    live = [j for j in range(n) if np.abs(a[:, j]).max() > 1e-9]
+    best: tuple[float, list[float]] = (float(np.sum(b**2)), [0.0] * n)
+    for mask in range(1, 1 << len(live)):
+        cols = [j for i, j in enumerate(live) if mask >> i & 1]
+        x = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if (x < 0).any():
+            continue
+        residual = float(np.sum((a[:, cols] @ x - b) ** 2))
+        if residual < best[0] - 1e-15:
+            full = [0.0] * n
+            for j, v in zip(cols, x, strict=True):
+                full[j] = float(v)
+            best = (residual, full)
+    return best[1]

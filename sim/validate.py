@@ -24,13 +24,18 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.messages import StepRecord
+from pdserve.sim.fit import nonnegative_lstsq
+from pdserve.sim.live import LiveFit, live_fit, scaled, step_ratios, traced
+from pdserve.sim.profile import StepModel
+from pdserve.sim.validate_report import TOLERANCE, compare_point
 
 WORKLOADS: dict[str, list[str]] = {
     "conv": ["--trace", "azure-conv", "--max-prompt-len", "1024", "--max-output-len", "128"],
@@ -46,7 +51,6 @@ DEFAULT_POINTS = (
     "disaggregated:long:0.2", "colocated:long:0.8",
 )  # fmt: skip
 CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
-TOLERANCE = {"p50": 0.10, "p90": 0.15}  # the issue's bar: relative error of sim vs real
 
 
 @dataclass(frozen=True)
@@ -152,12 +156,15 @@ def simulate(
 
 @dataclass(frozen=True)
 class Overhead:
-    """What the live system spends outside the profiled steps, from the calibration
-    requests: per engine step (the loop), per sequence of a step (its token streamed
-    out through the router), per hand-off from a prefill to a decode instance (the
-    RPCs, the activation and the decode loop waking, beyond the pages' copy) and per
-    request (front door, router, RPCs)."""
+    """What the live system spends beyond the profiled steps, from the calibration
+    requests: its steps' own slowdown (``live``, from the engines' step traces),
+    then per engine step (the loop between steps), per sequence of a step (its
+    token streamed out through the router), per hand-off from a prefill to a decode
+    instance (the RPCs, the activation and the decode loop waking, beyond the pages'
+    copy) and per request (front door, router, RPCs)."""
 
+    live: LiveFit = field(default_factory=LiveFit)
+    role_live: dict[str, LiveFit] = field(default_factory=dict)  # per role, in place of live
     step_s: float = 0.0
     seq_s: float = 0.0
     handoff_s: float = 0.0
@@ -170,14 +177,19 @@ class Overhead:
         def link(t: TransferModel) -> TransferModel:
             return TransferModel(t.latency_s + self.handoff_s, t.bytes_per_s)
 
+        def step(s: StepModel, live: LiveFit) -> StepModel:
+            s = scaled(s, live)
+            return dataclasses.replace(
+                s, overhead_s=s.overhead_s + self.step_s, s_per_seq=s.s_per_seq + self.seq_s
+            )
+
         profiles = [
-            dataclasses.replace(p, step=dataclasses.replace(
-                p.step, overhead_s=p.step.overhead_s + self.step_s,
-                s_per_seq=p.step.s_per_seq + self.seq_s),
-                connectors={name: link(t) for name, t in p.connectors.items()})
+            dataclasses.replace(p, step=step(p.step, self.live),
+                                connectors={name: link(t) for name, t in p.connectors.items()})
             for p in book.profiles
         ]  # fmt: skip
-        return ProfileBook(book.model, profiles, book.device, book.assumptions)
+        roles = {role: step(book.profiles[0].step, fit) for role, fit in self.role_live.items()}
+        return ProfileBook(book.model, profiles, book.device, book.assumptions, roles)
 
 
 CALIBRATION = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
@@ -206,12 +218,18 @@ def _tpot(summary: dict[str, Any]) -> float:
 
 
 def calibrate(
-    text: str, book: Any, real: list[dict[str, Any]], runs: list[tuple[argparse.Namespace, float]]
+    text: str,
+    book: Any,
+    real: list[dict[str, Any]],
+    runs: list[tuple[argparse.Namespace, float]],
+    steps: list[StepRecord] | None = None,
 ) -> Overhead:
     """The overheads that make the simulated calibration runs match the measured ones.
 
-    TPOT p50 of each run, against the simulation's sensitivity to each overhead (it
-    differs with the batch and the output length), gives the per-step, per-sequence
+    The engines' own steps during the runs (``steps``, when traced) set the step
+    model's scale and offset (:func:`~pdserve.sim.live.live_fit`). Then TPOT p50 of
+    each run, against the simulation's sensitivity to each overhead (it differs
+    with the batch and the output length), gives the per-step, per-sequence
     and per-hand-off overheads: the non-negative least-squares answer (exact when the
     runs are independent; an overhead a setup lacks, such as the hand-off of a
     colocated one, has no effect and comes out 0). Then TTFT p50 of the single run
@@ -221,73 +239,68 @@ def calibrate(
     def tpots(o: Overhead) -> np.ndarray:
         return np.array([_tpot(simulate(text, book, ns, rate, o)) for ns, rate in runs])
 
-    base = tpots(Overhead())
-    probe = 1e-3
-    names = ("step_s", "seq_s", "handoff_s")
-    columns = [(tpots(Overhead(**{name: probe})) - base) / probe for name in names]
+    live = live_fit(book.profiles[0].step, steps or [])
+    base, probe = tpots(Overhead(live)), 1e-3
+    probes = (Overhead(live, step_s=probe), Overhead(live, seq_s=probe),
+              Overhead(live, handoff_s=probe))  # fmt: skip
+    columns = [(tpots(o) - base) / probe for o in probes]
     gap = np.array([_tpot(r) for r in real]) - base
-    fitted = dict(zip(names, nonnegative_lstsq(np.column_stack(columns), gap), strict=True))
+    step_s, seq_s, handoff_s = nonnegative_lstsq(np.column_stack(columns), gap)
+    fitted = Overhead(live, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
     single, rate = runs[0]
-    stepped = simulate(text, book, single, rate, Overhead(**fitted))
+    stepped = simulate(text, book, single, rate, fitted)
     request = max(0.0, (real[0]["ttft_ms"]["p50"] - stepped["ttft_ms"]["p50"]) / 1e3)
-    return Overhead(**fitted, request_s=request)
+    return dataclasses.replace(fitted, request_s=request)
 
 
-def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:
-    """``x >= 0`` minimising ``|a x - b|``, for a few columns: the best least-squares
-    answer over the subsets of columns whose answer is non-negative (columns without
-    effect, all zero, stay 0)."""
-    n = a.shape[1]
-    live = [j for j in range(n) if np.abs(a[:, j]).max() > 1e-9]
-    best: tuple[float, list[float]] = (float(np.sum(b**2)), [0.0] * n)
-    for mask in range(1, 1 << len(live)):
-        cols = [j for i, j in enumerate(live) if mask >> i & 1]
-        x = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
-        if (x < 0).any():
-            continue
-        residual = float(np.sum((a[:, cols] @ x - b) ** 2))
-        if residual < best[0] - 1e-15:
-            full = [0.0] * n
-            for j, v in zip(cols, x, strict=True):
-                full[j] = float(v)
-            best = (residual, full)
-    return best[1]
+@dataclass(frozen=True)
+class Measured:
+    """One measured run: what the load generator saw, and each instance's steps."""
+
+    summary: dict[str, Any]
+    steps: dict[str, list[StepRecord]]
+
+    @staticmethod
+    def all_steps(runs: list[Measured]) -> list[StepRecord]:
+        return [r for m in runs for records in m.steps.values() for r in records]
 
 
 def measure(
     text: str, setup: str, runs: list[tuple[argparse.Namespace, float]], args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    """Each (workload flags, rate) measured in turn on one local cluster of the setup."""
+) -> list[Measured]:
+    """Each (workload flags, rate) measured in turn on one local cluster of the setup,
+    with every instance's engine steps traced."""
+    import ray
+
     from pdserve.bench.headline import cluster_setup
     from pdserve.bench.local import local_cluster
     from pdserve.bench.serve import serve_rates
+    from pdserve.cluster.serve import CONTROLLER, NAMESPACE
 
     _, pins = cluster_setup(setup, _config_args(args))
     out = []
     with local_cluster(text, len(args.cores), pins) as (endpoints, _):
+        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        leaders = [(f"{role}{i}", leader) for i, (role, leader)
+                   in enumerate(ray.get(controller.instance_handles.remote()))]  # fmt: skip
         target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
         for i, (ns, rate) in enumerate(runs):
-            out.append(serve_rates(ns, target, [rate], label=setup, first_run=i)[0].summary)
+            with traced(leaders) as steps:
+                result = serve_rates(ns, target, [rate], label=setup, first_run=i)[0]
+            out.append(Measured(result.summary, steps))
     return out
 
 
-def _pct(summary: dict[str, Any], metric: str, q: str) -> float | None:
-    value = summary.get(metric, {}).get(q)
-    return None if value is None else float(value)
-
-
-def compare_point(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
-    """Per metric and percentile: real ms, simulated ms, relative error, within tolerance."""
-    out: dict[str, Any] = {}
-    for metric in ("ttft_ms", "tpot_ms"):
-        for q in ("p50", "p90"):
-            r, s = _pct(real, metric, q), _pct(sim, metric, q)
-            err = None if not r or s is None else (s - r) / r
-            out[f"{metric[:4]}_{q}"] = {
-                "real": r, "sim": s, "error": None if err is None else round(err, 4),
-                "ok": err is not None and abs(err) <= TOLERANCE[q],
-            }  # fmt: skip
-    return out
+def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:
+    """``overhead`` with each role's steps set to what its engine ran at this point
+    (not a prediction: it tells the error of the step times, which contention under
+    load moves, from that of the simulated scheduling, routing and queueing)."""
+    by_role: dict[str, list[StepRecord]] = {}
+    for name, records in measured.steps.items():
+        by_role.setdefault(name.rstrip("0123456789"), []).extend(records)
+    step = book.profiles[0].step
+    fits = {role: live_fit(step, records) for role, records in by_role.items() if records}
+    return dataclasses.replace(overhead, role_live=fits)
 
 
 def validate(
@@ -305,34 +318,28 @@ def validate(
         start = time.perf_counter()
         runs = [*cal, *zip(flags, [p.rate for p in mine], strict=True)]
         real = measure(text, setup, runs, args)
-        overhead = calibrate(text, book, real[: len(cal)], cal)
-        calibrations[setup] = {"step_overhead_ms": round(overhead.step_s * 1e3, 3),
+        summaries = [m.summary for m in real]
+        overhead = calibrate(text, book, summaries[: len(cal)], cal,
+                             Measured.all_steps(real[: len(cal)]))  # fmt: skip
+        live_model = scaled(book.profiles[0].step, overhead.live)
+        calibrations[setup] = {"step_scale": round(overhead.live.scale, 4),
+                               "step_offset_ms": round(overhead.live.offset_s * 1e3, 3),
+                               "traced_steps": overhead.live.steps,
+                               "step_overhead_ms": round(overhead.step_s * 1e3, 3),
                                "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
                                "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
                                "request_overhead_ms": round(overhead.request_s * 1e3, 3),
-                               "calibration": real[: len(cal)],
+                               "calibration": summaries[: len(cal)],
                                "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
         for point, ns, measured in zip(mine, flags, real[len(cal) :], strict=True):
             sim = simulate(text, book, ns, point.rate, overhead)
-            rows.append({"point": point.name, "real": measured, "sim": sim,
-                         "compare": compare_point(measured, sim)})  # fmt: skip
+            own = simulate(text, book, ns, point.rate, own_steps(overhead, book, measured))
+            rows.append({"point": point.name, "real": measured.summary, "sim": sim,
+                         "compare": compare_point(measured.summary, sim),
+                         "live_steps": step_ratios(live_model, measured.steps),
+                         "sim_own_steps": own,
+                         "compare_own_steps": compare_point(measured.summary, own)})  # fmt: skip
     return rows, calibrations
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    keys = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
-    lines = ["| point | " + " | ".join(f"{k} real / sim ms (error)" for k in keys) + " |",
-             "| --- |" + " ---: |" * len(keys)]  # fmt: skip
-    for row in rows:
-        cells = []
-        for k in keys:
-            c = row["compare"][k]
-            err = "n/a" if c["error"] is None else f"{c['error']:+.1%}"
-            real = "n/a" if c["real"] is None else f"{c['real']:.1f}"
-            sim = "n/a" if c["sim"] is None else f"{c['sim']:.1f}"
-            cells.append(f"{real} / {sim} ({err}){'' if c['ok'] else ' *'}")
-        lines.append(f"| {row['point']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -355,6 +362,7 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     from pdserve.bench.report import header, write_json
     from pdserve.bench.serve import command_line
     from pdserve.core.builtin_models import resolve_model
+    from pdserve.sim.validate_report import calibration_lines, table
 
     points = [Point.parse(p) for p in args.points]
     resolve_model(args.model)
@@ -367,11 +375,10 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
                "mean_abs_error": round(float(np.mean(errors)), 4) if errors else None}  # fmt: skip
     path = write_json(Path(args.out) / f"{args.name}.json", payload)
     print(table(rows))
-    for setup, c in calibrations.items():
-        print(f"{setup}: +{c['step_overhead_ms']} ms a step, +{c['seq_overhead_ms']} ms a "
-              f"sequence of a step, +{c['handoff_overhead_ms']} ms a hand-off, "
-              f"+{c['request_overhead_ms']} ms a request outside the profiled steps "
-              "(calibrated on single requests of 32 and 4 tokens and bursts of 8)")  # fmt: skip
+    print("\nThe same, simulated with each role's steps as its engine ran them at the point:")
+    print(table(rows, "compare_own_steps"))
+    for line in calibration_lines(rows, calibrations):
+        print(line)
     print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
     print(f"wrote {path}")
     return 0
