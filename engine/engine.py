@@ -72,9 +72,8 @@ class EngineCore:
         # Called with the plan when its KV pages did not all reach their decode instance.
         self.on_transfer_failure: Callable[[StepPlan], None] | None = None
         self.last_step_tokens = 0
-        self.last_step: tuple[StepPlan, float, float] | None = (
-            None  # plan, its monotonic start, seconds
-        )
+        # The last step run: its plan, its time.monotonic() start and its seconds.
+        self.last_step: tuple[StepPlan, float, float] | None = None
 
     # -- requests in --------------------------------------------------------
 

@@ -102,8 +102,9 @@ def make_instance(
         raise InvalidArgumentError(
             "max_model_len", f"{max_len} tokens do not fit {num_blocks} KV blocks of {bs}"
         )
+    step = book.role_steps.get(role, profile.step)
     inst = SimInstance(
-        instance_id, role, region.name, book.role_steps.get(role, profile.step), engine.scheduler, num_blocks, bs, max_len,
+        instance_id, role, region.name, step, engine.scheduler, num_blocks, bs, max_len,
         engine.cache.enable_prefix_caching, clock,
     )  # fmt: skip
     return inst, profile
