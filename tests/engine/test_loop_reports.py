@@ -1,6 +1,9 @@
-"""An engine loop's step trace: what each step computed, as the simulator reads it."""
+"""An engine loop's step trace (what each step computed, as the simulator reads it)
+and its load reports (one per interval while the load moves, a heartbeat while not)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -8,7 +11,7 @@ from pdserve.core.config import build_engine_config
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.engine import EngineCore
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.loop import EngineLoop, LoadReporter
 from pdserve.parallel.executor import LocalExecutor
 
 
@@ -64,3 +67,19 @@ def test_the_trace_keeps_the_newest_steps(loop) -> None:
     steps = _trace(loop, 0)
     assert len(steps) == 3
     assert [s.cached_tokens for s in steps] == [(14,), (15,), (16,)]
+
+
+def test_an_idle_instance_reports_only_a_heartbeat(loop) -> None:
+    reporter = LoadReporter(loop, "i0", "decode", interval_s=0.02, heartbeat_s=0.5)
+    got = []
+    first = reporter.subscribe(got.append)
+    assert first.running == 0
+    time.sleep(1.1)  # 55 intervals, nothing changing
+    assert 2 <= len(got) <= 6, len(got)  # the first timer report, then one each 0.5 s
+    sent = len(got)
+    _run(loop, {"a": 40}, 40)
+    time.sleep(0.1)
+    assert len(got) > sent  # the load moved: reports follow
+    assert any(r.running == 1 or r.waiting == 1 for r in got[sent:])
+    assert (got[-1].running, got[-1].waiting) == (0, 0)  # and the idle state is sent
+    assert reporter.sent == len(got)
