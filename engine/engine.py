@@ -72,7 +72,7 @@ class EngineCore:
         # Called with the plan when its KV pages did not all reach their decode instance.
         self.on_transfer_failure: Callable[[StepPlan], None] | None = None
         self.last_step_tokens = 0
-        # The last step run: its plan, its time.monotonic() start and its seconds.
+        # This step's plan, time.monotonic() start and seconds; None when it ran nothing.
         self.last_step: tuple[StepPlan, float, float] | None = None
 
     # -- requests in --------------------------------------------------------
@@ -253,6 +253,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and post-process one batch; outputs for requests that moved."""
+        self.last_step = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []

@@ -288,9 +288,8 @@ class LoadReporter:
 
 def _same_load(report: LoadReport, last: LoadReport | None) -> bool:
     """No KV event in ``report`` and every other field as in ``last``."""
-    if last is None or report.kv_added or report.kv_removed or report.kv_lower:
+    if last is None:
         return False
-    if report.kv_device:
-        return False
-    quiet = dataclasses.replace(last, kv_added=[], kv_removed=[], kv_lower=[], kv_device=[])
-    return report == quiet
+    return report == dataclasses.replace(
+        last, kv_added=[], kv_removed=[], kv_lower=[], kv_device=[]
+    )

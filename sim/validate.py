@@ -264,6 +264,14 @@ class Measured:
     def all_steps(runs: list[Measured]) -> list[StepRecord]:
         return [r for m in runs for records in m.steps.values() for r in records]
 
+    def by_role(self) -> dict[str, list[StepRecord]]:
+        """The steps of every instance of a role together (instances are named
+        ``{role}{index}``)."""
+        out: dict[str, list[StepRecord]] = {}
+        for name, records in self.steps.items():
+            out.setdefault(name.rstrip("0123456789"), []).extend(records)
+        return out
+
 
 def measure(
     text: str, setup: str, runs: list[tuple[argparse.Namespace, float]], args: argparse.Namespace
@@ -295,11 +303,9 @@ def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:
     """``overhead`` with each role's steps set to what its engine ran at this point
     (not a prediction: it tells the error of the step times, which contention under
     load moves, from that of the simulated scheduling, routing and queueing)."""
-    by_role: dict[str, list[StepRecord]] = {}
-    for name, records in measured.steps.items():
-        by_role.setdefault(name.rstrip("0123456789"), []).extend(records)
     step = book.profiles[0].step
-    fits = {role: live_fit(step, records) for role, records in by_role.items() if records}
+    fits = {role: live_fit(step, records) for role, records in measured.by_role().items()
+            if records}  # fmt: skip
     return dataclasses.replace(overhead, role_live=fits)
 
 

@@ -4,8 +4,8 @@ up front.
 A sparse file under ``/dev/shm`` costs nothing until a page is first written, and
 then costs the kernel a page allocation and a fault in the middle of an engine
 step: on the 2-core VM of ``bench/RESULTS.md``, ~0.28 ms for each 512 KiB written
-for the first time against ~0.02 ms once mapped, which made a 256-token prefill
-step half again as long as its profile while the pool was new. When the
+for the first time against ~0.02 ms once mapped: most of why a 256-token prefill
+step ran 1.5x its profile while the pool was new. When the
 file system is full, the first write to a missing page kills the process with
 SIGBUS, at whatever step reaches it.
 
@@ -53,7 +53,6 @@ def reserve_file(path: Path, num_bytes: int) -> None:
         if e.errno not in (errno.ENOSPC, errno.EFBIG):
             os.ftruncate(fd, num_bytes)  # no fallocate here: a sparse file, as before
             return
-        os.close(fd)
         path.unlink(missing_ok=True)
         free = _free_bytes(path.parent)
         raise TransferError(
@@ -61,7 +60,8 @@ def reserve_file(path: Path, num_bytes: int) -> None:
             f"{free / 2**30:.2f} GiB free (give that file system more room, e.g. docker "
             "--shm-size, or lower cache.kv_cache_memory_bytes / cache.num_blocks)"
         ) from None
-    os.close(fd)
+    finally:
+        os.close(fd)
 
 
 def populate(tensor: torch.Tensor) -> bool:

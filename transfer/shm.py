@@ -13,8 +13,8 @@ as fast (torch runs it single-threaded there).
 The file is allocated and mapped in full when the cache is made
 (:mod:`~pdserve.transfer.host_memory`): no page fault lands in a step, and a
 ``/dev/shm`` too small for the cache is an error at start-up, not a SIGBUS
-later. The decode rank removes its file when it closes; files left by a process that
-died are swept when the next receiver starts.
+later. The decode rank removes its file when it closes; files left by a
+process that died are swept when the next receiver starts.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ def test_the_trace_holds_every_step_with_its_rows(loop) -> None:
     assert [s.start_s for s in steps] == sorted(s.start_s for s in steps)
     _run(loop, {"after": 8}, 2)
     assert _trace(loop, 0) == []  # stopped
+    # a step with nothing to run leaves no last step (the trace records none)
+    assert loop.call(lambda engine: (engine.step(), engine.last_step)).result(10) == ([], None)
 
 
 def test_the_trace_keeps_the_newest_steps(loop) -> None:

@@ -149,6 +149,35 @@ def test_shm_cache_file_is_allocated_in_full_when_made(shm_dir: Path) -> None:
     receiver.close()
 
 
+def _mapped_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def test_shm_mappings_are_populated_when_made(shm_dir: Path) -> None:
+    receiver = shm.ShmReceiver("d0", 0)
+    cache = receiver.allocate(KV_SHAPE, torch.float32, CPU)
+    kib = cache.numel() * cache.element_size() // 1024
+    # every page is in the receiver's page tables before any step wrote one
+    assert _mapped_kib(cache.data_ptr()) >= kib
+    sender = shm.ShmSender()
+    sender.connect(receiver.endpoint(actor=None))
+    # and in the sender's mapping of the same file, which it has not written either
+    pages = sender._pages[("d0", 0)][0]
+    assert _mapped_kib(pages.base) >= kib
+    assert not cache.any()
+    sender.close()
+    receiver.close()
+
+
 def test_a_file_system_without_room_for_the_cache_is_a_clear_error(shm_dir: Path) -> None:
     stat = os.statvfs(shm_dir)
     too_big = stat.f_bavail * stat.f_frsize + (1 << 30)
