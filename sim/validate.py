@@ -104,8 +104,10 @@ def pinned_here(cores: tuple[int, ...]) -> Iterator[None]:
     """This process on ``cores`` with as many torch threads, as a rank would be."""
     import torch
 
-    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    os.sched_setaffinity(0, set(cores) & before or before)
+    from pdserve.bench.local import claim_cores
+
+    before, threads = claim_cores(set(cores)), torch.get_num_threads()
+    os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(len(cores))
     try:
         yield

@@ -12,6 +12,7 @@ import ray
 from pdserve.bench.local import pin_instances
 from pdserve.cluster.config import parse_config
 from pdserve.cluster.serve import start_controller
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.deploy.cli import main
 
 CONFIG = """\
@@ -103,3 +104,30 @@ def test_pinning_sets_the_rank_process_affinity(cluster):
         assert p.threads > 1
     everywhere = tuple(sorted(os.sched_getaffinity(0)))
     pin_instances(controller, {"prefill": everywhere, "decode": everywhere})
+    # a core this process may not use is an error naming it, not a silent skip
+    with pytest.raises(InvalidArgumentError, match=r"decode asks for cores \[\d+\]"):
+        pin_instances(controller, {"decode": (os.cpu_count() or 1,)})
+
+
+CLAIM = """
+import os, sys
+from pdserve.bench.local import claim_cores
+from pdserve.core.errors import InvalidArgumentError
+every = set(range(os.cpu_count()))
+os.sched_setaffinity(0, {0})  # a shell confined to one core
+assert claim_cores(every) == every == os.sched_getaffinity(0)
+try:
+    claim_cores({os.cpu_count()})
+except InvalidArgumentError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_named_cores_are_claimed_from_a_confined_parent():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CLAIM], capture_output=True, text=True,
+                         check=True, timeout=60)  # fmt: skip
+    assert f"cores: no core [{os.cpu_count()}] on this machine" in out.stdout
