@@ -118,6 +118,8 @@ class SimCluster:
         )
         self.profiles[inst.instance_id] = profile
         self.all.append(inst)
+        if self.options.one_host:
+            inst.peers = self.all
         return inst
 
     def _join(self, inst: SimInstance) -> None:

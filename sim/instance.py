@@ -7,10 +7,14 @@ execution is replaced by the profile's step time; every sampled token is
 :data:`TOKEN` and requests stop on length (``ignore_eos``).
 
 A step: ``start(now)`` calls ``Scheduler.schedule`` and returns when the step
-ends; ``complete()`` calls ``Scheduler.update``. In fast mode a step whose
-batch is decode only and cannot change by itself (no prefill chunk, no
-preemption, nothing waiting that could be admitted, enough free blocks) runs
-as a *run* of ``k`` steps: up to the first request that finishes. An event that
+ends; ``complete()`` calls ``Scheduler.update``. A step that starts after the
+instance sat idle, or while another instance on its host (``peers``) is
+mid-step, takes the step model's ``live_time``; in fast mode such a step runs
+alone (a peer's step that starts during a run does not slow the run).
+
+In fast mode a step whose batch is decode only and cannot change by itself (no
+prefill chunk, no preemption, nothing waiting that could be admitted, enough
+free blocks) runs as a *run* of ``k`` steps: up to the first request that finishes. An event that
 touches the instance mid-run (an arrival, a reservation, a hand-off) first
 calls ``interrupt(now)``, which cuts the run at the step in flight, so the
 batch changes at the same step boundary as in the step-by-step mode. The
@@ -94,6 +98,8 @@ class SimInstance:
         self._context = 0
         self._mean_step = 0.0
         self._mean_tokens = 0.0
+        self._idle_since = -float("inf")  # when the last step ended
+        self.peers: list[SimInstance] = []  # the instances on its host (itself among them)
 
     @property
     def busy(self) -> bool:
@@ -111,16 +117,20 @@ class SimInstance:
         self.stats.runs += 1
         if plan.is_empty:
             return None
-        steps = 1
-        if fast and self.scheduler.num_preemptions == preemptions:
-            steps = self._run_length(plan)
+        model, steps = self.step_model, 1
+        cold = shared = False
+        if model.slows:
+            cold = now - self._idle_since > model.cold_after_s
+            shared = any(p.busy for p in self.peers if p is not self)
+        if fast and not (cold or shared) and self.scheduler.num_preemptions == preemptions:
+            steps = self._run_length(plan)  # a slowed step runs alone: only it is slower
         self._plan, self._start, self._steps, self._held = plan, now, steps, False
         self._seqs, self._context = len(plan.seqs), sum(s.start_pos for s in plan.seqs)
         if steps == 1:
             rows = [(len(s.token_ids), s.start_pos) for s in plan.seqs]
-            duration = self.step_model.time(StepFeatures.of(rows))
+            duration = model.live_time(StepFeatures.of(rows), cold, shared)
         else:
-            duration = self.step_model.decode_run_time(self._seqs, self._context, steps)
+            duration = model.decode_run_time(self._seqs, self._context, steps)
         self._end = now + duration
         return self._end
 
@@ -193,7 +203,7 @@ class SimInstance:
         """Apply the finished step (or run) to the scheduler's state."""
         plan, steps = self._plan, self._steps
         assert plan is not None
-        self._plan = None
+        self._plan, self._idle_since = None, self._end
         done = StepDone(self._end, steps)
         sampled = {s.request_id: TOKEN for s in plan.seqs if s.sampling is not None}
         for request in self.scheduler.update(plan, sampled):

@@ -1,16 +1,26 @@
 """A profile against the steps a live instance ran (its engine's ``step_trace``).
 
 ``pdserve profile`` times each step shape alone, back to back, in a quiet
-process. A serving instance runs the same shapes slower: its process also runs
-Ray's threads (its step's tokens go out, pages and requests come in), and the
-router, the front door and the clients share the host's cores. On the 2-core VM
-of ``bench/RESULTS.md`` a live decode step took 1.2-1.4x and a prefill step
-1.1-1.2x what the profile predicts for its shape, with one request at a time.
+process. A serving instance runs the same shapes slower, and not by one factor
+(2-core VM of ``bench/RESULTS.md``, builtin:small float32, ranks pinned):
 
-:func:`live_fit` fits ``live = scale * profile + offset`` over traced steps
-(relative least squares, both terms non-negative); :func:`scaled` applies it
-to a :class:`~pdserve.sim.profile.StepModel`. :func:`step_ratios` says how far
-a run's steps were from a model, per instance, after the fact.
+- by kind: a colocated instance on two threads ran decode steps at 2.0-2.6x
+  their profile and back-to-back prefill chunks at 1.1-1.4x; a one-core decode
+  instance ran its steps at 1.2-1.4x;
+- after idling: the first step after 50 ms or more without one ran 1.6-2.1x
+  (colocated prefill) and 1.5-2.3x (one-core decode), against 1.1-1.4x warm;
+- beside the other engine: a one-core decode step that a prefill step covered
+  ran 1.4-1.9x, against 1.2-1.4x alone (the router, the load generator and Ray
+  run on the same two cores).
+
+:func:`live_fit` fits ``live = c * compute + m * rest + offset`` over traced
+steps (the profile's compute terms, per new token and per query-key pair, and
+the rest of its time), each step's error relative to its own time, every term
+non-negative, with a cold pair and a shared pair of factors on those parts for
+steps after idling and steps beside another instance's
+(:meth:`~pdserve.sim.profile.StepModel.live_time`). :func:`scaled` applies the
+fit to a :class:`~pdserve.sim.profile.StepModel`. :func:`step_ratios` says how
+far a run's steps were from a model, per instance, after the fact.
 """
 
 from __future__ import annotations
@@ -28,48 +38,122 @@ from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.profile import StepFeatures, StepModel
 
 TRACE_STEPS = 200_000  # steps an instance keeps between two reads
+FIT_ROUNDS = 4  # live_fit: the cold part is fitted against the warm time of the round before
 
 
 @dataclass(frozen=True)
 class LiveFit:
-    """``live step = scale * profile + offset_s`` over ``steps`` traced steps."""
+    """``live step = compute * compute_scale + memory * memory_scale + offset_s`` over
+    ``steps`` traced steps (the profile's compute terms, and the rest of its time),
+    plus ``cold_compute`` and ``cold_factor`` times those parts for a step after the
+    instance sat idle, and ``shared_compute`` and ``shared_factor`` times them for a
+    step that another instance's step covered by more than half."""
 
-    scale: float = 1.0
+    compute_scale: float = 1.0
+    memory_scale: float = 1.0
     offset_s: float = 0.0
+    cold_compute: float = 0.0  # a step after the instance idled: its compute this much
+    cold_factor: float = 0.0  # longer, and the rest of its time this much
+    shared_compute: float = 0.0  # the same, for a step beside another instance's step
+    shared_factor: float = 0.0
     steps: int = 0
+
+
+def _features(records: Sequence[StepRecord]) -> list[StepFeatures]:
+    return [StepFeatures.of(list(zip(r.new_tokens, r.cached_tokens, strict=True)))
+            for r in records]  # fmt: skip
 
 
 def predicted(step: StepModel, records: Sequence[StepRecord]) -> np.ndarray:
     """The model's time of each traced step's shape."""
-    return np.array([
-        step.time(StepFeatures.of(list(zip(r.new_tokens, r.cached_tokens, strict=True))))
-        for r in records
-    ])  # fmt: skip
+    return np.array([step.time(f) for f in _features(records)])
 
 
-def live_fit(step: StepModel, records: Sequence[StepRecord]) -> LiveFit:
-    """The scale and offset that bring ``step`` to the traced steps (each step's
-    error relative to its own time, so short decode steps weigh as much as long
-    prefills). Without steps: no change."""
+def _compute_part(step: StepModel, records: Sequence[StepRecord]) -> np.ndarray:
+    return np.array([step.compute_time(f) for f in _features(records)])
+
+
+def cold_flags(step: StepModel, trace: Sequence[StepRecord]) -> np.ndarray:
+    """Per step of one instance's trace (in order): whether it started after the
+    instance sat idle longer than ``step.cold_after_s`` (the first one: yes)."""
+    starts = np.array([r.start_s for r in trace])
+    ends = starts + np.array([r.seconds for r in trace])
+    idle = np.concatenate([[np.inf], starts[1:] - ends[:-1]]) if len(trace) else starts
+    return np.asarray(idle > step.cold_after_s)
+
+
+def shared_flags(trace: Sequence[StepRecord], others: Sequence[Sequence[StepRecord]]) -> np.ndarray:
+    """Per step of ``trace``: whether other instances' steps (``others``, each in
+    order, on the same clock) covered more than half of it."""
+    spans = sorted((r.start_s, r.start_s + r.seconds) for t in others for r in t)
+    merged: list[list[float]] = []
+    for a, b in spans:  # the union of the others' steps
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    if not merged:
+        return np.zeros(len(trace), dtype=bool)
+    lo, hi = np.array(merged).T
+    covered = np.concatenate([[0.0], np.cumsum(hi - lo)])  # covered up to each span's end
+
+    def upto(t: float) -> float:  # covered time before t
+        i = int(np.searchsorted(lo, t, side="right"))
+        return float(covered[i - 1] + min(t, hi[i - 1]) - lo[i - 1]) if i else 0.0
+
+    return np.array([upto(r.start_s + r.seconds) - upto(r.start_s) > r.seconds / 2
+                     for r in trace], dtype=bool)  # fmt: skip
+
+
+def live_fit(step: StepModel, traces: Sequence[Sequence[StepRecord]]) -> LiveFit:
+    """The scales, offset and cold factor that bring ``step`` to the traced steps
+    (``traces``: each instance's steps in order), each step's error relative to its
+    own time, so short decode steps weigh as much as long prefills. Steps of one
+    kind only (no compute part to tell apart): one scale for both parts. Without
+    steps: no change."""
+    records = [r for trace in traces for r in trace]
     if not records:
         return LiveFit()
-    model = predicted(step, records)
+    model, compute = predicted(step, records), _compute_part(step, records)
+    kept = [t for t in traces if t]
+    cold = np.concatenate([cold_flags(step, t) for t in kept]).astype(float)
+    shared = np.concatenate(
+        [shared_flags(t, kept[:i] + kept[i + 1 :]) for i, t in enumerate(kept)]
+    ).astype(float)
     live = np.array([r.seconds for r in records])
-    weight = 1.0 / live
-    design = np.column_stack([model * weight, weight])
-    scale, offset = nonnegative_lstsq(design, live * weight)
-    if scale <= 0:  # steps unrelated to their shape: keep the profile's proportions
-        return LiveFit(1.0, float(np.median(live - model)), len(records))
-    return LiveFit(scale, offset, len(records))
+    w, n = 1.0 / live, len(records)
+    rest = model - compute
+    warm_c, warm_r = compute, rest  # the warm parts: refined as the fit converges
+    for _ in range(FIT_ROUNDS):
+        columns = [compute, rest, np.ones(n), cold * warm_c, cold * warm_r,
+                   shared * warm_c, shared * warm_r]  # fmt: skip
+        c, m, offset, kc, kr, sc, sr = nonnegative_lstsq(
+            np.column_stack([x * w for x in columns]), live * w
+        )
+        if not (c > 0 and m > 0):  # one kind of step: one scale, one factor of each
+            both = warm_c + warm_r
+            c, offset, kr, sr = nonnegative_lstsq(
+                np.column_stack([model * w, w, cold * both * w, shared * both * w]), live * w
+            )
+            m, kc, sc = c, kr, sr
+        if c <= 0:  # steps unrelated to their shape: keep the profile's proportions
+            return LiveFit(1.0, 1.0, float(np.median(live - model)), steps=n)
+        warm_c, warm_r = c * compute, m * rest + offset
+    return LiveFit(c, m, offset, kc, kr, sc, sr, n)
 
 
 def scaled(step: StepModel, fit: LiveFit) -> StepModel:
-    """``step`` with every term times ``fit.scale`` and ``fit.offset_s`` added per step."""
-    k = fit.scale
+    """``step`` with its compute terms times ``fit.compute_scale``, the rest times
+    ``fit.memory_scale``, ``fit.offset_s`` added per step, and its cold factor."""
+    c, m = fit.compute_scale, fit.memory_scale
+    if step.combine != "sum":  # a roofline has one time: the memory scale stands for both
+        c = m
     return dataclasses.replace(
-        step, overhead_s=step.overhead_s * k + fit.offset_s, s_per_token=step.s_per_token * k,
-        s_per_attn=step.s_per_attn * k, weights_s=step.weights_s * k,
-        s_per_ctx=step.s_per_ctx * k, s_per_seq=step.s_per_seq * k,
+        step, overhead_s=step.overhead_s * m + fit.offset_s, s_per_token=step.s_per_token * c,
+        s_per_attn=step.s_per_attn * c, weights_s=step.weights_s * m,
+        s_per_ctx=step.s_per_ctx * m, s_per_seq=step.s_per_seq * m,
+        cold_compute=fit.cold_compute, cold_factor=fit.cold_factor,
+        shared_compute=fit.shared_compute, shared_factor=fit.shared_factor,
     )  # fmt: skip
 
 
@@ -100,3 +184,23 @@ def traced(leaders: list[tuple[str, Any]]) -> Iterator[dict[str, list[StepRecord
         taken = ray.get([leader.step_trace.remote(0) for _, leader in leaders])
         for (name, _), records in zip(leaders, taken, strict=True):
             out.setdefault(name, []).extend(records)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured run: what the load generator saw, and each instance's steps."""
+
+    summary: dict[str, Any]
+    steps: dict[str, list[StepRecord]]
+
+    @staticmethod
+    def all_traces(runs: list[Measured]) -> list[list[StepRecord]]:
+        """Every instance's steps of every run, one list each."""
+        return [records for m in runs for records in m.steps.values()]
+
+    def by_role(self) -> dict[str, list[list[StepRecord]]]:
+        """The traces of every instance of a role (instances are named ``{role}{index}``)."""
+        out: dict[str, list[list[StepRecord]]] = {}
+        for name, records in self.steps.items():
+            out.setdefault(name.rstrip("0123456789"), []).append(records)
+        return out

@@ -35,6 +35,8 @@ class SimOptions:
         planner: run the config's planner (its mode decides whether it applies changes).
         request_overhead_s: a request's fixed cost outside the engines' steps (front
             door, router, RPCs, the first token's way back), added to its TTFT.
+        one_host: every instance shares one host, as a local cluster does (a step
+            beside another instance's step takes the step model's shared time).
     """
 
     fast: bool = True
@@ -42,6 +44,7 @@ class SimOptions:
     startup_s: float = 30.0
     planner: bool = True
     request_overhead_s: float = 0.0
+    one_host: bool = False
 
     def __post_init__(self) -> None:
         if self.startup_s < 0:

@@ -9,6 +9,15 @@ tokens on top of ``c_i`` cached ones. A step is summarised by four features
     t       = overhead_s + s_per_seq * len(batch) + (compute + memory)   # combine="sum"
                                                   or max(compute, memory) # combine="max"
 
+A live step can take longer than that (:meth:`StepModel.live_time`): one that
+starts after the instance sat idle longer than ``cold_after_s`` takes
+``cold_compute * compute + cold_factor * (t - compute)`` more (caches and thread
+pools gone cold), and one that runs while another instance on its host is
+mid-step takes ``shared_compute * compute + shared_factor * (t - compute)`` more
+(the host's other work pushed onto its cores). All four are 0 in a profile,
+which times steps back to back on a quiet host; ``pdserve sim-validate`` fits
+them from live steps.
+
 A prefill step is compute-bound (many new tokens), a decode step memory-bound
 (one new token per sequence over its whole context); one model covers both
 and every mix the scheduler builds. Fitted models (measured on the real engine)
@@ -66,11 +75,18 @@ class StepModel:
     s_per_ctx: float = 0.0
     s_per_seq: float = 0.0
     combine: str = "sum"
+    cold_compute: float = 0.0
+    cold_factor: float = 0.0
+    cold_after_s: float = 0.05
+    shared_compute: float = 0.0
+    shared_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
             raise InvalidArgumentError("step.combine", f"must be one of {COMBINES}")
-        for name in ("overhead_s", "s_per_token", "s_per_attn", "weights_s", "s_per_ctx"):
+        for name in ("overhead_s", "s_per_token", "s_per_attn", "weights_s", "s_per_ctx",
+                     "cold_compute", "cold_factor", "cold_after_s", "shared_compute",
+                     "shared_factor"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise InvalidArgumentError(f"step.{name}", f"must be a number >= 0, got {value!r}")
@@ -80,6 +96,28 @@ class StepModel:
         memory = self.weights_s + self.s_per_ctx * f.context
         body = compute + memory if self.combine == "sum" else max(compute, memory)
         return self.overhead_s + self.s_per_seq * f.seqs + body
+
+    def compute_time(self, f: StepFeatures) -> float:
+        """The compute terms of :meth:`time` (0 under ``max``: a roofline has no parts)."""
+        if self.combine != "sum":
+            return 0.0
+        return self.s_per_token * f.new_tokens + self.s_per_attn * f.attn
+
+    def live_time(self, f: StepFeatures, cold: bool, shared: bool) -> float:
+        """:meth:`time` of a step after the instance sat idle (``cold``) or beside
+        another instance's step on its host (``shared``)."""
+        t = self.time(f)
+        if not (cold or shared):
+            return t
+        compute = self.compute_time(f)
+        c = self.cold_compute * cold + self.shared_compute * shared
+        r = self.cold_factor * cold + self.shared_factor * shared
+        return t + c * compute + r * (t - compute)
+
+    @property
+    def slows(self) -> bool:
+        """Whether :meth:`live_time` can differ from :meth:`time`."""
+        return any((self.cold_compute, self.cold_factor, self.shared_compute, self.shared_factor))
 
     def decode_run_time(self, seqs: int, context: int, steps: int) -> float:
         """Total time of ``steps`` pure decode steps of ``seqs`` sequences whose

@@ -33,7 +33,7 @@ import numpy as np
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
-from pdserve.sim.live import LiveFit, live_fit, scaled, step_ratios, traced
+from pdserve.sim.live import LiveFit, Measured, live_fit, scaled, step_ratios, traced
 from pdserve.sim.profile import StepModel
 from pdserve.sim.validate_report import TOLERANCE, compare_point
 
@@ -151,7 +151,8 @@ def simulate(
 
     config = parse_config(text, "<sim>")
     work = workload_from_args(ns, rate, [1.0])
-    options = SimOptions(fast=False, planner=False, request_overhead_s=overhead.request_s)
+    options = SimOptions(fast=False, planner=False, request_overhead_s=overhead.request_s,
+                         one_host=True)  # fmt: skip
     run = SimCluster(config, overhead.apply(book), work, options).run()
     return run.recorder.summary(slo_of(config))
 
@@ -197,22 +198,24 @@ class Overhead:
 CALIBRATION = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
 BURST = ["--prompt-len", "256", "--output-len", "32", "--arrival", "burst", "--burst-size", "8"]
 SHORT = ["--prompt-len", "256", "--output-len", "4", "--arrival", "fixed"]
+OVERLAP = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
 CALIBRATION_BURST_RATE = 1.0  # req/s: a burst of 8 every 8 s, done well before the next
+CALIBRATION_OVERLAP_RATE = 4.0  # req/s, fixed gaps: a prefill beside the last one's decode
 
 
 def calibration_args(args: argparse.Namespace) -> list[tuple[argparse.Namespace, float]]:
     """(flags, rate) of the calibration runs: one request at a time (a fixed gap longer
     than a request: no queueing, no batching), bursts of 8 (batches of up to 8), and
     one at a time again with 4 output tokens (the hand-off to decode weighs on their
-    TPOT eight times as much as on 32 tokens')."""
-    single, burst, short = (
-        bench_flags(CALIBRATION, args),
-        bench_flags(BURST, args),
-        bench_flags(SHORT, args),
-    )
+    TPOT eight times as much as on 32 tokens'), and a steady 4 req/s (each prefill
+    runs beside the decode steps of the requests before it)."""
+    single, burst, short, overlap = (bench_flags(w, args) for w in (CALIBRATION, BURST, SHORT,
+                                                                     OVERLAP))  # fmt: skip
     single.num_requests = short.num_requests = args.calibration_requests
     burst.num_requests = 2 * 8
-    return [(single, CALIBRATION_RATE), (burst, CALIBRATION_BURST_RATE), (short, CALIBRATION_RATE)]
+    overlap.num_requests = 3 * args.calibration_requests
+    return [(single, CALIBRATION_RATE), (burst, CALIBRATION_BURST_RATE), (short, CALIBRATION_RATE),
+            (overlap, CALIBRATION_OVERLAP_RATE)]  # fmt: skip
 
 
 def _tpot(summary: dict[str, Any]) -> float:
@@ -224,12 +227,13 @@ def calibrate(
     book: Any,
     real: list[dict[str, Any]],
     runs: list[tuple[argparse.Namespace, float]],
-    steps: list[StepRecord] | None = None,
+    traces: list[list[StepRecord]] | None = None,
 ) -> Overhead:
     """The overheads that make the simulated calibration runs match the measured ones.
 
-    The engines' own steps during the runs (``steps``, when traced) set the step
-    model's scale and offset (:func:`~pdserve.sim.live.live_fit`). Then TPOT p50 of
+    The engines' own steps during the runs (``traces``: each instance's, when traced)
+    set the step model's scales, offset and cold factor
+    (:func:`~pdserve.sim.live.live_fit`). Then TPOT p50 of
     each run, against the simulation's sensitivity to each overhead (it differs
     with the batch and the output length), gives the per-step, per-sequence
     and per-hand-off overheads: the non-negative least-squares answer (exact when the
@@ -241,7 +245,7 @@ def calibrate(
     def tpots(o: Overhead) -> np.ndarray:
         return np.array([_tpot(simulate(text, book, ns, rate, o)) for ns, rate in runs])
 
-    live = live_fit(book.profiles[0].step, steps or [])
+    live = live_fit(book.profiles[0].step, traces or [])
     base, probe = tpots(Overhead(live)), 1e-3
     probes = (Overhead(live, step_s=probe), Overhead(live, seq_s=probe),
               Overhead(live, handoff_s=probe))  # fmt: skip
@@ -253,26 +257,6 @@ def calibrate(
     stepped = simulate(text, book, single, rate, fitted)
     request = max(0.0, (real[0]["ttft_ms"]["p50"] - stepped["ttft_ms"]["p50"]) / 1e3)
     return dataclasses.replace(fitted, request_s=request)
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One measured run: what the load generator saw, and each instance's steps."""
-
-    summary: dict[str, Any]
-    steps: dict[str, list[StepRecord]]
-
-    @staticmethod
-    def all_steps(runs: list[Measured]) -> list[StepRecord]:
-        return [r for m in runs for records in m.steps.values() for r in records]
-
-    def by_role(self) -> dict[str, list[StepRecord]]:
-        """The steps of every instance of a role together (instances are named
-        ``{role}{index}``)."""
-        out: dict[str, list[StepRecord]] = {}
-        for name, records in self.steps.items():
-            out.setdefault(name.rstrip("0123456789"), []).extend(records)
-        return out
 
 
 def measure(
@@ -306,8 +290,8 @@ def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:
     (not a prediction: it tells the error of the step times, which contention under
     load moves, from that of the simulated scheduling, routing and queueing)."""
     step = book.profiles[0].step
-    fits = {role: live_fit(step, records) for role, records in measured.by_role().items()
-            if records}  # fmt: skip
+    fits = {role: live_fit(step, traces) for role, traces in measured.by_role().items()
+            if any(traces)}  # fmt: skip
     return dataclasses.replace(overhead, role_live=fits)
 
 
@@ -328,10 +312,15 @@ def validate(
         real = measure(text, setup, runs, args)
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
-                             Measured.all_steps(real[: len(cal)]))  # fmt: skip
+                             Measured.all_traces(real[: len(cal)]))  # fmt: skip
         live_model = scaled(book.profiles[0].step, overhead.live)
-        calibrations[setup] = {"step_scale": round(overhead.live.scale, 4),
+        calibrations[setup] = {"compute_scale": round(overhead.live.compute_scale, 4),
+                               "memory_scale": round(overhead.live.memory_scale, 4),
                                "step_offset_ms": round(overhead.live.offset_s * 1e3, 3),
+                               "cold_compute": round(overhead.live.cold_compute, 4),
+                               "cold_factor": round(overhead.live.cold_factor, 4),
+                               "shared_compute": round(overhead.live.shared_compute, 4),
+                               "shared_factor": round(overhead.live.shared_factor, 4),
                                "traced_steps": overhead.live.steps,
                                "step_overhead_ms": round(overhead.step_s * 1e3, 3),
                                "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),

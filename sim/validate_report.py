@@ -32,11 +32,14 @@ def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) 
         lines.append(f"{row['point']}: live steps / calibrated step model (median): {ratios}")
     for setup, c in calibrations.items():
         lines.append(
-            f"{setup}: steps x{c['step_scale']} + {c['step_offset_ms']} ms (from "
+            f"{setup}: steps' compute x{c['compute_scale']}, the rest x{c['memory_scale']}, "
+            f"+ {c['step_offset_ms']} ms; after idling, compute x{1 + c['cold_compute']:.2f} and "
+            f"the rest x{1 + c['cold_factor']:.2f}; beside another instance's step, "
+            f"x{1 + c['shared_compute']:.2f} and x{1 + c['shared_factor']:.2f} (from "
             f"{c['traced_steps']} traced steps), then +{c['step_overhead_ms']} ms a step, "
             f"+{c['seq_overhead_ms']} ms a sequence of a step, +{c['handoff_overhead_ms']} ms "
             f"a hand-off, +{c['request_overhead_ms']} ms a request (calibrated on single "
-            "requests of 32 and 4 tokens and bursts of 8)"
+            "requests of 32 and 4 tokens, bursts of 8 and 4 req/s)"
         )
     return lines
 

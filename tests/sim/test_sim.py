@@ -143,3 +143,27 @@ def test_a_run_leaves_no_cyclic_garbage() -> None:
     assert gc.isenabled(), "the collector is enabled again after the run"
     assert gc.collect() == 0, "the run made reference cycles"
     _check_no_leaks(run)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_step_after_idling_takes_the_cold_time(fast: bool) -> None:
+    # Requests 10 s apart: each one's first step follows 10 s of idling and takes
+    # twice its 10 ms; the decode steps after it follow at once and do not.
+    cold = StepModel(overhead_s=0.010, cold_factor=1.0)
+    run = _run(toy_config(0, 1), toy_profile(cold), workload(np.arange(5) * 10.0, 100, 5),
+               fast=fast)  # fmt: skip
+    rec = run.recorder
+    np.testing.assert_allclose(rec.first - rec.arrival, 0.020)
+    np.testing.assert_allclose(rec.end - rec.arrival, 0.060)
+
+
+def test_a_step_beside_another_instances_step_takes_the_shared_time() -> None:
+    # Request 1 arrives at 20 ms, while request 0's first decode step (15-25 ms)
+    # runs: on one host its prefill step takes twice its 10 ms; on separate hosts not.
+    shared = toy_profile(StepModel(overhead_s=0.010, shared_factor=1.0), latency_s=0.005)
+    work = workload(np.array([0.0, 0.020]), 100, 5)
+    apart = _run(toy_config(1, 1), shared, work, fast=False).recorder
+    np.testing.assert_allclose(apart.first - apart.arrival, 0.010)
+    together = _run(toy_config(1, 1), shared, work, fast=False, one_host=True).recorder
+    np.testing.assert_allclose(together.first - together.arrival, [0.010, 0.020])
+    assert (together.end > apart.end).all()

@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
-from pdserve.sim.live import LiveFit, live_fit, predicted, scaled
+from pdserve.sim.live import LiveFit, cold_flags, live_fit, predicted, scaled
 from pdserve.sim.profile import StepModel
 from pdserve.sim.validate import (
     Measured,
@@ -53,9 +53,9 @@ def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
     prompts = [r for name, rs in real.steps.items() if name.startswith("prefill") for r in rs]
     assert sum(sum(r.new_tokens) for r in prompts) >= 12 * 1024 - 12 * 16  # less cache hits
     overhead = calibrate(
-        text, book, [m.summary for m in real_cal], cal, Measured.all_steps(real_cal)
+        text, book, [m.summary for m in real_cal], cal, Measured.all_traces(real_cal)
     )
-    assert overhead.live.steps > 0 and overhead.live.scale > 0
+    assert overhead.live.steps > 0 and overhead.live.memory_scale > 0
     sim = simulate(text, book, ns, point.rate, overhead)
     result = compare_point(real.summary, sim)
     for key in ("ttft_p50", "tpot_p50"):
@@ -63,18 +63,37 @@ def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
         assert c["error"] is not None and abs(c["error"]) <= TOLERANCE, (key, c, overhead)
 
 
-def test_live_fit_recovers_the_scale_and_offset_of_slower_steps() -> None:
+def test_live_fit_recovers_the_scales_and_offset_of_slower_steps() -> None:
     model = StepModel(overhead_s=0.003, s_per_token=2e-4, s_per_ctx=4e-7)
     shapes = [((1,) * b, (c,) * b) for b in (1, 4, 16) for c in (64, 512)]
     shapes += [((n,), (0,)) for n in (16, 256, 1024)]
-    records = [StepRecord(float(i), 0.0, new, cached) for i, (new, cached) in enumerate(shapes)]
-    times = predicted(model, records)
-    slower = [dataclasses.replace(r, seconds=1.3 * t + 0.0005)
-              for r, t in zip(records, times, strict=True)]  # fmt: skip
-    fit = live_fit(model, slower)
-    assert (fit.scale, fit.offset_s, fit.steps) == pytest.approx((1.3, 0.0005, len(shapes)))
-    again = live_fit(scaled(model, fit), slower)
-    assert (again.scale, again.offset_s) == pytest.approx((1.0, 0.0), abs=1e-9)
+    records = [StepRecord(0.0, 0.0, new, cached) for new, cached in shapes]
+    compute = StepModel(s_per_token=2e-4)  # the compute part of the model's time
+    times, computes = predicted(model, records), predicted(compute, records)
+    # prefill-heavy steps slowed more than the rest: 1.6x compute, 1.2x the rest; every
+    # fourth step starts after the instance idled (a second), and takes 1.5x that
+    fitted = [1.6 * c + 1.2 * (t - c) + 0.0005 for t, c in zip(times, computes, strict=True)]
+    slower, now = [], 0.0
+    for i, (r, t) in enumerate(zip(records * 3, fitted * 3, strict=True)):
+        cold = i % 4 == 0
+        now += 1.0 if cold else 0.001
+        slower.append(dataclasses.replace(r, start_s=now, seconds=t * (1.5 if cold else 1.0)))
+        now += slower[-1].seconds
+    assert sum(cold_flags(model, slower)) == 7  # of 27
+    fit = live_fit(model, [slower])
+    got = (fit.compute_scale, fit.memory_scale, fit.offset_s, fit.cold_compute, fit.cold_factor)
+    assert got == pytest.approx((1.6, 1.2, 0.0005, 0.5, 0.5), rel=0.02)
+    assert fit.steps == len(slower)
+    again = live_fit(scaled(model, fit), [slower])
+    assert (again.compute_scale, again.memory_scale, again.offset_s) == pytest.approx(
+        (1.0, 1.0, 0.0), abs=0.02
+    )
+    # a model with no compute terms: one scale for both parts
+    flat = StepModel(overhead_s=0.003, s_per_ctx=4e-7)
+    same = [dataclasses.replace(r, seconds=1.3 * t)
+            for r, t in zip(records, predicted(flat, records), strict=True)]  # fmt: skip
+    one = live_fit(flat, [same])
+    assert (one.compute_scale, one.memory_scale) == pytest.approx((1.3, 1.3))
     assert live_fit(model, []) == LiveFit()
 
 
@@ -97,7 +116,7 @@ def test_calibration_recovers_the_overheads_a_simulated_system_has() -> None:
     # a role's own step model (sim-validate's "own steps"): decode steps four times as
     # long leave the prefill's first token alone and slow every later one
     ns, rate = cal[0]
-    slow_decode = dataclasses.replace(truth, role_live={"decode": LiveFit(4.0, 0.0, 1)})
+    slow_decode = dataclasses.replace(truth, role_live={"decode": LiveFit(4.0, 4.0, steps=1)})
     base, slow = (simulate(text, book, ns, rate, o) for o in (truth, slow_decode))
     assert slow["ttft_ms"]["p50"] == pytest.approx(base["ttft_ms"]["p50"], rel=0.01)
     assert slow["tpot_ms"]["p50"] > 1.3 * base["tpot_ms"]["p50"]
