@@ -14,10 +14,11 @@ alone (a peer's step that starts during a run does not slow the run).
 
 In fast mode a step whose batch is decode only and cannot change by itself (no
 prefill chunk, no preemption, nothing waiting that could be admitted, enough
-free blocks) runs as a *run* of ``k`` steps: up to the first request that finishes. An event that
-touches the instance mid-run (an arrival, a reservation, a hand-off) first
-calls ``interrupt(now)``, which cuts the run at the step in flight, so the
-batch changes at the same step boundary as in the step-by-step mode. The
+free blocks) runs as a *run* of ``k`` steps: up to the first request that
+finishes. An event that touches the instance mid-run (an arrival, a
+reservation, a hand-off) first calls ``interrupt(now)``, which cuts the run at
+the step in flight, so the batch changes at the same step boundary as in the
+step-by-step mode. The
 ``k - 1`` later steps of a run apply what ``Scheduler.update`` would: slots,
 ``num_computed_tokens``, one token each, and the length stop.
 """

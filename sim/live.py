@@ -106,11 +106,12 @@ def shared_flags(trace: Sequence[StepRecord], others: Sequence[Sequence[StepReco
 
 
 def live_fit(step: StepModel, traces: Sequence[Sequence[StepRecord]]) -> LiveFit:
-    """The scales, offset and cold factor that bring ``step`` to the traced steps
-    (``traces``: each instance's steps in order), each step's error relative to its
-    own time, so short decode steps weigh as much as long prefills. Steps of one
-    kind only (no compute part to tell apart): one scale for both parts. Without
-    steps: no change."""
+    """The scales, offset, cold and shared factors that bring ``step`` to the traced
+    steps (``traces``: each instance's steps in order, every trace on one clock, so
+    that steps of different instances that overlapped are seen to), each step's
+    error relative to its own time, so short decode steps weigh as much as long
+    prefills. Steps of one kind only (no compute part to tell apart): one scale for
+    both parts. Without steps: no change."""
     records = [r for trace in traces for r in trace]
     if not records:
         return LiveFit()
@@ -144,7 +145,8 @@ def live_fit(step: StepModel, traces: Sequence[Sequence[StepRecord]]) -> LiveFit
 
 def scaled(step: StepModel, fit: LiveFit) -> StepModel:
     """``step`` with its compute terms times ``fit.compute_scale``, the rest times
-    ``fit.memory_scale``, ``fit.offset_s`` added per step, and its cold factor."""
+    ``fit.memory_scale``, ``fit.offset_s`` added per step, and its cold and shared
+    factors."""
     c, m = fit.compute_scale, fit.memory_scale
     if step.combine != "sum":  # a roofline has one time: the memory scale stands for both
         c = m
