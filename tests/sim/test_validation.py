@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
-from pdserve.sim.live import LiveFit, cold_flags, live_fit, predicted, scaled
+from pdserve.sim.live import LiveFit, cold_flags, live_fit, loop_periods, predicted, scaled
 from pdserve.sim.profile import StepModel
 from pdserve.sim.validate import (
     Measured,
@@ -76,7 +76,7 @@ def test_live_fit_recovers_the_scales_and_offset_of_slower_steps() -> None:
     slower, now = [], 0.0
     for i, (r, t) in enumerate(zip(records * 3, fitted * 3, strict=True)):
         cold = i % 4 == 0
-        now += 1.0 if cold else 0.001
+        now += 1.0 if cold else 0.0  # the next loop turn at once, or after a second
         slower.append(dataclasses.replace(r, start_s=now, seconds=t * (1.5 if cold else 1.0)))
         now += slower[-1].seconds
     assert sum(cold_flags(model, slower)) == 7  # of 27
@@ -95,6 +95,15 @@ def test_live_fit_recovers_the_scales_and_offset_of_slower_steps() -> None:
     one = live_fit(flat, [same])
     assert (one.compute_scale, one.memory_scale) == pytest.approx((1.3, 1.3))
     assert live_fit(model, []) == LiveFit()
+
+
+def test_a_loop_turn_is_a_step_and_the_gap_after_it() -> None:
+    # steps of 10 ms, 2 ms apart, then a second idle: the step before the idle
+    # takes the instance's usual 2 ms gap, not the second
+    trace = [StepRecord(t, 0.010, (1,), (8,)) for t in (0.0, 0.012, 0.024, 1.034, 1.046)]
+    periods = [r.seconds for r in loop_periods(trace)]
+    assert periods == pytest.approx([0.012] * 5)
+    assert list(cold_flags(StepModel(), loop_periods(trace))) == [True, False, False, True, False]
 
 
 def test_nonnegative_lstsq_keeps_what_it_can_and_zeroes_the_rest() -> None:
