@@ -198,7 +198,6 @@ class Overhead:
 CALIBRATION = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
 BURST = ["--prompt-len", "256", "--output-len", "32", "--arrival", "burst", "--burst-size", "8"]
 SHORT = ["--prompt-len", "256", "--output-len", "4", "--arrival", "fixed"]
-OVERLAP = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
 CALIBRATION_BURST_RATE = 1.0  # req/s: a burst of 8 every 8 s, done well before the next
 CALIBRATION_OVERLAP_RATE = 4.0  # req/s, fixed gaps: a prefill beside the last one's decode
 
@@ -210,7 +209,7 @@ def calibration_args(args: argparse.Namespace) -> list[tuple[argparse.Namespace,
     TPOT eight times as much as on 32 tokens'), and a steady 4 req/s (each prefill
     runs beside the decode steps of the requests before it)."""
     single, burst, short, overlap = (bench_flags(w, args) for w in (CALIBRATION, BURST, SHORT,
-                                                                     OVERLAP))  # fmt: skip
+                                                                     CALIBRATION))  # fmt: skip
     single.num_requests = short.num_requests = args.calibration_requests
     burst.num_requests = 2 * 8
     overlap.num_requests = 3 * args.calibration_requests
