@@ -101,6 +101,7 @@ class SimInstance:
         self._mean_tokens = 0.0
         self._idle_since = -float("inf")  # when the last step ended
         self.peers: list[SimInstance] = []  # the instances on its host (itself among them)
+        self._slows = step_model.slows  # live_time can differ from time: read once
 
     @property
     def busy(self) -> bool:
@@ -120,7 +121,7 @@ class SimInstance:
             return None
         model, steps = self.step_model, 1
         cold = shared = False
-        if model.slows:
+        if self._slows:
             cold = now - self._idle_since > model.cold_after_s
             shared = any(p.busy for p in self.peers if p is not self)
         if fast and not (cold or shared) and self.scheduler.num_preemptions == preemptions:

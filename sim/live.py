@@ -69,10 +69,6 @@ def predicted(step: StepModel, records: Sequence[StepRecord]) -> np.ndarray:
     return np.array([step.time(f) for f in _features(records)])
 
 
-def _compute_part(step: StepModel, records: Sequence[StepRecord]) -> np.ndarray:
-    return np.array([step.compute_time(f) for f in _features(records)])
-
-
 def loop_periods(trace: Sequence[StepRecord], busy_gap_s: float = 0.05) -> list[StepRecord]:
     """One instance's steps (in order), each lengthened by the engine loop's work
     after it: the gap to the next step where the loop went straight on (under
@@ -134,7 +130,9 @@ def live_fit(step: StepModel, traces: Sequence[Sequence[StepRecord]]) -> LiveFit
     records = [r for trace in kept for r in trace]
     if not records:
         return LiveFit()
-    model, compute = predicted(step, records), _compute_part(step, records)
+    features = _features(records)
+    model = np.array([step.time(f) for f in features])
+    compute = np.array([step.compute_time(f) for f in features])
     cold = np.concatenate([cold_flags(step, t) for t in kept]).astype(float)
     shared = np.concatenate(
         [shared_flags(t, kept[:i] + kept[i + 1 :]) for i, t in enumerate(kept)]

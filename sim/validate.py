@@ -231,7 +231,7 @@ def calibrate(
     """The overheads that make the simulated calibration runs match the measured ones.
 
     The engines' own steps during the runs (``traces``: each instance's, when traced)
-    set the step model's scales, offset and cold factor
+    set the step model's scales, offset, and cold and shared factors
     (:func:`~pdserve.sim.live.live_fit`). Then TPOT p50 of
     each run, against the simulation's sensitivity to each overhead (it differs
     with the batch and the output length), gives the per-step, per-sequence
