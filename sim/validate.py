@@ -7,7 +7,10 @@ simulated, :class:`~pdserve.sim.cluster.SimCluster` on that config with a
 profile measured on this machine with the ranks' thread counts and cores. Both
 see the same arrivals and lengths (one argument namespace builds both
 workloads). The report gives TTFT and TPOT p50 and p90 of each and their
-relative errors.
+relative errors. With ``--repeat N`` each point is measured N times (the points
+in turn, N rounds): the simulation is compared with the runs' mean figures, and
+each later run with the first, which says how far apart two runs of the real
+system land on this machine (the floor under any simulator's error).
 
 Setups: ``colocated`` (one decode-role instance prefilling every prompt itself,
 both cores) and ``disaggregated`` (one prefill and one decode instance, a core
@@ -33,9 +36,9 @@ import numpy as np
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
-from pdserve.sim.live import LiveFit, Measured, live_fit, scaled, step_ratios, traced
+from pdserve.sim.live import LiveFit, Measured, live_fit, scaled, traced
 from pdserve.sim.profile import StepModel
-from pdserve.sim.validate_report import TOLERANCE, compare_point
+from pdserve.sim.validate_report import TOLERANCE, compare_point, point_row
 
 WORKLOADS: dict[str, list[str]] = {
     "conv": ["--trace", "azure-conv", "--max-prompt-len", "1024", "--max-output-len", "128"],
@@ -307,7 +310,7 @@ def validate(
         text, book = setup_profiles(setup, args)
         flags = [workload_args(p, args) for p in mine]
         start = time.perf_counter()
-        runs = [*cal, *zip(flags, [p.rate for p in mine], strict=True)]
+        runs = [*cal, *list(zip(flags, [p.rate for p in mine], strict=True)) * args.repeat]
         real = measure(text, setup, runs, args)
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
@@ -327,14 +330,15 @@ def validate(
                                "request_overhead_ms": round(overhead.request_s * 1e3, 3),
                                "calibration": summaries[: len(cal)],
                                "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
-        for point, ns, measured in zip(mine, flags, real[len(cal) :], strict=True):
+        points_real = real[len(cal) :]
+        for i, (point, ns) in enumerate(zip(mine, flags, strict=True)):
+            repeats = points_real[i :: len(mine)]
             sim = simulate(text, book, ns, point.rate, overhead)
-            own = simulate(text, book, ns, point.rate, own_steps(overhead, book, measured))
-            rows.append({"point": point.name, "real": measured.summary, "sim": sim,
-                         "compare": compare_point(measured.summary, sim),
-                         "live_steps": step_ratios(live_model, measured.steps),
-                         "sim_own_steps": own,
-                         "compare_own_steps": compare_point(measured.summary, own)})  # fmt: skip
+            rows.append(point_row(point.name, sim, repeats, live_model))
+            own = simulate(text, book, ns, point.rate, own_steps(overhead, book, repeats[0]))
+            rows[-1].update(
+                sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own)
+            )
     return rows, calibrations
 
 
@@ -348,6 +352,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-scale", type=float, default=0.25, help="for the Azure traces")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibration-requests", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure every point this many times (in turn, after the calibration): "
+                        "the simulation is compared with the runs' mean figures, and each "
+                        "later run with the first")  # fmt: skip
     p.add_argument("--cores", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", default="bench/out/sim")
     p.add_argument("--name", default="validation")
@@ -358,23 +366,36 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     from pdserve.bench.report import header, write_json
     from pdserve.bench.serve import command_line
     from pdserve.core.builtin_models import resolve_model
-    from pdserve.sim.validate_report import calibration_lines, table
+    from pdserve.sim.validate_report import calibration_lines, repeat_table, table
 
     points = [Point.parse(p) for p in args.points]
+    if args.repeat < 1:
+        raise InvalidArgumentError("--repeat", f"must be at least 1, got {args.repeat}")
     resolve_model(args.model)
     rows, calibrations = validate(points, args)
     errors = [
         abs(c["error"]) for r in rows for c in r["compare"].values() if c["error"] is not None
     ]
+    apart = [abs(c["error"]) for r in rows for run in r.get("compare_runs", [])
+             for c in run.values() if c["error"] is not None]  # fmt: skip
     payload = {**header(command_line(args)), "tolerance": TOLERANCE, "points": rows,
                "calibration": calibrations,
-               "mean_abs_error": round(float(np.mean(errors)), 4) if errors else None}  # fmt: skip
+               "mean_abs_error": round(float(np.mean(errors)), 4) if errors else None,
+               "runs_mean_abs_difference": round(float(np.mean(apart)), 4) if apart else None}  # fmt: skip
     path = write_json(Path(args.out) / f"{args.name}.json", payload)
     print(table(rows))
-    print("\nThe same, simulated with each role's steps as its engine ran them at the point:")
+    if args.repeat > 1:
+        print(repeat_table(rows))
+    print(
+        "\nThe same, simulated with each role's steps as its engine ran them at the point (the first run):"
+    )
     print(table(rows, "compare_own_steps"))
     for line in calibration_lines(rows, calibrations):
         print(line)
     print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
+    if apart:
+        print(
+            f"later runs against the first: mean |difference| {payload['runs_mean_abs_difference']}"
+        )
     print(f"wrote {path}")
     return 0

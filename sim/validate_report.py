@@ -6,23 +6,55 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.sim.live import Measured, step_ratios
+from pdserve.sim.profile import StepModel
+
 TOLERANCE = {"p50": 0.10, "p90": 0.15}  # the issue's bar: relative error of sim vs real
 
 
-def table(rows: list[dict[str, Any]], key: str = "compare") -> str:
-    keys = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
-    lines = ["| point | " + " | ".join(f"{k} real / sim ms (error)" for k in keys) + " |",
-             "| --- |" + " ---: |" * len(keys)]  # fmt: skip
+KEYS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+
+
+def table(rows: list[dict[str, Any]], key: str = "compare", run: int | None = None) -> str:
+    """Markdown: per point, each figure real / simulated (or, with ``run``, the first
+    measured run / the later run ``run`` of ``row[key]``), the error, * outside the
+    tolerance; then how many figures are within it."""
+    label = "real / sim" if run is None else "run 1 / run " + str(run + 2)
+    lines = ["| point | " + " | ".join(f"{k} {label} ms (error)" for k in KEYS) + " |",
+             "| --- |" + " ---: |" * len(KEYS)]  # fmt: skip
+    within = 0
     for row in rows:
         cells = []
-        for k in keys:
-            c = row[key][k]
+        compared = row[key] if run is None else row[key][run]
+        within += sum(compared[k]["ok"] for k in KEYS)
+        for k in KEYS:
+            c = compared[k]
             err = "n/a" if c["error"] is None else f"{c['error']:+.1%}"
             real = "n/a" if c["real"] is None else f"{c['real']:.1f}"
             sim = "n/a" if c["sim"] is None else f"{c['sim']:.1f}"
             cells.append(f"{real} / {sim} ({err}){'' if c['ok'] else ' *'}")
         lines.append(f"| {row['point']} | " + " | ".join(cells) + " |")
+    lines.append(f"{within} of {len(rows) * len(KEYS)} figures within the tolerance")
     return "\n".join(lines)
+
+
+def repeat_table(rows: list[dict[str, Any]]) -> str:
+    """Each later measured run of every point against its first run (with ``--repeat``)."""
+    repeats = len(rows[0].get("compare_runs", [])) if rows else 0
+    parts = ["\nThe real system against itself: each later run of a point against its first "
+             "(the simulation above is compared with the runs' mean figures)"]  # fmt: skip
+    parts += [table(rows, "compare_runs", run) for run in range(repeats)]
+    return "\n".join(parts)
+
+
+def mean_figures(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT and TPOT p50 and p90, each the mean over ``summaries`` (runs of one point)."""
+    out: dict[str, Any] = {}
+    for metric in ("ttft_ms", "tpot_ms"):
+        for q in ("p50", "p90"):
+            values = [v for v in (_pct(s, metric, q) for s in summaries) if v is not None]
+            out.setdefault(metric, {})[q] = sum(values) / len(values) if values else None
+    return out
 
 
 def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) -> list[str]:
@@ -61,3 +93,20 @@ def compare_point(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
                 "ok": err is not None and abs(err) <= TOLERANCE[q],
             }  # fmt: skip
     return out
+
+
+def point_row(
+    name: str, sim: dict[str, Any], repeats: list[Measured], live_model: StepModel
+) -> dict[str, Any]:
+    """A point's row: the simulation against the measured run (against the mean of
+    the runs' figures when it ran more than once), and each later run against the
+    first (how far the real system is from itself)."""
+    first = repeats[0].summary
+    real = mean_figures([m.summary for m in repeats]) if len(repeats) > 1 else first
+    row: dict[str, Any] = {"point": name, "real": first, "sim": sim,
+                           "compare": compare_point(real, sim),
+                           "live_steps": step_ratios(live_model, repeats[0].steps)}  # fmt: skip
+    if len(repeats) > 1:
+        row.update(real_mean=real, real_runs=[m.summary for m in repeats[1:]],
+                   compare_runs=[compare_point(first, m.summary) for m in repeats[1:]])  # fmt: skip
+    return row

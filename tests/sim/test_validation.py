@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ from pdserve.sim.validate import (
     simulate,
     workload_args,
 )
-from pdserve.sim.validate_report import compare_point
+from pdserve.sim.validate_report import compare_point, point_row, repeat_table
 
 TOLERANCE = 0.40  # |sim - real| / real for TTFT and TPOT p50 at this point, on 2 shared cores
 # (the simulator is optimistic under load, see RESULTS)
@@ -129,3 +130,32 @@ def test_calibration_recovers_the_overheads_a_simulated_system_has() -> None:
     base, slow = (simulate(text, book, ns, rate, o) for o in (truth, slow_decode))
     assert slow["ttft_ms"]["p50"] == pytest.approx(base["ttft_ms"]["p50"], rel=0.01)
     assert slow["tpot_ms"]["p50"] > 1.3 * base["tpot_ms"]["p50"]
+
+
+def _summary(ttft: tuple[float, float], tpot: tuple[float, float]) -> dict[str, Any]:
+    return {
+        "ttft_ms": {"p50": ttft[0], "p90": ttft[1]},
+        "tpot_ms": {"p50": tpot[0], "p90": tpot[1]},
+    }
+
+
+def test_a_repeated_point_is_compared_with_its_runs_mean_and_each_run_with_the_first() -> None:
+    runs = [
+        Measured(_summary((100, 200), (10, 20)), {}),
+        Measured(_summary((120, 160), (12, 20)), {}),
+    ]
+    sim = _summary((110, 180), (11, 24))
+    row = point_row("colocated:conv:1", sim, runs, StepModel())
+    assert row["real_mean"] == _summary((110, 180), (11, 20))
+    errors = {k: c["error"] for k, c in row["compare"].items()}
+    assert errors == pytest.approx({"ttft_p50": 0, "ttft_p90": 0, "tpot_p50": 0, "tpot_p90": 0.2})
+    assert not row["compare"]["tpot_p90"]["ok"]  # 20% over, against a 15% tolerance
+    (apart,) = row["compare_runs"]
+    assert {k: c["error"] for k, c in apart.items()} == pytest.approx(
+        {"ttft_p50": 0.2, "ttft_p90": -0.2, "tpot_p50": 0.2, "tpot_p90": 0.0}
+    )
+    text = repeat_table([row])
+    assert "1 of 4 figures within the tolerance" in text and "run 1 / run 2" in text
+    # one run: compared with it, nothing about repeats
+    once = point_row("colocated:conv:1", sim, runs[:1], StepModel())
+    assert "compare_runs" not in once and once["compare"]["ttft_p50"]["error"] == pytest.approx(0.1)
