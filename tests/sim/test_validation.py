@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import LiveFit, cold_flags, live_fit, loop_periods, predicted, scaled
@@ -29,6 +30,7 @@ from pdserve.sim.validate import (
     Point,
     calibrate,
     calibration_args,
+    cmd_sim_validate,
     measure,
     setup_profiles,
     simulate,
@@ -159,3 +161,11 @@ def test_a_repeated_point_is_compared_with_its_runs_mean_and_each_run_with_the_f
     # one run: compared with it, nothing about repeats
     once = point_row("colocated:conv:1", sim, runs[:1], StepModel())
     assert "compare_runs" not in once and once["compare"]["ttft_p50"]["error"] == pytest.approx(0.1)
+
+
+def test_sim_validate_refuses_a_repeat_below_one() -> None:
+    args = argparse.Namespace(points=["colocated:conv:1"], repeat=0, model="builtin:tiny")
+    with pytest.raises(InvalidArgumentError, match="--repeat"):
+        cmd_sim_validate(args)
+    with pytest.raises(InvalidArgumentError, match="SETUP:WORKLOAD:RATE"):
+        cmd_sim_validate(argparse.Namespace(points=["colocated"], repeat=1, model="builtin:tiny"))
