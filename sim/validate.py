@@ -386,9 +386,7 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     print(table(rows))
     if args.repeat > 1:
         print(repeat_table(rows))
-    print(
-        "\nThe same, simulated with each role's steps as its engine ran them at the point (the first run):"
-    )
+    print("\nThe same, simulated with each role's steps as they ran (the first run):")
     print(table(rows, "compare_own_steps"))
     for line in calibration_lines(rows, calibrations):
         print(line)
