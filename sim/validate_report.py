@@ -10,9 +10,8 @@ from pdserve.sim.live import Measured, step_ratios
 from pdserve.sim.profile import StepModel
 
 TOLERANCE = {"p50": 0.10, "p90": 0.15}  # the issue's bar: relative error of sim vs real
-
-
-KEYS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+FIGURES = [(metric, q) for metric in ("ttft_ms", "tpot_ms") for q in ("p50", "p90")]
+KEYS = tuple(f"{metric[:4]}_{q}" for metric, q in FIGURES)  # ttft_p50, ttft_p90, ...
 
 
 def table(rows: list[dict[str, Any]], key: str = "compare", run: int | None = None) -> str:
@@ -50,10 +49,9 @@ def repeat_table(rows: list[dict[str, Any]]) -> str:
 def mean_figures(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """TTFT and TPOT p50 and p90, each the mean over ``summaries`` (runs of one point)."""
     out: dict[str, Any] = {}
-    for metric in ("ttft_ms", "tpot_ms"):
-        for q in ("p50", "p90"):
-            values = [v for v in (_pct(s, metric, q) for s in summaries) if v is not None]
-            out.setdefault(metric, {})[q] = sum(values) / len(values) if values else None
+    for metric, q in FIGURES:
+        values = [v for v in (_pct(s, metric, q) for s in summaries) if v is not None]
+        out.setdefault(metric, {})[q] = sum(values) / len(values) if values else None
     return out
 
 
@@ -84,15 +82,20 @@ def _pct(summary: dict[str, Any], metric: str, q: str) -> float | None:
 def compare_point(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     """Per metric and percentile: real ms, simulated ms, relative error, within tolerance."""
     out: dict[str, Any] = {}
-    for metric in ("ttft_ms", "tpot_ms"):
-        for q in ("p50", "p90"):
-            r, s = _pct(real, metric, q), _pct(sim, metric, q)
-            err = None if not r or s is None else (s - r) / r
-            out[f"{metric[:4]}_{q}"] = {
-                "real": r, "sim": s, "error": None if err is None else round(err, 4),
-                "ok": err is not None and abs(err) <= TOLERANCE[q],
-            }  # fmt: skip
+    for (metric, q), key in zip(FIGURES, KEYS, strict=True):
+        r, s = _pct(real, metric, q), _pct(sim, metric, q)
+        err = None if not r or s is None else (s - r) / r
+        out[key] = {
+            "real": r, "sim": s, "error": None if err is None else round(err, 4),
+            "ok": err is not None and abs(err) <= TOLERANCE[q],
+        }  # fmt: skip
     return out
+
+
+def mean_abs_error(compares: list[dict[str, Any]]) -> float | None:
+    """The mean |error| over every figure of ``compares`` (:func:`compare_point` results)."""
+    errors = [abs(c["error"]) for cmp in compares for c in cmp.values() if c["error"] is not None]
+    return round(sum(errors) / len(errors), 4) if errors else None
 
 
 def point_row(

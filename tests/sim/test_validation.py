@@ -8,7 +8,7 @@ then bursts of 8, with the engines' steps traced). The tolerance is what this
 load generator and Ray share the cores with the engines and slow their steps in
 proportion to the load (on two cores a decode step beside a prefill step ran
 1.4-1.9x its profile against 1.2-1.4x alone, RESULTS), which a calibration at
-low load cannot see; and two measured runs of one point differ by up to 30%
+low load cannot see; and two measured runs of one point differ by up to 32%
 themselves (RESULTS, "The real system against itself").
 """
 
@@ -34,6 +34,7 @@ from pdserve.sim.validate import (
     calibration_args,
     cmd_sim_validate,
     measure,
+    per_point,
     setup_profiles,
     simulate,
     workload_args,
@@ -172,3 +173,16 @@ def test_sim_validate_refuses_a_repeat_below_one() -> None:
         cmd_sim_validate(args)
     with pytest.raises(InvalidArgumentError, match="SETUP:WORKLOAD:RATE"):
         cmd_sim_validate(argparse.Namespace(points=["colocated"], repeat=1, model="builtin:tiny"))
+
+
+def test_rounds_of_points_are_grouped_back_by_point() -> None:
+    # what validate() measures: every point in turn, then again
+    rounds = ["conv:0.3", "conv:2", "long:1"] * 3
+    measured = [Measured({"n": i, "point": p}, {}) for i, p in enumerate(rounds)]
+    grouped = per_point(measured, 3)
+    assert [[m.summary["point"] for m in runs] for runs in grouped] == [
+        ["conv:0.3"] * 3,
+        ["conv:2"] * 3,
+        ["long:1"] * 3,
+    ]
+    assert [m.summary["n"] for m in grouped[1]] == [1, 4, 7]  # in the order they ran
