@@ -102,16 +102,18 @@ class BlockPool:
 
         ``priority`` is the releasing request's; a block keeps the highest it has seen.
         """
-        now, add = self.clock(), self._evictable.add
+        now, released = self.clock(), []
         for block in blocks:
-            if block.ref_cnt <= 0:
+            refs = block.ref_cnt - 1
+            if refs < 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_cnt -= 1
+            block.ref_cnt = refs
             if priority > block.priority:
                 block.priority = priority
             block.last_used = now
-            if block.ref_cnt == 0:
-                add(block)
+            if not refs:
+                released.append(block)
+        self._evictable.add_all(released)
 
     def cache(self, block: KVBlock, block_hash: bytes) -> bool:
         """Index a full, in-use block under its hash. False if another holds the hash."""
@@ -179,14 +181,15 @@ class BlockPool:
 
         ``expected_refs`` maps block id -> how many block tables hold it.
         """
+        queued = self._evictable.block_ids()
         for block in self.blocks:
             want = expected_refs.get(block.block_id, 0)
             assert block.ref_cnt == want, (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {want} tables"
             )
-            assert (block.ref_cnt == 0) == (block in self._evictable), (
+            assert (block.ref_cnt == 0) == (block.block_id in queued), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
-                f"{'in' if block in self._evictable else 'not in'} the eviction queue"
+                f"{'in' if block.block_id in queued else 'not in'} the eviction queue"
             )
             if block.block_hash is not None:
                 assert self._by_hash.get(block.block_hash) is block, (
@@ -194,5 +197,6 @@ class BlockPool:
                 )
         assert all(i < len(self.blocks) for i in expected_refs), "a table holds an unbuilt block"
         assert len(self._evictable) == sum(b.ref_cnt == 0 for b in self.blocks)
+        assert len(queued) == len(self._evictable), "a block is queued twice"
         for h, block in self._by_hash.items():
             assert block.block_hash == h, f"index entry for block {block.block_id} is stale"

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import abc
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.core.errors import InvalidArgumentError
@@ -46,13 +46,24 @@ class EvictionPolicy(abc.ABC):
 
     Every policy hands out uncached blocks (no hash) first, least recently freed
     first; it keeps them in ``_plain`` and orders only the cached ones its own way.
+    ``_plain`` is a plain FIFO: an uncached block leaves it only by being handed
+    out (a block taken back into use is a prefix hit, so it holds a hash).
     """
 
     def __init__(self) -> None:
-        self._plain: OrderedDict[int, KVBlock] = OrderedDict()
+        self._plain: deque[KVBlock] = deque()
 
     @abc.abstractmethod
     def add(self, block: KVBlock) -> None: ...
+
+    def add_all(self, blocks: Iterable[KVBlock]) -> None:
+        """``add`` each of ``blocks``, in order."""
+        plain, add = self._plain.append, self.add
+        for block in blocks:
+            if block.block_hash is None:
+                plain(block)
+            else:
+                add(block)
 
     @abc.abstractmethod
     def remove(self, block: KVBlock) -> None: ...
@@ -66,6 +77,10 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def __contains__(self, block: KVBlock) -> bool: ...
 
+    @abc.abstractmethod
+    def block_ids(self) -> set[int]:
+        """The ids of every block in the queue (for integrity checks)."""
+
     def expired(self, now: float) -> list[KVBlock]:
         """Cached blocks to move down a tier now, without pressure (none by default)."""
         return []
@@ -77,8 +92,11 @@ class EvictionPolicy(abc.ABC):
 
     def pop_uncached(self, n: int) -> list[KVBlock]:
         """The next ``n`` blocks ``pop`` would give, all uncached (``n <= num_uncached``)."""
-        plain = self._plain
-        return [plain.popitem(last=False)[1] for _ in range(n)]
+        popleft = self._plain.popleft
+        return [popleft()] if n == 1 else [popleft() for _ in range(n)]
+
+    def _remove_plain(self, block: KVBlock) -> None:
+        self._plain.remove(block)  # O(n); no caller takes an uncached block back
 
 
 class LRUEviction(EvictionPolicy):
@@ -89,23 +107,30 @@ class LRUEviction(EvictionPolicy):
         self._cached: OrderedDict[int, KVBlock] = OrderedDict()
 
     def add(self, block: KVBlock) -> None:
-        queue = self._plain if block.block_hash is None else self._cached
-        queue[block.block_id] = block
+        if block.block_hash is None:
+            self._plain.append(block)
+        else:
+            self._cached[block.block_id] = block
 
     def remove(self, block: KVBlock) -> None:
-        if self._plain.pop(block.block_id, None) is None:
+        if block.block_hash is None:
+            self._remove_plain(block)
+        else:
             del self._cached[block.block_id]
 
     def pop(self) -> KVBlock:
         if self._plain:
-            return self._plain.popitem(last=False)[1]
+            return self._plain.popleft()
         return self._cached.popitem(last=False)[1]
 
     def __len__(self) -> int:
         return len(self._plain) + len(self._cached)
 
     def __contains__(self, block: KVBlock) -> bool:
-        return block.block_id in self._plain or block.block_id in self._cached
+        return block.block_id in self._cached or block in self._plain
+
+    def block_ids(self) -> set[int]:
+        return {b.block_id for b in self._plain} | set(self._cached)
 
 
 class IdleEviction(LRUEviction):
@@ -134,13 +159,14 @@ class PriorityEviction(EvictionPolicy):
 
     def add(self, block: KVBlock) -> None:
         if block.block_hash is None:
-            self._plain[block.block_id] = block
+            self._plain.append(block)
             return
         self._cached.setdefault(block.priority, OrderedDict())[block.block_id] = block
         self._where[block.block_id] = block.priority
 
     def remove(self, block: KVBlock) -> None:
-        if self._plain.pop(block.block_id, None) is not None:
+        if block.block_hash is None:
+            self._remove_plain(block)
             return
         priority = self._where.pop(block.block_id)
         queue = self._cached[priority]
@@ -150,7 +176,7 @@ class PriorityEviction(EvictionPolicy):
 
     def pop(self) -> KVBlock:
         if self._plain:
-            return self._plain.popitem(last=False)[1]
+            return self._plain.popleft()
         lowest = min(self._cached)
         queue = self._cached[lowest]
         block = queue.popitem(last=False)[1]
@@ -163,7 +189,10 @@ class PriorityEviction(EvictionPolicy):
         return len(self._plain) + len(self._where)
 
     def __contains__(self, block: KVBlock) -> bool:
-        return block.block_id in self._plain or block.block_id in self._where
+        return block.block_id in self._where or block in self._plain
+
+    def block_ids(self) -> set[int]:
+        return {b.block_id for b in self._plain} | set(self._where)
 
 
 EVICTION_POLICIES = ("lru", "idle", "priority")

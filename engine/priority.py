@@ -21,15 +21,14 @@ With every priority equal, all three behave exactly as a plain FIFO queue with
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 
 from pdserve.core.request import Request
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.kv_cache_manager import KVCacheManager
 
-
-def priority(request: Request) -> int:
-    return request.sampling_params.priority
+priority: Callable[[Request], int] = attrgetter("sampling_params.priority")
 
 
 class WaitingQueue:

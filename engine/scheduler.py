@@ -44,6 +44,7 @@ from pdserve.engine.priority import WaitingQueue, by_priority, victim, victims_f
 from pdserve.engine.speculative import Speculator
 from pdserve.engine.stopping import token_stop
 
+RUNNING = RequestStatus.RUNNING
 MAX_TIER_LOADS = 2
 MAX_PRIORITY_PREEMPTIONS = 4  # a step's preemptions to admit a higher priority
 
@@ -142,15 +143,21 @@ class Scheduler:
         prefilling = [r for r in running if len(r.token_ids) - r.num_computed_tokens > 1]
         self._drafts = {}
         drafting = self.spec.batch_allowed(len(decoding))
+        cap, allocate, running_status = (
+            self.config.max_prefill_chunk,
+            self.kv.allocate_slots,
+            RUNNING,
+        )
         for request in decoding + prefilling:
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(request, budget)
-            if drafting and request.num_tokens - request.num_computed_tokens == 1:
+            remaining = len(request.token_ids) - request.num_computed_tokens
+            num_new = min(remaining, budget, cap or remaining)  # a decode row: 1
+            if drafting and remaining == 1:
                 num_new += self._draft(request, budget - 1)
-            while not self.kv.allocate_slots(request, num_new):
+            while not allocate(request, num_new):
                 loser = victim(self.running)
                 budget += self._preempt(loser, chosen)
                 preempted = True
@@ -186,11 +193,6 @@ class Scheduler:
             return 0
         self._drafts[request.request_id] = drafts
         return len(drafts)
-
-    def _chunk(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
-        cap = self.config.max_prefill_chunk or remaining
-        return min(remaining, budget, cap)
 
     def _preempt(self, request: Request, chosen: list[tuple[Request, int]]) -> int:
         """Send a running request back to wait; returns the step's tokens it gives back."""

@@ -305,8 +305,10 @@ class SimCluster:
         inst, generation = payload
         if generation != inst.generation or not inst.busy:
             return  # a fast-mode run that was cut: its new end has its own event
-        done = inst.complete(self.options.keep_itl)
-        tracks, tokens_at = self.tracks, self.run_info.recorder.tokens_at
+        per_token = self.options.keep_itl
+        done = inst.complete(per_token)
+        rec = self.run_info.recorder
+        tracks, tokens_at = self.tracks, rec.tokens_at
         end, ends, gaps = done.end, done.step_ends, done.step_gaps
         for rid, count in done.tokens.items():
             track = tracks[rid]
@@ -317,6 +319,8 @@ class SimCluster:
             if inst.role == "prefill" and track.prefill is inst:
                 self._handoff_after(track, inst)
             else:
+                if not per_token:  # only first tokens were counted
+                    rec.tokens[track.index] = request.num_output_tokens
                 self._finished(request.request_id, done.end, refresh=False)
         self._refresh(inst)  # the decode instance of every request that finished here
         if inst.draining and inst.idle:

@@ -57,7 +57,9 @@ class StepDone:
 
     end: float
     steps: int
-    tokens: dict[str, int] = field(default_factory=dict)  # request id -> new tokens
+    # request id -> new tokens; without per-token detail, only the requests whose
+    # first token this is (a finished request's count is its output tokens)
+    tokens: dict[str, int] = field(default_factory=dict)
     finished: list[Request] = field(default_factory=list)
     step_ends: list[float] = field(default_factory=list)  # filled when asked for (ITL)
     step_gaps: list[float] = field(default_factory=list)  # successive differences of those
@@ -202,25 +204,28 @@ class SimInstance:
             assert ok, "a fast-mode run was planned with too few free blocks"
 
     def complete(self, want_step_ends: bool = False) -> StepDone:
-        """Apply the finished step (or run) to the scheduler's state."""
+        """Apply the finished step (or run) to the scheduler's state; ``want_step_ends``:
+        per-token detail (every request's new tokens, and the step ends)."""
         plan, steps = self._plan, self._steps
         assert plan is not None
         self._plan, self._idle_since = None, self._end
         done = StepDone(self._end, steps)
         sampled = {s.request_id: TOKEN for s in plan.seqs if s.sampling is not None}
+        tokens, finished = done.tokens, done.finished
         for request in self.scheduler.update(plan, sampled):
-            done.tokens[request.request_id] = 1
-            if request.finished:
-                done.finished.append(request)
+            if want_step_ends or len(request.token_ids) - request.num_prompt_tokens == 1:
+                tokens[request.request_id] = 1
+            if request.status.finished:
+                finished.append(request)
         if steps > 1:
-            self._apply_run(plan, steps - 1, done)
+            self._apply_run(plan, steps - 1, done, want_step_ends)
         if want_step_ends:
             ends = done.step_ends = self._step_ends(steps)
             done.step_gaps = [t - s for s, t in pairwise(ends)]
         self._account(plan, steps)
         return done
 
-    def _apply_run(self, plan: StepPlan, more: int, done: StepDone) -> None:
+    def _apply_run(self, plan: StepPlan, more: int, done: StepDone, count: bool) -> None:
         sched, kv = self.scheduler, self.kv
         requests, limit, tokens = sched.requests, sched.max_model_len, done.tokens
         held, caching, extra = self._held, kv.pool.enable_caching, [TOKEN] * more
@@ -236,7 +241,8 @@ class SimInstance:
             ids.extend(extra)
             if caching:
                 kv.cache_computed_blocks(r)
-            tokens[r.request_id] += more  # update() gave it the run's first token
+            if count:
+                tokens[r.request_id] += more  # update() gave it the run's first token
             n = len(ids)
             if n - r.num_prompt_tokens >= r.sampling_params.max_tokens or n >= limit:
                 sched.finish(r.request_id, RequestStatus.FINISHED_LENGTH)

@@ -124,6 +124,24 @@ def test_preemption_under_a_small_kv_cache_finishes_everything() -> None:
         assert sum(x.scheduler.num_preemptions for x in run.instances) > 0
 
 
+@pytest.mark.parametrize("prefill, extra", [(0, ", num_blocks: 40"), (2, "")])
+def test_token_counts_without_itl_equal_the_per_token_counts(prefill: int, extra: str) -> None:
+    # Without ITL samples a request's tokens are counted at its finish, not per
+    # step: counts, first-token and end times must come out the same, through
+    # preemptions (a small cache, colocated) and hand-offs (disaggregated).
+    rng = np.random.default_rng(3)
+    work = workload(_poisson(120, 30.0), rng.integers(20, 300, 120), rng.integers(1, 90, 120))
+    config, profile = toy_config(prefill, 2, extra), toy_profile(LINEAR)
+    counted = _run(config, profile, work, keep_itl=True)
+    at_finish = _run(config, profile, work, keep_itl=False)
+    for key in ("tokens", "first", "end", "error"):
+        got, want = getattr(at_finish.recorder, key), getattr(counted.recorder, key)
+        np.testing.assert_array_equal(got, want, err_msg=key)
+    assert (counted.recorder.tokens == work.output_len).all()
+    preempted = sum(x.scheduler.num_preemptions for x in at_finish.instances)
+    assert preempted > 0 if prefill == 0 else preempted == 0
+
+
 def test_planner_in_on_mode_adds_decode_under_overload() -> None:
     slow = StepModel(overhead_s=0.002, s_per_seq=0.004)  # TPOT grows with the batch
     work = workload(_poisson(400, 20.0), 64, 40)
