@@ -24,6 +24,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         priority,
         quant,
         router,
+        scheduler,
         serve,
         soak,
         spec,
@@ -36,6 +37,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     transfer.add_parser(kinds)
     disagg_ttft.add_parser(kinds)
     router.add_parser(kinds)
+    scheduler.add_parser(kinds)
     kernels.add_parser(kinds)
     serve.add_parser(kinds)
     headline.add_parser(kinds)

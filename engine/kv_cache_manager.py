@@ -70,7 +70,8 @@ class KVCacheManager:
         # (device prefix held, blocks being loaded, their hashes, priority).
         self._loading: dict[str, tuple[list[KVBlock], list[KVBlock], list[bytes], int]] = {}
         self._tables: dict[str, list[KVBlock]] = {}
-        self._ids: dict[str, list[int]] = {}  # each table's block ids, kept beside it
+        # Each table's block ids: a new list when it changes, so plans can hold one.
+        self._ids: dict[str, list[int]] = {}
         # How many leading blocks of each table are indexed in the prefix cache.
         self._num_cached: dict[str, int] = {}
         self.stats = PrefixCacheStats()
@@ -104,9 +105,9 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids (a copy: a step's plan keeps its own)."""
+        """The request's block ids now; the manager never changes this list: nor may you."""
         ids = self._ids.get(request_id)
-        return ids.copy() if ids is not None else []
+        return ids if ids is not None else []
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -258,7 +259,7 @@ class KVCacheManager:
         if n_new is None:
             return False
         table = self._tables.setdefault(request.request_id, [])
-        ids = self._ids.setdefault(request.request_id, [])
+        ids = self._ids.get(request.request_id, [])
         if not table and request.num_computed_tokens == 0 and self.pool.enable_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += len(cached_prefix) * self.block_size
@@ -266,14 +267,15 @@ class KVCacheManager:
             assert not table, "a cached prefix can only start an empty block table"
             self.pool.touch(cached_prefix)
             table.extend(cached_prefix)
-            ids.extend([b.block_id for b in cached_prefix])
+            ids = [b.block_id for b in cached_prefix]
             self._num_cached[request.request_id] = len(cached_prefix)
             request.num_computed_tokens = len(cached_prefix) * self.block_size
             request.num_cached_prompt_tokens = request.num_computed_tokens
         if n_new:
             blocks = self.pool.allocate(n_new)
             table.extend(blocks)
-            ids.extend([b.block_id for b in blocks])
+            ids = ids + [b.block_id for b in blocks]  # a new list: plans may hold the old
+        self._ids[request.request_id] = ids
         return True
 
     def _num_new_blocks_needed(
@@ -318,7 +320,7 @@ class KVCacheManager:
             return
         tail = table[keep:]
         del table[keep:]
-        del self._ids[request.request_id][keep:]
+        self._ids[request.request_id] = self._ids[request.request_id][:keep]
         self.pool.free(reversed(tail), request.sampling_params.priority)
 
     def free(self, request: Request) -> None:

@@ -199,9 +199,11 @@ class SimInstance:
             return  # held already: a cut run needs no more than it had
         self._held = True
         requests, allocate, steps = self.scheduler.requests, self.kv.allocate_slots, self._steps
-        for seq in self._plan.seqs:
-            ok = allocate(requests[seq.request_id], steps)
-            assert ok, "a fast-mode run was planned with too few free blocks"
+        bs = self.kv.block_size
+        for seq in self._plan.seqs:  # a row's table is as schedule() left it
+            if -(-(seq.start_pos + steps) // bs) > len(seq.block_table):
+                ok = allocate(requests[seq.request_id], steps)
+                assert ok, "a fast-mode run was planned with too few free blocks"
 
     def complete(self, want_step_ends: bool = False) -> StepDone:
         """Apply the finished step (or run) to the scheduler's state; ``want_step_ends``:
@@ -229,11 +231,13 @@ class SimInstance:
         sched, kv = self.scheduler, self.kv
         requests, limit, tokens = sched.requests, sched.max_model_len, done.tokens
         held, caching, extra = self._held, kv.pool.enable_caching, [TOKEN] * more
+        bs, end = kv.block_size, 1 + more  # a row's tokens in the KV cache: start + end
         for seq in plan.seqs:
             r = requests.get(seq.request_id)
             if r is None or r.status is not RequestStatus.RUNNING:
                 continue
-            if not held:  # held: the table covers the whole run already
+            # Held: the table covers the whole run already; else it is as schedule() left it.
+            if not held and -(-(seq.start_pos + end) // bs) > len(seq.block_table):
                 ok = kv.allocate_slots(r, more)
                 assert ok, "a fast-mode run was planned with too few free blocks"
             r.num_computed_tokens += more
