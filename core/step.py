@@ -45,7 +45,8 @@ class ScheduledSeq:
         token_ids: the tokens whose KV this step computes (a prompt chunk, or the
             last sampled token), at positions ``start_pos .. start_pos+len-1``.
         start_pos: tokens of this request already in the KV cache.
-        block_table: physical block ids covering positions ``0 .. start_pos+len-1``.
+        block_table: physical block ids covering positions ``0 .. start_pos+len-1``
+            (the KV cache manager's own list, which nobody changes).
         sampling: set when this chunk ends the request's known tokens, so the step
             samples its next token; None for a prompt chunk with more to come.
         num_draft_tokens: the last this many of ``token_ids`` are speculative

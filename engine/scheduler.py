@@ -143,15 +143,11 @@ class Scheduler:
         prefilling = [r for r in running if len(r.token_ids) - r.num_computed_tokens > 1]
         self._drafts = {}
         drafting = self.spec.batch_allowed(len(decoding))
-        cap, allocate, running_status = (
-            self.config.max_prefill_chunk,
-            self.kv.allocate_slots,
-            RUNNING,
-        )
+        cap, allocate = self.config.max_prefill_chunk, self.kv.allocate_slots
         for request in decoding + prefilling:
             if budget == 0:
                 break
-            if request.status is not running_status:
+            if request.status is not RUNNING:
                 continue  # preempted earlier in this loop
             remaining = len(request.token_ids) - request.num_computed_tokens
             num_new = min(remaining, budget, cap or remaining)  # a decode row: 1
