@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from pdserve.core.config import build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.analytic import Assumptions, analytic_profile, measured_efficiency, model_shape
 from pdserve.sim.fit import fit_error, fit_step_model
-from pdserve.sim.measure import MeasureGrid, measured_profile
+from pdserve.sim.measure import MeasureGrid, measured_profile, profile_plan, scattered_pages
 from pdserve.sim.profile import Sample, StepFeatures, StepModel, load_profile, save_profile
 from pdserve.sim.textbook import single_instance
 from tests.sim.helpers import TOY, toy_profile
@@ -147,3 +148,16 @@ def test_calibration_replaces_assumed_efficiencies_with_measured_ones() -> None:
     assert eff["mfu"] == pytest.approx(0.3, rel=0.05)
     assert eff["mbu"] == pytest.approx(0.6, rel=0.05)
     assert np.isfinite(list(eff.values())).all()
+
+
+def test_profiled_steps_read_scattered_pages_as_a_serving_pool_hands_them_out() -> None:
+    # A serving instance's tables are not runs of pages once requests have come and
+    # gone, and reading scattered pages is slower (sim/measure.py's docstring).
+    pages = scattered_pages(256)
+    assert sorted(pages) == list(range(256))
+    plan = profile_plan(1, [(1, 64)] * 4 + [(100, 28)], 16, pages)
+    tables = [row.block_table for row in plan.seqs]
+    assert [len(t) for t in tables] == [5, 5, 5, 5, 8]  # ceil((new + cached) / 16)
+    flat = [b for t in tables for b in t]
+    assert len(set(flat)) == len(flat)  # no page in two rows
+    assert all(any(b - a != 1 for a, b in pairwise(t)) for t in tables)  # none is a run
