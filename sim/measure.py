@@ -9,12 +9,14 @@ The model runs in this process behind the engine's own executor
 - decode: ``b`` sequences of one new token over ``c`` cached tokens each.
 
 Pages hold whatever the cache holds (timing does not depend on values), and a
-step's pages are scattered over the pool as a serving instance's are once
-requests have come and gone (its pool hands freed pages out again in reverse):
-on the 2-core VM a one-thread decode step of builtin:small over 1,040 cached
-tokens took 4.2-4.8 ms on one ascending run of pages, 4.8-5.3 ms on a descending
-run and 5.4-5.7 ms on scattered ones. The KV hand-off is timed on the shared-memory connector's data path: a copy of a
-request's pages into a tensor mapped from a file under ``/dev/shm``.
+step's pages are scattered over the pool, as a serving instance's are once
+requests have come and gone (its pool hands freed pages out again in reverse).
+Where a step reads them matters: on the 2-core VM a one-thread decode step of
+builtin:small over 1,040 cached tokens took 1.27x as long on scattered pages as
+on one ascending run, and 1.1x once the decode kernel prefetched its rows
+(``bench/RESULTS.md``). The KV hand-off is timed on the shared-memory
+connector's data path: a copy of a request's pages into a tensor mapped from a
+file under ``/dev/shm``.
 """
 
 from __future__ import annotations

@@ -23,20 +23,17 @@ import pytest
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import StepRecord
+from pdserve.sim.calibrate import Overhead, calibrate, calibration_args, simulate
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import LiveFit, cold_flags, live_fit, loop_periods, predicted, scaled
 from pdserve.sim.profile import StepModel
 from pdserve.sim.validate import (
     Measured,
-    Overhead,
     Point,
-    calibrate,
-    calibration_args,
     cmd_sim_validate,
     measure,
     per_point,
     setup_profiles,
-    simulate,
     workload_args,
 )
 from pdserve.sim.validate_report import compare_point, point_row, repeat_table

@@ -1,0 +1,169 @@
+"""The calibration of ``pdserve sim-validate``: what the live system spends beyond
+the profiled steps, fitted so that simulated calibration runs match measured ones.
+
+The runs (:func:`calibration_args`) are ``pdserve bench serve`` workloads that
+each show one thing: one request at a time, bursts of 8, very short outputs
+(the hand-off's share of TPOT), and a steady stream (a prefill beside the decode
+steps of the requests before it). :func:`calibrate` fits the step model to the
+engines' own traced steps during them (:func:`~pdserve.sim.live.live_fit`),
+then the overheads outside the steps (:class:`Overhead`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdserve.core.messages import StepRecord
+from pdserve.sim.fit import nonnegative_lstsq
+from pdserve.sim.live import LiveFit, Measured, live_fit, scaled
+from pdserve.sim.profile import StepModel
+
+CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
+
+
+def bench_flags(workload: list[str], args: argparse.Namespace) -> argparse.Namespace:
+    """``pdserve bench serve``'s workload and load flags, parsed as that command parses them."""
+    from pdserve.bench.serve import add_load_flags, add_workload_flags
+
+    p = argparse.ArgumentParser()
+    add_workload_flags(p)
+    add_load_flags(p)
+    flags = [*workload, "--num-requests", str(args.num_requests), "--seed", str(args.seed),
+             "--no-progress", "--warmup", "2", "--ttft-slo-ms", "100000",
+             "--tpot-slo-ms", "100000"]  # fmt: skip
+    ns = p.parse_args(flags)
+    ns.api_key, ns.model = None, None
+    return ns
+
+
+def simulate(
+    text: str, book: Any, ns: argparse.Namespace, rate: float, overhead: Overhead
+) -> dict[str, Any]:
+    """The summary ``pdserve bench serve`` would write for workload ``ns`` at ``rate``
+    against the cluster of ``text``, simulated with ``book``'s profiles and ``overhead``."""
+    from pdserve.cluster.config import parse_config
+    from pdserve.sim.cluster import SimCluster, SimOptions, slo_of
+    from pdserve.sim.workload import workload_from_args
+
+    config = parse_config(text, "<sim>")
+    work = workload_from_args(ns, rate, [1.0])
+    options = SimOptions(fast=False, planner=False, request_overhead_s=overhead.request_s,
+                         one_host=True)  # fmt: skip
+    run = SimCluster(config, overhead.apply(book), work, options).run()
+    return run.recorder.summary(slo_of(config))
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What the live system spends beyond the profiled steps, from the calibration
+    requests: its steps' own slowdown (``live``, from the engines' step traces),
+    then per engine step (the loop between steps), per sequence of a step (its
+    token streamed out through the router), per hand-off from a prefill to a decode
+    instance (the RPCs, the activation and the decode loop waking, beyond the pages'
+    copy) and per request (front door, router, RPCs)."""
+
+    live: LiveFit = field(default_factory=LiveFit)
+    role_live: dict[str, LiveFit] = field(default_factory=dict)  # per role, in place of live
+    step_s: float = 0.0
+    seq_s: float = 0.0
+    handoff_s: float = 0.0
+    request_s: float = 0.0
+
+    def apply(self, book: Any) -> Any:
+        from pdserve.sim.build import ProfileBook
+        from pdserve.sim.profile import TransferModel
+
+        def link(t: TransferModel) -> TransferModel:
+            return TransferModel(t.latency_s + self.handoff_s, t.bytes_per_s)
+
+        def step(s: StepModel, live: LiveFit) -> StepModel:
+            s = scaled(s, live)
+            return dataclasses.replace(
+                s, overhead_s=s.overhead_s + self.step_s, s_per_seq=s.s_per_seq + self.seq_s
+            )
+
+        profiles = [
+            dataclasses.replace(p, step=step(p.step, self.live),
+                                connectors={name: link(t) for name, t in p.connectors.items()})
+            for p in book.profiles
+        ]  # fmt: skip
+        roles = {role: step(book.profiles[0].step, fit) for role, fit in self.role_live.items()}
+        return ProfileBook(book.model, profiles, book.device, book.assumptions, roles)
+
+
+CALIBRATION = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
+BURST = ["--prompt-len", "256", "--output-len", "32", "--arrival", "burst", "--burst-size", "8"]
+SHORT = ["--prompt-len", "256", "--output-len", "4", "--arrival", "fixed"]
+CALIBRATION_BURST_RATE = 1.0  # req/s: a burst of 8 every 8 s, done well before the next
+CALIBRATION_OVERLAP_RATE = 4.0  # req/s, fixed gaps: a prefill beside the last one's decode
+
+
+def calibration_args(args: argparse.Namespace) -> list[tuple[argparse.Namespace, float]]:
+    """(flags, rate) of the calibration runs: one request at a time (a fixed gap longer
+    than a request: no queueing, no batching), bursts of 8 (batches of up to 8), and
+    one at a time again with 4 output tokens (the hand-off to decode weighs on their
+    TPOT eight times as much as on 32 tokens'), and a steady 4 req/s (each prefill
+    runs beside the decode steps of the requests before it)."""
+    single, burst, short, overlap = (bench_flags(w, args) for w in (CALIBRATION, BURST, SHORT,
+                                                                     CALIBRATION))  # fmt: skip
+    single.num_requests = short.num_requests = args.calibration_requests
+    burst.num_requests = 2 * 8
+    overlap.num_requests = 3 * args.calibration_requests
+    return [(single, CALIBRATION_RATE), (burst, CALIBRATION_BURST_RATE), (short, CALIBRATION_RATE),
+            (overlap, CALIBRATION_OVERLAP_RATE)]  # fmt: skip
+
+
+def _tpot(summary: dict[str, Any]) -> float:
+    return float(summary["tpot_ms"]["p50"]) / 1e3
+
+
+def calibrate(
+    text: str,
+    book: Any,
+    real: list[dict[str, Any]],
+    runs: list[tuple[argparse.Namespace, float]],
+    traces: list[list[StepRecord]] | None = None,
+) -> Overhead:
+    """The overheads that make the simulated calibration runs match the measured ones.
+
+    The engines' own steps during the runs (``traces``: each instance's, when traced)
+    set the step model's scales, offset, and cold and shared factors
+    (:func:`~pdserve.sim.live.live_fit`). Then TPOT p50 of
+    each run, against the simulation's sensitivity to each overhead (it differs
+    with the batch and the output length), gives the per-step, per-sequence
+    and per-hand-off overheads: the non-negative least-squares answer (exact when the
+    runs are independent; an overhead a setup lacks, such as the hand-off of a
+    colocated one, has no effect and comes out 0). Then TTFT p50 of the single run
+    gives the per-request one.
+    """
+
+    def tpots(o: Overhead) -> np.ndarray:
+        return np.array([_tpot(simulate(text, book, ns, rate, o)) for ns, rate in runs])
+
+    live = live_fit(book.profiles[0].step, traces or [])
+    base, probe = tpots(Overhead(live)), 1e-3
+    probes = (Overhead(live, step_s=probe), Overhead(live, seq_s=probe),
+              Overhead(live, handoff_s=probe))  # fmt: skip
+    columns = [(tpots(o) - base) / probe for o in probes]
+    gap = np.array([_tpot(r) for r in real]) - base
+    step_s, seq_s, handoff_s = nonnegative_lstsq(np.column_stack(columns), gap)
+    fitted = Overhead(live, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
+    single, rate = runs[0]
+    stepped = simulate(text, book, single, rate, fitted)
+    request = max(0.0, (real[0]["ttft_ms"]["p50"] - stepped["ttft_ms"]["p50"]) / 1e3)
+    return dataclasses.replace(fitted, request_s=request)
+
+
+def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:
+    """``overhead`` with each role's steps set to what its engine ran at this point
+    (not a prediction: it tells the error of the step times, which contention under
+    load moves, from that of the simulated scheduling, routing and queueing)."""
+    step = book.profiles[0].step
+    fits = {role: live_fit(step, traces) for role, traces in measured.by_role().items()
+            if any(traces)}  # fmt: skip
+    return dataclasses.replace(overhead, role_live=fits)
