@@ -2,8 +2,10 @@
 
 ``pdserve sim-validate`` measures six points (``bench/RESULTS.md``); this runs
 one small one: builtin:tiny disaggregated (a prefill and a decode instance),
-1,024-token prompts at 0.5 req/s, after the same calibration (single requests,
-then bursts of 8, with the engines' steps traced). The tolerance is what this
+1,024-token prompts arriving at 0.5 req/s (Poisson), after the same calibration
+with the engines' steps traced. One of its runs sends the same prompts one at
+a time (fixed gaps), so what this point adds to it is the queueing of random
+arrivals and the end-to-end path: measure, trace, calibrate, simulate. The tolerance is what this
 2-core machine reaches, not the 10%/15% the simulator aims at: the router, the
 load generator and Ray share the cores with the engines and slow their steps in
 proportion to the load (on two cores a decode step beside a prefill step ran
