@@ -3,8 +3,9 @@ the profiled steps, fitted so that simulated calibration runs match measured one
 
 The runs (:func:`calibration_args`) are ``pdserve bench serve`` workloads that
 each show one thing: one request at a time, bursts of 8, very short outputs
-(the hand-off's share of TPOT), and a steady stream (a prefill beside the decode
-steps of the requests before it). :func:`calibrate` fits the step model to the
+(the hand-off's share of TPOT), a steady stream (a prefill beside the decode
+steps of the requests before it), and long prompts one at a time (long
+prefills, decode steps over long contexts). :func:`calibrate` fits the step model to the
 engines' own traced steps during them (:func:`~pdserve.sim.live.live_fit`),
 then the overheads outside the steps (:class:`Overhead`).
 """
