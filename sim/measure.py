@@ -13,10 +13,10 @@ step's pages are scattered over the pool, as a serving instance's are once
 requests have come and gone (its pool hands freed pages out again in reverse).
 Where a step reads them matters: on the 2-core VM a one-thread decode step of
 builtin:small over 1,040 cached tokens took 1.27-1.31x as long on scattered
-pages as on one ascending run, and 1.09-1.17x once the decode kernel prefetched
-its rows (``bench/RESULTS.md``). The KV hand-off is timed on the shared-memory
-connector's data path: a copy of a request's pages into a tensor mapped from a
-file under ``/dev/shm``.
+pages as on one ascending run (a timing script, ``bench/RESULTS.md``), and
+1.09-1.17x once the decode kernel prefetched its rows. The KV hand-off is
+timed on the shared-memory connector's data path: a copy of a request's pages
+into a tensor mapped from a file under ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -111,17 +111,17 @@ def measure_steps(config: EngineConfig, grid: MeasureGrid) -> tuple[list[Sample]
         )
     model = ModelConfig.from_dir(resolve_model(config.model))
     executor = LocalExecutor(model, config)
-    pages = scattered_pages(executor.num_kv_blocks)
     for _ in range(2):  # the first pass warms every shape up; the second is kept
-        samples = _measure_grid(executor, model, grid, config.cache.block_size, pages)
+        samples = measure_grid(executor, model, grid, config.cache.block_size)
     logger.info("profiled %d steps", len(samples))
     return samples, executor.num_kv_blocks, model
 
 
-def _measure_grid(
-    executor: Executor, model: ModelConfig, grid: MeasureGrid, bs: int, pages: list[int]
+def measure_grid(
+    executor: Executor, model: ModelConfig, grid: MeasureGrid, bs: int
 ) -> list[Sample]:
-    """Every shape of ``grid`` timed on ``pages`` (the pool's pages, in the order handed out)."""
+    """Every shape of ``grid`` timed on ``executor``, on pages scattered over its pool."""
+    pages = scattered_pages(executor.num_kv_blocks)
     samples, capacity = [], len(pages) * bs
     for n in grid.prefill_tokens:
         for c in grid.prefill_cached:

@@ -171,9 +171,9 @@ static inline void value_sum(float *acc, const float *w, const void *v_cache, in
 
 /* Requests the cache lines of the `bytes` from `p` ahead of their use. A serving
  * pool's block tables scatter a sequence's tokens, which the hardware prefetcher
- * (it follows runs of addresses) does not foresee: on builtin:small a decode step
- * over 1,040 scattered tokens took 1.27-1.31x its time on one run of pages
- * without this, and 1.09-1.17x with it (bench/RESULTS.md). */
+ * (it follows runs of addresses) does not foresee: with this, builtin:small's
+ * decode steps on scattered pages took 0.70-0.87x their time at 769 cached
+ * tokens a sequence (`pdserve profile`, before against after, bench/RESULTS.md). */
 #define PREFETCH_AHEAD 8 /* tokens */
 static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);

@@ -9,11 +9,15 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
+from pdserve.core.builtin_models import resolve_model
 from pdserve.core.config import build_engine_config
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.step import StepPlan
+from pdserve.parallel.executor import LocalExecutor
 from pdserve.sim.analytic import Assumptions, analytic_profile, measured_efficiency, model_shape
 from pdserve.sim.fit import fit_error, fit_step_model
-from pdserve.sim.measure import MeasureGrid, measured_profile, profile_plan, scattered_pages
+from pdserve.sim.measure import MeasureGrid, measure_grid, measured_profile
 from pdserve.sim.profile import Sample, StepFeatures, StepModel, load_profile, save_profile
 from pdserve.sim.textbook import single_instance
 from tests.sim.helpers import TOY, toy_profile
@@ -152,12 +156,21 @@ def test_calibration_replaces_assumed_efficiencies_with_measured_ones() -> None:
 
 def test_profiled_steps_read_scattered_pages_as_a_serving_pool_hands_them_out() -> None:
     # A serving instance's tables are not runs of pages once requests have come and
-    # gone, and reading scattered pages is slower (sim/measure.py's docstring).
-    pages = scattered_pages(256)
-    assert sorted(pages) == list(range(256))
-    plan = profile_plan(1, [(1, 64)] * 4 + [(100, 28)], 16, pages)
-    tables = [row.block_table for row in plan.seqs]
-    assert [len(t) for t in tables] == [5, 5, 5, 5, 8]  # ceil((new + cached) / 16)
-    flat = [b for t in tables for b in t]
-    assert len(set(flat)) == len(flat)  # no page in two rows
-    assert all(any(b - a != 1 for a, b in pairwise(t)) for t in tables)  # none is a run
+    # gone, and reading scattered pages is slower (sim/measure.py's docstring): every
+    # step the profile times, on the real one-rank executor, reads such pages.
+    config = build_engine_config("builtin:tiny", dtype="float32", num_blocks=256)
+    model = ModelConfig.from_dir(resolve_model(config.model))
+    executor = LocalExecutor(model, config)
+    plans: list[StepPlan] = []
+    run = executor.execute
+    executor.execute = lambda plan: (plans.append(plan), run(plan))[1]  # type: ignore[method-assign]
+    grid = MeasureGrid((16, 100), (0, 28), (1, 4), (64,), repeats=1)
+    samples = measure_grid(executor, model, grid, config.cache.block_size)
+    assert len(samples) == 6 and len(plans) == 6 * 2  # each timed once after a warm-up
+    for plan in plans:
+        tables = [row.block_table for row in plan.seqs]
+        for row, table in zip(plan.seqs, tables, strict=True):
+            assert len(table) == -(-(row.start_pos + len(row.token_ids)) // 16)
+        flat = [b for t in tables for b in t]
+        assert len(set(flat)) == len(flat) and set(flat) <= set(range(256))  # no page twice
+        assert all(any(b - a != 1 for a, b in pairwise(t)) for t in tables if len(t) > 2)
