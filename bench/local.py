@@ -102,9 +102,14 @@ def pin_instances(controller: Any, cores_by_role: dict[str, tuple[int, ...]]) ->
 
 @contextlib.contextmanager
 def local_cluster(
-    config_yaml: str, num_cpus: int, cores_by_role: dict[str, tuple[int, ...]] | None = None
+    config_yaml: str,
+    num_cpus: int,
+    cores_by_role: dict[str, tuple[int, ...]] | None = None,
+    capacity: Any = None,
 ) -> Iterator[tuple[Any, list[PinnedRank]]]:
-    """Yield (endpoints, pinned ranks) of a cluster started from ``config_yaml``."""
+    """Yield (endpoints, pinned ranks) of a cluster started from ``config_yaml``;
+    ``capacity``: the latency model of a proactive planner (as ``pdserve serve``
+    builds it from ``planner.profile``)."""
     from pdserve.cluster.config import parse_config
     from pdserve.cluster.serve import connect, start_controller
 
@@ -114,7 +119,7 @@ def local_cluster(
     connect("local", num_cpus)
     controller = None
     try:
-        controller, endpoints = start_controller(config)
+        controller, endpoints = start_controller(config, capacity)
         pinned = pin_instances(controller, cores_by_role or {})
         yield endpoints, pinned
     finally:

@@ -8,7 +8,9 @@ decisions, and the comparison says, per policy: requests meeting both SLOs
 (all, and after the switch), when the first prefill instance was asked for
 and when one was serving after the switch, and device-seconds used. The plot
 is P:D over time for every policy. ``--write-trace`` saves the workload as a
-trace CSV that ``pdserve bench serve --trace`` replays on a live cluster.
+trace CSV that ``pdserve bench serve --trace`` replays on a live cluster;
+``--live`` replays it on a local cluster of the config itself, once per policy
+(:mod:`pdserve.sim.replay_live`).
 """
 
 from __future__ import annotations
@@ -82,15 +84,24 @@ def _count(row: dict[str, Any], role: str) -> int:
 
 
 def outcome(run: SimRun, slo: Slo, switch_s: float) -> dict[str, Any]:
-    """One policy's figures: SLO attainment, reaction to the switch, device-seconds."""
-    met, rec = run.recorder.slo_met(slo), run.recorder
-    after = rec.arrival >= switch_s
-    counts = run.counts
+    """One simulated policy's figures (:func:`figures`)."""
+    rec = run.recorder
+    return figures(rec.slo_met(slo), rec.arrival, run.counts, run.decisions, switch_s)
+
+
+def figures(
+    met: np.ndarray, arrival: np.ndarray, counts: list[dict[str, Any]],
+    decisions: list[dict[str, Any]], switch_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    """One policy's figures: SLO attainment, reaction to the switch, device-seconds.
+    ``met`` and ``arrival``: per request; ``counts``: serving instances over time
+    (``t_s`` and ``{region}.{role}`` keys); ``decisions``: ``t_s`` and ``action``."""
+    after = arrival >= switch_s
     before = [r for r in counts if r["t_s"] <= switch_s]
     base_p = _count(before[-1], "prefill") if before else 0
     served = next((r["t_s"] for r in counts
                    if r["t_s"] > switch_s and _count(r, "prefill") > base_p), None)  # fmt: skip
-    asked = next((d["t_s"] for d in run.decisions
+    asked = next((d["t_s"] for d in decisions
                   if d["t_s"] > switch_s and d["action"] == "add_prefill"), None)  # fmt: skip
     device_s = sum(
         (b["t_s"] - a["t_s"]) * (_count(a, "prefill") + _count(a, "decode"))
@@ -105,7 +116,7 @@ def outcome(run: SimRun, slo: Slo, switch_s: float) -> dict[str, Any]:
         "first_add_prefill_after_switch_s": None if asked is None else round(asked - switch_s, 1),
         "more_prefill_serving_after_s": None if served is None else round(served - switch_s, 1),
         "device_s": round(device_s, 1),
-        "decisions": len(run.decisions),
+        "decisions": len(decisions),
         "end_counts": {k: v for k, v in counts[-1].items() if "." in k} if counts else {},
     }
 
@@ -124,20 +135,23 @@ def compare(
     return runs
 
 
-def plot_policies(runs: dict[str, SimRun], starts: list[float], traces: list[str],
-                  path: Path) -> Path:  # fmt: skip
-    """Prefill and decode instances over time, one panel per policy."""
+def plot_policies(
+    counts: dict[str, list[dict[str, Any]]], starts: list[float], traces: list[str], path: Path,
+    clock: str = "virtual time",
+) -> Path:  # fmt: skip
+    """Prefill and decode instances over time (``counts``: each policy's rows), one
+    panel per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True)
+    fig, axes = plt.subplots(len(counts), 1, figsize=(8, 2.6 * len(counts)), sharex=True)
     axes = np.atleast_1d(axes)
-    for ax, (policy, run) in zip(axes, runs.items(), strict=True):
-        times = [r["t_s"] for r in run.counts]
+    for ax, (policy, rows) in zip(axes, counts.items(), strict=True):
+        times = [r["t_s"] for r in rows]
         for role in ("prefill", "decode"):
-            ax.step(times, [_count(r, role) for r in run.counts], where="post", label=role)
+            ax.step(times, [_count(r, role) for r in rows], where="post", label=role)
         for start, name in zip(starts, traces, strict=True):
             ax.axvline(start, color="grey", lw=0.8, ls="--")
             ax.text(start, ax.get_ylim()[1], f" {name}", va="top", fontsize=8, color="grey")
@@ -145,7 +159,7 @@ def plot_policies(runs: dict[str, SimRun], starts: list[float], traces: list[str
         ax.set_title(f"{policy} planner", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="center right")
-    axes[-1].set_xlabel("virtual time (s)")
+    axes[-1].set_xlabel(f"{clock} (s)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -173,6 +187,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-len", type=int, default=4000)
     p.add_argument("--max-output-len", type=int, default=2000)
     p.add_argument("--write-trace", default=None, help="also save the workload as a trace CSV")
+    p.add_argument("--live", action="store_true",
+                   help="run each policy on a local cluster of --config (a model that runs "
+                        "here) instead of simulating it")  # fmt: skip
+    p.add_argument("--num-cpus", type=int, default=4, help="--live: the local Ray's CPUs")
     p.add_argument("--out", default="bench/out/sim", help="output folder")
     p.add_argument("--name", default="planners")
     add_device_flags(p)
@@ -188,11 +206,15 @@ def cmd_sim_planners(args: argparse.Namespace) -> int:
     from pdserve.sim.profile import load_profile
 
     config = load_config(args.config)
-    book = book_for(
-        config, [load_profile(p) for p in args.profile], args.device, assumptions_from(args)
-    )
     work, starts = phased_workload(
         args.traces, args.rate, args.phase_s, args.max_prompt_len, args.max_output_len
+    )
+    if args.live:
+        from pdserve.sim.replay_live import cmd_live
+
+        return cmd_live(args, config, work, starts)
+    book = book_for(
+        config, [load_profile(p) for p in args.profile], args.device, assumptions_from(args)
     )
     slo = Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
     runs = compare(config, book, work, args.policies, args.startup_s)
@@ -204,7 +226,7 @@ def cmd_sim_planners(args: argparse.Namespace) -> int:
     payload = {**header(command_line(args)), "config": str(args.config), "traces": args.traces,
                "phase_starts_s": starts, "rate": args.rate, "policies": results}  # fmt: skip
     paths = [write_json(out / f"{args.name}.json", payload)]
-    paths.append(plot_policies({p: r for p, (r, _) in runs.items()}, starts, args.traces,
+    paths.append(plot_policies({p: r.counts for p, (r, _) in runs.items()}, starts, args.traces,
                                out / f"{args.name}.png"))  # fmt: skip
     if args.write_trace:
         paths.append(write_trace(work, Path(args.write_trace)))

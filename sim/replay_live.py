@@ -1,0 +1,192 @@
+"""``pdserve sim-planners --live``: the traffic shift replayed on a local cluster.
+
+The live counterpart of the simulated comparison in :mod:`pdserve.sim.replay`:
+the same phased workload, written as a trace CSV and replayed by ``pdserve bench
+serve``'s load generator, once per planner policy, each on a fresh local
+cluster started from the given config with its planner applying decisions
+(``mode: on``, ``policy`` set per run). The proactive planner sizes the region
+from a profile: the first ``--profile`` given, or one measured here first on
+the decode instance's engine config with one torch thread (a rank's share of
+the cores). Every second the controller's status gives the region's serving
+instance counts; at the end its scale log gives the planner's decisions. The
+figures are the simulated comparison's (:func:`~pdserve.sim.replay.figures`).
+
+On a machine of a few cores, an added instance shares the same cores: a run
+shows what the planners decide on the live system (when, and from which
+signal), not the capacity an instance adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from pdserve.bench.report import RequestRecord, Slo, meets_slo
+from pdserve.cluster.config import ClusterConfig
+from pdserve.sim.workload import SimWorkload
+
+POLL_S = 1.0  # how often the controller's instance counts are read
+
+
+@dataclass
+class LiveRun:
+    """One policy's live run: its requests, counts over time and decisions (seconds
+    from the load's start)."""
+
+    records: list[RequestRecord]
+    counts: list[dict[str, Any]]
+    decisions: list[dict[str, Any]]
+    wall_s: float
+
+
+def policy_yaml(text: str, policy: str, profile: str | None) -> str:
+    """The config YAML with its planner on, under ``policy`` (and ``profile``)."""
+    raw = yaml.safe_load(text)
+    planner = raw.setdefault("planner", {})
+    planner.update(mode="on", policy=policy)
+    if profile is not None:
+        planner["profile"] = profile
+    return yaml.safe_dump(raw, sort_keys=False)
+
+
+def measure_profile(config: ClusterConfig, path: Path, command: str) -> Path:
+    """A profile of the config's first region's decode engine, measured on one thread."""
+    import torch
+
+    from pdserve.bench.report import machine_info
+    from pdserve.sim.measure import MeasureGrid, measured_profile
+    from pdserve.sim.profile import save_profile
+
+    engine = config.engine_config("decode", config.regions[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        profile = measured_profile(engine, MeasureGrid(), command, machine_info())
+    finally:
+        torch.set_num_threads(threads)
+    return save_profile(profile, path)
+
+
+@contextlib.contextmanager
+def counts_polled(controller: Any, region: str, t0: float) -> Iterator[list[dict[str, Any]]]:
+    """Read the region's serving instance counts every ``POLL_S`` inside the block."""
+    import ray
+
+    rows: list[dict[str, Any]] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            status = ray.get(controller.status.remote())
+            r = next(x for x in status.regions if x.name == region)
+            rows.append({"t_s": round(time.monotonic() - t0, 2),
+                         f"{region}.prefill": r.prefill, f"{region}.decode": r.decode})  # fmt: skip
+            done.wait(POLL_S)
+
+    thread = threading.Thread(target=poll, name="counts", daemon=True)
+    thread.start()
+    try:
+        yield rows
+    finally:
+        done.set()
+        thread.join()
+
+
+def run_policy(
+    text: str, policy: str, profile: str | None, ns: argparse.Namespace, num_cpus: int
+) -> LiveRun:
+    """Replay ``ns``'s trace on a local cluster of ``text`` under ``policy``."""
+    import ray
+
+    from pdserve.bench.local import local_cluster
+    from pdserve.bench.serve import serve_rates
+    from pdserve.cluster.config import parse_config
+    from pdserve.cluster.serve import CONTROLLER, NAMESPACE
+    from pdserve.sim.capacity import capacity_for
+
+    text = policy_yaml(text, policy, profile)
+    config = parse_config(text, "<live>")
+    region = config.regions[0].name
+    with local_cluster(text, num_cpus, capacity=capacity_for(config)) as (endpoints, _):
+        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
+        t0, wall0 = time.monotonic(), time.time()
+        with counts_polled(controller, region, t0) as counts:
+            result = serve_rates(ns, target, [None], label=policy)[0]
+        events = ray.get(controller.status.remote()).scale_events
+    decisions = [{"t_s": round(e.at - wall0, 2), "action": e.action, "reason": e.reason,
+                  "prefill": e.prefill, "decode": e.decode}
+                 for e in events if e.source == "planner" and e.at >= wall0]  # fmt: skip
+    return LiveRun(result.records, counts, decisions, time.monotonic() - t0)
+
+
+def met_and_arrivals(records: list[RequestRecord], slo: Slo) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, in the trace's order: whether it met both SLOs, and when it was due."""
+    ordered = sorted(records, key=lambda r: r.index)
+    met = np.array([meets_slo(r, slo) for r in ordered], dtype=bool)
+    return met, np.array([r.scheduled_s for r in ordered])
+
+
+def replay_flags(work: SimWorkload, trace: Path, slo: Slo) -> argparse.Namespace:
+    """``pdserve bench serve``'s flags that replay ``trace`` as it is (no warm-up)."""
+    from pdserve.bench.serve import add_load_flags, add_workload_flags
+
+    p = argparse.ArgumentParser()
+    add_workload_flags(p)
+    add_load_flags(p)
+    ttft, tpot = (100000.0 if s is None else s * 1e3 for s in (slo.ttft_s, slo.tpot_s))
+    ns = p.parse_args(["--trace", str(trace), "--num-requests", str(len(work)),
+                       "--warmup", "0", "--no-progress", "--ttft-slo-ms", str(ttft),
+                       "--tpot-slo-ms", str(tpot)])  # fmt: skip
+    ns.api_key, ns.model = None, None
+    return ns
+
+
+def cmd_live(
+    args: argparse.Namespace, config: ClusterConfig, work: SimWorkload, starts: list[float]
+) -> int:
+    """``pdserve sim-planners --live``: each policy on a local cluster of ``args.config``."""
+    from pdserve.bench.report import header, summarize, write_json
+    from pdserve.bench.serve import command_line
+    from pdserve.sim.replay import comparison_table, figures, plot_policies, write_trace
+
+    out = Path(args.out)
+    slo = Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
+    trace = write_trace(work, Path(args.write_trace or out / f"{args.name}-trace.csv"))
+    profile = args.profile[0] if args.profile else None
+    if "proactive" in args.policies and profile is None:
+        path = out / f"{args.name}-profile.json"
+        profile = str(measure_profile(config, path, command_line(args)))
+    ns = replay_flags(work, trace, slo)
+    # the replay's clock starts at the trace's first request
+    phases = [s - float(work.arrival_s[0]) for s in starts]
+    switch = phases[1] if len(phases) > 1 else 0.0
+    text = Path(args.config).read_text()
+    results: dict[str, dict[str, Any]] = {}
+    for policy in args.policies:
+        run = run_policy(text, policy, profile, ns, args.num_cpus)
+        met, arrival = met_and_arrivals(run.records, slo)
+        results[policy] = {**figures(met, arrival, run.counts, run.decisions, switch),
+                           "wall_s": round(run.wall_s, 1),
+                           "summary": summarize(run.records, slo),
+                           "instances_over_time": run.counts,
+                           "planner_decisions": run.decisions}  # fmt: skip
+    payload = {**header(command_line(args)), "config": str(args.config), "live": True,
+               "traces": args.traces, "phase_starts_s": phases, "rate": args.rate,
+               "profile": profile, "policies": results}  # fmt: skip
+    counts = {p: r["instances_over_time"] for p, r in results.items()}
+    paths = [write_json(out / f"{args.name}.json", payload),
+             plot_policies(counts, phases, args.traces, out / f"{args.name}.png", "time"),
+             trace]  # fmt: skip
+    print(comparison_table(results))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
