@@ -7,6 +7,7 @@ Derived values are properties, never stored copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,6 +212,15 @@ class DisaggregationConfig:
             raise InvalidArgumentError("local_prefill_cached_fraction", "must be in (0, 1]")
         if self.reservation_ttl_s <= 0:
             raise InvalidArgumentError("reservation_ttl_s", "must be > 0")
+
+    def prefills_locally(self, prompt_len: int, cached_tokens: Callable[[], int]) -> bool:
+        """The decode instance's rule: a short prompt, or one mostly cached there
+        (``cached_tokens``: its leading tokens the decode instance holds, asked only
+        for a prompt longer than ``local_prefill_max_tokens``), skips the prefill
+        instance. The decode server and the simulator both ask it."""
+        if prompt_len <= self.local_prefill_max_tokens:
+            return True
+        return cached_tokens() >= self.local_prefill_cached_fraction * prompt_len
 
 
 @dataclass(frozen=True)

@@ -206,11 +206,12 @@ class DecodeServer:
 
     def _prefill_here(self, engine: EngineCore, request: ReserveRequest) -> bool:
         """Short prompts, and prompts mostly cached here, skip the prefill instance."""
-        n = len(request.prompt_token_ids)
-        if request.prefill_here or n <= self.config.local_prefill_max_tokens:
+        if request.prefill_here:
             return True
-        cached = engine.cached_prefix_tokens(request.prompt_token_ids, request.params)
-        return cached >= self.config.local_prefill_cached_fraction * n
+        ids, params = request.prompt_token_ids, request.params
+        return self.config.prefills_locally(
+            len(ids), lambda: engine.cached_prefix_tokens(ids, params)
+        )
 
     def _commit(self, engine: EngineCore, handoff: HandOff) -> bool:
         if self.needs_arrival_marks and handoff.prefill_id not in self.prefills:

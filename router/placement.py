@@ -2,7 +2,9 @@
 
     choose(request)
       home    <- the request's region, else the config's first
-      for each region with a decode instance and room under its admission limit:
+      for each region with a decode instance, home first, then the nearest first:
+        skip it if its round trip alone costs as much as the best so far, or it
+             has no room under its admission limit
         placement <- the policy's prefill/decode pick there (prefix hits priced in);
                      under a LoRA adapter, among the instances holding it only
         cost      <- placement's estimated TTFT + the round trip to that region
@@ -103,39 +105,64 @@ class RegionChooser:
         self.admission = admission
         self.region_inflight = region_inflight
         self.decision_s: deque[float] = deque(maxlen=4096)  # recent decision times
+        self._orders: dict[str, list[str]] = {}  # per home region: the regions to try
 
-    def choose(self, inp: CompletionInput, skip: frozenset[str] = frozenset()) -> Choice:
-        """The region to serve in (none of ``skip``), and the policy's placement there."""
+    def choose(
+        self,
+        inp: CompletionInput,
+        skip: frozenset[str] = frozenset(),
+        hashes: dict[int, list[bytes]] | None = None,
+    ) -> Choice:
+        """The region to serve in (none of ``skip``), and the policy's placement there.
+        ``hashes``: the prompt's block hashes per block size where the caller has them
+        (the rest are computed here)."""
         start = time.perf_counter()
         try:
-            return self._choose(inp, skip)
+            return self._choose(inp, skip, {} if hashes is None else hashes)
         finally:
             self.decision_s.append(time.perf_counter() - start)
 
-    def _choose(self, inp: CompletionInput, skip: frozenset[str]) -> Choice:
+    def _order(self, home: str) -> list[str]:
+        """The regions to try for requests of ``home``: home first, then the nearest first
+        (equally near ones in config order)."""
+        order = self._orders.get(home)
+        if order is None:
+            names = [r.name for r in self.config.regions]
+            key = lambda g: (g != home, self.config.latency(home, g))  # noqa: E731
+            order = self._orders[home] = sorted(names, key=key)
+        return order
+
+    def _choose(
+        self, inp: CompletionInput, skip: frozenset[str], hashes: dict[int, list[bytes]]
+    ) -> Choice:
         home = inp.region or self.config.home_region
         regions = [r.name for r in self.config.regions]
         if home not in regions:
             raise InvalidArgumentError("region", f"unknown region; known: {regions}")
-        hashes: dict[int, list[bytes]] = {}
         best: tuple[float, str, Placement] | None = None
         lora = inp.params.lora
         if lora is not None:
             self._check_holders(regions, inp.model, lora)
-        candidates = [r for r in self._candidates(regions, inp.model, lora) if r not in skip]
+        serving = set(self._candidates(regions, inp.model, lora)) - skip
+        candidates = [r for r in self._order(home) if r in serving]
         for region in candidates:
+            distance = 2 * self.config.latency(home, region)
+            if best is not None and distance >= best[0]:
+                continue  # a placement's cost is at least its round trip: it cannot win
             inflight = self.region_inflight[region]
             if not self.admission.admit(region, inflight, inp.params.priority):
                 continue
             placement = self.score(inp, region, hashes)
-            cost = placement.est_ttft_s + 2 * self.config.latency(home, region)
+            cost = placement.est_ttft_s + distance
             if region == home:
                 cost -= 1e-9  # ties stay home
             if best is None or cost < best[0]:
                 best = (cost, region, placement)
         if best is None:
             why = "at its limit" if home in candidates else self._unserved(home, inp.model)
-            if inp.params.priority < 0 and home in candidates:
+            if home in skip:
+                why = "full: its decode instances have no room for the request now"
+            elif inp.params.priority < 0 and home in candidates:
                 why = "at its limit for requests of negative priority"
             message = f"no region can take the request now (home {home!r} is {why})"
             unserved = home not in candidates and home not in skip

@@ -141,12 +141,16 @@ class Reserver:
 
 
 def cause_of(e: BaseException) -> BaseException:
-    """The pdserve error behind a Ray error, or InstanceFailedError for a dead actor."""
-    if isinstance(e, PdserveError):
-        return e
+    """The pdserve error behind a Ray error, or InstanceFailedError for a dead actor.
+
+    A task's error comes back as a class that is both Ray's ``RayTaskError`` and the
+    raised class, whose text is the remote traceback: the raised error itself is
+    its ``cause``, and only that one's message is fit for a client."""
     cause = getattr(e, "cause", None)
     if isinstance(cause, PdserveError):
         return cause
+    if isinstance(e, PdserveError):
+        return e
     if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
         return InstanceFailedError(str(e))
     return e

@@ -3,9 +3,11 @@
 Events, in time order (:class:`~pdserve.sim.clock.EventQueue`; arrivals are
 read from the workload arrays as time reaches them, never queued in bulk)::
 
-    arrival  -> region (home unless its estimated TTFT + 2 x latency is beaten
-                elsewhere; regions at their admission limit skip) -> the routing
-                policy's prefill and decode rows (router/policies.py objects)
+    arrival  -> the router's own region and instance choice
+                (:class:`~pdserve.router.placement.RegionChooser`: home unless its
+                estimated TTFT + 2 x latency is beaten elsewhere; regions at their
+                admission limit skip; the routing policy prices in each prefill
+                instance's cached prefix from a real prefix index)
              -> decode prefills it itself (short or mostly cached prompt: the
                 decode server's rule) or reserve pages on decode, then queue at
                 prefill (retrying other decodes within the retry budget)
@@ -20,8 +22,13 @@ read from the workload arrays as time reaches them, never queued in bulk)::
                 (plan and ready: :class:`~pdserve.sim.scaling.SimScaling`)
 
 What the router would learn from load reports it reads here after every step
-of an instance (the live router hears every ~100 ms). Prefix-aware placement
-is not simulated (the policy sees no cached blocks).
+of an instance (the live router hears every ~100 ms), the prefill instances'
+KV events included: the blocks their real block pools cache and evict feed the
+router's :class:`~pdserve.router.prefix_index.PrefixIndex`. Where no instance
+caches prefixes, the prompt is not hashed for the router (its index stays
+empty, so the choice is the same). A prefix held by another prefill instance
+is not moved between instances (``router.peer_prefill``): the chosen prefill
+recomputes what it lacks.
 """
 
 from __future__ import annotations
@@ -37,10 +44,13 @@ from pdserve.bench.report import Slo
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import PlannerPolicy
 from pdserve.cluster.proactive import make_planner
+from pdserve.core.errors import OverloadedError
 from pdserve.core.request import Request
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission, RetryBudget
-from pdserve.router.policies import Placement, RoutingRequest, make_policy
+from pdserve.router.placement import Choice, CompletionInput, RegionChooser
+from pdserve.router.policies import make_policy
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.state import ClusterView
 from pdserve.sim.build import ProfileBook, make_instance
 from pdserve.sim.capacity import ProfileCapacity
@@ -90,6 +100,19 @@ class SimCluster:
         self.profiles: dict[str, Profile] = {}
         self.all: list[SimInstance] = []
         self.inflight = dict.fromkeys(self.regions, 0)
+        self.prefixes = PrefixIndex()
+        self.chooser = RegionChooser(
+            r, self.view, self.prefixes, self.policy, self.admission, self.inflight
+        )
+        # The prompt's block hashes the router would compute, per decode block size;
+        # none where no instance caches prefixes (nothing can match them).
+        caching = any(
+            config.engine_config(role, g).cache.enable_prefix_caching
+            for g in config.regions for role in ("prefill", "decode")
+        )  # fmt: skip
+        self._no_hashes = None if caching else {
+            config.engine_config("decode", g).cache.block_size: [] for g in config.regions
+        }  # fmt: skip
         self.starting: Counter[tuple[str, str]] = Counter()  # (region, role): asked, not ready
         span = PLANNER_WINDOWS * config.planner.interval_s  # as the controller asks the router
         self.windows = {g: RegionWindow(span) for g in self.regions}
@@ -101,7 +124,6 @@ class SimCluster:
         )  # fmt: skip
         self._serial = 0
         self._next = 0  # the next arrival's index
-        self._orders: dict[str, list[str]] = {}  # per home region: the regions to try, in order
         self.scaling = SimScaling(self)
         for g in config.regions:
             for role in ("prefill", "decode"):
@@ -129,6 +151,10 @@ class SimCluster:
     def _refresh(self, inst: SimInstance) -> None:
         inst.view.report = inst.report()
         self.view.touch(inst.view)
+        if inst.role == "prefill" and inst.kv.pool.enable_caching:  # its KV events
+            ev = inst.kv.drain_events()
+            if ev.added or ev.removed:
+                self.prefixes.apply(inst.instance_id, ev.added, ev.removed, ev.lower, ev.device)
 
     def _kick(self, inst: SimInstance) -> None:
         """Start the instance's next step once every event of this instant is in (an
@@ -187,64 +213,49 @@ class SimCluster:
 
     def _arrive(self, i: int) -> None:
         now = self.clock.now()
-        home = self.regions[int(self.work.home[i])]
+        home_index = int(self.work.home[i])
+        home = self.regions[home_index]
         n, out = int(self.work.prompt_len[i]), int(self.work.output_len[i])
         self.windows[home].arrived(now, n)
-        choice = self._choose_region(home, n, out)
+        params = SamplingParams(max_tokens=out, ignore_eos=True)
+        inp = CompletionInput(f"r{i}", self.work.prompt(i), params, home)
+        hashes = None if self._no_hashes is None else dict(self._no_hashes)
         rec = self.run_info.recorder
-        if choice is None:
-            rec.region[i] = self.work.home[i]
+        try:
+            choice = self.chooser.choose(inp, hashes=hashes)
+        except OverloadedError:  # every region at its limit, or none can serve
+            rec.region[i] = home_index
             rec.fail(i, 1, now)
             return
-        region, placement = choice
+        region = choice.region
         rec.region[i] = self.regions.index(region)
         self.retries.on_request()
         self.inflight[region] += 1
         lat = self.config.router.latency(home, region) + self.options.request_overhead_s
         if lat > 0:  # the router waits out the emulated distance before it launches
-            self.queue.push(now + lat, "launch", (i, region, placement))
+            self.queue.push(now + lat, "launch", (i, inp, choice))
         else:
-            self._launch((i, region, placement))
+            self._launch((i, inp, choice))
 
-    def _choose_region(self, home: str, n: int, out: int) -> tuple[str, Placement] | None:
-        best: tuple[float, str, Placement] | None = None
-        order = self._orders.get(home)
-        if order is None:  # home first, then the others nearest first
-            latency = self.config.router.latency
-            order = self._orders[home] = sorted(
-                self.regions, key=lambda g: (g != home, latency(home, g))
-            )
-        for region in order:
-            distance = 2 * self.config.router.latency(home, region)
-            if best is not None and distance >= best[0]:
-                continue  # its cost is at least the distance: it cannot win
-            decodes = self.view.table("decode", region)
-            if not len(decodes) or not self.admission.admit(region, self.inflight[region]):
-                continue
-            prefills = self.view.table("prefill", region)
-            req = RoutingRequest(n, out, np.zeros(len(prefills)), decodes.block_tokens)
-            placement = self.policy.place(req, prefills, decodes)
-            cost = placement.est_ttft_s + distance - (1e-9 if region == home else 0.0)
-            if best is None or cost < best[0]:
-                best = (cost, region, placement)
-        return None if best is None else (best[1], best[2])
-
-    def _launch(self, payload: tuple[int, str, Placement]) -> None:
-        i, region, placement = payload
-        rid, prompt = f"r{i}", self.work.prompt(i)
-        prefills, decodes = self.view.table("prefill", region), self.view.table("decode", region)
-        decode = self.instances[decodes.views[placement.decode].instance_id]
-        params = SamplingParams(max_tokens=int(self.work.output_len[i]), ignore_eos=True)
+    def _launch(self, payload: tuple[int, CompletionInput, Choice]) -> None:
+        i, inp, choice = payload
+        rid, prompt, region = inp.request_id, inp.prompt_token_ids, choice.region
+        decode = self.instances.get(choice.decode.instance_id)
+        if decode is None:  # removed while the request crossed to its region
+            decode = self.instances[self._reserve_order_ids(region)[0]]
         now = self.clock.now()
-        probe = Request(rid, prompt, params, (), now)  # its block hashes are computed once
-        if placement.prefill is None or self._prefill_here(decode, probe):
+        probe = Request(rid, prompt, inp.params, (), now)  # its block hashes are computed once
+        hashes = choice.hashes.get(decode.kv.block_size)
+        if hashes and decode.kv.pool.enable_caching:
+            probe.block_hashes = list(hashes)  # the router hashed the prompt already
+        prefill = None if choice.prefill is None else self.instances.get(choice.prefill.instance_id)
+        if prefill is None or self._prefill_here(decode, probe):
             self._interrupt(decode)
             decode.scheduler.add_request(probe)
             self.tracks[rid] = _Track(i, region, decode, None, len(prompt))
             self._placed(decode)
             self._kick(decode)
             return
-        prefill = self.instances[prefills.views[placement.prefill].instance_id]
         reserved = self._reserve(region, decode, probe)
         if reserved is None:
             self.inflight[region] -= 1
@@ -265,11 +276,10 @@ class SimCluster:
 
     def _prefill_here(self, decode: SimInstance, probe: Request) -> bool:
         """The decode server's rule: short prompts, and mostly cached ones, stay local."""
-        d = self.config.disaggregation
-        if probe.num_tokens <= d.local_prefill_max_tokens:
-            return True
-        cached = len(decode.kv.find_cached_prefix(probe)) * decode.kv.block_size
-        return cached >= d.local_prefill_cached_fraction * probe.num_tokens
+        kv = decode.kv
+        return self.config.disaggregation.prefills_locally(
+            probe.num_tokens, lambda: len(kv.find_cached_prefix(probe)) * kv.block_size
+        )
 
     def _reserve(
         self, region: str, first: SimInstance, probe: Request
@@ -291,9 +301,13 @@ class SimCluster:
     def _reserve_order(self, region: str, first: SimInstance) -> Iterator[SimInstance]:
         """``first``, then the region's other decode instances by TPOT (sorted if needed)."""
         yield first
-        table = self.view.table("decode", region)
-        ids = [table.views[j].instance_id for j in np.argsort(table.decode_tpot())]
+        ids = self._reserve_order_ids(region)
         yield from (self.instances[i] for i in ids if i != first.instance_id)
+
+    def _reserve_order_ids(self, region: str) -> list[str]:
+        """The region's decode instances, by the router's estimated TPOT."""
+        table = self.view.table("decode", region)
+        return [table.views[j].instance_id for j in np.argsort(table.decode_tpot())]
 
     def _placed(self, inst: SimInstance) -> None:
         inst.view.inflight += 1

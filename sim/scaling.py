@@ -79,6 +79,7 @@ class SimScaling:
     def remove(self, inst: SimInstance) -> None:
         self.c.instances.pop(inst.instance_id, None)
         self.c.view.remove(inst.instance_id)
+        self.c.prefixes.forget(inst.instance_id)
         self.count("removed")
 
     def count(self, why: str) -> None:

@@ -179,6 +179,46 @@ def test_a_full_region_spills_to_another_before_refusing() -> None:
     assert asyncio.run(launch()) == "d-east"
 
 
+def test_a_full_lone_region_is_refused_naming_why() -> None:
+    import pytest
+
+    from pdserve.core.errors import OverloadedError
+    from pdserve.core.messages import Reservation
+    from pdserve.router.config import RegionSpec, RouterConfig
+    from pdserve.router.placement import CompletionInput
+    from pdserve.router.router import InstanceInfo, Router
+    from tests.fakes import FakeActor
+
+    def reserve_full(request, prefill_id, sink) -> Reservation:  # type: ignore[no-untyped-def]
+        raise OverloadedError("no room", retry_after_s=0.5)
+
+    config = RouterConfig(regions=(RegionSpec("local"),), auth_disabled=True)
+    router = Router(config, None, None)
+    router.register(InstanceInfo("d", "decode", "local", FakeActor(reserve=reserve_full), 16, 4096))
+    inp = CompletionInput("c", list(range(40)), SamplingParams(max_tokens=4), "local")
+
+    async def launch() -> None:
+        stream = RequestStream("c.1", inp.prompt_token_ids, inp.params, None)
+        await router.attempts.launch(stream, inp, router.chooser.choose(inp), 0)
+
+    with pytest.raises(OverloadedError, match="'local' is full: its decode instances have no room"):
+        asyncio.run(launch())
+
+
+def test_an_error_raised_in_an_instance_reaches_the_client_without_its_traceback() -> None:
+    from ray.exceptions import RayTaskError
+
+    from pdserve.core.errors import OverloadedError
+    from pdserve.router.reservation import cause_of
+
+    raised = OverloadedError("decode d has no room for 1024 prompt tokens now (3 free pages)")
+    trace = 'Traceback (most recent call last):\n  File "decode/server.py", line 188\n'
+    remote = RayTaskError("InstanceWorker.reserve", trace, raised).as_instanceof_cause()
+    assert isinstance(remote, OverloadedError) and "server.py" in str(remote)  # as Ray gives it
+    assert cause_of(remote) is raised
+    assert str(cause_of(remote)) == str(raised)
+
+
 def test_adaptive_admission_never_rises_above_a_small_ceiling() -> None:
     admission = Admission(ceiling=2, ttft_slo_s=0.1, adaptive=True)
     for _ in range(4 * 32):  # windows whose TTFT misses the SLO cut the limit

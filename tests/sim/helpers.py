@@ -23,7 +23,7 @@ def toy_profile(step: StepModel, kv_tokens: int = 1 << 16, latency_s: float = 0.
 
 
 def toy_config(
-    prefill: int, decode: int, engine: str = "", planner: str = "advisory"
+    prefill: int, decode: int, engine: str = "", planner: str = "advisory", router: str = ""
 ) -> ClusterConfig:
     return parse_config(
         "model: toy\n"
@@ -32,7 +32,7 @@ def toy_config(
         f"    prefill: {{count: {prefill}, min: 0, max: 4}}\n"
         f"    decode: {{count: {decode}, min: 1, max: 4}}\n"
         "slo: {ttft_ms: 1000, tpot_ms: 100}\n"
-        "router: {max_inflight_per_region: 100000}\n"
+        f"router: {{max_inflight_per_region: 100000{router}}}\n"
         f'planner: {{mode: "{planner}", interval_s: 1, cooldown_s: 1}}\n'
     )
 
