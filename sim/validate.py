@@ -160,11 +160,11 @@ def validate(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows per point, and each setup's calibrated overheads."""
     rows, calibrations = [], {}
-    cal = calibration_args(args)
     for setup in SETUPS:
         mine = [p for p in points if p.setup == setup]
         if not mine:
             continue
+        cal = calibration_args(args, setup)
         text, book = setup_profiles(setup, args)
         flags = [workload_args(p, args) for p in mine]
         start = time.perf_counter()

@@ -69,8 +69,10 @@ def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) 
             f"{c['traced_steps']} traced steps), then +{c['step_overhead_ms']} ms a step, "
             f"+{c['seq_overhead_ms']} ms a sequence of a step, +{c['handoff_overhead_ms']} ms "
             f"a hand-off, +{c['request_overhead_ms']} ms a request (calibrated on single "
-            "requests of 32 and 4 tokens, bursts of 8, 4 req/s and single 1,024-token prompts)"
-        )
+            "requests of 32 and 4 tokens, bursts of 8, 4 req/s and single 1,024-token prompts"
+            + (", 1,024-token prompts at 2 req/s and single 64-token ones)"
+               if setup == "colocated" else ")")
+        )  # fmt: skip
     return lines
 
 
