@@ -110,7 +110,7 @@ class SimCluster:
             config.engine_config(role, g).cache.enable_prefix_caching
             for g in config.regions for role in ("prefill", "decode")
         )  # fmt: skip
-        self._no_hashes = None if caching else {
+        self._no_hashes: dict[int, list[bytes]] | None = None if caching else {
             config.engine_config("decode", g).cache.block_size: [] for g in config.regions
         }  # fmt: skip
         self.starting: Counter[tuple[str, str]] = Counter()  # (region, role): asked, not ready
