@@ -16,9 +16,7 @@ trace CSV that ``pdserve bench serve --trace`` replays on a live cluster;
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.build import ProfileBook
 from pdserve.sim.cluster import SimCluster, SimOptions, SimRun
+from pdserve.sim.replay_report import comparison_table, figures, plot_policies, write_trace
 from pdserve.sim.workload import SimWorkload
 
 POLICIES = ("reactive", "proactive")
@@ -59,19 +58,6 @@ def phased_workload(
                        np.zeros(len(a), dtype=np.int16)), starts  # fmt: skip
 
 
-def write_trace(work: SimWorkload, path: Path) -> Path:
-    """The workload as a ``TIMESTAMP, ContextTokens, GeneratedTokens`` CSV."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    base = np.datetime64("2026-01-01T00:00:00", "us")
-    with open(path, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
-        for t, p, o in zip(work.arrival_s, work.prompt_len, work.output_len, strict=True):
-            stamp = base + np.timedelta64(round(float(t) * 1e6), "us")
-            out.writerow([str(stamp).replace("T", " "), int(p), int(o)])
-    return path
-
-
 def with_policy(config: ClusterConfig, policy: str) -> ClusterConfig:
     """The config with its planner applying decisions under ``policy``."""
     return dataclasses.replace(
@@ -79,46 +65,10 @@ def with_policy(config: ClusterConfig, policy: str) -> ClusterConfig:
     )
 
 
-def _count(row: dict[str, Any], role: str) -> int:
-    return sum(v for k, v in row.items() if k.endswith(f".{role}"))
-
-
 def outcome(run: SimRun, slo: Slo, switch_s: float) -> dict[str, Any]:
     """One simulated policy's figures (:func:`figures`)."""
     rec = run.recorder
     return figures(rec.slo_met(slo), rec.arrival, run.counts, run.decisions, switch_s)
-
-
-def figures(
-    met: np.ndarray, arrival: np.ndarray, counts: list[dict[str, Any]],
-    decisions: list[dict[str, Any]], switch_s: float,
-) -> dict[str, Any]:  # fmt: skip
-    """One policy's figures: SLO attainment, reaction to the switch, device-seconds.
-    ``met`` and ``arrival``: per request; ``counts``: serving instances over time
-    (``t_s`` and ``{region}.{role}`` keys); ``decisions``: ``t_s`` and ``action``."""
-    after = arrival >= switch_s
-    before = [r for r in counts if r["t_s"] <= switch_s]
-    base_p = _count(before[-1], "prefill") if before else 0
-    served = next((r["t_s"] for r in counts
-                   if r["t_s"] > switch_s and _count(r, "prefill") > base_p), None)  # fmt: skip
-    asked = next((d["t_s"] for d in decisions
-                  if d["t_s"] > switch_s and d["action"] == "add_prefill"), None)  # fmt: skip
-    device_s = sum(
-        (b["t_s"] - a["t_s"]) * (_count(a, "prefill") + _count(a, "decode"))
-        for a, b in itertools.pairwise(counts)
-    )
-    return {
-        "requests": len(met),
-        "slo_met": round(float(met.mean()), 4) if len(met) else 0.0,
-        "slo_missed": int((~met).sum()),
-        "slo_met_after_switch": round(float(met[after].mean()), 4) if after.any() else None,
-        "slo_missed_after_switch": int((~met[after]).sum()),
-        "first_add_prefill_after_switch_s": None if asked is None else round(asked - switch_s, 1),
-        "more_prefill_serving_after_s": None if served is None else round(served - switch_s, 1),
-        "device_s": round(device_s, 1),
-        "decisions": len(decisions),
-        "end_counts": {k: v for k, v in counts[-1].items() if "." in k} if counts else {},
-    }
 
 
 def compare(
@@ -133,38 +83,6 @@ def compare(
         run = SimCluster(with_policy(config, policy), book, work, options).run()
         runs[policy] = (run, time.perf_counter() - start)
     return runs
-
-
-def plot_policies(
-    counts: dict[str, list[dict[str, Any]]], starts: list[float], traces: list[str], path: Path,
-    clock: str = "virtual time",
-) -> Path:  # fmt: skip
-    """Prefill and decode instances over time (``counts``: each policy's rows), one
-    panel per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(counts), 1, figsize=(8, 2.6 * len(counts)), sharex=True)
-    axes = np.atleast_1d(axes)
-    for ax, (policy, rows) in zip(axes, counts.items(), strict=True):
-        times = [r["t_s"] for r in rows]
-        for role in ("prefill", "decode"):
-            ax.step(times, [_count(r, role) for r in rows], where="post", label=role)
-        for start, name in zip(starts, traces, strict=True):
-            ax.axvline(start, color="grey", lw=0.8, ls="--")
-            ax.text(start, ax.get_ylim()[1], f" {name}", va="top", fontsize=8, color="grey")
-        ax.set_ylabel("instances")
-        ax.set_title(f"{policy} planner", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="center right")
-    axes[-1].set_xlabel(f"{clock} (s)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # -- pdserve sim-planners ------------------------------------------------------------------
@@ -233,16 +151,3 @@ def cmd_sim_planners(args: argparse.Namespace) -> int:
     print(comparison_table(results))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
-
-
-def comparison_table(results: dict[str, dict[str, Any]]) -> str:
-    cols = [("slo_met", "SLO met"), ("slo_met_after_switch", "met after switch"),
-            ("slo_missed_after_switch", "missed after switch"),
-            ("first_add_prefill_after_switch_s", "add_prefill after (s)"),
-            ("more_prefill_serving_after_s", "more prefill serving after (s)"),
-            ("device_s", "device-s"), ("decisions", "decisions")]  # fmt: skip
-    lines = ["| policy | " + " | ".join(c for _, c in cols) + " |",
-             "| --- |" + " --- |" * len(cols)]  # fmt: skip
-    for policy, r in results.items():
-        lines.append(f"| {policy} | " + " | ".join(str(r[k]) for k, _ in cols) + " |")
-    return "\n".join(lines)

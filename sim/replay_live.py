@@ -9,7 +9,7 @@ from a profile: the first ``--profile`` given, or one measured here first on
 the decode instance's engine config with one torch thread (a rank's share of
 the cores). Every second the controller's status gives the region's serving
 instance counts; at the end its scale log gives the planner's decisions. The
-figures are the simulated comparison's (:func:`~pdserve.sim.replay.figures`).
+figures are the simulated comparison's (:func:`~pdserve.sim.replay_report.figures`).
 
 On a machine of a few cores, an added instance shares the same cores: a run
 shows what the planners decide on the live system (when, and from which
@@ -32,6 +32,7 @@ import yaml
 
 from pdserve.bench.report import RequestRecord, Slo, meets_slo
 from pdserve.cluster.config import ClusterConfig
+from pdserve.sim.replay_report import comparison_table, figures, plot_policies, write_trace
 from pdserve.sim.workload import SimWorkload
 
 POLL_S = 1.0  # how often the controller's instance counts are read
@@ -157,7 +158,6 @@ def cmd_live(
     """``pdserve sim-planners --live``: each policy on a local cluster of ``args.config``."""
     from pdserve.bench.report import header, summarize, write_json
     from pdserve.bench.serve import command_line
-    from pdserve.sim.replay import comparison_table, figures, plot_policies, write_trace
 
     out = Path(args.out)
     slo = Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)

@@ -11,8 +11,8 @@ import pytest
 from pdserve.bench.report import RequestRecord, Slo
 from pdserve.cluster.config import parse_config
 from pdserve.deploy.cli import build_parser
-from pdserve.sim.replay import figures
 from pdserve.sim.replay_live import met_and_arrivals, policy_yaml
+from pdserve.sim.replay_report import figures
 
 CONFIG = """\
 model: builtin:tiny
