@@ -224,3 +224,17 @@ class Measured:
         for name, records in self.steps.items():
             out.setdefault(name.rstrip("0123456789"), []).append(records)
         return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The run as JSON: its summary, and per instance one
+        ``[start_s, seconds, new_tokens, cached_tokens]`` row a step."""
+        steps = {name: [[r.start_s, r.seconds, list(r.new_tokens), list(r.cached_tokens)]
+                        for r in records] for name, records in self.steps.items()}  # fmt: skip
+        return {"summary": self.summary, "steps": steps}
+
+    @staticmethod
+    def from_json(raw: dict[str, Any]) -> Measured:
+        """The inverse of :meth:`to_json`."""
+        steps = {name: [StepRecord(float(s), float(t), tuple(n), tuple(c)) for s, t, n, c in rows]
+                 for name, rows in raw["steps"].items()}  # fmt: skip
+        return Measured(raw["summary"], steps)

@@ -12,6 +12,12 @@ in turn, N rounds): the simulation is compared with the runs' mean figures, and
 each later run with the first, which says how far apart two runs of the real
 system land on this machine (the floor under any simulator's error).
 
+``--keep-traces`` also writes what was measured (per setup the cluster YAML,
+the profile, every run's summary and its engines' traced steps), and
+``--from-traces`` calibrates and simulates again on such a file without
+measuring anything, so a change to the calibration or the step model can be
+tried on runs that took the better part of an hour to measure.
+
 Setups: ``colocated`` (one decode-role instance prefilling every prompt itself,
 both cores) and ``disaggregated`` (one prefill and one decode instance, a core
 each). Workloads: ``conv`` and ``code`` (the Azure traces, lengths scaled by
@@ -155,22 +161,50 @@ def measure(
     return out
 
 
+def kept_runs(kept: dict[str, Any], setup: str, runs: int) -> tuple[str, Any, list[Measured]]:
+    """(cluster YAML, profile book, measured runs) of ``setup`` from a ``--keep-traces``
+    file's contents, which must hold ``runs`` runs of it."""
+    from pdserve.cluster.config import parse_config
+    from pdserve.sim.build import book_for
+    from pdserve.sim.profile import profile_from_json
+
+    entry = kept.get(setup)
+    if not isinstance(entry, dict) or not {"config", "profile", "runs"} <= set(entry):
+        raise InvalidArgumentError("--from-traces", f"holds no {setup} setup: {sorted(kept)}")
+    if len(entry["runs"]) != runs:
+        raise InvalidArgumentError(
+            "--from-traces", f"holds {len(entry['runs'])} {setup} runs, these flags measure "
+            f"{runs}: give the points, --repeat and --num-requests it was measured with",
+        )  # fmt: skip
+    text = entry["config"]
+    book = book_for(parse_config(text, f"<{setup}>"), [profile_from_json(entry["profile"])], None)
+    return text, book, [Measured.from_json(r) for r in entry["runs"]]
+
+
 def validate(
-    points: list[Point], args: argparse.Namespace
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rows per point, and each setup's calibrated overheads."""
-    rows, calibrations = [], {}
+    points: list[Point], args: argparse.Namespace, kept: dict[str, Any] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """Rows per point, each setup's calibrated overheads, and what was measured (per
+    setup: the cluster YAML, the profile and every run with its traced steps). With
+    ``kept`` (that last, from an earlier run) nothing is measured: the calibration and
+    the simulation run again on the runs it holds."""
+    rows, calibrations, measured = [], {}, {}
     for setup in SETUPS:
         mine = [p for p in points if p.setup == setup]
         if not mine:
             continue
         cal = calibration_args(args, setup)
-        text, book = setup_profiles(setup, args)
         flags = [workload_args(p, args) for p in mine]
         start = time.perf_counter()
         rounds = list(zip(flags, [p.rate for p in mine], strict=True)) * args.repeat
         runs = [*cal, *rounds]
-        real = measure(text, setup, runs, args)
+        if kept is not None:
+            text, book, real = kept_runs(kept, setup, len(runs))
+        else:
+            text, book = setup_profiles(setup, args)
+            real = measure(text, setup, runs, args)
+        measured[setup] = {"config": text, "profile": book.profiles[0].to_json(),
+                           "runs": [m.to_json() for m in real]}  # fmt: skip
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
                              Measured.all_traces(real[: len(cal)]))  # fmt: skip
@@ -198,7 +232,7 @@ def validate(
             rows[-1].update(
                 sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own)
             )
-    return rows, calibrations
+    return rows, calibrations, measured
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -218,6 +252,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cores", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", default="bench/out/sim")
     p.add_argument("--name", default="validation")
+    p.add_argument("--keep-traces", action="store_true",
+                   help="also write NAME-traces.json: per setup the cluster YAML, the profile "
+                        "and every measured run with its engines' traced steps")  # fmt: skip
+    p.add_argument("--from-traces", default=None, metavar="FILE",
+                   help="measure nothing: calibrate and simulate again on a --keep-traces "
+                        "file's runs (the same points, --repeat and request counts)")  # fmt: skip
     p.set_defaults(func=cmd_sim_validate, prog="pdserve sim-validate")
 
 
@@ -230,14 +270,22 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     points = [Point.parse(p) for p in args.points]
     if args.repeat < 1:
         raise InvalidArgumentError("--repeat", f"must be at least 1, got {args.repeat}")
-    resolve_model(args.model)
-    rows, calibrations = validate(points, args)
+    kept = None
+    if getattr(args, "from_traces", None):
+        kept = _read_kept(Path(args.from_traces))
+    else:
+        resolve_model(args.model)
+    rows, calibrations, measured = validate(points, args, kept)
     apart = mean_abs_error([run for r in rows for run in r.get("compare_runs", [])])
     payload = {**header(command_line(args)), "tolerance": TOLERANCE, "points": rows,
                "calibration": calibrations,
                "mean_abs_error": mean_abs_error([r["compare"] for r in rows]),
                "runs_mean_abs_difference": apart}  # fmt: skip
     path = write_json(Path(args.out) / f"{args.name}.json", payload)
+    if getattr(args, "keep_traces", False):
+        traces = write_json(Path(args.out) / f"{args.name}-traces.json",
+                            {**header(command_line(args)), "setups": measured})  # fmt: skip
+        print(f"wrote {traces}")
     print(table(rows))
     if args.repeat > 1:
         print(repeat_table(rows))
@@ -250,3 +298,17 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
         print(f"later runs against the first: mean |difference| {apart}")
     print(f"wrote {path}")
     return 0
+
+
+def _read_kept(path: Path) -> dict[str, Any]:
+    """The setups of a ``--keep-traces`` file."""
+    import json
+
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError("--from-traces", f"{path}: {e}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("setups"), dict):
+        raise InvalidArgumentError("--from-traces", f"{path}: not a --keep-traces file")
+    setups: dict[str, Any] = raw["setups"]
+    return setups

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 import numpy as np
@@ -185,3 +186,54 @@ def test_rounds_of_points_are_grouped_back_by_point() -> None:
         ["long:1"] * 3,
     ]
     assert [m.summary["n"] for m in grouped[1]] == [1, 4, 7]  # in the order they ran
+
+
+def test_a_run_kept_with_its_traces_reads_back_as_it_was() -> None:
+    steps = {"prefill0": [StepRecord(1.5, 0.02, (256, 1), (0, 300))], "decode1": []}
+    run = Measured(_summary((100, 200), (10, 20)), steps)
+    again = Measured.from_json(json.loads(json.dumps(run.to_json())))
+    assert again == run
+
+
+def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # "Measured" runs that a simulated system with known overheads gave: calibrated
+    # again from the kept file, the overheads come back and the point matches.
+    from pdserve.deploy.cli import build_parser
+
+    argv = [
+        "sim-validate",
+        "--model",
+        "builtin:tiny",
+        "--points",
+        "disaggregated:long:0.5",
+        "--num-requests",
+        "12",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "again",
+        "--keep-traces",
+    ]
+    args = build_parser().parse_args(argv)
+    point = Point.parse(args.points[0])
+    text, book = setup_profiles(point.setup, args)
+    truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
+    runs = [*calibration_args(args, point.setup), (workload_args(point, args), point.rate)]
+    real = [Measured(simulate(text, book, ns, rate, truth), {}) for ns, rate in runs]
+    kept = tmp_path / "kept.json"
+    setups = {point.setup: {"config": text, "profile": book.profiles[0].to_json(),
+                            "runs": [m.to_json() for m in real]}}  # fmt: skip
+    kept.write_text(json.dumps({"setups": setups}))
+    args.from_traces = str(kept)
+    assert cmd_sim_validate(args) == 0
+    out = json.loads((tmp_path / "again.json").read_text())
+    fitted = out["calibration"][point.setup]
+    assert fitted["handoff_overhead_ms"] == pytest.approx(15.0, rel=0.1)
+    assert fitted["request_overhead_ms"] == pytest.approx(30.0, rel=0.1)
+    (row,) = out["points"]
+    assert all(abs(c["error"]) < 0.02 for c in row["compare"].values()), row["compare"]
+    rewritten = json.loads((tmp_path / "again-traces.json").read_text())["setups"]
+    assert rewritten == json.loads(json.dumps(setups))  # what it ran on, kept again
+    args.repeat = 2  # the file holds one round of the point, not two
+    with pytest.raises(InvalidArgumentError, match=r"--from-traces.*holds 6 disaggregated runs"):
+        cmd_sim_validate(args)
