@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.sim.calibrate import bench_flags, calibrate, calibration_args, own_steps, simulate
+from pdserve.sim.calibrate import (
+    Overhead,
+    bench_flags,
+    calibrate,
+    calibration_args,
+    own_steps,
+    simulate,
+)
 from pdserve.sim.live import Measured, scaled, traced
 from pdserve.sim.validate_report import TOLERANCE, compare_point, point_row
 
@@ -181,6 +188,27 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: int) -> tuple[str, Any, li
     return text, book, [Measured.from_json(r) for r in entry["runs"]]
 
 
+def calibration_row(
+    overhead: Overhead, summaries: list[dict[str, Any]], start: float
+) -> dict[str, Any]:
+    """What a setup's calibration found: the live step model's scales, the per-step,
+    per-sequence, per-handoff and per-request overheads, and the calibration runs."""
+    return {"compute_scale": round(overhead.live.compute_scale, 4),
+            "memory_scale": round(overhead.live.memory_scale, 4),
+            "step_offset_ms": round(overhead.live.offset_s * 1e3, 3),
+            "cold_compute": round(overhead.live.cold_compute, 4),
+            "cold_factor": round(overhead.live.cold_factor, 4),
+            "shared_compute": round(overhead.live.shared_compute, 4),
+            "shared_factor": round(overhead.live.shared_factor, 4),
+            "traced_steps": overhead.live.steps,
+            "step_overhead_ms": round(overhead.step_s * 1e3, 3),
+            "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
+            "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
+            "request_overhead_ms": round(overhead.request_s * 1e3, 3),
+            "calibration": summaries,
+            "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
+
+
 def validate(
     points: list[Point], args: argparse.Namespace, kept: dict[str, Any] | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -204,25 +232,12 @@ def validate(
             text, book = setup_profiles(setup, args)
             real = measure(text, setup, runs, args)
         measured[setup] = {"config": text, "profile": book.profiles[0].to_json(),
-                           "runs": [m.to_json() for m in real]}  # fmt: skip
+            "runs": [m.to_json() for m in real]}  # fmt: skip
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
                              Measured.all_traces(real[: len(cal)]))  # fmt: skip
         live_model = scaled(book.profiles[0].step, overhead.live)
-        calibrations[setup] = {"compute_scale": round(overhead.live.compute_scale, 4),
-                               "memory_scale": round(overhead.live.memory_scale, 4),
-                               "step_offset_ms": round(overhead.live.offset_s * 1e3, 3),
-                               "cold_compute": round(overhead.live.cold_compute, 4),
-                               "cold_factor": round(overhead.live.cold_factor, 4),
-                               "shared_compute": round(overhead.live.shared_compute, 4),
-                               "shared_factor": round(overhead.live.shared_factor, 4),
-                               "traced_steps": overhead.live.steps,
-                               "step_overhead_ms": round(overhead.step_s * 1e3, 3),
-                               "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
-                               "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
-                               "request_overhead_ms": round(overhead.request_s * 1e3, 3),
-                               "calibration": summaries[: len(cal)],
-                               "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
+        calibrations[setup] = calibration_row(overhead, summaries[: len(cal)], start)
         for point, ns, repeats in zip(
             mine, flags, per_point(real[len(cal) :], len(mine)), strict=True
         ):
