@@ -108,6 +108,9 @@ CALIBRATION_BURST_RATE = 1.0  # req/s: a burst of 8 every 8 s, done well before 
 CALIBRATION_OVERLAP_RATE = 4.0  # req/s, fixed gaps: a prefill beside the last one's decode
 # req/s, fixed gaps: a 1,024-token prompt's chunks beside the last one's decode steps
 CALIBRATION_LONG_OVERLAP_RATE = 2.0
+# req/s, fixed gaps: a disaggregated decode instance's steps beside long prefills (the
+# one-core prefill busy about half the time, not saturated as at 2 req/s)
+CALIBRATION_LONG_BESIDE_RATE = 0.75
 
 
 def calibration_args(
@@ -126,10 +129,10 @@ def calibration_args(
     steps that carry a long prompt's chunk beside decode rows over long contexts:
     the tail of TPOT where long prompts keep arriving, 35% under the model without
     this run, RESULTS) and 64-token prompts one at a time (the short prompts of the
-    conversation trace). A disaggregated pair does not: its steps never mix the two,
-    and the steady long prompts saturate its one-core prefill, which pulled its fit
-    toward the shared factor (every step beside another) and its low-load prefill
-    steps to 1.3x the model (RESULTS)."""
+    conversation trace). A disaggregated pair runs them at 0.75 req/s instead: its
+    decode steps beside a long prefill ran 1.2-1.35x the fitted model where the
+    steady 256-token prompts had put them at 1.0x (RESULTS), and 2 req/s saturates
+    its one-core prefill."""
     single, burst, short, overlap, long = (
         bench_flags(w, args) for w in (CALIBRATION, BURST, SHORT, CALIBRATION, LONG)
     )
@@ -139,11 +142,14 @@ def calibration_args(
     overlap.num_requests = 3 * args.calibration_requests
     runs = [(single, CALIBRATION_RATE), (burst, CALIBRATION_BURST_RATE), (short, CALIBRATION_RATE),
             (overlap, CALIBRATION_OVERLAP_RATE), (long, CALIBRATION_RATE)]  # fmt: skip
+    long_overlap = bench_flags(LONG, args)
+    long_overlap.num_requests = 2 * args.calibration_requests
     if setup == "colocated":
-        long_overlap, brief = bench_flags(LONG, args), bench_flags(BRIEF, args)
-        long_overlap.num_requests = 2 * args.calibration_requests
+        brief = bench_flags(BRIEF, args)
         brief.num_requests = args.calibration_requests
         runs += [(long_overlap, CALIBRATION_LONG_OVERLAP_RATE), (brief, CALIBRATION_RATE)]
+    else:
+        runs.append((long_overlap, CALIBRATION_LONG_BESIDE_RATE))
     return runs
 
 
@@ -157,12 +163,17 @@ def calibrate(
     real: list[dict[str, Any]],
     runs: list[tuple[argparse.Namespace, float]],
     traces: list[list[StepRecord]] | None = None,
+    role_traces: dict[str, list[list[StepRecord]]] | None = None,
 ) -> Overhead:
     """The overheads that make the simulated calibration runs match the measured ones.
 
     The engines' own steps during the runs (``traces``: each instance's, when traced)
     set the step model's scales, offset, and cold and shared factors
-    (:func:`~pdserve.sim.live.live_fit`). Then TPOT p50 of
+    (:func:`~pdserve.sim.live.live_fit`); with ``role_traces`` (the same steps by
+    role) each role gets a fit of its own steps, beside the other roles' (a
+    prefill and a decode instance slow differently beside each other and the host's
+    work: one fit of both put the disaggregated prefill steps at 1.3x it, RESULTS).
+    Then TPOT p50 of
     each run, against the simulation's sensitivity to each overhead (it differs
     with the batch and the output length), gives the per-step, per-sequence
     and per-hand-off overheads: the non-negative least-squares answer (exact when the
@@ -174,18 +185,30 @@ def calibrate(
     def tpots(o: Overhead) -> np.ndarray:
         return np.array([_tpot(simulate(text, book, ns, rate, o)) for ns, rate in runs])
 
-    live = live_fit(book.profiles[0].step, traces or [])
-    base, probe = tpots(Overhead(live)), 1e-3
-    probes = (Overhead(live, step_s=probe), Overhead(live, seq_s=probe),
-              Overhead(live, handoff_s=probe))  # fmt: skip
+    step = book.profiles[0].step
+    steps = Overhead(live_fit(step, traces or []), role_fits(step, role_traces or {}))
+    base, probe = tpots(steps), 1e-3
+    probes = (dataclasses.replace(steps, step_s=probe), dataclasses.replace(steps, seq_s=probe),
+              dataclasses.replace(steps, handoff_s=probe))  # fmt: skip
     columns = [(tpots(o) - base) / probe for o in probes]
     gap = np.array([_tpot(r) for r in real]) - base
     step_s, seq_s, handoff_s = nonnegative_lstsq(np.column_stack(columns), gap)
-    fitted = Overhead(live, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
+    fitted = dataclasses.replace(steps, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
     single, rate = runs[0]
     stepped = simulate(text, book, single, rate, fitted)
     request = max(0.0, (real[0]["ttft_ms"]["p50"] - stepped["ttft_ms"]["p50"]) / 1e3)
     return dataclasses.replace(fitted, request_s=request)
+
+
+def role_fits(step: StepModel, traces: dict[str, list[list[StepRecord]]]) -> dict[str, LiveFit]:
+    """Per role of ``traces`` (each role's instances' steps): the fit of its steps,
+    with every other role's steps as their neighbours. One role: none (the pooled
+    fit stands)."""
+    if len(traces) < 2:
+        return {}
+    return {role: live_fit(step, mine, [t for other, ts in traces.items() if other != role
+                                        for t in ts])
+            for role, mine in traces.items() if any(mine)}  # fmt: skip
 
 
 def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:

@@ -118,11 +118,16 @@ def shared_flags(trace: Sequence[StepRecord], others: Sequence[Sequence[StepReco
                      for r in trace], dtype=bool)  # fmt: skip
 
 
-def live_fit(step: StepModel, traces: Sequence[Sequence[StepRecord]]) -> LiveFit:
+def live_fit(
+    step: StepModel,
+    traces: Sequence[Sequence[StepRecord]],
+    others: Sequence[Sequence[StepRecord]] = (),
+) -> LiveFit:
     """The scales, offset, cold and shared factors that bring ``step`` to the traced
     steps' loop turns (:func:`loop_periods`; ``traces``: each instance's steps in
     order, every trace on one clock, so that steps of different instances that
-    overlapped are seen to), each step's
+    overlapped are seen to; ``others``: more instances' steps on that clock, which
+    count only as neighbours), each step's
     error relative to its own time, so short decode steps weigh as much as long
     prefills. Steps of one kind only (no compute part to tell apart): one scale for
     both parts. Without steps: no change."""
@@ -134,8 +139,9 @@ def live_fit(step: StepModel, traces: Sequence[Sequence[StepRecord]]) -> LiveFit
     model = np.array([step.time(f) for f in features])
     compute = np.array([step.compute_time(f) for f in features])
     cold = np.concatenate([cold_flags(step, t) for t in kept]).astype(float)
+    beside = [loop_periods(t) for t in others if t]
     shared = np.concatenate(
-        [shared_flags(t, kept[:i] + kept[i + 1 :]) for i, t in enumerate(kept)]
+        [shared_flags(t, kept[:i] + kept[i + 1 :] + beside) for i, t in enumerate(kept)]
     ).astype(float)
     live = np.array([r.seconds for r in records])
     w, n = 1.0 / live, len(records)
@@ -217,6 +223,15 @@ class Measured:
     def all_traces(runs: list[Measured]) -> list[list[StepRecord]]:
         """Every instance's steps of every run, one list each."""
         return [records for m in runs for records in m.steps.values()]
+
+    @staticmethod
+    def role_traces(runs: list[Measured]) -> dict[str, list[list[StepRecord]]]:
+        """Every instance's steps of every run, by role."""
+        out: dict[str, list[list[StepRecord]]] = {}
+        for m in runs:
+            for role, traces in m.by_role().items():
+                out.setdefault(role, []).extend(traces)
+        return out
 
     def by_role(self) -> dict[str, list[list[StepRecord]]]:
         """The traces of every instance of a role (instances are named ``{role}{index}``)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -205,6 +206,7 @@ def calibration_row(
             "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
             "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
             "request_overhead_ms": round(overhead.request_s * 1e3, 3),
+            "role_fits": {role: dataclasses.asdict(fit) for role, fit in overhead.role_live.items()},
             "calibration": summaries,
             "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
 
@@ -232,17 +234,19 @@ def validate(
             text, book = setup_profiles(setup, args)
             real = measure(text, setup, runs, args)
         measured[setup] = {"config": text, "profile": book.profiles[0].to_json(),
-            "runs": [m.to_json() for m in real]}  # fmt: skip
+                           "runs": [m.to_json() for m in real]}  # fmt: skip
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
-                             Measured.all_traces(real[: len(cal)]))  # fmt: skip
+                             Measured.all_traces(real[: len(cal)]),
+                             Measured.role_traces(real[: len(cal)]) if args.role_fit else None)  # fmt: skip
         live_model = scaled(book.profiles[0].step, overhead.live)
+        role_models = {r: scaled(book.profiles[0].step, f) for r, f in overhead.role_live.items()}
         calibrations[setup] = calibration_row(overhead, summaries[: len(cal)], start)
         for point, ns, repeats in zip(
             mine, flags, per_point(real[len(cal) :], len(mine)), strict=True
         ):
             sim = simulate(text, book, ns, point.rate, overhead)
-            rows.append(point_row(point.name, sim, repeats, live_model))
+            rows.append(point_row(point.name, sim, repeats, live_model, role_models))
             own = simulate(text, book, ns, point.rate, own_steps(overhead, book, repeats[0]))
             rows[-1].update(
                 sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own)
@@ -267,6 +271,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cores", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", default="bench/out/sim")
     p.add_argument("--name", default="validation")
+    p.add_argument("--role-fit", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit each role's steps on their own, beside the other role's "
+                        "(--no-role-fit: one fit of every instance's steps)")  # fmt: skip
     p.add_argument("--keep-traces", action="store_true",
                    help="also write NAME-traces.json: per setup the cluster YAML, the profile "
                         "and every measured run with its engines' traced steps")  # fmt: skip

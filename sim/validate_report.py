@@ -55,23 +55,37 @@ def mean_figures(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _fit_text(c: float, m: float, offset_ms: float, cold: tuple[float, float],
+              shared: tuple[float, float], steps: int) -> str:  # fmt: skip
+    return (f"compute x{c:.4g}, the rest x{m:.4g}, + {offset_ms:.3g} ms; after idling, "
+            f"compute x{1 + cold[0]:.2f} and the rest x{1 + cold[1]:.2f}; beside another "
+            f"instance's step, x{1 + shared[0]:.2f} and x{1 + shared[1]:.2f} (from {steps} "
+            "traced steps)")  # fmt: skip
+
+
 def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) -> list[str]:
     lines = []
     for row in rows:
         ratios = ", ".join(f"{name} {r['median_ratio']}x" for name, r in row["live_steps"].items())
         lines.append(f"{row['point']}: live steps / calibrated step model (median): {ratios}")
     for setup, c in calibrations.items():
+        fits = {role: _fit_text(f["compute_scale"], f["memory_scale"], f["offset_s"] * 1e3,
+                                (f["cold_compute"], f["cold_factor"]),
+                                (f["shared_compute"], f["shared_factor"]), f["steps"])
+                for role, f in c.get("role_fits", {}).items()}  # fmt: skip
+        if not fits:
+            fits = {"steps'": _fit_text(c["compute_scale"], c["memory_scale"], c["step_offset_ms"],
+                                        (c["cold_compute"], c["cold_factor"]),
+                                        (c["shared_compute"], c["shared_factor"]),
+                                        c["traced_steps"])}  # fmt: skip
         lines.append(
-            f"{setup}: steps' compute x{c['compute_scale']}, the rest x{c['memory_scale']}, "
-            f"+ {c['step_offset_ms']} ms; after idling, compute x{1 + c['cold_compute']:.2f} and "
-            f"the rest x{1 + c['cold_factor']:.2f}; beside another instance's step, "
-            f"x{1 + c['shared_compute']:.2f} and x{1 + c['shared_factor']:.2f} (from "
-            f"{c['traced_steps']} traced steps), then +{c['step_overhead_ms']} ms a step, "
+            f"{setup}: " + "; ".join(f"{who} {text}" for who, text in fits.items())
+            + f", then +{c['step_overhead_ms']} ms a step, "
             f"+{c['seq_overhead_ms']} ms a sequence of a step, +{c['handoff_overhead_ms']} ms "
             f"a hand-off, +{c['request_overhead_ms']} ms a request (calibrated on single "
             "requests of 32 and 4 tokens, bursts of 8, 4 req/s and single 1,024-token prompts"
             + (", 1,024-token prompts at 2 req/s and single 64-token ones)"
-               if setup == "colocated" else ")")
+               if setup == "colocated" else ", 1,024-token prompts at 0.75 req/s)")
         )  # fmt: skip
     return lines
 
@@ -101,16 +115,25 @@ def mean_abs_error(compares: list[dict[str, Any]]) -> float | None:
 
 
 def point_row(
-    name: str, sim: dict[str, Any], repeats: list[Measured], live_model: StepModel
+    name: str,
+    sim: dict[str, Any],
+    repeats: list[Measured],
+    live_model: StepModel,
+    role_models: dict[str, StepModel] | None = None,
 ) -> dict[str, Any]:
     """A point's row: the simulation against the measured run (against the mean of
-    the runs' figures when it ran more than once), and each later run against the
-    first (how far the real system is from itself)."""
+    the runs' figures when it ran more than once), each instance's steps against the
+    calibrated step model (its role's, in ``role_models``, else ``live_model``), and
+    each later run against the first (how far the real system is from itself)."""
     first = repeats[0].summary
     real = mean_figures([m.summary for m in repeats]) if len(repeats) > 1 else first
+    models = role_models or {}
+    live_steps: dict[str, Any] = {}
+    for instance, trace in repeats[0].steps.items():
+        model = models.get(instance.rstrip("0123456789"), live_model)
+        live_steps.update(step_ratios(model, {instance: trace}))
     row: dict[str, Any] = {"point": name, "real": first, "sim": sim,
-                           "compare": compare_point(real, sim),
-                           "live_steps": step_ratios(live_model, repeats[0].steps)}  # fmt: skip
+                           "compare": compare_point(real, sim), "live_steps": live_steps}  # fmt: skip
     if len(repeats) > 1:
         row.update(real_mean=real, real_runs=[m.summary for m in repeats[1:]],
                    compare_runs=[compare_point(first, m.summary) for m in repeats[1:]])  # fmt: skip

@@ -26,10 +26,18 @@ import pytest
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import StepRecord
-from pdserve.sim.calibrate import Overhead, calibrate, calibration_args, simulate
+from pdserve.sim.calibrate import Overhead, calibrate, calibration_args, role_fits, simulate
 from pdserve.sim.fit import nonnegative_lstsq
-from pdserve.sim.live import LiveFit, cold_flags, live_fit, loop_periods, predicted, scaled
-from pdserve.sim.profile import StepModel
+from pdserve.sim.live import (
+    LiveFit,
+    cold_flags,
+    live_fit,
+    loop_periods,
+    predicted,
+    scaled,
+    shared_flags,
+)
+from pdserve.sim.profile import StepFeatures, StepModel
 from pdserve.sim.validate import (
     Measured,
     Point,
@@ -59,10 +67,10 @@ def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
     assert {name.rstrip("0123456789") for name in real.steps} == {"prefill", "decode"}
     prompts = [r for name, rs in real.steps.items() if name.startswith("prefill") for r in rs]
     assert sum(sum(r.new_tokens) for r in prompts) >= 12 * 1024 - 12 * 16  # less cache hits
-    overhead = calibrate(
-        text, book, [m.summary for m in real_cal], cal, Measured.all_traces(real_cal)
-    )
+    overhead = calibrate(text, book, [m.summary for m in real_cal], cal,
+                         Measured.all_traces(real_cal), Measured.role_traces(real_cal))  # fmt: skip
     assert overhead.live.steps > 0 and overhead.live.memory_scale > 0
+    assert set(overhead.role_live) == {"prefill", "decode"}  # as sim-validate fits them
     sim = simulate(text, book, ns, point.rate, overhead)
     result = compare_point(real.summary, sim)
     for key in ("ttft_p50", "tpot_p50"):
@@ -235,5 +243,64 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
     rewritten = json.loads((tmp_path / "again-traces.json").read_text())["setups"]
     assert rewritten == json.loads(json.dumps(setups))  # what it ran on, kept again
     args.repeat = 2  # the file holds one round of the point, not two
-    with pytest.raises(InvalidArgumentError, match=r"--from-traces.*holds 6 disaggregated runs"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"--from-traces.*holds 7 disaggregated runs, these flags measure 8",
+    ):
         cmd_sim_validate(args)
+
+
+def _timeline(
+    model: StepModel,
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    start: float,
+    truth: LiveFit,
+    shared: list[bool],
+) -> list[StepRecord]:
+    """Steps of ``shapes`` back to back from ``start``, each as long as ``truth`` makes
+    it (``shared``: whether another instance's step covers it)."""
+    out, now = [], start
+    for (new, cached), beside in zip(shapes, shared, strict=True):
+        f = StepFeatures.of(list(zip(new, cached, strict=True)))
+        compute = truth.compute_scale * model.compute_time(f)
+        rest = truth.memory_scale * (model.time(f) - model.compute_time(f))
+        t = compute + rest
+        if beside:  # the shared factors are of the scaled parts, as scaled() applies them
+            t += truth.shared_compute * compute + truth.shared_factor * rest
+        out.append(StepRecord(now, t, new, cached))
+        now += t
+    return out
+
+
+def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> None:
+    # a prefill and a decode instance on one host slow differently, alone and beside
+    # each other; one fit of both steps cannot say so, a fit per role does
+    model = StepModel(overhead_s=0.003, s_per_token=2e-4, s_per_ctx=4e-7)
+    prefill = [((n,), (c,)) for n in (64, 256, 1024) for c in (0, 512)] * 4
+    decode = [((1,) * b, (c,) * b) for b in (1, 4, 16) for c in (64, 1024)] * 60
+    truth = {"prefill": LiveFit(1.5, 1.1, shared_compute=0.3, shared_factor=0.2),
+             "decode": LiveFit(1.2, 1.3, shared_compute=0.4, shared_factor=0.6)}  # fmt: skip
+    flags = {"prefill": [False] * len(prefill), "decode": [False] * len(decode)}
+    for _ in range(20):  # until who is beside whom no longer changes the steps' times
+        p = _timeline(model, prefill, 0.0, truth["prefill"], flags["prefill"])
+        d = _timeline(model, decode, p[len(p) // 2].start_s, truth["decode"], flags["decode"])
+        again = {"prefill": list(shared_flags(p, [d])), "decode": list(shared_flags(d, [p]))}
+        if again == flags:
+            break
+        flags = again
+    assert flags == again and all(0 < sum(f) < len(f) for f in flags.values()), flags
+    fits = role_fits(model, {"prefill": [p], "decode": [d]})
+    for role, fit in fits.items():
+        want = truth[role]
+        got = (fit.compute_scale, fit.memory_scale, fit.shared_compute, fit.shared_factor)
+        assert got == pytest.approx(
+            (want.compute_scale, want.memory_scale, want.shared_compute, want.shared_factor),
+            rel=0.05,
+            abs=0.01,
+        ), role
+    # pooled, neither role's steps come out right
+    pooled = live_fit(model, [p, d])
+    assert not any(pooled.compute_scale == pytest.approx(t.compute_scale, rel=0.05)
+                   and pooled.memory_scale == pytest.approx(t.memory_scale, rel=0.05)
+                   for t in truth.values())  # fmt: skip
+    assert role_fits(model, {"decode": [d]}) == {}  # one role: the pooled fit stands
