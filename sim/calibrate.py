@@ -162,17 +162,17 @@ def calibrate(
     book: Any,
     real: list[dict[str, Any]],
     runs: list[tuple[argparse.Namespace, float]],
-    traces: list[list[StepRecord]] | None = None,
-    role_traces: dict[str, list[list[StepRecord]]] | None = None,
+    traces: dict[str, list[list[StepRecord]]] | None = None,
+    per_role: bool = True,
 ) -> Overhead:
     """The overheads that make the simulated calibration runs match the measured ones.
 
-    The engines' own steps during the runs (``traces``: each instance's, when traced)
-    set the step model's scales, offset, and cold and shared factors
-    (:func:`~pdserve.sim.live.live_fit`); with ``role_traces`` (the same steps by
-    role) each role gets a fit of its own steps, beside the other roles' (a
-    prefill and a decode instance slow differently beside each other and the host's
-    work: one fit of both put the disaggregated prefill steps at 1.3x it, RESULTS).
+    The engines' own steps during the runs (``traces``: per role, each instance's,
+    when traced) set the step model's scales, offset, and cold and shared factors
+    (:func:`~pdserve.sim.live.live_fit`): one fit of them all, and with ``per_role``
+    one per role of its own steps beside the other roles' (:func:`role_fits`; a
+    prefill and a decode instance slow differently, alone and beside each other:
+    the one fit put the disaggregated prefill's live steps at 1.3-1.6x it, RESULTS).
     Then TPOT p50 of
     each run, against the simulation's sensitivity to each overhead (it differs
     with the batch and the output length), gives the per-step, per-sequence
@@ -186,7 +186,9 @@ def calibrate(
         return np.array([_tpot(simulate(text, book, ns, rate, o)) for ns, rate in runs])
 
     step = book.profiles[0].step
-    steps = Overhead(live_fit(step, traces or []), role_fits(step, role_traces or {}))
+    by_role = traces or {}
+    pooled = live_fit(step, [t for ts in by_role.values() for t in ts])
+    steps = Overhead(pooled, role_fits(step, by_role) if per_role else {})
     base, probe = tpots(steps), 1e-3
     probes = (dataclasses.replace(steps, step_s=probe), dataclasses.replace(steps, seq_s=probe),
               dataclasses.replace(steps, handoff_s=probe))  # fmt: skip

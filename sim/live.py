@@ -220,11 +220,6 @@ class Measured:
     steps: dict[str, list[StepRecord]]
 
     @staticmethod
-    def all_traces(runs: list[Measured]) -> list[list[StepRecord]]:
-        """Every instance's steps of every run, one list each."""
-        return [records for m in runs for records in m.steps.values()]
-
-    @staticmethod
     def role_traces(runs: list[Measured]) -> dict[str, list[list[StepRecord]]]:
         """Every instance's steps of every run, by role."""
         out: dict[str, list[list[StepRecord]]] = {}

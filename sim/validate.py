@@ -237,8 +237,7 @@ def validate(
                            "runs": [m.to_json() for m in real]}  # fmt: skip
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
-                             Measured.all_traces(real[: len(cal)]),
-                             Measured.role_traces(real[: len(cal)]) if args.role_fit else None)  # fmt: skip
+                             Measured.role_traces(real[: len(cal)]), per_role=args.role_fit)  # fmt: skip
         live_model = scaled(book.profiles[0].step, overhead.live)
         role_models = {r: scaled(book.profiles[0].step, f) for r, f in overhead.role_live.items()}
         calibrations[setup] = calibration_row(overhead, summaries[: len(cal)], start)

@@ -67,8 +67,9 @@ def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
     assert {name.rstrip("0123456789") for name in real.steps} == {"prefill", "decode"}
     prompts = [r for name, rs in real.steps.items() if name.startswith("prefill") for r in rs]
     assert sum(sum(r.new_tokens) for r in prompts) >= 12 * 1024 - 12 * 16  # less cache hits
-    overhead = calibrate(text, book, [m.summary for m in real_cal], cal,
-                         Measured.all_traces(real_cal), Measured.role_traces(real_cal))  # fmt: skip
+    overhead = calibrate(
+        text, book, [m.summary for m in real_cal], cal, Measured.role_traces(real_cal)
+    )
     assert overhead.live.steps > 0 and overhead.live.memory_scale > 0
     assert set(overhead.role_live) == {"prefill", "decode"}  # as sim-validate fits them
     sim = simulate(text, book, ns, point.rate, overhead)
@@ -290,6 +291,7 @@ def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> Non
         flags = again
     assert flags == again and all(0 < sum(f) < len(f) for f in flags.values()), flags
     fits = role_fits(model, {"prefill": [p], "decode": [d]})
+    assert set(fits) == {"prefill", "decode"}
     for role, fit in fits.items():
         want = truth[role]
         got = (fit.compute_scale, fit.memory_scale, fit.shared_compute, fit.shared_factor)
