@@ -107,4 +107,5 @@ def make_instance(
         instance_id, role, region.name, step, engine.scheduler, num_blocks, bs, max_len,
         engine.cache.enable_prefix_caching, clock,
     )  # fmt: skip
+    inst.threads = tp * pp * max(1, int(region.role(role).num_cpus_per_rank))  # as a rank sets
     return inst, profile

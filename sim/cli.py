@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.sim.flags import add_device_flags, assumptions_from
+from pdserve.sim.flags import add_device_flags, add_host_flag, assumptions_from
 
 if TYPE_CHECKING:
     from pdserve.bench.report import Slo
@@ -33,7 +33,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_sim(sub)
     from pdserve.sim.afd import add_parser as add_afd_parser
     from pdserve.sim.plan_cli import add_plan_parser
-    from pdserve.sim.replay import add_parser as add_replay_parser
+    from pdserve.sim.replay_cli import add_parser as add_replay_parser
     from pdserve.sim.validate import add_parser as add_validate_parser
 
     add_plan_parser(sub)
@@ -133,6 +133,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="sim", help="output file stem")
     p.add_argument("--no-plots", action="store_true")
     add_device_flags(p)
+    add_host_flag(p)
     add_workload_flags(p)
     add_load_flags(p)
     p.set_defaults(func=cmd_sim, prog="pdserve sim")
@@ -206,7 +207,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     runs, entries = [], []
     for rate in args.rate or [None]:
         work = workload_from_args(args, rate, shares)
-        options = SimOptions(not args.full, len(work) <= RECORDS_LIMIT, args.startup_s)
+        options = SimOptions(not args.full, len(work) <= RECORDS_LIMIT, args.startup_s,
+                             host_cores=args.host_cores)  # fmt: skip
         start, cpu = time.perf_counter(), time.process_time()
         run = SimCluster(config, book, work, options).run()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu

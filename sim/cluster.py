@@ -140,8 +140,8 @@ class SimCluster:
         )
         self.profiles[inst.instance_id] = profile
         self.all.append(inst)
-        if self.options.one_host:
-            inst.peers = self.all
+        if self.options.one_host or self.options.host_cores:
+            inst.peers, inst.host_cores = self.all, self.options.host_cores
         return inst
 
     def _join(self, inst: SimInstance) -> None:
@@ -169,6 +169,14 @@ class SimCluster:
             end = inst.start(self.clock.now(), self.options.fast)
             if end is not None:
                 self.queue.push(end, "step", (inst, inst.generation))
+        self._reshare()
+
+    def _reshare(self) -> None:
+        """On a shared host, re-time the steps in flight: a step started or ended."""
+        if self.options.host_cores:
+            for peer in self.all:
+                if peer.reshare(self.clock.now()):
+                    self.queue.push(peer.pending_end, "step", (peer, peer.generation))
 
     def _interrupt(self, inst: SimInstance) -> None:
         if inst.interrupt(self.clock.now()):
@@ -339,6 +347,7 @@ class SimCluster:
         self._refresh(inst)  # the decode instance of every request that finished here
         if inst.draining and inst.idle:
             self.scaling.remove(inst)
+            self._reshare()
         else:
             self._on_kick(inst)  # the step just ended: schedule the next one now
 

@@ -1,4 +1,5 @@
-"""Command-line flags the sim commands share: the device and its assumed efficiencies."""
+"""Command-line flags the sim commands share: the device and its assumed efficiencies,
+and the host that instances of a local cluster share."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-overhead-ms", type=float, default=Assumptions.step_overhead_s * 1e3)
     g.add_argument("--calibrate", default=None, metavar="PROFILE",
                    help="a measured profile of the same device: its efficiencies replace --mfu/--mbu")  # fmt: skip
+
+
+def add_host_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host-cores", type=float, default=0.0, metavar="N",
+                   help="the instances share a host of N cores, as a local cluster of this "
+                        "machine does: steps run slower while the busy instances' threads "
+                        "exceed N, step by step (default 0: each instance has devices of "
+                        "its own)")  # fmt: skip
 
 
 def assumptions_from(args: argparse.Namespace) -> Assumptions:

@@ -10,7 +10,11 @@ A step: ``start(now)`` calls ``Scheduler.schedule`` and returns when the step
 ends; ``complete()`` calls ``Scheduler.update``. A step that starts after the
 instance sat idle, or while another instance on its host (``peers``) is
 mid-step, takes the step model's ``live_time``; in fast mode such a step runs
-alone (a peer's step that starts during a run does not slow the run).
+alone (a peer's step that starts during a run does not slow the run). On a host
+of few cores (``host_cores``) the peers share the cores (processor sharing): a
+step runs as many times slower as the busy peers' threads and its own exceed
+the cores, re-timed whenever a peer's step starts or ends (``reshare``); such
+instances run step by step.
 
 In fast mode a step whose batch is decode only and cannot change by itself (no
 prefill chunk, no preemption, nothing waiting that could be admitted, enough
@@ -103,6 +107,9 @@ class SimInstance:
         self._mean_tokens = 0.0
         self._idle_since = -float("inf")  # when the last step ended
         self.peers: list[SimInstance] = []  # the instances on its host (itself among them)
+        self.host_cores = 0.0  # the cores the peers share (0: devices of its own)
+        self.threads = 1  # the cores its ranks' threads would use
+        self._crowded = 1.0  # how many times its time the step in flight takes
         self._slows = step_model.slows  # live_time can differ from time: read once
 
     @property
@@ -126,7 +133,9 @@ class SimInstance:
         if self._slows:
             cold = now - self._idle_since > model.cold_after_s
             shared = any(p.busy for p in self.peers if p is not self)
-        if fast and not (cold or shared) and self.scheduler.num_preemptions == preemptions:
+        crowding = self.crowding() if self.host_cores else 1.0
+        alone = not (cold or shared or self.host_cores)  # a shared host: step by step
+        if fast and alone and self.scheduler.num_preemptions == preemptions:
             steps = self._run_length(plan)  # a slowed step runs alone: only it is slower
         self._plan, self._start, self._steps, self._held = plan, now, steps, False
         self._seqs, self._context = len(plan.seqs), sum(s.start_pos for s in plan.seqs)
@@ -135,8 +144,28 @@ class SimInstance:
             duration = model.live_time(StepFeatures.of(rows), cold, shared)
         else:
             duration = model.decode_run_time(self._seqs, self._context, steps)
-        self._end = now + duration
+        self._end, self._crowded = now + duration * crowding, crowding
         return self._end
+
+    def crowding(self) -> float:
+        """How many times its time a step takes on the shared host now: the threads
+        of the peers mid-step and its own over the host's cores (at least 1)."""
+        busy = self.threads + sum(p.threads for p in self.peers if p.busy and p is not self)
+        return max(1.0, busy / self.host_cores)
+
+    def reshare(self, now: float) -> bool:
+        """The step in flight goes on at the host's crowding from ``now`` (a peer's
+        step started or ended): its end moves, True when it did (processor sharing;
+        its ``generation`` bumps, the caller queues the new end)."""
+        if self._plan is None or not self.host_cores:
+            return False
+        crowding = self.crowding()
+        if crowding == self._crowded:
+            return False
+        self._end = now + (self._end - now) * crowding / self._crowded
+        self._crowded = crowding
+        self.generation += 1
+        return True
 
     def _run_length(self, plan: StepPlan) -> int:
         """Steps the decode-only batch of ``plan`` runs unchanged (1: not such a batch)."""

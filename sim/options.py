@@ -37,6 +37,11 @@ class SimOptions:
             door, router, RPCs, the first token's way back), added to its TTFT.
         one_host: every instance shares one host, as a local cluster does (a step
             beside another instance's step takes the step model's shared time).
+        host_cores: every instance shares a host of this many cores (0: each has
+            devices of its own, as on GPUs). A step runs as many times slower as
+            the busy instances' threads exceed the cores, re-timed whenever one of
+            their steps starts or ends (processor sharing), step by step: on a
+            local cluster of a few cores an added instance adds queues, not compute.
     """
 
     fast: bool = True
@@ -45,10 +50,13 @@ class SimOptions:
     planner: bool = True
     request_overhead_s: float = 0.0
     one_host: bool = False
+    host_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if self.startup_s < 0:
             raise InvalidArgumentError("startup_s", "must be >= 0")
+        if not self.host_cores >= 0:
+            raise InvalidArgumentError("host_cores", f"must be >= 0, got {self.host_cores}")
 
 
 @dataclass

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench import workload as wl
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.cluster import SimCluster, SimOptions, SimRun
 from pdserve.sim.profile import StepModel
 from tests.sim.helpers import book, toy_config, toy_profile, workload
@@ -185,3 +186,25 @@ def test_a_step_beside_another_instances_step_takes_the_shared_time() -> None:
     together = _run(toy_config(1, 1), shared, work, fast=False, one_host=True).recorder
     np.testing.assert_allclose(together.first - together.arrival, [0.010, 0.020])
     assert (together.end > apart.end).all()
+
+
+@pytest.mark.parametrize(("cores", "ttft"), [(0, 0.010), (2, 0.010), (1, 0.015), (1.5, 0.035 / 3)])
+def test_instances_on_a_host_of_few_cores_share_them(cores: float, ttft: float) -> None:
+    # Two colocated instances of one thread each; a 10 ms step on one from 0 ms, on
+    # the other from 5 ms. On one core they share it from 5 ms: the first's last 5 ms
+    # take 10 (ends at 15), the second's first 10 ms of time do 5 ms of work and its
+    # last 5 run alone (ends at 20). On 1.5 cores each runs at 3/4 speed while both do.
+    # On two cores, or devices of their own (0), neither slows.
+    run = _run(toy_config(0, 2), toy_profile(CONSTANT), workload(np.array([0.0, 0.005]), 100, 1),
+               fast=False, host_cores=cores)  # fmt: skip
+    assert {i.threads for i in run.instances} == {1}
+    rec = run.recorder
+    assert {r.instance_id for r in run.instances if r.stats.runs} == {
+        i.instance_id for i in run.instances
+    }
+    np.testing.assert_allclose(rec.first - rec.arrival, [ttft, ttft])
+
+
+def test_a_negative_host_core_count_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="host_cores"):
+        SimOptions(host_cores=-1)
