@@ -196,20 +196,30 @@ def step_ratios(step: StepModel, traces: dict[str, list[StepRecord]]) -> dict[st
     return out
 
 
+def take_steps(leaders: list[tuple[str, Any]], keep: int, out: dict[str, list[StepRecord]]) -> None:
+    """Add each instance leader's (``(name, actor)``) steps since the last call to
+    ``out``, then record its next ``keep`` (0 stops). A leader gone (an instance the
+    planner removed) adds none."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    for name, leader in leaders:
+        try:
+            out.setdefault(name, []).extend(ray.get(leader.step_trace.remote(keep)))
+        except RayActorError:
+            out.setdefault(name, [])
+
+
 @contextmanager
 def traced(leaders: list[tuple[str, Any]]) -> Iterator[dict[str, list[StepRecord]]]:
     """Record the steps of every instance leader (``(name, actor)``) inside the block;
-    the dict fills with each one's steps when the block ends."""
-    import ray
-
+    the dict fills with each one's steps when the block ends (:func:`take_steps`)."""
     out: dict[str, list[StepRecord]] = {}
-    ray.get([leader.step_trace.remote(TRACE_STEPS) for _, leader in leaders])
+    take_steps(leaders, TRACE_STEPS, {})
     try:
         yield out
     finally:
-        taken = ray.get([leader.step_trace.remote(0) for _, leader in leaders])
-        for (name, _), records in zip(leaders, taken, strict=True):
-            out.setdefault(name, []).extend(records)
+        take_steps(leaders, 0, out)
 
 
 @dataclass(frozen=True)

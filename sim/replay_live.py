@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +33,15 @@ import yaml
 
 from pdserve.bench.report import RequestRecord, Slo, meets_slo
 from pdserve.cluster.config import ClusterConfig
-from pdserve.sim.replay_report import comparison_table, figures, plot_policies, write_trace
+from pdserve.core.messages import StepRecord
+from pdserve.sim.replay_report import (
+    beside_table,
+    comparison_table,
+    figures,
+    plot_policies,
+    startup_seen,
+    write_trace,
+)
 from pdserve.sim.workload import SimWorkload
 
 POLL_S = 1.0  # how often the controller's instance counts are read
@@ -41,12 +50,14 @@ POLL_S = 1.0  # how often the controller's instance counts are read
 @dataclass
 class LiveRun:
     """One policy's live run: its requests, counts over time and decisions (seconds
-    from the load's start)."""
+    from the load's start), and the steps its first instances' engines ran until
+    the counts first changed (:func:`counts_polled`)."""
 
     records: list[RequestRecord]
     counts: list[dict[str, Any]]
     decisions: list[dict[str, Any]]
     wall_s: float
+    steps: dict[str, list[StepRecord]]
 
 
 def policy_yaml(text: str, policy: str, profile: str | None) -> str:
@@ -78,12 +89,21 @@ def measure_profile(config: ClusterConfig, path: Path, command: str) -> Path:
 
 
 @contextlib.contextmanager
-def counts_polled(controller: Any, region: str, t0: float) -> Iterator[list[dict[str, Any]]]:
-    """Read the region's serving instance counts every ``POLL_S`` inside the block."""
+def counts_polled(
+    controller: Any, region: str, t0: float, leaders: list[tuple[str, Any]]
+) -> Iterator[tuple[list[dict[str, Any]], dict[str, list[StepRecord]]]]:
+    """Read the region's serving instance counts every ``POLL_S`` inside the block,
+    and the steps of its first instances' ``leaders`` (``(name, actor)``) while the
+    counts are the first ones (then the host runs other instances beside them).
+    Yields the rows and, per leader, the steps that started before the counts changed."""
     import ray
 
+    from pdserve.sim.live import TRACE_STEPS, take_steps
+
     rows: list[dict[str, Any]] = []
-    done = threading.Event()
+    steps: dict[str, list[StepRecord]] = {}
+    done, tracing = threading.Event(), [True]
+    take_steps(leaders, TRACE_STEPS, {})
 
     def poll() -> None:
         while not done.is_set():
@@ -91,15 +111,25 @@ def counts_polled(controller: Any, region: str, t0: float) -> Iterator[list[dict
             r = next(x for x in status.regions if x.name == region)
             rows.append({"t_s": round(time.monotonic() - t0, 2),
                          f"{region}.prefill": r.prefill, f"{region}.decode": r.decode})  # fmt: skip
+            if tracing[0] and rows[-1] | {"t_s": 0} != rows[0] | {"t_s": 0}:
+                tracing[0] = False  # the last step taken started a poll before at most
+                take_steps(leaders, 0, steps)
+                cut = t0 + rows[-2]["t_s"]
+                for name in steps:
+                    steps[name] = [r for r in steps[name] if r.start_s < cut]
+            elif tracing[0]:
+                take_steps(leaders, TRACE_STEPS, steps)
             done.wait(POLL_S)
 
     thread = threading.Thread(target=poll, name="counts", daemon=True)
     thread.start()
     try:
-        yield rows
+        yield rows, steps
     finally:
         done.set()
         thread.join()
+        if tracing[0]:
+            take_steps(leaders, 0, steps)
 
 
 def run_policy(
@@ -120,14 +150,53 @@ def run_policy(
     with local_cluster(text, num_cpus, capacity=capacity_for(config)) as (endpoints, _):
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
+        leaders = [(f"{role}{i}", leader) for i, (role, leader)
+                   in enumerate(ray.get(controller.instance_handles.remote()))]  # fmt: skip
         t0, wall0 = time.monotonic(), time.time()
-        with counts_polled(controller, region, t0) as counts:
+        with counts_polled(controller, region, t0, leaders) as (counts, steps):
             result = serve_rates(ns, target, [None], label=policy)[0]
         events = ray.get(controller.status.remote()).scale_events
     decisions = [{"t_s": round(e.at - wall0, 2), "action": e.action, "reason": e.reason,
                   "prefill": e.prefill, "decode": e.decode}
                  for e in events if e.source == "planner" and e.at >= wall0]  # fmt: skip
-    return LiveRun(result.records, counts, decisions, time.monotonic() - t0)
+    return LiveRun(result.records, counts, decisions, time.monotonic() - t0, steps)
+
+
+def simulated_beside(
+    config: ClusterConfig, profile: str, work: SimWorkload, policy: str, run: LiveRun,
+    switch_s: float, args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """The live run's policy simulated on the same workload, with each role's steps
+    as the live engines ran them while the counts were the first ones (fitted to
+    those traced steps, each role beside the other's:
+    :func:`~pdserve.sim.calibrate.role_fits`) and the instances sharing
+    this machine's cores (``--host-cores``, else the cores this process may use),
+    an added instance starting as fast as the run's did (else ``--startup-s``):
+    what the simulator predicts once told how fast this host runs the engines. What
+    the live system spends outside the steps (the front door, the hand-off's RPCs)
+    is not fitted here (``pdserve sim-validate`` does that)."""
+    import os
+
+    from pdserve.sim.build import book_for
+    from pdserve.sim.calibrate import Overhead, role_fits
+    from pdserve.sim.live import LiveFit, Measured, live_fit
+    from pdserve.sim.profile import load_profile
+    from pdserve.sim.replay import compare, outcome
+
+    book = book_for(config, [load_profile(profile)], None)
+    step, traces = book.profiles[0].step, Measured({}, run.steps).by_role()
+    pooled = live_fit(step, [t for ts in traces.values() for t in ts])
+    fits = {"prefill": LiveFit(), "decode": LiveFit(), **role_fits(step, traces)}
+    book = Overhead(pooled, fits).apply(book)  # a role without steps keeps the profile's
+    cores = args.host_cores or len(os.sched_getaffinity(0))
+    startup = startup_seen(run.counts, run.decisions)  # as an added instance started here
+    startup = args.startup_s if startup is None else startup
+    sim, _ = compare(config, book, work, [policy], startup, cores)[policy]
+    slo = Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
+    fitted = {role: dataclasses.asdict(f) for role, f in {"all": pooled, **fits}.items()}
+    return {**outcome(sim, slo, switch_s), "host_cores": cores, "startup_s": round(startup, 2),
+            "step_fits": fitted, "summary": sim.recorder.summary(slo),
+            "instances_over_time": sim.counts, "planner_decisions": sim.decisions}  # fmt: skip
 
 
 def met_and_arrivals(records: list[RequestRecord], slo: Slo) -> tuple[np.ndarray, np.ndarray]:
@@ -163,23 +232,25 @@ def cmd_live(
     slo = Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
     trace = write_trace(work, Path(args.write_trace or out / f"{args.name}-trace.csv"))
     profile = args.profile[0] if args.profile else None
-    if "proactive" in args.policies and profile is None:
+    if profile is None:  # the proactive planner's model, and the simulation beside each run
         path = out / f"{args.name}-profile.json"
         profile = str(measure_profile(config, path, command_line(args)))
     ns = replay_flags(work, trace, slo)
     # the replay's clock starts at the trace's first request
     phases = [s - float(work.arrival_s[0]) for s in starts]
     switch = phases[1] if len(phases) > 1 else 0.0
+    sim_switch = starts[1] if len(starts) > 1 else 0.0  # the same instant, simulated
     text = Path(args.config).read_text()
     results: dict[str, dict[str, Any]] = {}
     for policy in args.policies:
         run = run_policy(text, policy, profile, ns, args.num_cpus)
         met, arrival = met_and_arrivals(run.records, slo)
+        sim = simulated_beside(config, profile, work, policy, run, sim_switch, args)
         results[policy] = {**figures(met, arrival, run.counts, run.decisions, switch),
                            "wall_s": round(run.wall_s, 1),
                            "summary": summarize(run.records, slo),
                            "instances_over_time": run.counts,
-                           "planner_decisions": run.decisions}  # fmt: skip
+                           "planner_decisions": run.decisions, "simulated": sim}  # fmt: skip
     payload = {**header(command_line(args)), "config": str(args.config), "live": True,
                "traces": args.traces, "phase_starts_s": phases, "rate": args.rate,
                "profile": profile, "policies": results}  # fmt: skip
@@ -188,5 +259,7 @@ def cmd_live(
              plot_policies(counts, phases, args.traces, out / f"{args.name}.png", "time"),
              trace]  # fmt: skip
     print(comparison_table(results))
+    print("\nEach run beside its simulation with the steps as the live engines ran them:")
+    print(beside_table(results))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -98,6 +98,44 @@ def plot_policies(
     return path
 
 
+def startup_seen(counts: list[dict[str, Any]], decisions: list[dict[str, Any]]) -> float | None:
+    """The median seconds from an add decision to its role's count rising (``counts``
+    and ``decisions`` as :func:`figures` takes them); None without such a pair."""
+    delays = []
+    for d in decisions:
+        role = d["action"].removeprefix("add_")
+        before = [r for r in counts if r["t_s"] <= d["t_s"]]
+        if role == d["action"] or not before:
+            continue
+        base = _count(before[-1], role)
+        up = next((r["t_s"] for r in counts
+                   if r["t_s"] > d["t_s"] and _count(r, role) > base), None)  # fmt: skip
+        if up is not None:
+            delays.append(up - d["t_s"])
+    return float(np.median(delays)) if delays else None
+
+
+def latency_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """TTFT and TPOT p50/p90 (ms) and the failed requests of a run's summary."""
+    out = {f"{k}_{q}": summary[f"{k}_ms"][q] for k in ("ttft", "tpot") for q in ("p50", "p90")}
+    return {**out, "failed": summary["num_failed"]}
+
+
+def beside_table(results: dict[str, dict[str, Any]]) -> str:
+    """Each policy's live figures beside its simulation's (``results[policy]`` and its
+    ``simulated`` entry): SLO attainment, latency percentiles, failed requests."""
+    cols = ["slo_met", "slo_met_after_switch", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
+            "failed"]  # fmt: skip
+    lines = ["| policy | run | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
+    for policy, live in results.items():
+        for label, r in (("live", live), ("simulated", live["simulated"])):
+            values = {**r, **latency_figures(r["summary"])}
+            lines.append(
+                f"| {policy} | {label} | " + " | ".join(str(values[c]) for c in cols) + " |"
+            )
+    return "\n".join(lines)
+
+
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     cols = [("slo_met", "SLO met"), ("slo_met_after_switch", "met after switch"),
             ("slo_missed_after_switch", "missed after switch"),

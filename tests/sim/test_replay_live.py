@@ -4,6 +4,8 @@ once per planner policy, with the figures of the simulated comparison."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from pdserve.bench.report import RequestRecord, Slo
 from pdserve.cluster.config import parse_config
 from pdserve.deploy.cli import build_parser
 from pdserve.sim.replay_live import met_and_arrivals, policy_yaml
-from pdserve.sim.replay_report import figures
+from pdserve.sim.replay_report import figures, startup_seen
 
 CONFIG = """\
 model: builtin:tiny
@@ -66,6 +68,16 @@ def test_live_requests_give_the_figures_the_simulation_gives() -> None:
     assert f["decisions"] == 2
 
 
+def test_the_startup_seen_live_is_the_median_delay_from_an_add_to_the_count_rising() -> None:
+    counts = [{"t_s": float(t), "local.prefill": p, "local.decode": d}
+              for t, p, d in [(0, 1, 1), (1, 1, 1), (2, 2, 1), (3, 2, 1), (4, 2, 1), (5, 2, 2)]]  # fmt: skip
+    decisions = [{"t_s": 1.5, "action": "add_prefill"}, {"t_s": 2.5, "action": "add_decode"},
+                 {"t_s": 4.5, "action": "remove_prefill"}]  # fmt: skip
+    assert startup_seen(counts, decisions) == pytest.approx((0.5 + 2.5) / 2)
+    assert startup_seen(counts, decisions[2:]) is None  # no add: the caller's default stands
+    assert startup_seen(counts, [{"t_s": 5.5, "action": "add_decode"}]) is None  # never served
+
+
 @pytest.mark.slow
 def test_live_replay_runs_each_policy_on_a_local_cluster(ray_session, tmp_path: Path) -> None:
     config = tmp_path / "shift.yaml"
@@ -86,3 +98,32 @@ def test_live_replay_runs_each_policy_on_a_local_cluster(ray_session, tmp_path: 
         rows = r["instances_over_time"]
         assert len(rows) >= 8 and rows[0]["local.prefill"] >= 1 and rows[0]["local.decode"] >= 1
         assert all(d["action"] for d in r["planner_decisions"])
+        # beside it, the same policy simulated with the live engines' steps, on this host's cores
+        sim = r["simulated"]
+        assert sim["requests"] == sim["summary"]["num_requests"] == r["requests"]
+        assert sim["host_cores"] == len(os.sched_getaffinity(0))
+        assert sim["instances_over_time"][0]["local.prefill"] == 1
+
+
+def test_a_leader_gone_before_the_trace_is_read_gives_no_steps(ray_session) -> None:
+    # The planner may remove a traced instance mid-run: the others' steps still come back.
+    from ray.exceptions import RayActorError
+
+    from pdserve.core.messages import StepRecord
+    from pdserve.sim.live import traced
+
+    @ray_session.remote(num_cpus=0)
+    class Leader:
+        def step_trace(self, keep: int) -> list[StepRecord]:
+            return [] if keep else [StepRecord(1.0, 0.01, (1,), (5,))]
+
+    kept, removed = Leader.remote(), Leader.remote()
+    with traced([("prefill0", removed), ("decode1", kept)]) as steps:
+        ray_session.kill(removed)  # asynchronous: wait until its calls fail
+        for _ in range(300):
+            try:
+                ray_session.get(removed.step_trace.remote(1))
+            except RayActorError:
+                break
+            time.sleep(0.1)
+    assert steps == {"prefill0": [], "decode1": [StepRecord(1.0, 0.01, (1,), (5,))]}
