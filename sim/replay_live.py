@@ -199,6 +199,13 @@ def simulated_beside(
             "instances_over_time": sim.counts, "planner_decisions": sim.decisions}  # fmt: skip
 
 
+def simulated_counts(results: dict[str, dict[str, Any]], first_s: float) -> dict[str, Any]:
+    """Each policy's simulated counts over time on the live runs' clock (which starts
+    at the trace's first request, ``first_s`` in virtual time)."""
+    return {p: [{**row, "t_s": row["t_s"] - first_s} for row in r["simulated"]["instances_over_time"]]
+            for p, r in results.items()}  # fmt: skip
+
+
 def met_and_arrivals(records: list[RequestRecord], slo: Slo) -> tuple[np.ndarray, np.ndarray]:
     """Per request, in the trace's order: whether it met both SLOs, and when it was due."""
     ordered = sorted(records, key=lambda r: r.index)
@@ -256,7 +263,8 @@ def cmd_live(
                "profile": profile, "policies": results}  # fmt: skip
     counts = {p: r["instances_over_time"] for p, r in results.items()}
     paths = [write_json(out / f"{args.name}.json", payload),
-             plot_policies(counts, phases, args.traces, out / f"{args.name}.png", "time"),
+             plot_policies(counts, phases, args.traces, out / f"{args.name}.png", "time",
+                           simulated_counts(results, float(work.arrival_s[0]))),
              trace]  # fmt: skip
     print(comparison_table(results))
     print("\nEach run beside its simulation with the steps as the live engines ran them:")

@@ -68,10 +68,10 @@ def figures(
 
 def plot_policies(
     counts: dict[str, list[dict[str, Any]]], starts: list[float], traces: list[str], path: Path,
-    clock: str = "virtual time",
+    clock: str = "virtual time", beside: dict[str, list[dict[str, Any]]] | None = None,
 ) -> Path:  # fmt: skip
     """Prefill and decode instances over time (``counts``: each policy's rows), one
-    panel per policy."""
+    panel per policy; ``beside``: each policy's simulated rows, dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,8 +81,12 @@ def plot_policies(
     axes = np.atleast_1d(axes)
     for ax, (policy, rows) in zip(axes, counts.items(), strict=True):
         times = [r["t_s"] for r in rows]
-        for role in ("prefill", "decode"):
-            ax.step(times, [_count(r, role) for r in rows], where="post", label=role)
+        for role, color in (("prefill", "C0"), ("decode", "C1")):
+            ax.step(times, [_count(r, role) for r in rows], where="post", label=role, color=color)
+            sim = (beside or {}).get(policy, [])
+            if sim:
+                ax.step([r["t_s"] for r in sim], [_count(r, role) for r in sim], where="post",
+                        color=color, ls="--", alpha=0.7, label=f"{role}, simulated")  # fmt: skip
         for start, name in zip(starts, traces, strict=True):
             ax.axvline(start, color="grey", lw=0.8, ls="--")
             ax.text(start, ax.get_ylim()[1], f" {name}", va="top", fontsize=8, color="grey")
