@@ -68,6 +68,12 @@ def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) 
     for row in rows:
         ratios = ", ".join(f"{name} {r['median_ratio']}x" for name, r in row["live_steps"].items())
         lines.append(f"{row['point']}: live steps / calibrated step model (median): {ratios}")
+        slow = "; ".join(
+            f"run {i + 1} " + ", ".join(f"{name} {r['slow_share']:.0%}" for name, r in run.items())
+            for i, run in enumerate(row.get("live_steps_runs", []))
+        )
+        lines.append(f"{row['point']}: steps in slow windows (20 s whose median step over "
+                     f"its model is 1.3x the run's): {slow}")  # fmt: skip
     for setup, c in calibrations.items():
         fits = {role: _fit_text(f["compute_scale"], f["memory_scale"], f["offset_s"] * 1e3,
                                 (f["cold_compute"], f["cold_factor"]),
@@ -128,12 +134,14 @@ def point_row(
     first = repeats[0].summary
     real = mean_figures([m.summary for m in repeats]) if len(repeats) > 1 else first
     models = role_models or {}
-    live_steps: dict[str, Any] = {}
-    for instance, trace in repeats[0].steps.items():
-        model = models.get(instance.rstrip("0123456789"), live_model)
-        live_steps.update(step_ratios(model, {instance: trace}))
+    runs_steps: list[dict[str, Any]] = [{} for _ in repeats]
+    for ratios, measured in zip(runs_steps, repeats, strict=True):
+        for instance, trace in measured.steps.items():
+            model = models.get(instance.rstrip("0123456789"), live_model)
+            ratios.update(step_ratios(model, {instance: trace}))
     row: dict[str, Any] = {"point": name, "real": first, "sim": sim,
-                           "compare": compare_point(real, sim), "live_steps": live_steps}  # fmt: skip
+                           "compare": compare_point(real, sim), "live_steps": runs_steps[0],
+                           "live_steps_runs": runs_steps}  # fmt: skip
     if len(repeats) > 1:
         row.update(real_mean=real, real_runs=[m.summary for m in repeats[1:]],
                    compare_runs=[compare_point(first, m.summary) for m in repeats[1:]])  # fmt: skip

@@ -36,6 +36,7 @@ from pdserve.sim.live import (
     predicted,
     scaled,
     shared_flags,
+    slow_share,
 )
 from pdserve.sim.profile import StepFeatures, StepModel
 from pdserve.sim.validate import (
@@ -306,3 +307,16 @@ def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> Non
                    and pooled.memory_scale == pytest.approx(t.memory_scale, rel=0.05)
                    for t in truth.values())  # fmt: skip
     assert role_fits(model, {"decode": [d]}) == {}  # one role: the pooled fit stands
+
+
+def test_steps_in_episodes_of_a_slower_host_are_counted() -> None:
+    # 200 s of steps, one every 0.1 s at their model's time, but 40 s of them (two
+    # 20-s windows) at twice it: a fifth of the steps ran in slow windows. A window
+    # at 1.2x, as a step beside another instance's runs, is not slow.
+    starts = np.arange(0.0, 200.0, 0.1)
+    ratios = np.ones_like(starts)
+    ratios[(starts >= 60) & (starts < 100)] = 2.0
+    ratios[(starts >= 140) & (starts < 160)] = 1.2
+    assert slow_share(ratios, starts) == pytest.approx(0.2)
+    assert slow_share(np.ones_like(starts), starts) == 0.0
+    assert slow_share(np.array([]), np.array([])) == 0.0
