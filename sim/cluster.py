@@ -169,14 +169,14 @@ class SimCluster:
             end = inst.start(self.clock.now(), self.options.fast)
             if end is not None:
                 self.queue.push(end, "step", (inst, inst.generation))
-        self._reshare()
+        if self.options.host_cores:
+            self._reshare()
 
     def _reshare(self) -> None:
         """On a shared host, re-time the steps in flight: a step started or ended."""
-        if self.options.host_cores:
-            for peer in self.all:
-                if peer.reshare(self.clock.now()):
-                    self.queue.push(peer.pending_end, "step", (peer, peer.generation))
+        for peer in self.all:
+            if peer.reshare(self.clock.now()):
+                self.queue.push(peer.pending_end, "step", (peer, peer.generation))
 
     def _interrupt(self, inst: SimInstance) -> None:
         if inst.interrupt(self.clock.now()):
@@ -347,7 +347,8 @@ class SimCluster:
         self._refresh(inst)  # the decode instance of every request that finished here
         if inst.draining and inst.idle:
             self.scaling.remove(inst)
-            self._reshare()
+            if self.options.host_cores:
+                self._reshare()
         else:
             self._on_kick(inst)  # the step just ended: schedule the next one now
 

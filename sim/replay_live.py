@@ -102,22 +102,23 @@ def counts_polled(
 
     rows: list[dict[str, Any]] = []
     steps: dict[str, list[StepRecord]] = {}
-    done, tracing = threading.Event(), [True]
+    done, tracing = threading.Event(), True
     take_steps(leaders, TRACE_STEPS, {})
 
     def poll() -> None:
+        nonlocal tracing
         while not done.is_set():
             status = ray.get(controller.status.remote())
-            r = next(x for x in status.regions if x.name == region)
+            g = next(x for x in status.regions if x.name == region)
             rows.append({"t_s": round(time.monotonic() - t0, 2),
-                         f"{region}.prefill": r.prefill, f"{region}.decode": r.decode})  # fmt: skip
-            if tracing[0] and rows[-1] | {"t_s": 0} != rows[0] | {"t_s": 0}:
-                tracing[0] = False  # the last step taken started a poll before at most
+                         f"{region}.prefill": g.prefill, f"{region}.decode": g.decode})  # fmt: skip
+            if tracing and rows[-1] | {"t_s": 0} != rows[0] | {"t_s": 0}:
+                tracing = False  # keep the steps begun by the last poll at the first counts
                 take_steps(leaders, 0, steps)
                 cut = t0 + rows[-2]["t_s"]
                 for name in steps:
                     steps[name] = [r for r in steps[name] if r.start_s < cut]
-            elif tracing[0]:
+            elif tracing:
                 take_steps(leaders, TRACE_STEPS, steps)
             done.wait(POLL_S)
 
@@ -128,7 +129,7 @@ def counts_polled(
     finally:
         done.set()
         thread.join()
-        if tracing[0]:
+        if tracing:
             take_steps(leaders, 0, steps)
 
 
@@ -186,8 +187,11 @@ def simulated_beside(
     book = book_for(config, [load_profile(profile)], None)
     step, traces = book.profiles[0].step, Measured({}, run.steps).by_role()
     pooled = live_fit(step, [t for ts in traces.values() for t in ts])
-    fits = {"prefill": LiveFit(), "decode": LiveFit(), **role_fits(step, traces)}
-    book = Overhead(pooled, fits).apply(book)  # a role without steps keeps the profile's
+    # each role its own fit (one role alone: the fit of all); a role without steps
+    # keeps the profile's
+    fits = role_fits(step, traces) or {role: pooled for role, ts in traces.items() if any(ts)}
+    fits = {"prefill": LiveFit(), "decode": LiveFit(), **fits}
+    book = Overhead(pooled, fits).apply(book)
     cores = args.host_cores or len(os.sched_getaffinity(0))
     startup = startup_seen(run.counts, run.decisions)  # as an added instance started here
     startup = args.startup_s if startup is None else startup
