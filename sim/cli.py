@@ -211,12 +211,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
                              host_cores=args.host_cores)  # fmt: skip
         start, cpu = time.perf_counter(), time.process_time()
         run = SimCluster(config, book, work, options).run()
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        entry = run_json(run, rate, slo, wall, "full" if args.full else "fast", RECORDS_LIMIT)
-        entry["sim"]["cpu_s"] = round(cpu, 3)
-        entry["sim"]["max_rss_mib"] = round(_max_rss_mib(), 1)
-        entries.append(entry)
+        wall, cpu, rss = time.perf_counter() - start, time.process_time() - cpu, _max_rss_mib()
         records = run.recorder.records() if len(work) <= RECORDS_LIMIT else []
+        entry = run_json(run, rate, slo, wall, "full" if args.full else "fast", records)
+        entry["sim"]["cpu_s"] = round(cpu, 3)
+        entry["sim"]["max_rss_mib"] = round(rss, 1)
+        entries.append(entry)
         runs.append(RunResult(rate, records, entry["summary"]))
     payload = {**header(command_line(args)), "config": str(args.config),
                "options": options_json(args), "runs": entries}  # fmt: skip

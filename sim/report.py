@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.report import Slo, records_json
+from pdserve.bench.report import RequestRecord, Slo, records_json
 from pdserve.sim.cluster import SimRun
 from pdserve.sim.instance import SimInstance
 
@@ -43,15 +43,17 @@ def per_role(instances: list[SimInstance], span_s: float) -> dict[str, Any]:
 
 
 def run_json(
-    run: SimRun, rate: float | None, slo: Slo, wall_s: float, mode: str, records_limit: int
+    run: SimRun, rate: float | None, slo: Slo, wall_s: float, mode: str,
+    records: list[RequestRecord],
 ) -> dict[str, Any]:
+    """``records``: the run's request records to write (none past the records limit)."""
     rec = run.recorder
     n = len(rec.arrival)
     per_region = {name: rec.summary(slo, rec.region == i) for i, name in enumerate(run.regions)}
     return {
         "rate": rate,
         "summary": rec.summary(slo),
-        "requests": records_json(rec.records()) if n <= records_limit else [],
+        "requests": records_json(records),
         "per_region": per_region,
         "per_role": per_role(run.instances, run.end_s),
         "instances_over_time": run.counts,

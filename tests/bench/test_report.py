@@ -105,3 +105,29 @@ def test_max_rate_meeting_stops_at_the_first_rate_below_target():
     assert max_rate_meeting(rates, [1.0, 0.95, 0.8, 0.92, 0.97]) == 1.5
     assert max_rate_meeting(rates, att) == 1.0
     assert max_rate_meeting([1.0], [0.5]) is None
+
+
+def test_result_json_parses_to_the_payload_with_one_line_per_record(tmp_path):
+    """The result file is the payload (records as ``asdict`` gives them), indented for
+    the summary and one line per request record."""
+    import json
+    from dataclasses import asdict
+
+    from pdserve.bench.compact_json import dumps
+    from pdserve.bench.report import records_json, write_json
+
+    records = [record(i, 0.1 * i, 0.05, 0.01, 0.2) for i in range(3)]
+    records[1].itl_s = [0.01, 0.012, float("inf")]
+    payload = {"summary": {"ttft_ms": {"p50": 50.0, "p90": None}, "errors": {}},
+               "runs": [{"rate": 2.0, "requests": records_json(records)}],
+               "counts": [{"t_s": 0.0, "prefill": 1}, {"t_s": 1.5, "prefill": 2}],
+               "labels": ("a", "b"), 3: True, "nested": [[1, 2], [{"x": {"y": 1}}]]}  # fmt: skip
+    text = write_json(tmp_path / "r.json", payload).read_text()
+    assert json.loads(text) == json.loads(json.dumps(payload))
+    assert json.loads(text)["runs"][0]["requests"] == [asdict(r) for r in records]
+    lines = text.splitlines()
+    assert sum('"itl_s"' in line for line in lines) == 3  # a record a line
+    assert any(line.strip() == '"p50": 50.0,' for line in lines)  # summaries indented
+    assert dumps([]) == "[]" and dumps({}) == "{}"
+    with pytest.raises(TypeError, match="set"):
+        dumps({"bad": [{1, 2}]})
