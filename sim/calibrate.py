@@ -213,6 +213,18 @@ def role_fits(step: StepModel, traces: dict[str, list[list[StepRecord]]]) -> dic
             for role, mine in traces.items() if any(mine)}  # fmt: skip
 
 
+def beside_fits(
+    step: StepModel, traces: dict[str, list[list[StepRecord]]]
+) -> tuple[LiveFit, dict[str, LiveFit]]:
+    """(the fit of every traced step, one per role) for a live run's traces: each role
+    its own fit beside the other's (:func:`role_fits`); a cluster of one role (a
+    colocated one), the fit of all its steps; a role that ran no step, none (its
+    profile stands)."""
+    pooled = live_fit(step, [t for ts in traces.values() for t in ts])
+    fits = role_fits(step, traces) or {role: pooled for role, ts in traces.items() if any(ts)}
+    return pooled, {"prefill": LiveFit(), "decode": LiveFit(), **fits}
+
+
 def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:
     """``overhead`` with each role's steps set to what its engine ran at this point
     (not a prediction: it tells the error of the step times, which contention under

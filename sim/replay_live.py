@@ -179,18 +179,14 @@ def simulated_beside(
     import os
 
     from pdserve.sim.build import book_for
-    from pdserve.sim.calibrate import Overhead, role_fits
-    from pdserve.sim.live import LiveFit, Measured, live_fit
+    from pdserve.sim.calibrate import Overhead, beside_fits
+    from pdserve.sim.live import Measured
     from pdserve.sim.profile import load_profile
     from pdserve.sim.replay import compare, outcome
 
     book = book_for(config, [load_profile(profile)], None)
     step, traces = book.profiles[0].step, Measured({}, run.steps).by_role()
-    pooled = live_fit(step, [t for ts in traces.values() for t in ts])
-    # each role its own fit (one role alone: the fit of all); a role without steps
-    # keeps the profile's
-    fits = role_fits(step, traces) or {role: pooled for role, ts in traces.items() if any(ts)}
-    fits = {"prefill": LiveFit(), "decode": LiveFit(), **fits}
+    pooled, fits = beside_fits(step, traces)
     book = Overhead(pooled, fits).apply(book)
     cores = args.host_cores or len(os.sched_getaffinity(0))
     startup = startup_seen(run.counts, run.decisions)  # as an added instance started here

@@ -26,7 +26,14 @@ import pytest
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import StepRecord
-from pdserve.sim.calibrate import Overhead, calibrate, calibration_args, role_fits, simulate
+from pdserve.sim.calibrate import (
+    Overhead,
+    beside_fits,
+    calibrate,
+    calibration_args,
+    role_fits,
+    simulate,
+)
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import (
     LiveFit,
@@ -307,6 +314,19 @@ def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> Non
                    and pooled.memory_scale == pytest.approx(t.memory_scale, rel=0.05)
                    for t in truth.values())  # fmt: skip
     assert role_fits(model, {"decode": [d]}) == {}  # one role: the pooled fit stands
+    # a live run's fits (sim-planners --live): per role where both ran steps ...
+    pooled, fits = beside_fits(model, {"prefill": [p], "decode": [d]})
+    assert pooled == live_fit(model, [p, d]) and fits == role_fits(model, {"prefill": [p], "decode": [d]})
+    # ... one role alone (colocated) the fit of its steps, not its profile ...
+    pooled, fits = beside_fits(model, {"decode": [d]})
+    assert fits["decode"] == pooled == live_fit(model, [d]) != LiveFit()
+    fitted = scaled(model, fits["decode"])  # its steps' total time, not the profile's
+    lived = [r.seconds for r in loop_periods(d)]
+    assert predicted(fitted, loop_periods(d)).sum() == pytest.approx(sum(lived), rel=0.12)
+    assert predicted(model, loop_periods(d)).sum() < 0.8 * sum(lived)
+    # ... and a role that ran no step keeps its profile
+    assert fits["prefill"] == LiveFit()
+    assert beside_fits(model, {"prefill": [], "decode": [d]})[1]["prefill"] == LiveFit()
 
 
 def test_steps_in_episodes_of_a_slower_host_are_counted() -> None:
