@@ -104,11 +104,11 @@ def build_workload(
 def _lengths(args: argparse.Namespace, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     prompt = wl.sample_lengths(
         n, args.prompt_len, args.prompt_len_std, args.prompt_len_range, 1, args.max_prompt_len,
-        seed,
+        seed, "prompt_len",
     )  # fmt: skip
     output = wl.sample_lengths(
         n, args.output_len, args.output_len_std, args.output_len_range, 1, args.max_output_len,
-        seed + 1,
+        seed + 1, "output_len",
     )  # fmt: skip
     return prompt, output
 

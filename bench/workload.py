@@ -84,6 +84,7 @@ def arrival_times(
         raise InvalidArgumentError("rate", f"must be > 0, got {rate}")
     if (num_requests is None) == (duration_s is None):
         raise InvalidArgumentError("num_requests", "give exactly one of num_requests and duration")
+    check_limits(num_requests, duration_s)
     if math.isinf(rate) and duration_s is not None:
         raise InvalidArgumentError(
             "duration", "an infinite rate sends everything at once: use num_requests"
@@ -120,15 +121,23 @@ def sample_lengths(
     low: int = 1,
     high: int | None = None,
     seed: int = 0,
+    name: str = "length",
 ) -> np.ndarray:
     """``n`` lengths: uniform over ``value_range`` (inclusive) when given, else
-    normal(``mean``, ``std``) rounded; clipped to ``[low, high]``."""
+    normal(``mean``, ``std``) rounded; clipped to ``[low, high]``. ``name``: the
+    flag a bad value is reported under (``prompt_len``, ``output_len``)."""
     rng = np.random.default_rng(seed)
+    if high is not None and high < max(low, 1):
+        raise InvalidArgumentError(f"max_{name}", f"must be >= {max(low, 1)}, got {high}")
     if value_range is not None:
         lo, hi = value_range
         if not 1 <= lo <= hi:
-            raise InvalidArgumentError("range", f"needs 1 <= low <= high, got {lo}..{hi}")
+            raise InvalidArgumentError(f"{name}_range", f"needs 1 <= low <= high, got {lo}..{hi}")
         values = rng.integers(lo, hi + 1, size=n)
+    elif not mean >= 1:
+        raise InvalidArgumentError(name, f"must be >= 1, got {mean}")
+    elif not std >= 0:
+        raise InvalidArgumentError(f"{name}_std", f"must be >= 0, got {std}")
     elif std > 0:
         values = np.rint(rng.normal(mean, std, size=n)).astype(np.int64)
     else:
@@ -204,8 +213,12 @@ def scale_trace(
     """Stretch arrival offsets by ``time_scale`` (0.5: twice as fast), or, when ``rate``
     is given, to that mean rate; multiply lengths by ``length_scale`` (at least 1
     token) and clamp them."""
-    if time_scale <= 0 or length_scale <= 0:
-        raise InvalidArgumentError("time_scale", "time and length scales must be > 0")
+    for name, scale in (("time_scale", time_scale), ("length_scale", length_scale)):
+        if not scale > 0:
+            raise InvalidArgumentError(name, f"must be > 0, got {scale}")
+    for name, cap in (("max_prompt_len", max_prompt_len), ("max_output_len", max_output_len)):
+        if cap is not None and cap < 1:
+            raise InvalidArgumentError(name, f"must be >= 1, got {cap}")
     arrival = trace.arrival_s
     if rate is not None:
         span = float(arrival[-1]) if len(arrival) > 1 else 0.0
@@ -220,8 +233,17 @@ def scale_trace(
     return Trace(arrival * time_scale, prompt, output)
 
 
+def check_limits(num_requests: int | None, duration_s: float | None) -> None:
+    """A request count is at least 1 and a duration over 0 (when given)."""
+    if num_requests is not None and num_requests < 1:
+        raise InvalidArgumentError("num_requests", f"must be >= 1, got {num_requests}")
+    if duration_s is not None and not duration_s > 0:
+        raise InvalidArgumentError("duration", f"must be > 0, got {duration_s}")
+
+
 def limit_trace(trace: Trace, num_requests: int | None, duration_s: float | None) -> Trace:
     """The first ``num_requests`` requests, or those arriving before ``duration_s``."""
+    check_limits(num_requests, duration_s)
     keep = len(trace)
     if num_requests is not None:
         keep = min(keep, num_requests)

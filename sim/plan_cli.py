@@ -97,10 +97,24 @@ def mix_from(args: argparse.Namespace) -> LengthMix:
         return LengthMix(t.prompt_len, t.output_len)
     n = 4096
     prompt = wl.sample_lengths(
-        n, args.prompt_len, args.prompt_len_std, None, 1, args.max_prompt_len, args.seed
+        n,
+        args.prompt_len,
+        args.prompt_len_std,
+        None,
+        1,
+        args.max_prompt_len,
+        args.seed,
+        name="prompt_len",
     )
     output = wl.sample_lengths(
-        n, args.output_len, args.output_len_std, None, 1, args.max_output_len, args.seed + 1
+        n,
+        args.output_len,
+        args.output_len_std,
+        None,
+        1,
+        args.max_output_len,
+        args.seed + 1,
+        name="output_len",
     )
     return LengthMix(prompt, output)
 

@@ -39,8 +39,9 @@ def phased_workload(
 ) -> tuple[SimWorkload, list[float]]:
     """The traces one after another, each at ``rate`` req/s for ``phase_s`` seconds;
     also the times the phases start."""
-    if not rate > 0 or not phase_s > 0:
-        raise InvalidArgumentError("rate", "rate and phase_s must be > 0")
+    for name, value in (("rate", rate), ("phase_s", phase_s)):
+        if not value > 0:
+            raise InvalidArgumentError(name, f"must be > 0, got {value}")
     arrival, prompt, output, starts = [], [], [], []
     for k, name in enumerate(traces):
         # the phase's own requests scaled to the rate: a trace is burstier than its mean

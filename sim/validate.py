@@ -287,10 +287,13 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     from pdserve.bench.serve import command_line
     from pdserve.core.builtin_models import resolve_model
     from pdserve.sim.validate_report import calibration_lines, mean_abs_error, repeat_table, table
+    from pdserve.sim.workload import workload_from_args
 
     points = [Point.parse(p) for p in args.points]
     if args.repeat < 1:
         raise InvalidArgumentError("--repeat", f"must be at least 1, got {args.repeat}")
+    for point in points:  # a bad workload flag is an error now, not after the calibration
+        workload_from_args(workload_args(point, args), point.rate, [1.0])
     kept = None
     if getattr(args, "from_traces", None):
         kept = _read_kept(Path(args.from_traces))

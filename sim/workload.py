@@ -99,11 +99,11 @@ def workload_from_args(
         n, seed = len(arrival), args.seed
         prompt_len = wl.sample_lengths(
             n, args.prompt_len, args.prompt_len_std, args.prompt_len_range, 1,
-            args.max_prompt_len, seed,
+            args.max_prompt_len, seed, "prompt_len",
         )  # fmt: skip
         output_len = wl.sample_lengths(
             n, args.output_len, args.output_len_std, args.output_len_range, 1,
-            args.max_output_len, seed + 1,
+            args.max_output_len, seed + 1, "output_len",
         )  # fmt: skip
     if prompts is not None:  # cycled over the arrivals, as the load generator does
         picks = [items[i % len(items)] for i in range(len(arrival))]

@@ -47,6 +47,15 @@ def test_bad_arrival_arguments_name_the_field():
         wl.arrival_times("fixed", 0.0, num_requests=1)
     with pytest.raises(InvalidArgumentError, match="num_requests"):
         wl.arrival_times("fixed", 1.0)
+    with pytest.raises(InvalidArgumentError, match="num_requests: must be >= 1, got -3"):
+        wl.arrival_times("fixed", 1.0, num_requests=-3)
+    with pytest.raises(InvalidArgumentError, match="duration: must be > 0"):
+        wl.arrival_times("fixed", 1.0, duration_s=float("nan"))
+    trace = wl.Trace(np.arange(4.0), np.full(4, 10), np.full(4, 5))
+    with pytest.raises(InvalidArgumentError, match="num_requests: must be >= 1, got 0"):
+        wl.limit_trace(trace, 0, None)  # a slice [:-k] would have dropped the last k
+    with pytest.raises(InvalidArgumentError, match="max_output_len: must be >= 1, got 0"):
+        wl.scale_trace(trace, max_output_len=0)
 
 
 def test_trace_parsing_gives_offsets_from_the_first_request(tmp_path):
@@ -96,6 +105,12 @@ def test_lengths_and_prompts():
     assert uniform.min() >= 512 and uniform.max() <= 1024
     normal = wl.sample_lengths(2000, 50, std=40, high=80, seed=2)
     assert normal.min() >= 1 and normal.max() <= 80
+    for kwargs, message in (({"mean": 0}, "prompt_len: must be >= 1, got 0"),
+                            ({"mean": 9, "std": -1.0}, "prompt_len_std: must be >= 0"),
+                            ({"mean": 9, "high": 0}, "max_prompt_len: must be >= 1, got 0"),
+                            ({"mean": 9, "value_range": (0, 4)}, "prompt_len_range: needs 1")):  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match=message):
+            wl.sample_lengths(3, name="prompt_len", **kwargs)
     rng = np.random.default_rng(0)
     ids = wl.synthetic_prompt(300, 256, rng)
     assert len(ids) == 300 and min(ids) >= 3 and max(ids) < 256

@@ -190,6 +190,14 @@ def test_sim_validate_refuses_a_repeat_below_one() -> None:
         cmd_sim_validate(args)
     with pytest.raises(InvalidArgumentError, match="SETUP:WORKLOAD:RATE"):
         cmd_sim_validate(argparse.Namespace(points=["colocated"], repeat=1, model="builtin:tiny"))
+    # a bad workload flag is refused before a cluster starts (no Ray here)
+    from pdserve.deploy.cli import build_parser
+
+    for flags, message in ((["--num-requests", "0"], "num_requests: must be >= 1"),
+                           (["--length-scale", "0"], "length_scale: must be > 0")):  # fmt: skip
+        args = build_parser().parse_args(["sim-validate", "--points", "colocated:conv:1", *flags])
+        with pytest.raises(InvalidArgumentError, match=message):
+            cmd_sim_validate(args)
 
 
 def test_rounds_of_points_are_grouped_back_by_point() -> None:
@@ -316,7 +324,9 @@ def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> Non
     assert role_fits(model, {"decode": [d]}) == {}  # one role: the pooled fit stands
     # a live run's fits (sim-planners --live): per role where both ran steps ...
     pooled, fits = beside_fits(model, {"prefill": [p], "decode": [d]})
-    assert pooled == live_fit(model, [p, d]) and fits == role_fits(model, {"prefill": [p], "decode": [d]})
+    assert pooled == live_fit(model, [p, d]) and fits == role_fits(
+        model, {"prefill": [p], "decode": [d]}
+    )
     # ... one role alone (colocated) the fit of its steps, not its profile ...
     pooled, fits = beside_fits(model, {"decode": [d]})
     assert fits["decode"] == pooled == live_fit(model, [d]) != LiveFit()
