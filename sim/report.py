@@ -43,7 +43,11 @@ def per_role(instances: list[SimInstance], span_s: float) -> dict[str, Any]:
 
 
 def run_json(
-    run: SimRun, rate: float | None, slo: Slo, wall_s: float, mode: str,
+    run: SimRun,
+    rate: float | None,
+    slo: Slo,
+    wall_s: float,
+    mode: str,
     records: list[RequestRecord],
 ) -> dict[str, Any]:
     """``records``: the run's request records to write (none past the records limit)."""
