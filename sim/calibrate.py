@@ -23,7 +23,7 @@ import numpy as np
 
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
-from pdserve.sim.live import LiveFit, Measured, live_fit, scaled
+from pdserve.sim.live import LiveFit, Measured, live_fit, scaled, step_ratios
 from pdserve.sim.profile import StepModel
 
 CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
@@ -233,3 +233,56 @@ def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:
     fits = {role: live_fit(step, traces) for role, traces in measured.by_role().items()
             if any(traces)}  # fmt: skip
     return dataclasses.replace(overhead, role_live=fits)
+
+
+HOST_CHECK_REQUESTS = 4  # a host check: this many single 1,024-token requests (~8 s)
+
+
+def host_check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, float]:
+    """The short run measured before each point's run with ``--host-check``: the
+    calibration's single 1,024-token requests, fewer of them."""
+    ns = bench_flags(LONG, args)
+    ns.num_requests = HOST_CHECK_REQUESTS
+    return ns, CALIBRATION_RATE
+
+
+def host_check_baseline(runs: list[tuple[argparse.Namespace, float]]) -> int:
+    """Which calibration run the host checks repeat (its single 1,024-token requests)."""
+    return next(i for i, (ns, rate) in enumerate(runs)
+                if ns.prompt_len == 1024 and rate == CALIBRATION_RATE)  # fmt: skip
+
+
+def host_factors(
+    models: dict[str, StepModel], baseline: Measured, checks: list[Measured]
+) -> dict[str, float]:
+    """Per role: how many times slower its engine ran the host checks (``checks``, each
+    just before a measured run) than the same requests in the calibration
+    (``baseline``), each against the role's calibrated step model (``models``: the
+    median loop turn over the model's time), over the checks' mean. The host of a
+    2-vCPU VM drifts: one workload moved TPOT p50 by 14% in four minutes (RESULTS)."""
+
+    def ratios(measured: Measured) -> dict[str, float]:
+        out: dict[str, list[float]] = {}
+        for name, trace in measured.steps.items():
+            role = name.rstrip("0123456789")
+            seen = step_ratios(models[role], {name: trace}).get(name)
+            if seen:
+                out.setdefault(role, []).append(seen["median_ratio"])
+        return {role: float(np.mean(values)) for role, values in out.items()}
+
+    base, seen = ratios(baseline), [ratios(m) for m in checks]
+    return {role: float(np.mean([s[role] for s in seen if role in s])) / b
+            for role, b in base.items() if b > 0 and any(role in s for s in seen)}  # fmt: skip
+
+
+def rescaled(overhead: Overhead, factors: dict[str, float]) -> Overhead:
+    """``overhead`` with each role's steps ``factors[role]`` times as long (the fit of
+    all steps by their mean: a cluster of one role has no fit per role)."""
+
+    def scale(fit: LiveFit, r: float) -> LiveFit:
+        return dataclasses.replace(fit, compute_scale=fit.compute_scale * r,
+                                   memory_scale=fit.memory_scale * r, offset_s=fit.offset_s * r)  # fmt: skip
+
+    roles = {role: scale(fit, factors.get(role, 1.0)) for role, fit in overhead.role_live.items()}
+    mean = float(np.mean(list(factors.values()))) if factors else 1.0
+    return dataclasses.replace(overhead, live=scale(overhead.live, mean), role_live=roles)

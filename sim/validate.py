@@ -43,7 +43,11 @@ from pdserve.sim.calibrate import (
     bench_flags,
     calibrate,
     calibration_args,
+    host_check_args,
+    host_check_baseline,
+    host_factors,
     own_steps,
+    rescaled,
     simulate,
 )
 from pdserve.sim.live import Measured, scaled, traced
@@ -227,6 +231,8 @@ def validate(
         flags = [workload_args(p, args) for p in mine]
         start = time.perf_counter()
         rounds = list(zip(flags, [p.rate for p in mine], strict=True)) * args.repeat
+        if getattr(args, "host_check", False):  # a short check run before each
+            rounds = [run for r in rounds for run in (host_check_args(args), r)]
         runs = [*cal, *rounds]
         if kept is not None:
             text, book, real = kept_runs(kept, setup, len(runs))
@@ -238,19 +244,40 @@ def validate(
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
                              Measured.role_traces(real[: len(cal)]), per_role=args.role_fit)  # fmt: skip
-        live_model = scaled(book.profiles[0].step, overhead.live)
-        role_models = {r: scaled(book.profiles[0].step, f) for r, f in overhead.role_live.items()}
         calibrations[setup] = calibration_row(overhead, summaries[: len(cal)], start)
-        for point, ns, repeats in zip(
-            mine, flags, per_point(real[len(cal) :], len(mine)), strict=True
-        ):
-            sim = simulate(text, book, ns, point.rate, overhead)
-            rows.append(point_row(point.name, sim, repeats, live_model, role_models))
-            own = simulate(text, book, ns, point.rate, own_steps(overhead, book, repeats[0]))
-            rows[-1].update(
-                sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own)
-            )
+        rows += point_rows(mine, flags, text, book, overhead, real, cal, args)
     return rows, calibrations, measured
+
+
+def point_rows(
+    mine: list[Point], flags: list[argparse.Namespace], text: str, book: Any,
+    overhead: Overhead, real: list[Measured], cal: list[tuple[argparse.Namespace, float]],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One setup's rows: each point simulated with the calibration (``overhead``), with
+    the steps its first run ran, and with ``--host-check`` with the steps scaled by
+    the checks measured before its runs (``real``: calibration runs, then the rounds)."""
+    live_model = scaled(book.profiles[0].step, overhead.live)
+    role_models = {r: scaled(book.profiles[0].step, f) for r, f in overhead.role_live.items()}
+    points_real, checks = real[len(cal) :], None
+    if getattr(args, "host_check", False):
+        points_real, checks = points_real[1::2], per_point(points_real[0::2], len(mine))
+    models = {"prefill": live_model, "decode": live_model, **role_models}
+    rows = []
+    for k, (point, ns, repeats) in enumerate(
+        zip(mine, flags, per_point(points_real, len(mine)), strict=True)
+    ):
+        sim = simulate(text, book, ns, point.rate, overhead)
+        row = point_row(point.name, sim, repeats, live_model, role_models)
+        own = simulate(text, book, ns, point.rate, own_steps(overhead, book, repeats[0]))
+        row.update(sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own))
+        if checks is not None:
+            factors = host_factors(models, real[host_check_baseline(cal)], checks[k])
+            checked = simulate(text, book, ns, point.rate, rescaled(overhead, factors))
+            row.update(host_factors=factors, sim_host_checked=checked,
+                       compare_host_checked=compare_point(row.get("real_mean", row["real"]), checked))  # fmt: skip
+        rows.append(row)
+    return rows
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -273,6 +300,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--role-fit", action=argparse.BooleanOptionalAction, default=True,
                    help="fit each role's steps on their own, beside the other role's "
                         "(--no-role-fit: one fit of every instance's steps)")  # fmt: skip
+    p.add_argument("--host-check", action="store_true",
+                   help="before each measured run, four single 1,024-token requests (as in "
+                        "the calibration): the simulation is also given each role's steps "
+                        "scaled by how much slower the engines ran them than in the "
+                        "calibration (the host's drift)")  # fmt: skip
     p.add_argument("--keep-traces", action="store_true",
                    help="also write NAME-traces.json: per setup the cluster YAML, the profile "
                         "and every measured run with its engines' traced steps")  # fmt: skip
@@ -315,6 +347,12 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
         print(repeat_table(rows))
     print("\nThe same, simulated with each role's steps as they ran (the first run):")
     print(table(rows, "compare_own_steps"))
+    if getattr(args, "host_check", False):
+        print("\nThe same, simulated with each role's steps scaled by the host checks:")
+        print(table(rows, "compare_host_checked"))
+        for row in rows:
+            factors = ", ".join(f"{r} x{f:.3f}" for r, f in row["host_factors"].items())
+            print(f"{row['point']}: host checks against the calibration: {factors}")
     for line in calibration_lines(rows, calibrations):
         print(line)
     print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")

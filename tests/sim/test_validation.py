@@ -31,6 +31,9 @@ from pdserve.sim.calibrate import (
     beside_fits,
     calibrate,
     calibration_args,
+    host_check_args,
+    host_check_baseline,
+    rescaled,
     role_fits,
     simulate,
 )
@@ -350,3 +353,51 @@ def test_steps_in_episodes_of_a_slower_host_are_counted() -> None:
     assert slow_share(ratios, starts) == pytest.approx(0.2)
     assert slow_share(np.ones_like(starts), starts) == 0.0
     assert slow_share(np.array([]), np.array([])) == 0.0
+
+
+def test_host_checks_scale_each_roles_steps_by_the_hosts_drift(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The calibration's single long requests ran their steps at the fitted model; the
+    # check before the point's run ran the same requests 1.25x slower on the prefill
+    # and 1.1x on the decode: the point is simulated again with steps that much longer.
+    from pdserve.deploy.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:0.5",
+         "--num-requests", "12", "--out", str(tmp_path), "--name", "checked", "--host-check"]
+    )  # fmt: skip
+    point = Point.parse(args.points[0])
+    text, book = setup_profiles(point.setup, args)
+    model = book.profiles[0].step
+    cal = calibration_args(args, point.setup)
+    runs = [*cal, host_check_args(args), (workload_args(point, args), point.rate)]
+    real = [Measured(simulate(text, book, ns, rate, Overhead()), {}) for ns, rate in runs]
+
+    def steps(prefill: float, decode: float) -> dict[str, list[StepRecord]]:
+        shapes = {"prefill0": [((1024,), (0,))] * 4,
+                  "decode1": [((1,), (1024 + i,)) for i in range(31)] * 4}  # fmt: skip
+        return {name: _timeline(model, shape, 0.0, LiveFit(r, r), [False] * len(shape))
+                for (name, shape), r in zip(shapes.items(), (prefill, decode), strict=True)}  # fmt: skip
+
+    base = host_check_baseline(cal)
+    real[base] = Measured(real[base].summary, steps(1.0, 1.0))
+    real[len(cal)] = Measured(real[len(cal)].summary, steps(1.25, 1.1))
+    kept = tmp_path / "kept.json"
+    setups = {point.setup: {"config": text, "profile": book.profiles[0].to_json(),
+                            "runs": [m.to_json() for m in real]}}  # fmt: skip
+    kept.write_text(json.dumps({"setups": setups}))
+    args.from_traces = str(kept)
+    assert cmd_sim_validate(args) == 0
+    (row,) = json.loads((tmp_path / "checked.json").read_text())["points"]
+    assert row["host_factors"] == pytest.approx({"prefill": 1.25, "decode": 1.1}, rel=0.01)
+    slower = row["sim_host_checked"]
+    assert slower["ttft_ms"]["p50"] > 1.1 * row["sim"]["ttft_ms"]["p50"]
+    assert slower["tpot_ms"]["p50"] > 1.05 * row["sim"]["tpot_ms"]["p50"]
+    assert set(row["compare_host_checked"]) == set(row["compare"])
+    # the steps of each role, that many times as long; the fit of all, by their mean
+    overhead = Overhead(LiveFit(1.0, 2.0, 0.001), {"decode": LiveFit(0.5, 1.0)})
+    again = rescaled(overhead, {"decode": 1.2, "prefill": 1.4})
+    assert again.role_live["decode"] == LiveFit(0.6, 1.2)
+    assert dataclasses.astuple(again.live) == pytest.approx(
+        dataclasses.astuple(LiveFit(1.3, 2.6, 0.0013))
+    )
+    assert rescaled(overhead, {}) == overhead
