@@ -223,6 +223,16 @@ def test_a_run_kept_with_its_traces_reads_back_as_it_was() -> None:
     assert again == run
 
 
+def _keep(args, tmp_path, setup, text, book, real):  # type: ignore[no-untyped-def]
+    """Write ``real`` as a ``--keep-traces`` file of ``setup`` and point ``args`` at it."""
+    kept = tmp_path / "kept.json"
+    setups = {setup: {"config": text, "profile": book.profiles[0].to_json(),
+                      "runs": [m.to_json() for m in real]}}  # fmt: skip
+    kept.write_text(json.dumps({"setups": setups}))
+    args.from_traces = str(kept)
+    return setups
+
+
 def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # "Measured" runs that a simulated system with known overheads gave: calibrated
     # again from the kept file, the overheads come back and the point matches.
@@ -248,11 +258,7 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
     truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
     runs = [*calibration_args(args, point.setup), (workload_args(point, args), point.rate)]
     real = [Measured(simulate(text, book, ns, rate, truth), {}) for ns, rate in runs]
-    kept = tmp_path / "kept.json"
-    setups = {point.setup: {"config": text, "profile": book.profiles[0].to_json(),
-                            "runs": [m.to_json() for m in real]}}  # fmt: skip
-    kept.write_text(json.dumps({"setups": setups}))
-    args.from_traces = str(kept)
+    setups = _keep(args, tmp_path, point.setup, text, book, real)
     assert cmd_sim_validate(args) == 0
     out = json.loads((tmp_path / "again.json").read_text())
     fitted = out["calibration"][point.setup]
@@ -381,11 +387,7 @@ def test_host_checks_scale_each_roles_steps_by_the_hosts_drift(tmp_path) -> None
     base = host_check_baseline(cal)
     real[base] = Measured(real[base].summary, steps(1.0, 1.0))
     real[len(cal)] = Measured(real[len(cal)].summary, steps(1.25, 1.1))
-    kept = tmp_path / "kept.json"
-    setups = {point.setup: {"config": text, "profile": book.profiles[0].to_json(),
-                            "runs": [m.to_json() for m in real]}}  # fmt: skip
-    kept.write_text(json.dumps({"setups": setups}))
-    args.from_traces = str(kept)
+    _keep(args, tmp_path, point.setup, text, book, real)
     assert cmd_sim_validate(args) == 0
     (row,) = json.loads((tmp_path / "checked.json").read_text())["points"]
     assert row["host_factors"] == pytest.approx({"prefill": 1.25, "decode": 1.1}, rel=0.01)
