@@ -1,12 +1,17 @@
-"""Small clusters with hand-checkable latency models for the simulator's tests."""
+"""Small clusters with hand-checkable latency models for the simulator's tests, and
+synthetic engine step traces and kept-traces files for the calibration's."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
 from pdserve.cluster.config import ClusterConfig, parse_config
+from pdserve.core.messages import StepRecord
 from pdserve.sim.build import ProfileBook
-from pdserve.sim.profile import ModelShape, Profile, StepModel, TransferModel
+from pdserve.sim.live import LiveFit
+from pdserve.sim.profile import ModelShape, Profile, StepFeatures, StepModel, TransferModel
 from pdserve.sim.workload import SimWorkload
 
 TOY = ModelShape("toy", 2, 64, 4, 2, 16, 128, 256, 4096)
@@ -48,3 +53,35 @@ def workload(
     p = np.broadcast_to(np.asarray(prompt, dtype=np.int64), (n,)).copy()
     o = np.broadcast_to(np.asarray(output, dtype=np.int64), (n,)).copy()
     return SimWorkload(np.asarray(arrival, dtype=np.float64), p, o, np.zeros(n, dtype=np.int16))
+
+
+def step_timeline(
+    model: StepModel,
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    start: float,
+    truth: LiveFit,
+    shared: list[bool],
+) -> list[StepRecord]:
+    """Steps of ``shapes`` back to back from ``start``, each as long as ``truth`` makes
+    it (``shared``: whether another instance's step covers it)."""
+    out, now = [], start
+    for (new, cached), beside in zip(shapes, shared, strict=True):
+        f = StepFeatures.of(list(zip(new, cached, strict=True)))
+        compute = truth.compute_scale * model.compute_time(f)
+        rest = truth.memory_scale * (model.time(f) - model.compute_time(f))
+        t = compute + rest
+        if beside:  # the shared factors are of the scaled parts, as scaled() applies them
+            t += truth.shared_compute * compute + truth.shared_factor * rest
+        out.append(StepRecord(now, t, new, cached))
+        now += t
+    return out
+
+
+def keep_file(args, tmp_path, setup, text, book, real):  # type: ignore[no-untyped-def]
+    """Write ``real`` as a ``--keep-traces`` file of ``setup`` and point ``args`` at it."""
+    kept = tmp_path / "kept.json"
+    setups = {setup: {"config": text, "profile": book.profiles[0].to_json(),
+                      "runs": [m.to_json() for m in real]}}  # fmt: skip
+    kept.write_text(json.dumps({"setups": setups}))
+    args.from_traces = str(kept)
+    return setups

@@ -31,9 +31,6 @@ from pdserve.sim.calibrate import (
     beside_fits,
     calibrate,
     calibration_args,
-    host_check_args,
-    host_check_baseline,
-    rescaled,
     role_fits,
     simulate,
 )
@@ -48,7 +45,7 @@ from pdserve.sim.live import (
     shared_flags,
     slow_share,
 )
-from pdserve.sim.profile import StepFeatures, StepModel
+from pdserve.sim.profile import StepModel
 from pdserve.sim.validate import (
     Measured,
     Point,
@@ -59,6 +56,7 @@ from pdserve.sim.validate import (
     workload_args,
 )
 from pdserve.sim.validate_report import compare_point, point_row, repeat_table
+from tests.sim.helpers import keep_file, step_timeline
 
 # |sim - real| / real for TTFT and TPOT p50 at this point, on 2 shared cores: 12 requests,
 # measured once; a CI run measured TTFT p50 0.42 off (sim 114.9 ms, real 80.9 ms)
@@ -223,16 +221,6 @@ def test_a_run_kept_with_its_traces_reads_back_as_it_was() -> None:
     assert again == run
 
 
-def _keep(args, tmp_path, setup, text, book, real):  # type: ignore[no-untyped-def]
-    """Write ``real`` as a ``--keep-traces`` file of ``setup`` and point ``args`` at it."""
-    kept = tmp_path / "kept.json"
-    setups = {setup: {"config": text, "profile": book.profiles[0].to_json(),
-                      "runs": [m.to_json() for m in real]}}  # fmt: skip
-    kept.write_text(json.dumps({"setups": setups}))
-    args.from_traces = str(kept)
-    return setups
-
-
 def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # "Measured" runs that a simulated system with known overheads gave: calibrated
     # again from the kept file, the overheads come back and the point matches.
@@ -258,7 +246,7 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
     truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
     runs = [*calibration_args(args, point.setup), (workload_args(point, args), point.rate)]
     real = [Measured(simulate(text, book, ns, rate, truth), {}) for ns, rate in runs]
-    setups = _keep(args, tmp_path, point.setup, text, book, real)
+    setups = keep_file(args, tmp_path, point.setup, text, book, real)
     assert cmd_sim_validate(args) == 0
     out = json.loads((tmp_path / "again.json").read_text())
     fitted = out["calibration"][point.setup]
@@ -276,28 +264,6 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
         cmd_sim_validate(args)
 
 
-def _timeline(
-    model: StepModel,
-    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
-    start: float,
-    truth: LiveFit,
-    shared: list[bool],
-) -> list[StepRecord]:
-    """Steps of ``shapes`` back to back from ``start``, each as long as ``truth`` makes
-    it (``shared``: whether another instance's step covers it)."""
-    out, now = [], start
-    for (new, cached), beside in zip(shapes, shared, strict=True):
-        f = StepFeatures.of(list(zip(new, cached, strict=True)))
-        compute = truth.compute_scale * model.compute_time(f)
-        rest = truth.memory_scale * (model.time(f) - model.compute_time(f))
-        t = compute + rest
-        if beside:  # the shared factors are of the scaled parts, as scaled() applies them
-            t += truth.shared_compute * compute + truth.shared_factor * rest
-        out.append(StepRecord(now, t, new, cached))
-        now += t
-    return out
-
-
 def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> None:
     # a prefill and a decode instance on one host slow differently, alone and beside
     # each other; one fit of both steps cannot say so, a fit per role does
@@ -308,8 +274,8 @@ def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> Non
              "decode": LiveFit(1.2, 1.3, shared_compute=0.4, shared_factor=0.6)}  # fmt: skip
     flags = {"prefill": [False] * len(prefill), "decode": [False] * len(decode)}
     for _ in range(20):  # until who is beside whom no longer changes the steps' times
-        p = _timeline(model, prefill, 0.0, truth["prefill"], flags["prefill"])
-        d = _timeline(model, decode, p[len(p) // 2].start_s, truth["decode"], flags["decode"])
+        p = step_timeline(model, prefill, 0.0, truth["prefill"], flags["prefill"])
+        d = step_timeline(model, decode, p[len(p) // 2].start_s, truth["decode"], flags["decode"])
         again = {"prefill": list(shared_flags(p, [d])), "decode": list(shared_flags(d, [p]))}
         if again == flags:
             break
@@ -359,47 +325,3 @@ def test_steps_in_episodes_of_a_slower_host_are_counted() -> None:
     assert slow_share(ratios, starts) == pytest.approx(0.2)
     assert slow_share(np.ones_like(starts), starts) == 0.0
     assert slow_share(np.array([]), np.array([])) == 0.0
-
-
-def test_host_checks_scale_each_roles_steps_by_the_hosts_drift(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # The calibration's single long requests ran their steps at the fitted model; the
-    # check before the point's run ran the same requests 1.25x slower on the prefill
-    # and 1.1x on the decode: the point is simulated again with steps that much longer.
-    from pdserve.deploy.cli import build_parser
-
-    args = build_parser().parse_args(
-        ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:0.5",
-         "--num-requests", "12", "--out", str(tmp_path), "--name", "checked", "--host-check"]
-    )  # fmt: skip
-    point = Point.parse(args.points[0])
-    text, book = setup_profiles(point.setup, args)
-    model = book.profiles[0].step
-    cal = calibration_args(args, point.setup)
-    runs = [*cal, host_check_args(args), (workload_args(point, args), point.rate)]
-    real = [Measured(simulate(text, book, ns, rate, Overhead()), {}) for ns, rate in runs]
-
-    def steps(prefill: float, decode: float) -> dict[str, list[StepRecord]]:
-        shapes = {"prefill0": [((1024,), (0,))] * 4,
-                  "decode1": [((1,), (1024 + i,)) for i in range(31)] * 4}  # fmt: skip
-        return {name: _timeline(model, shape, 0.0, LiveFit(r, r), [False] * len(shape))
-                for (name, shape), r in zip(shapes.items(), (prefill, decode), strict=True)}  # fmt: skip
-
-    base = host_check_baseline(cal)
-    real[base] = Measured(real[base].summary, steps(1.0, 1.0))
-    real[len(cal)] = Measured(real[len(cal)].summary, steps(1.25, 1.1))
-    _keep(args, tmp_path, point.setup, text, book, real)
-    assert cmd_sim_validate(args) == 0
-    (row,) = json.loads((tmp_path / "checked.json").read_text())["points"]
-    assert row["host_factors"] == pytest.approx({"prefill": 1.25, "decode": 1.1}, rel=0.01)
-    slower = row["sim_host_checked"]
-    assert slower["ttft_ms"]["p50"] > 1.1 * row["sim"]["ttft_ms"]["p50"]
-    assert slower["tpot_ms"]["p50"] > 1.05 * row["sim"]["tpot_ms"]["p50"]
-    assert set(row["compare_host_checked"]) == set(row["compare"])
-    # the steps of each role, that many times as long; the fit of all, by their mean
-    overhead = Overhead(LiveFit(1.0, 2.0, 0.001), {"decode": LiveFit(0.5, 1.0)})
-    again = rescaled(overhead, {"decode": 1.2, "prefill": 1.4})
-    assert again.role_live["decode"] == LiveFit(0.6, 1.2)
-    assert dataclasses.astuple(again.live) == pytest.approx(
-        dataclasses.astuple(LiveFit(1.3, 2.6, 0.0013))
-    )
-    assert rescaled(overhead, {}) == overhead
