@@ -23,7 +23,7 @@ import numpy as np
 
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
-from pdserve.sim.live import LiveFit, Measured, live_fit, scaled, step_ratios
+from pdserve.sim.live import LiveFit, Measured, live_fit, scaled
 from pdserve.sim.profile import StepModel
 
 CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
@@ -253,21 +253,20 @@ def host_check_baseline(runs: list[tuple[argparse.Namespace, float]]) -> int:
 
 
 def host_factors(
-    models: dict[str, StepModel], baseline: Measured, checks: list[Measured]
-) -> dict[str, float]:
+    role_models: dict[str, StepModel], default: StepModel, baseline: Measured,
+    checks: list[Measured],
+) -> dict[str, float]:  # fmt: skip
     """Per role: how many times slower its engine ran the host checks (``checks``, each
     just before a measured run) than the same requests in the calibration
-    (``baseline``), each against the role's calibrated step model (``models``: the
-    median loop turn over the model's time), over the checks' mean. The host of a
-    2-vCPU VM drifts: one workload moved TPOT p50 by 14% in four minutes (RESULTS)."""
+    (``baseline``), each against the role's calibrated step model (``role_models``,
+    else ``default``: the median loop turn over the model's time), over the checks'
+    mean. The host of a 2-vCPU VM drifts: one workload moved TPOT p50 by 14% in four
+    minutes (RESULTS)."""
 
     def ratios(measured: Measured) -> dict[str, float]:
         out: dict[str, list[float]] = {}
-        for name, trace in measured.steps.items():
-            role = name.rstrip("0123456789")
-            seen = step_ratios(models[role], {name: trace}).get(name)
-            if seen:
-                out.setdefault(role, []).append(seen["median_ratio"])
+        for name, seen in measured.ratios(role_models, default).items():
+            out.setdefault(Measured.role_of(name), []).append(seen["median_ratio"])
         return {role: float(np.mean(values)) for role, values in out.items()}
 
     base, seen = ratios(baseline), [ratios(m) for m in checks]

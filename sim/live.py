@@ -261,11 +261,24 @@ class Measured:
                 out.setdefault(role, []).extend(traces)
         return out
 
+    @staticmethod
+    def role_of(instance: str) -> str:
+        """An instance's role (instances are named ``{role}{index}``)."""
+        return instance.rstrip("0123456789")
+
     def by_role(self) -> dict[str, list[list[StepRecord]]]:
-        """The traces of every instance of a role (instances are named ``{role}{index}``)."""
+        """The traces of every instance of a role."""
         out: dict[str, list[list[StepRecord]]] = {}
         for name, records in self.steps.items():
-            out.setdefault(name.rstrip("0123456789"), []).append(records)
+            out.setdefault(self.role_of(name), []).append(records)
+        return out
+
+    def ratios(self, models: dict[str, StepModel], default: StepModel) -> dict[str, Any]:
+        """:func:`step_ratios` of each instance's steps against its role's model in
+        ``models`` (else ``default``)."""
+        out: dict[str, Any] = {}
+        for name, trace in self.steps.items():
+            out.update(step_ratios(models.get(self.role_of(name), default), {name: trace}))
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -96,26 +96,10 @@ def mix_from(args: argparse.Namespace) -> LengthMix:
                            args.max_prompt_len, args.max_output_len)  # fmt: skip
         return LengthMix(t.prompt_len, t.output_len)
     n = 4096
-    prompt = wl.sample_lengths(
-        n,
-        args.prompt_len,
-        args.prompt_len_std,
-        None,
-        1,
-        args.max_prompt_len,
-        args.seed,
-        name="prompt_len",
-    )
-    output = wl.sample_lengths(
-        n,
-        args.output_len,
-        args.output_len_std,
-        None,
-        1,
-        args.max_output_len,
-        args.seed + 1,
-        name="output_len",
-    )
+    prompt = wl.sample_lengths(n, args.prompt_len, args.prompt_len_std, high=args.max_prompt_len,
+                               seed=args.seed, name="prompt_len")  # fmt: skip
+    output = wl.sample_lengths(n, args.output_len, args.output_len_std, high=args.max_output_len,
+                               seed=args.seed + 1, name="output_len")  # fmt: skip
     return LengthMix(prompt, output)
 
 

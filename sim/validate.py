@@ -262,7 +262,6 @@ def point_rows(
     points_real, checks = real[len(cal) :], None
     if getattr(args, "host_check", False):
         points_real, checks = points_real[1::2], per_point(points_real[0::2], len(mine))
-    models = {"prefill": live_model, "decode": live_model, **role_models}
     rows = []
     for k, (point, ns, repeats) in enumerate(
         zip(mine, flags, per_point(points_real, len(mine)), strict=True)
@@ -272,7 +271,8 @@ def point_rows(
         own = simulate(text, book, ns, point.rate, own_steps(overhead, book, repeats[0]))
         row.update(sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own))
         if checks is not None:
-            factors = host_factors(models, real[host_check_baseline(cal)], checks[k])
+            factors = host_factors(role_models, live_model, real[host_check_baseline(cal)],
+                                   checks[k])  # fmt: skip
             checked = simulate(text, book, ns, point.rate, rescaled(overhead, factors))
             row.update(host_factors=factors, sim_host_checked=checked,
                        compare_host_checked=compare_point(row.get("real_mean", row["real"]), checked))  # fmt: skip

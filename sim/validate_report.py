@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.sim.live import Measured, step_ratios
+from pdserve.sim.live import Measured
 from pdserve.sim.profile import StepModel
 
 TOLERANCE = {"p50": 0.10, "p90": 0.15}  # the issue's bar: relative error of sim vs real
@@ -133,12 +133,7 @@ def point_row(
     each later run against the first (how far the real system is from itself)."""
     first = repeats[0].summary
     real = mean_figures([m.summary for m in repeats]) if len(repeats) > 1 else first
-    models = role_models or {}
-    runs_steps: list[dict[str, Any]] = [{} for _ in repeats]
-    for ratios, measured in zip(runs_steps, repeats, strict=True):
-        for instance, trace in measured.steps.items():
-            model = models.get(instance.rstrip("0123456789"), live_model)
-            ratios.update(step_ratios(model, {instance: trace}))
+    runs_steps = [m.ratios(role_models or {}, live_model) for m in repeats]
     row: dict[str, Any] = {"point": name, "real": first, "sim": sim,
                            "compare": compare_point(real, sim), "live_steps": runs_steps[0],
                            "live_steps_runs": runs_steps}  # fmt: skip

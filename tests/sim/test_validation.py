@@ -73,7 +73,7 @@ def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
     *real_cal, real = measure(text, point.setup, [*cal, (ns, point.rate)], args)
     assert real.summary["num_ok"] == real.summary["num_requests"] == 12
     # both engines' steps were traced: the prefill ran the prompts, decode the rest
-    assert {name.rstrip("0123456789") for name in real.steps} == {"prefill", "decode"}
+    assert {Measured.role_of(name) for name in real.steps} == {"prefill", "decode"}
     prompts = [r for name, rs in real.steps.items() if name.startswith("prefill") for r in rs]
     assert sum(sum(r.new_tokens) for r in prompts) >= 12 * 1024 - 12 * 16  # less cache hits
     overhead = calibrate(
