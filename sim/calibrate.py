@@ -103,13 +103,15 @@ CALIBRATION = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"
 BURST = ["--prompt-len", "256", "--output-len", "32", "--arrival", "burst", "--burst-size", "8"]
 SHORT = ["--prompt-len", "256", "--output-len", "4", "--arrival", "fixed"]
 LONG = ["--prompt-len", "1024", "--output-len", "32", "--arrival", "fixed"]
+LONG_BESIDE = ["--prompt-len", "1024", "--output-len", "128", "--arrival", "fixed"]
 BRIEF = ["--prompt-len", "64", "--output-len", "32", "--arrival", "fixed"]
 CALIBRATION_BURST_RATE = 1.0  # req/s: a burst of 8 every 8 s, done well before the next
 CALIBRATION_OVERLAP_RATE = 4.0  # req/s, fixed gaps: a prefill beside the last one's decode
 # req/s, fixed gaps: a 1,024-token prompt's chunks beside the last one's decode steps
 CALIBRATION_LONG_OVERLAP_RATE = 2.0
 # req/s, fixed gaps: a disaggregated decode instance's steps beside long prefills (the
-# one-core prefill busy about half the time, not saturated as at 2 req/s)
+# one-core prefill busy about half the time, not saturated as at 2 req/s; each prefill
+# within the decode of the request before, whose 128 tokens take longer than the gap)
 CALIBRATION_LONG_BESIDE_RATE = 0.75
 
 
@@ -129,10 +131,12 @@ def calibration_args(
     steps that carry a long prompt's chunk beside decode rows over long contexts:
     the tail of TPOT where long prompts keep arriving, 35% under the model without
     this run, RESULTS) and 64-token prompts one at a time (the short prompts of the
-    conversation trace). A disaggregated pair runs them at 0.75 req/s instead: its
-    decode steps beside a long prefill ran 1.2-1.35x the fitted model where the
-    steady 256-token prompts had put them at 1.0x (RESULTS), and 2 req/s saturates
-    its one-core prefill."""
+    conversation trace). A disaggregated pair runs them at 0.75 req/s instead, with
+    128 output tokens, so that each prefill runs beside the decode steps of the
+    request before: its decode steps beside a long prefill ran 1.2-1.35x the fitted
+    model where the steady 256-token prompts had put them at 1.0x (RESULTS); with
+    32 output tokens the run held 30 such steps, too few to fit their factor, and
+    2 req/s saturates its one-core prefill."""
     single, burst, short, overlap, long = (
         bench_flags(w, args) for w in (CALIBRATION, BURST, SHORT, CALIBRATION, LONG)
     )
@@ -142,7 +146,7 @@ def calibration_args(
     overlap.num_requests = 3 * args.calibration_requests
     runs = [(single, CALIBRATION_RATE), (burst, CALIBRATION_BURST_RATE), (short, CALIBRATION_RATE),
             (overlap, CALIBRATION_OVERLAP_RATE), (long, CALIBRATION_RATE)]  # fmt: skip
-    long_overlap = bench_flags(LONG, args)
+    long_overlap = bench_flags(LONG if setup == "colocated" else LONG_BESIDE, args)
     long_overlap.num_requests = 2 * args.calibration_requests
     if setup == "colocated":
         brief = bench_flags(BRIEF, args)

@@ -205,6 +205,7 @@ def calibration_row(
             "cold_factor": round(overhead.live.cold_factor, 4),
             "shared_compute": round(overhead.live.shared_compute, 4),
             "shared_factor": round(overhead.live.shared_factor, 4),
+            "shared_attn": round(overhead.live.shared_attn, 4),
             "traced_steps": overhead.live.steps,
             "step_overhead_ms": round(overhead.step_s * 1e3, 3),
             "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
