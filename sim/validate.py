@@ -173,9 +173,17 @@ def measure(
     return out
 
 
-def kept_runs(kept: dict[str, Any], setup: str, runs: int) -> tuple[str, Any, list[Measured]]:
+def run_workloads(runs: list[tuple[argparse.Namespace, float]]) -> list[dict[str, Any]]:
+    """Each run's workload flags (the scalar ones) and rate, as a kept file records them."""
+    return [{**{k: v for k, v in sorted(vars(ns).items()) if isinstance(v, (int, float, str))},
+             "rate": rate} for ns, rate in runs]  # fmt: skip
+
+
+def kept_runs(
+    kept: dict[str, Any], setup: str, runs: list[tuple[argparse.Namespace, float]]
+) -> tuple[str, Any, list[Measured]]:
     """(cluster YAML, profile book, measured runs) of ``setup`` from a ``--keep-traces``
-    file's contents, which must hold ``runs`` runs of it."""
+    file's contents, which must hold ``runs`` (the same workloads, in order)."""
     from pdserve.cluster.config import parse_config
     from pdserve.sim.build import book_for
     from pdserve.sim.profile import profile_from_json
@@ -183,11 +191,22 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: int) -> tuple[str, Any, li
     entry = kept.get(setup)
     if not isinstance(entry, dict) or not {"config", "profile", "runs"} <= set(entry):
         raise InvalidArgumentError("--from-traces", f"holds no {setup} setup: {sorted(kept)}")
-    if len(entry["runs"]) != runs:
+    if len(entry["runs"]) != len(runs):
         raise InvalidArgumentError(
             "--from-traces", f"holds {len(entry['runs'])} {setup} runs, these flags measure "
-            f"{runs}: give the points, --repeat and --num-requests it was measured with",
+            f"{len(runs)}: give the points, --repeat and --num-requests it was measured with",
         )  # fmt: skip
+    want = run_workloads(runs)
+    held = entry.get("workloads")
+    if held is None:  # simulated with other workloads, its calibration would be wrong
+        raise InvalidArgumentError(
+            "--from-traces", "records no workloads of its runs: measure again"
+        )
+    for i, (a, b) in enumerate(zip(held, want, strict=True)):
+        diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        if diff:
+            raise InvalidArgumentError("--from-traces", f"{setup} run {i + 1} was measured with "
+                                       f"other {', '.join(diff)} than these flags give")  # fmt: skip
     text = entry["config"]
     book = book_for(parse_config(text, f"<{setup}>"), [profile_from_json(entry["profile"])], None)
     return text, book, [Measured.from_json(r) for r in entry["runs"]]
@@ -236,12 +255,12 @@ def validate(
             rounds = [run for r in rounds for run in (host_check_args(args), r)]
         runs = [*cal, *rounds]
         if kept is not None:
-            text, book, real = kept_runs(kept, setup, len(runs))
+            text, book, real = kept_runs(kept, setup, runs)
         else:
             text, book = setup_profiles(setup, args)
             real = measure(text, setup, runs, args)
         measured[setup] = {"config": text, "profile": book.profiles[0].to_json(),
-                           "runs": [m.to_json() for m in real]}  # fmt: skip
+                           "workloads": run_workloads(runs), "runs": [m.to_json() for m in real]}  # fmt: skip
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
                              Measured.role_traces(real[: len(cal)]), per_role=args.role_fit)  # fmt: skip

@@ -81,11 +81,14 @@ def step_timeline(
     return out
 
 
-def keep_file(args, tmp_path, setup, text, book, real):  # type: ignore[no-untyped-def]
-    """Write ``real`` as a ``--keep-traces`` file of ``setup`` and point ``args`` at it."""
+def keep_file(args, tmp_path, setup, text, book, runs, real):  # type: ignore[no-untyped-def]
+    """Write ``real`` (measured ``runs``) as a ``--keep-traces`` file of ``setup`` and
+    point ``args`` at it."""
+    from pdserve.sim.validate import run_workloads
+
     kept = tmp_path / "kept.json"
     setups = {setup: {"config": text, "profile": book.profiles[0].to_json(),
-                      "runs": [m.to_json() for m in real]}}  # fmt: skip
+                      "workloads": run_workloads(runs), "runs": [m.to_json() for m in real]}}  # fmt: skip
     kept.write_text(json.dumps({"setups": setups}))
     args.from_traces = str(kept)
     return setups

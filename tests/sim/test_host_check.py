@@ -48,7 +48,7 @@ def test_host_checks_scale_each_roles_steps_by_the_hosts_drift(tmp_path) -> None
     base = host_check_baseline(cal)
     real[base] = Measured(real[base].summary, steps(1.0, 1.0))
     real[len(cal)] = Measured(real[len(cal)].summary, steps(1.25, 1.1))
-    keep_file(args, tmp_path, point.setup, text, book, real)
+    keep_file(args, tmp_path, point.setup, text, book, runs, real)
     assert cmd_sim_validate(args) == 0
     (row,) = json.loads((tmp_path / "checked.json").read_text())["points"]
     assert row["host_factors"] == pytest.approx({"prefill": 1.25, "decode": 1.1}, rel=0.01)

@@ -247,7 +247,7 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
     truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
     runs = [*calibration_args(args, point.setup), (workload_args(point, args), point.rate)]
     real = [Measured(simulate(text, book, ns, rate, truth), {}) for ns, rate in runs]
-    setups = keep_file(args, tmp_path, point.setup, text, book, real)
+    setups = keep_file(args, tmp_path, point.setup, text, book, runs, real)
     assert cmd_sim_validate(args) == 0
     out = json.loads((tmp_path / "again.json").read_text())
     fitted = out["calibration"][point.setup]
@@ -262,6 +262,15 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
         InvalidArgumentError,
         match=r"--from-traces.*holds 7 disaggregated runs, these flags measure 8",
     ):
+        cmd_sim_validate(args)
+    args.repeat, args.calibration_requests = 1, 4  # the same number of runs, other workloads
+    with pytest.raises(InvalidArgumentError, match=r"run 1 was measured with other num_requests"):
+        cmd_sim_validate(args)
+    del setups[point.setup]["workloads"]  # a file that does not say what its runs were
+    unlabelled = tmp_path / "old.json"
+    unlabelled.write_text(json.dumps({"setups": setups}))
+    args.from_traces, args.calibration_requests = str(unlabelled), 8
+    with pytest.raises(InvalidArgumentError, match=r"records no workloads of its runs"):
         cmd_sim_validate(args)
 
 
