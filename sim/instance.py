@@ -9,8 +9,7 @@ execution is replaced by the profile's step time; every sampled token is
 A step: ``start(now)`` calls ``Scheduler.schedule`` and returns when the step
 ends; ``complete()`` calls ``Scheduler.update``. A step that starts after the
 instance sat idle, or while another instance on its host (``peers``) is
-mid-step, takes the step model's ``live_time`` (beside the largest attention
-share among the busy peers' steps); in fast mode such a step runs
+mid-step, takes the step model's ``live_time``; in fast mode such a step runs
 alone (a peer's step that starts during a run does not slow the run). On a host
 of few cores (``host_cores``) the peers share the cores (processor sharing): a
 step runs as many times slower as the busy peers' threads and its own exceed
@@ -112,7 +111,6 @@ class SimInstance:
         self.threads = 1  # the cores its ranks' threads would use
         self._crowded = 1.0  # how many times its time the step in flight takes
         self._slows = step_model.slows  # live_time can differ from time: read once
-        self.attn_share = 0.0  # of its step in flight (kept with peers on its host)
 
     @property
     def busy(self) -> bool:
@@ -132,11 +130,9 @@ class SimInstance:
             return None
         model, steps = self.step_model, 1
         cold = shared = False
-        beside = 0.0
         if self._slows:
             cold = now - self._idle_since > model.cold_after_s
-            busy = [p.attn_share for p in self.peers if p.busy and p is not self]
-            shared, beside = bool(busy), max(busy, default=0.0)
+            shared = any(p.busy for p in self.peers if p is not self)
         crowding = self.crowding() if self.host_cores else 1.0
         alone = not (cold or shared or self.host_cores)  # a shared host: step by step
         if fast and alone and self.scheduler.num_preemptions == preemptions:
@@ -145,14 +141,9 @@ class SimInstance:
         self._seqs, self._context = len(plan.seqs), sum(s.start_pos for s in plan.seqs)
         if steps == 1:
             rows = [(len(s.token_ids), s.start_pos) for s in plan.seqs]
-            features = StepFeatures.of(rows)
-            duration = model.live_time(features, cold, shared, beside)
+            duration = model.live_time(StepFeatures.of(rows), cold, shared)
         else:
             duration = model.decode_run_time(self._seqs, self._context, steps)
-            pairs = float(self._context + self._seqs)  # its first step's
-            features = StepFeatures(float(self._seqs), pairs, pairs, float(self._seqs))
-        if len(self.peers) > 1:
-            self.attn_share = model.attn_share(features)
         self._end, self._crowded = now + duration * crowding, crowding
         return self._end
 

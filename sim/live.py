@@ -17,10 +17,8 @@ process. A serving instance runs the same shapes slower, and not by one factor
 steps (the profile's compute terms, per new token and per query-key pair, and
 the rest of its time), each step's error relative to its own time, every term
 non-negative, with a cold pair and a shared pair of factors on those parts for
-steps after idling and steps beside another instance's, and a factor on the
-attention share of that other step (:func:`beside_attn`; a decode step beside a
-long prompt's prefill ran 1.2-1.3x its model, beside a batch of short prompts
-1.0x: RESULTS) (:meth:`~pdserve.sim.profile.StepModel.live_time`). :func:`scaled` applies the
+steps after idling and steps beside another instance's
+(:meth:`~pdserve.sim.profile.StepModel.live_time`). :func:`scaled` applies the
 fit to a :class:`~pdserve.sim.profile.StepModel`. :func:`step_ratios` says how
 far a run's steps were from a model, per instance, after the fact, and how many
 ran in episodes of a slower host (:func:`slow_share`).
@@ -52,8 +50,7 @@ class LiveFit:
     ``steps`` traced steps (the profile's compute terms, and the rest of its time),
     plus ``cold_compute`` and ``cold_factor`` times those parts for a step after the
     instance sat idle, and ``shared_compute`` and ``shared_factor`` times them for a
-    step that another instance's step covered by more than half, plus
-    ``shared_attn`` times its time and that other step's attention share."""
+    step that another instance's step covered by more than half."""
 
     compute_scale: float = 1.0
     memory_scale: float = 1.0
@@ -62,7 +59,6 @@ class LiveFit:
     cold_factor: float = 0.0  # longer, and the rest of its time this much
     shared_compute: float = 0.0  # the same, for a step beside another instance's step
     shared_factor: float = 0.0
-    shared_attn: float = 0.0  # ... and this much times the other step's attention share
     steps: int = 0
 
 
@@ -125,26 +121,6 @@ def shared_flags(trace: Sequence[StepRecord], others: Sequence[Sequence[StepReco
                      for r in trace], dtype=bool)  # fmt: skip
 
 
-def beside_attn(
-    step: StepModel, trace: Sequence[StepRecord], others: Sequence[Sequence[StepRecord]]
-) -> np.ndarray:
-    """Per step of ``trace``: the largest attention share (``step.attn_share``) of the
-    other instances' steps (``others``, each in order, on the same clock) that ran at
-    its midpoint (0: none did)."""
-    mids = np.array([r.start_s + r.seconds / 2 for r in trace])
-    out = np.zeros(len(trace))
-    for other in others:
-        if not other:
-            continue
-        starts = np.array([r.start_s for r in other])
-        ends = starts + np.array([r.seconds for r in other])
-        shares = np.array([step.attn_share(f) for f in _features(other)])
-        j = np.searchsorted(starts, mids, side="right") - 1
-        inside = (j >= 0) & (ends[np.maximum(j, 0)] >= mids)
-        out = np.maximum(out, np.where(inside, shares[np.maximum(j, 0)], 0.0))
-    return out
-
-
 def live_fit(
     step: StepModel,
     traces: Sequence[Sequence[StepRecord]],
@@ -167,39 +143,35 @@ def live_fit(
     compute = np.array([step.compute_time(f) for f in features])
     cold = np.concatenate([cold_flags(step, t) for t in kept]).astype(float)
     beside = [loop_periods(t) for t in others if t]
-    neighbours = [kept[:i] + kept[i + 1 :] + beside for i in range(len(kept))]
-    shared = np.concatenate([shared_flags(t, o) for t, o in zip(kept, neighbours, strict=True)])
-    attn = shared * np.concatenate(
-        [beside_attn(step, t, o) for t, o in zip(kept, neighbours, strict=True)]
-    )
-    shared = shared.astype(float)
+    shared = np.concatenate(
+        [shared_flags(t, kept[:i] + kept[i + 1 :] + beside) for i, t in enumerate(kept)]
+    ).astype(float)
     live = np.array([r.seconds for r in records])
     w, n = 1.0 / live, len(records)
     rest = model - compute
     warm_c, warm_r = compute, rest  # the warm parts: refined as the fit converges
     for _ in range(FIT_ROUNDS):
-        both = warm_c + warm_r
         columns = [compute, rest, np.ones(n), cold * warm_c, cold * warm_r,
-                   shared * warm_c, shared * warm_r, attn * both]  # fmt: skip
-        c, m, offset, kc, kr, sc, sr, sa = nonnegative_lstsq(
+                   shared * warm_c, shared * warm_r]  # fmt: skip
+        c, m, offset, kc, kr, sc, sr = nonnegative_lstsq(
             np.column_stack([x * w for x in columns]), live * w
         )
         if not (c > 0 and m > 0):  # one kind of step: one scale, one factor of each
-            columns = [model, np.ones(n), cold * both, shared * both, attn * both]
-            c, offset, kr, sr, sa = nonnegative_lstsq(
-                np.column_stack([x * w for x in columns]), live * w
+            both = warm_c + warm_r
+            c, offset, kr, sr = nonnegative_lstsq(
+                np.column_stack([model * w, w, cold * both * w, shared * both * w]), live * w
             )
             m, kc, sc = c, kr, sr
         if c <= 0:  # steps unrelated to their shape: keep the profile's proportions
             return LiveFit(1.0, 1.0, float(np.median(live - model)), steps=n)
         warm_c, warm_r = c * compute, m * rest + offset
-    return LiveFit(c, m, offset, kc, kr, sc, sr, sa, n)
+    return LiveFit(c, m, offset, kc, kr, sc, sr, n)
 
 
 def scaled(step: StepModel, fit: LiveFit) -> StepModel:
     """``step`` with its compute terms times ``fit.compute_scale``, the rest times
     ``fit.memory_scale``, ``fit.offset_s`` added per step, and its cold and shared
-    factors and its factor on the attention share of the step beside."""
+    factors."""
     c, m = fit.compute_scale, fit.memory_scale
     if step.combine != "sum":  # a roofline has one time: the memory scale stands for both
         c = m
@@ -209,7 +181,6 @@ def scaled(step: StepModel, fit: LiveFit) -> StepModel:
         s_per_ctx=step.s_per_ctx * m, s_per_seq=step.s_per_seq * m,
         cold_compute=fit.cold_compute, cold_factor=fit.cold_factor,
         shared_compute=fit.shared_compute, shared_factor=fit.shared_factor,
-        shared_attn=fit.shared_attn,
     )  # fmt: skip
 
 

@@ -14,12 +14,9 @@ starts after the instance sat idle longer than ``cold_after_s`` takes
 ``cold_compute * compute + cold_factor * (t - compute)`` more (caches and thread
 pools gone cold), and one that runs while another instance on its host is
 mid-step takes ``shared_compute * compute + shared_factor * (t - compute)`` more
-(the host's other work pushed onto its cores), and ``shared_attn * a * t`` more
-where ``a`` is the share of that other step's time its attention takes
-(:meth:`StepModel.attn_share`: on the 2-vCPU VM a decode step beside a long
-prompt's prefill ran 1.2-1.3x its model, beside a batch of short ones 1.0x).
-All five are 0 in a profile, which times steps back to back on a quiet host;
-``pdserve sim-validate`` fits them from live steps.
+(the host's other work pushed onto its cores). All four are 0 in a profile,
+which times steps back to back on a quiet host; ``pdserve sim-validate`` fits
+them from live steps.
 
 A prefill step is compute-bound (many new tokens), a decode step memory-bound
 (one new token per sequence over its whole context); one model covers both
@@ -83,14 +80,13 @@ class StepModel:
     cold_after_s: float = 0.05
     shared_compute: float = 0.0
     shared_factor: float = 0.0
-    shared_attn: float = 0.0
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
             raise InvalidArgumentError("step.combine", f"must be one of {COMBINES}")
         for name in ("overhead_s", "s_per_token", "s_per_attn", "weights_s", "s_per_ctx",
                      "cold_compute", "cold_factor", "cold_after_s", "shared_compute",
-                     "shared_factor", "shared_attn"):  # fmt: skip
+                     "shared_factor"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise InvalidArgumentError(f"step.{name}", f"must be a number >= 0, got {value!r}")
@@ -107,30 +103,21 @@ class StepModel:
             return 0.0
         return self.s_per_token * f.new_tokens + self.s_per_attn * f.attn
 
-    def live_time(
-        self, f: StepFeatures, cold: bool, shared: bool, beside_attn: float = 0.0
-    ) -> float:
+    def live_time(self, f: StepFeatures, cold: bool, shared: bool) -> float:
         """:meth:`time` of a step after the instance sat idle (``cold``) or beside
-        another instance's step on its host (``shared``), whose :meth:`attn_share` is
-        ``beside_attn``."""
+        another instance's step on its host (``shared``)."""
         t = self.time(f)
         if not (cold or shared):
             return t
         compute = self.compute_time(f)
         c = self.cold_compute * cold + self.shared_compute * shared
         r = self.cold_factor * cold + self.shared_factor * shared
-        return t + c * compute + r * (t - compute) + self.shared_attn * shared * beside_attn * t
-
-    def attn_share(self, f: StepFeatures) -> float:
-        """The share of a step's :meth:`time` its attention (query-key pairs) takes."""
-        t = self.time(f)
-        return self.s_per_attn * f.attn / t if t > 0 else 0.0
+        return t + c * compute + r * (t - compute)
 
     @property
     def slows(self) -> bool:
         """Whether :meth:`live_time` can differ from :meth:`time`."""
-        return any((self.cold_compute, self.cold_factor, self.shared_compute, self.shared_factor,
-                    self.shared_attn))  # fmt: skip
+        return any((self.cold_compute, self.cold_factor, self.shared_compute, self.shared_factor))
 
     def decode_run_time(self, seqs: int, context: int, steps: int) -> float:
         """Total time of ``steps`` pure decode steps of ``seqs`` sequences whose

@@ -174,8 +174,10 @@ def measure(
 
 
 def run_workloads(runs: list[tuple[argparse.Namespace, float]]) -> list[dict[str, Any]]:
-    """Each run's workload flags (the scalar ones) and rate, as a kept file records them."""
-    return [{**{k: v for k, v in sorted(vars(ns).items()) if isinstance(v, (int, float, str))},
+    """Each run's workload flags (the scalar ones, less the prompts' token seed, which a
+    run draws and a simulation does not read) and rate, as a kept file records them."""
+    return [{**{k: v for k, v in sorted(vars(ns).items())
+                if isinstance(v, (int, float, str)) and k != "prompt_seed"},
              "rate": rate} for ns, rate in runs]  # fmt: skip
 
 
@@ -224,7 +226,6 @@ def calibration_row(
             "cold_factor": round(overhead.live.cold_factor, 4),
             "shared_compute": round(overhead.live.shared_compute, 4),
             "shared_factor": round(overhead.live.shared_factor, 4),
-            "shared_attn": round(overhead.live.shared_attn, 4),
             "traced_steps": overhead.live.steps,
             "step_overhead_ms": round(overhead.step_s * 1e3, 3),
             "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),

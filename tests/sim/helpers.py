@@ -61,21 +61,17 @@ def step_timeline(
     start: float,
     truth: LiveFit,
     shared: list[bool],
-    attn: list[float] | None = None,
 ) -> list[StepRecord]:
     """Steps of ``shapes`` back to back from ``start``, each as long as ``truth`` makes
-    it (``shared``: whether another instance's step covers it; ``attn``: that step's
-    attention share)."""
+    it (``shared``: whether another instance's step covers it)."""
     out, now = [], start
-    for i, ((new, cached), beside) in enumerate(zip(shapes, shared, strict=True)):
+    for (new, cached), beside in zip(shapes, shared, strict=True):
         f = StepFeatures.of(list(zip(new, cached, strict=True)))
         compute = truth.compute_scale * model.compute_time(f)
         rest = truth.memory_scale * (model.time(f) - model.compute_time(f))
         t = compute + rest
         if beside:  # the shared factors are of the scaled parts, as scaled() applies them
-            share = attn[i] if attn else 0.0
             t += truth.shared_compute * compute + truth.shared_factor * rest
-            t += truth.shared_attn * share * (compute + rest)
         out.append(StepRecord(now, t, new, cached))
         now += t
     return out

@@ -188,19 +188,6 @@ def test_a_step_beside_another_instances_step_takes_the_shared_time() -> None:
     assert (together.end > apart.end).all()
 
 
-@pytest.mark.parametrize(("shared_attn", "ttft"), [(0.0, 0.01505), (1.0, 0.0201), (2.0, 0.02515)])
-def test_a_step_beside_another_slows_with_that_steps_attention_share(
-    shared_attn: float, ttft: float
-) -> None:
-    # Two colocated instances on one host; a 100-token prefill takes 10 ms plus 5.05 ms
-    # of attention (100 * 50.5 pairs at 1 us), a share of 5.05 / 15.05. The one from
-    # 5 ms runs beside the other's: shared_attn times that share of its time longer.
-    model = StepModel(overhead_s=0.010, s_per_attn=1e-6, shared_attn=shared_attn)
-    work = workload(np.array([0.0, 0.005]), 100, 1)
-    rec = _run(toy_config(0, 2), toy_profile(model), work, fast=False, one_host=True).recorder
-    np.testing.assert_allclose(rec.first - rec.arrival, [0.01505, ttft])
-
-
 @pytest.mark.parametrize(("cores", "ttft"), [(0, 0.010), (2, 0.010), (1, 0.015), (1.5, 0.035 / 3)])
 def test_instances_on_a_host_of_few_cores_share_them(cores: float, ttft: float) -> None:
     # Two colocated instances of one thread each; a 10 ms step on one from 0 ms, on

@@ -37,7 +37,6 @@ from pdserve.sim.calibrate import (
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import (
     LiveFit,
-    beside_attn,
     cold_flags,
     live_fit,
     loop_periods,
@@ -274,54 +273,30 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
         cmd_sim_validate(args)
 
 
-def test_beside_attn_is_the_attention_share_of_the_other_step_at_each_midpoint() -> None:
-    model = StepModel(overhead_s=0.010, s_per_attn=1e-6)
-    decode = [StepRecord(t, 0.010, (1,), (0,)) for t in (0.0, 0.020, 0.040)]
-    long = [StepRecord(0.012, 0.020, (100,), (0,))]  # 5.05 of its 15.05 ms: attention
-    short = [StepRecord(0.036, 0.020, (10,), (0,)), StepRecord(0.056, 0.010, (1,), (0,))]
-    share = 0.00505 / 0.01505
-    np.testing.assert_allclose(beside_attn(model, decode, [long]), [0.0, share, 0.0])
-    np.testing.assert_allclose(beside_attn(model, decode, [long, short]),
-                               [0.0, share, 0.000055 / 0.010055])  # fmt: skip
-    assert not beside_attn(model, decode, []).any()
-
-
 def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> None:
     # a prefill and a decode instance on one host slow differently, alone and beside
-    # each other; one fit of both steps cannot say so, a fit per role does. The
-    # decode steps slow more beside a prefill step whose attention takes more of it.
-    model = StepModel(overhead_s=0.003, s_per_token=2e-4, s_per_attn=1e-7, s_per_ctx=4e-7)
+    # each other; one fit of both steps cannot say so, a fit per role does
+    model = StepModel(overhead_s=0.003, s_per_token=2e-4, s_per_ctx=4e-7)
     prefill = [((n,), (c,)) for n in (64, 256, 1024) for c in (0, 512)] * 4
     decode = [((1,) * b, (c,) * b) for b in (1, 4, 16) for c in (64, 1024)] * 60
     truth = {"prefill": LiveFit(1.5, 1.1, shared_compute=0.3, shared_factor=0.2),
-             "decode": LiveFit(1.2, 1.3, shared_compute=0.4, shared_factor=0.1,
-                               shared_attn=0.8)}  # fmt: skip
+             "decode": LiveFit(1.2, 1.3, shared_compute=0.4, shared_factor=0.6)}  # fmt: skip
     flags = {"prefill": [False] * len(prefill), "decode": [False] * len(decode)}
-    attn = [0.0] * len(decode)  # the attention share of the prefill step beside each
     for _ in range(20):  # until who is beside whom no longer changes the steps' times
         p = step_timeline(model, prefill, 0.0, truth["prefill"], flags["prefill"])
-        d = step_timeline(model, decode, p[len(p) // 2].start_s, truth["decode"],
-                          flags["decode"], attn)  # fmt: skip
+        d = step_timeline(model, decode, p[len(p) // 2].start_s, truth["decode"], flags["decode"])
         again = {"prefill": list(shared_flags(p, [d])), "decode": list(shared_flags(d, [p]))}
-        shares = list(beside_attn(model, d, [p]))
-        if again == flags and shares == attn:
+        if again == flags:
             break
-        flags, attn = again, shares
-    assert len({round(a, 3) for a in attn}) > 3  # beside prefills of several shares
+        flags = again
+    assert flags == again and all(0 < sum(f) < len(f) for f in flags.values()), flags
     fits = role_fits(model, {"prefill": [p], "decode": [d]})
     assert set(fits) == {"prefill", "decode"}
     for role, fit in fits.items():
         want = truth[role]
-        got = (fit.compute_scale, fit.memory_scale, fit.shared_compute, fit.shared_factor,
-               fit.shared_attn)  # fmt: skip
+        got = (fit.compute_scale, fit.memory_scale, fit.shared_compute, fit.shared_factor)
         assert got == pytest.approx(
-            (
-                want.compute_scale,
-                want.memory_scale,
-                want.shared_compute,
-                want.shared_factor,
-                want.shared_attn,
-            ),
+            (want.compute_scale, want.memory_scale, want.shared_compute, want.shared_factor),
             rel=0.05,
             abs=0.01,
         ), role
