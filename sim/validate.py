@@ -13,7 +13,7 @@ each later run with the first, which says how far apart two runs of the real
 system land on this machine (the floor under any simulator's error).
 
 ``--keep-traces`` also writes what was measured (per setup the cluster YAML,
-the profile, every run's summary and its engines' traced steps), and
+the profile, every run's workload, summary and engines' traced steps), and
 ``--from-traces`` calibrates and simulates again on such a file without
 measuring anything, so a change to the calibration or the step model can be
 tried on runs that took the better part of an hour to measure.
