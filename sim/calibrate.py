@@ -27,6 +27,7 @@ from pdserve.sim.live import LiveFit, Measured, live_fit, scaled
 from pdserve.sim.profile import StepModel
 
 CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
+Runs = list[tuple[argparse.Namespace, float]]  # each run's workload flags and rate
 
 
 def bench_flags(workload: list[str], args: argparse.Namespace) -> argparse.Namespace:
@@ -115,9 +116,7 @@ CALIBRATION_LONG_OVERLAP_RATE = 2.0
 CALIBRATION_LONG_BESIDE_RATE = 0.75
 
 
-def calibration_args(
-    args: argparse.Namespace, setup: str = "disaggregated"
-) -> list[tuple[argparse.Namespace, float]]:
+def calibration_args(args: argparse.Namespace, setup: str = "disaggregated") -> Runs:
     """(flags, rate) of the calibration runs of ``setup``: one request at a time (a
     fixed gap longer than a request: no queueing, no batching), bursts of 8 (batches
     of up to 8), and one at a time again with 4 output tokens (the hand-off to decode
@@ -165,7 +164,7 @@ def calibrate(
     text: str,
     book: Any,
     real: list[dict[str, Any]],
-    runs: list[tuple[argparse.Namespace, float]],
+    runs: Runs,
     traces: dict[str, list[list[StepRecord]]] | None = None,
     per_role: bool = True,
 ) -> Overhead:
@@ -250,7 +249,7 @@ def host_check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, float
     return ns, CALIBRATION_RATE
 
 
-def host_check_baseline(runs: list[tuple[argparse.Namespace, float]]) -> int:
+def host_check_baseline(runs: Runs) -> int:
     """Which calibration run the host checks repeat (its single 1,024-token requests)."""
     return next(i for i, (ns, rate) in enumerate(runs)
                 if ns.prompt_len == 1024 and rate == CALIBRATION_RATE)  # fmt: skip

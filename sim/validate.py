@@ -40,6 +40,7 @@ from typing import Any
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.calibrate import (
     Overhead,
+    Runs,
     bench_flags,
     calibrate,
     calibration_args,
@@ -147,9 +148,7 @@ def setup_profiles(setup: str, args: argparse.Namespace) -> tuple[str, Any]:
     return text, book_for(config, [profile], None)
 
 
-def measure(
-    text: str, setup: str, runs: list[tuple[argparse.Namespace, float]], args: argparse.Namespace
-) -> list[Measured]:
+def measure(text: str, setup: str, runs: Runs, args: argparse.Namespace) -> list[Measured]:
     """Each (workload flags, rate) measured in turn on one local cluster of the setup,
     with every instance's engine steps traced."""
     import ray
@@ -173,17 +172,20 @@ def measure(
     return out
 
 
-def run_workloads(runs: list[tuple[argparse.Namespace, float]]) -> list[dict[str, Any]]:
+def run_workloads(runs: Runs) -> list[dict[str, Any]]:
     """Each run's workload flags (the scalar ones, less the prompts' token seed, which a
     run draws and a simulation does not read) and rate, as a kept file records them."""
-    return [{**{k: v for k, v in sorted(vars(ns).items())
-                if isinstance(v, (int, float, str)) and k != "prompt_seed"},
-             "rate": rate} for ns, rate in runs]  # fmt: skip
+    return [{**{k: v for k, v in sorted(vars(ns).items()) if isinstance(v, (int, float, str))
+                and k != "prompt_seed"}, "rate": rate} for ns, rate in runs]  # fmt: skip
 
 
-def kept_runs(
-    kept: dict[str, Any], setup: str, runs: list[tuple[argparse.Namespace, float]]
-) -> tuple[str, Any, list[Measured]]:
+def kept_entry(text: str, book: Any, runs: Runs, real: list[Measured]) -> dict[str, Any]:
+    """A setup's entry in a ``--keep-traces`` file: what :func:`kept_runs` reads back."""
+    return {"config": text, "profile": book.profiles[0].to_json(),
+            "workloads": run_workloads(runs), "runs": [m.to_json() for m in real]}  # fmt: skip
+
+
+def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> tuple[str, Any, list[Measured]]:
     """(cluster YAML, profile book, measured runs) of ``setup`` from a ``--keep-traces``
     file's contents, which must hold ``runs`` (the same workloads, in order)."""
     from pdserve.cluster.config import parse_config
@@ -198,13 +200,12 @@ def kept_runs(
             "--from-traces", f"holds {len(entry['runs'])} {setup} runs, these flags measure "
             f"{len(runs)}: give the points, --repeat and --num-requests it was measured with",
         )  # fmt: skip
-    want = run_workloads(runs)
     held = entry.get("workloads")
     if held is None:  # simulated with other workloads, its calibration would be wrong
         raise InvalidArgumentError(
             "--from-traces", "records no workloads of its runs: measure again"
         )
-    for i, (a, b) in enumerate(zip(held, want, strict=True)):
+    for i, (a, b) in enumerate(zip(held, run_workloads(runs), strict=True)):
         diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         if diff:
             raise InvalidArgumentError("--from-traces", f"{setup} run {i + 1} was measured with "
@@ -260,8 +261,7 @@ def validate(
         else:
             text, book = setup_profiles(setup, args)
             real = measure(text, setup, runs, args)
-        measured[setup] = {"config": text, "profile": book.profiles[0].to_json(),
-                           "workloads": run_workloads(runs), "runs": [m.to_json() for m in real]}  # fmt: skip
+        measured[setup] = kept_entry(text, book, runs, real)
         summaries = [m.summary for m in real]
         overhead = calibrate(text, book, summaries[: len(cal)], cal,
                              Measured.role_traces(real[: len(cal)]), per_role=args.role_fit)  # fmt: skip
@@ -272,7 +272,7 @@ def validate(
 
 def point_rows(
     mine: list[Point], flags: list[argparse.Namespace], text: str, book: Any,
-    overhead: Overhead, real: list[Measured], cal: list[tuple[argparse.Namespace, float]],
+    overhead: Overhead, real: list[Measured], cal: Runs,
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """One setup's rows: each point simulated with the calibration (``overhead``), with

@@ -80,11 +80,10 @@ def step_timeline(
 def keep_file(args, tmp_path, setup, text, book, runs, real):  # type: ignore[no-untyped-def]
     """Write ``real`` (measured ``runs``) as a ``--keep-traces`` file of ``setup`` and
     point ``args`` at it."""
-    from pdserve.sim.validate import run_workloads
+    from pdserve.sim.validate import kept_entry
 
     kept = tmp_path / "kept.json"
-    setups = {setup: {"config": text, "profile": book.profiles[0].to_json(),
-                      "workloads": run_workloads(runs), "runs": [m.to_json() for m in real]}}  # fmt: skip
+    setups = {setup: kept_entry(text, book, runs, real)}
     kept.write_text(json.dumps({"setups": setups}))
     args.from_traces = str(kept)
     return setups
