@@ -20,8 +20,9 @@ non-negative, with a cold pair and a shared pair of factors on those parts for
 steps after idling and steps beside another instance's
 (:meth:`~pdserve.sim.profile.StepModel.live_time`). :func:`scaled` applies the
 fit to a :class:`~pdserve.sim.profile.StepModel`. :func:`step_ratios` says how
-far a run's steps were from a model, per instance, after the fact, and how many
-ran in episodes of a slower host (:func:`slow_share`).
+far a run's steps were from a model, per instance, after the fact, by kind of
+step (:func:`step_kinds`), and how many ran in episodes of a slower host
+(:func:`slow_share`).
 """
 
 from __future__ import annotations
@@ -184,10 +185,15 @@ def scaled(step: StepModel, fit: LiveFit) -> StepModel:
     )  # fmt: skip
 
 
-def step_ratios(step: StepModel, traces: dict[str, list[StepRecord]]) -> dict[str, Any]:
+def step_ratios(
+    step: StepModel,
+    traces: dict[str, list[StepRecord]],
+    others: Sequence[Sequence[StepRecord]] = (),
+) -> dict[str, Any]:
     """Per instance: its steps, the median and total of its loop turns
-    (:func:`loop_periods`) over ``step``'s time, and the share of them in slow
-    windows (:func:`slow_share`)."""
+    (:func:`loop_periods`) over ``step``'s time, the share of them in slow
+    windows (:func:`slow_share`), and the total by kind of step
+    (:func:`step_kinds`; ``others``: the other instances' steps of the run)."""
     out: dict[str, Any] = {}
     for name, trace in traces.items():
         if not trace:
@@ -198,7 +204,43 @@ def step_ratios(step: StepModel, traces: dict[str, list[StepRecord]]) -> dict[st
         out[name] = {"steps": len(records),
                      "median_ratio": round(float(np.median(live / model)), 3),
                      "total_ratio": round(float(live.sum() / model.sum()), 3),
-                     "slow_share": round(slow_share(live / model, starts), 3)}  # fmt: skip
+                     "slow_share": round(slow_share(live / model, starts), 3),
+                     "kinds": kind_ratios(step_kinds(step, trace, others))}  # fmt: skip
+    return out
+
+
+STEP_KINDS = ("decode", "chunks", "chunks with decode", "after idling")
+
+
+def step_kinds(
+    step: StepModel, trace: Sequence[StepRecord], others: Sequence[Sequence[StepRecord]] = ()
+) -> dict[str, list[float]]:
+    """One instance's loop turns by kind (``STEP_KINDS``: every row one token, no such
+    row, both, or after the instance idled), each kind's ``[live s, model s, steps]``,
+    the model's time with its cold and shared factors (:meth:`StepModel.live_time`;
+    ``others``: the instances beside it), so a kind's ratio says how far the
+    calibrated model was from those steps, and the totals of runs add up."""
+    records = loop_periods(trace)
+    cold = cold_flags(step, records)
+    shared = shared_flags(records, [loop_periods(t) for t in others if t])
+    out: dict[str, list[float]] = {}
+    for r, f, c, s in zip(records, _features(records), cold, shared, strict=True):
+        decode = sum(n == 1 for n in r.new_tokens)
+        kind = STEP_KINDS[3 if c else 0 if decode == len(r.new_tokens) else 1 if not decode else 2]
+        totals = out.setdefault(kind, [0.0, 0.0, 0])
+        totals[0] += r.seconds
+        totals[1] += step.live_time(f, bool(c), bool(s))
+        totals[2] += 1
+    return out
+
+
+def kind_ratios(totals: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """:func:`step_kinds` totals as each kind's live time over its model's, and steps."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in STEP_KINDS:
+        live, model, n = totals.get(kind, (0.0, 0.0, 0))
+        if model > 0:
+            out[kind] = {"ratio": round(float(live / model), 3), "steps": int(n)}
     return out
 
 
@@ -278,8 +320,26 @@ class Measured:
         ``models`` (else ``default``)."""
         out: dict[str, Any] = {}
         for name, trace in self.steps.items():
-            out.update(step_ratios(models.get(self.role_of(name), default), {name: trace}))
+            others = [t for other, t in self.steps.items() if other != name]
+            out.update(step_ratios(models.get(self.role_of(name), default), {name: trace}, others))
         return out
+
+    @staticmethod
+    def kinds(
+        runs: list[Measured], models: dict[str, StepModel], default: StepModel
+    ) -> dict[str, dict[str, dict[str, float]]]:
+        """Per instance: its steps over all ``runs`` by kind against its role's model
+        (:func:`step_kinds`, :func:`kind_ratios`)."""
+        totals: dict[str, dict[str, list[float]]] = {}
+        for m in runs:
+            for name, trace in m.steps.items():
+                others = [t for other, t in m.steps.items() if other != name]
+                seen = step_kinds(models.get(m.role_of(name), default), trace, others)
+                mine = totals.setdefault(name, {})
+                for kind, values in seen.items():
+                    before = mine.get(kind, [0.0, 0.0, 0])
+                    mine[kind] = [a + b for a, b in zip(before, values, strict=True)]
+        return {name: kind_ratios(t) for name, t in totals.items()}
 
     def to_json(self) -> dict[str, Any]:
         """The run as JSON: its summary, and per instance one

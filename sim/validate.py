@@ -216,10 +216,13 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> tuple[str, Any, l
 
 
 def calibration_row(
-    overhead: Overhead, summaries: list[dict[str, Any]], start: float
+    overhead: Overhead, book: Any, runs: list[Measured], start: float
 ) -> dict[str, Any]:
     """What a setup's calibration found: the live step model's scales, the per-step,
-    per-sequence, per-handoff and per-request overheads, and the calibration runs."""
+    per-sequence, per-handoff and per-request overheads, the calibration runs, and their
+    steps by kind against the calibrated model (:meth:`Measured.kinds`)."""
+    step = book.profiles[0].step
+    roles = {role: scaled(step, fit) for role, fit in overhead.role_live.items()}
     return {"compute_scale": round(overhead.live.compute_scale, 4),
             "memory_scale": round(overhead.live.memory_scale, 4),
             "step_offset_ms": round(overhead.live.offset_s * 1e3, 3),
@@ -233,7 +236,8 @@ def calibration_row(
             "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
             "request_overhead_ms": round(overhead.request_s * 1e3, 3),
             "role_fits": {role: dataclasses.asdict(fit) for role, fit in overhead.role_live.items()},
-            "calibration": summaries,
+            "calibration": [m.summary for m in runs],
+            "steps_by_kind": Measured.kinds(runs, roles, scaled(step, overhead.live)),
             "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
 
 
@@ -262,10 +266,9 @@ def validate(
             text, book = setup_profiles(setup, args)
             real = measure(text, setup, runs, args)
         measured[setup] = kept_entry(text, book, runs, real)
-        summaries = [m.summary for m in real]
-        overhead = calibrate(text, book, summaries[: len(cal)], cal,
+        overhead = calibrate(text, book, [m.summary for m in real[: len(cal)]], cal,
                              Measured.role_traces(real[: len(cal)]), per_role=args.role_fit)  # fmt: skip
-        calibrations[setup] = calibration_row(overhead, summaries[: len(cal)], start)
+        calibrations[setup] = calibration_row(overhead, book, real[: len(cal)], start)
         rows += point_rows(mine, flags, text, book, overhead, real, cal, args)
     return rows, calibrations, measured
 

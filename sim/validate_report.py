@@ -63,11 +63,22 @@ def _fit_text(c: float, m: float, offset_ms: float, cold: tuple[float, float],
             "traced steps)")  # fmt: skip
 
 
+def kinds_text(kinds: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Per instance, each kind of step's live time over the model's and how many
+    (:meth:`~pdserve.sim.live.Measured.kinds`)."""
+    return "; ".join(
+        f"{name} " + ", ".join(f"{kind} {k['ratio']}x of {k['steps']}" for kind, k in seen.items())
+        for name, seen in kinds.items()
+    )
+
+
 def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) -> list[str]:
     lines = []
     for row in rows:
         ratios = ", ".join(f"{name} {r['median_ratio']}x" for name, r in row["live_steps"].items())
         lines.append(f"{row['point']}: live steps / calibrated step model (median): {ratios}")
+        kinds = {name: r["kinds"] for name, r in row["live_steps"].items() if "kinds" in r}
+        lines.append(f"{row['point']}: the same by kind of step (totals): {kinds_text(kinds)}")
         slow = "; ".join(
             f"run {i + 1} " + ", ".join(f"{name} {r['slow_share']:.0%}" for name, r in run.items())
             for i, run in enumerate(row.get("live_steps_runs", []))
@@ -75,6 +86,9 @@ def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) 
         lines.append(f"{row['point']}: steps in slow windows (20 s whose median step over "
                      f"its model is 1.3x the run's): {slow}")  # fmt: skip
     for setup, c in calibrations.items():
+        if "steps_by_kind" in c:
+            lines.append(f"{setup}: the calibration runs' steps / calibrated step model by kind "
+                         f"(totals): {kinds_text(c['steps_by_kind'])}")  # fmt: skip
         fits = {role: _fit_text(f["compute_scale"], f["memory_scale"], f["offset_s"] * 1e3,
                                 (f["cold_compute"], f["cold_factor"]),
                                 (f["shared_compute"], f["shared_factor"]), f["steps"])

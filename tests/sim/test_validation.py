@@ -38,12 +38,14 @@ from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import (
     LiveFit,
     cold_flags,
+    kind_ratios,
     live_fit,
     loop_periods,
     predicted,
     scaled,
     shared_flags,
     slow_share,
+    step_kinds,
 )
 from pdserve.sim.profile import StepModel
 from pdserve.sim.validate import (
@@ -129,6 +131,32 @@ def test_a_loop_turn_is_a_step_and_the_gap_after_it() -> None:
     periods = [r.seconds for r in loop_periods(trace)]
     assert periods == pytest.approx([0.012] * 5)
     assert list(cold_flags(StepModel(), loop_periods(trace))) == [True, False, False, True, False]
+
+
+def test_steps_by_kind_say_which_kind_the_model_missed() -> None:
+    # an instance idles, then runs chunks 1.0x the model, chunks beside a decode row
+    # 1.2x and decode steps 1.5x, all back to back; its first step starts cold
+    model = StepModel(
+        overhead_s=0.003, s_per_token=2e-4, s_per_ctx=4e-7, cold_compute=1.0, cold_factor=1.0
+    )
+    shapes = [((256,), (0,)), ((256, 1), (256, 300)), ((1, 1), (512, 300))] * 4
+    trace, now = [], 0.0
+    for i, (new, cached) in enumerate(shapes):
+        r = StepRecord(now, 0.0, new, cached)
+        t = predicted(model, [r])[0] * ([1.0, 1.2, 1.5][i % 3] if i else 2.0)
+        trace.append(dataclasses.replace(r, seconds=t))
+        now += t
+    kinds = kind_ratios(step_kinds(model, trace))
+    assert kinds == {"decode": {"ratio": pytest.approx(1.5), "steps": 4},
+                     "chunks": {"ratio": pytest.approx(1.0), "steps": 3},
+                     "chunks with decode": {"ratio": pytest.approx(1.2), "steps": 4},
+                     "after idling": {"ratio": pytest.approx(1.0), "steps": 1}}  # fmt: skip
+    # totals add up over runs: the same trace twice gives the same ratios, twice the steps
+    run = Measured({}, {"decode0": trace})
+    both = Measured.kinds([run, run], {}, model)["decode0"]
+    assert {k: v["steps"] for k, v in both.items()} == {k: 2 * v["steps"] for k, v in kinds.items()}
+    assert both["decode"]["ratio"] == pytest.approx(1.5)
+    assert run.ratios({}, model)["decode0"]["kinds"] == kinds
 
 
 def test_nonnegative_lstsq_keeps_what_it_can_and_zeroes_the_rest() -> None:
