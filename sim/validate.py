@@ -12,6 +12,11 @@ in turn, N rounds): the simulation is compared with the runs' mean figures, and
 each later run with the first, which says how far apart two runs of the real
 system land on this machine (the floor under any simulator's error).
 
+With ``--calibrate-around`` the calibration runs are measured again after the
+points and the fit takes both: on a host whose speed drifts by 10-20% over
+minutes (``bench/RESULTS.md``), the calibration then stands for the host over
+the points rather than for the minutes before them.
+
 ``--keep-traces`` also writes what was measured (per setup the cluster YAML,
 the profile, every run's workload, summary and engines' traced steps), and
 ``--from-traces`` calibrates and simulates again on such a file without
@@ -51,6 +56,7 @@ from pdserve.sim.calibrate import (
     rescaled,
     simulate,
 )
+from pdserve.sim.kept import kept_entry, kept_runs, read_kept
 from pdserve.sim.live import Measured, scaled, traced
 from pdserve.sim.validate_report import TOLERANCE, compare_point, point_row
 
@@ -172,49 +178,6 @@ def measure(text: str, setup: str, runs: Runs, args: argparse.Namespace) -> list
     return out
 
 
-def run_workloads(runs: Runs) -> list[dict[str, Any]]:
-    """Each run's workload flags (the scalar ones, less the prompts' token seed, which a
-    run draws and a simulation does not read) and rate, as a kept file records them."""
-    return [{**{k: v for k, v in sorted(vars(ns).items()) if isinstance(v, (int, float, str))
-                and k != "prompt_seed"}, "rate": rate} for ns, rate in runs]  # fmt: skip
-
-
-def kept_entry(text: str, book: Any, runs: Runs, real: list[Measured]) -> dict[str, Any]:
-    """A setup's entry in a ``--keep-traces`` file: what :func:`kept_runs` reads back."""
-    return {"config": text, "profile": book.profiles[0].to_json(),
-            "workloads": run_workloads(runs), "runs": [m.to_json() for m in real]}  # fmt: skip
-
-
-def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> tuple[str, Any, list[Measured]]:
-    """(cluster YAML, profile book, measured runs) of ``setup`` from a ``--keep-traces``
-    file's contents, which must hold ``runs`` (the same workloads, in order)."""
-    from pdserve.cluster.config import parse_config
-    from pdserve.sim.build import book_for
-    from pdserve.sim.profile import profile_from_json
-
-    entry = kept.get(setup)
-    if not isinstance(entry, dict) or not {"config", "profile", "runs"} <= set(entry):
-        raise InvalidArgumentError("--from-traces", f"holds no {setup} setup: {sorted(kept)}")
-    if len(entry["runs"]) != len(runs):
-        raise InvalidArgumentError(
-            "--from-traces", f"holds {len(entry['runs'])} {setup} runs, these flags measure "
-            f"{len(runs)}: give the points, --repeat and --num-requests it was measured with",
-        )  # fmt: skip
-    held = entry.get("workloads")
-    if held is None:  # simulated with other workloads, its calibration would be wrong
-        raise InvalidArgumentError(
-            "--from-traces", "records no workloads of its runs: measure again"
-        )
-    for i, (a, b) in enumerate(zip(held, run_workloads(runs), strict=True)):
-        diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        if diff:
-            raise InvalidArgumentError("--from-traces", f"{setup} run {i + 1} was measured with "
-                                       f"other {', '.join(diff)} than these flags give")  # fmt: skip
-    text = entry["config"]
-    book = book_for(parse_config(text, f"<{setup}>"), [profile_from_json(entry["profile"])], None)
-    return text, book, [Measured.from_json(r) for r in entry["runs"]]
-
-
 def calibration_row(
     overhead: Overhead, book: Any, runs: list[Measured], start: float
 ) -> dict[str, Any]:
@@ -259,17 +222,22 @@ def validate(
         rounds = list(zip(flags, [p.rate for p in mine], strict=True)) * args.repeat
         if getattr(args, "host_check", False):  # a short check run before each
             rounds = [run for r in rounds for run in (host_check_args(args), r)]
-        runs = [*cal, *rounds]
+        after = cal if getattr(args, "calibrate_around", False) else []  # again, after the points
+        runs = [*cal, *rounds, *after]
         if kept is not None:
             text, book, real = kept_runs(kept, setup, runs)
         else:
             text, book = setup_profiles(setup, args)
             real = measure(text, setup, runs, args)
         measured[setup] = kept_entry(text, book, runs, real)
-        overhead = calibrate(text, book, [m.summary for m in real[: len(cal)]], cal,
-                             Measured.role_traces(real[: len(cal)]), per_role=args.role_fit)  # fmt: skip
-        calibrations[setup] = calibration_row(overhead, book, real[: len(cal)], start)
-        rows += point_rows(mine, flags, text, book, overhead, real, cal, args)
+        fitted = real[: len(cal)] + real[len(real) - len(after) :]
+        overhead = calibrate(text, book, [m.summary for m in fitted], cal + after,
+                             Measured.role_traces(fitted), per_role=args.role_fit)  # fmt: skip
+        calibrations[setup] = calibration_row(overhead, book, fitted, start)
+        calibrations[setup]["around"] = bool(after)
+        rows += point_rows(
+            mine, flags, text, book, overhead, real[: len(real) - len(after)], cal, args
+        )
     return rows, calibrations, measured
 
 
@@ -329,6 +297,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the calibration): the simulation is also given each role's steps "
                         "scaled by how much slower the engines ran them than in the "
                         "calibration (the host's drift)")  # fmt: skip
+    p.add_argument("--calibrate-around", action="store_true",
+                   help="measure the calibration runs again after the points and fit on both: "
+                        "a host whose speed drifts over minutes is calibrated at its mean "
+                        "over the points, not at that of the minutes before them")  # fmt: skip
     p.add_argument("--keep-traces", action="store_true",
                    help="also write NAME-traces.json: per setup the cluster YAML, the profile "
                         "and every measured run with its engines' traced steps")  # fmt: skip
@@ -352,7 +324,7 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
         workload_from_args(workload_args(point, args), point.rate, [1.0])
     kept = None
     if getattr(args, "from_traces", None):
-        kept = _read_kept(Path(args.from_traces))
+        kept = read_kept(Path(args.from_traces))
     else:
         resolve_model(args.model)
     rows, calibrations, measured = validate(points, args, kept)
@@ -384,17 +356,3 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
         print(f"later runs against the first: mean |difference| {apart}")
     print(f"wrote {path}")
     return 0
-
-
-def _read_kept(path: Path) -> dict[str, Any]:
-    """The setups of a ``--keep-traces`` file."""
-    import json
-
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidArgumentError("--from-traces", f"{path}: {e}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("setups"), dict):
-        raise InvalidArgumentError("--from-traces", f"{path}: not a --keep-traces file")
-    setups: dict[str, Any] = raw["setups"]
-    return setups

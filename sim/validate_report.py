@@ -104,8 +104,9 @@ def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) 
             f"+{c['seq_overhead_ms']} ms a sequence of a step, +{c['handoff_overhead_ms']} ms "
             f"a hand-off, +{c['request_overhead_ms']} ms a request (calibrated on single "
             "requests of 32 and 4 tokens, bursts of 8, 4 req/s and single 1,024-token prompts"
-            + (", 1,024-token prompts at 2 req/s and single 64-token ones)"
-               if setup == "colocated" else ", 1,024-token prompts of 128 output tokens at 0.75 req/s)")
+            + (", 1,024-token prompts at 2 req/s and single 64-token ones"
+               if setup == "colocated" else ", 1,024-token prompts of 128 output tokens at 0.75 req/s")
+            + (", before and after the points)" if c.get("around") else ")")
         )  # fmt: skip
     return lines
 

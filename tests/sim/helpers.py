@@ -80,7 +80,7 @@ def step_timeline(
 def keep_file(args, tmp_path, setup, text, book, runs, real):  # type: ignore[no-untyped-def]
     """Write ``real`` (measured ``runs``) as a ``--keep-traces`` file of ``setup`` and
     point ``args`` at it."""
-    from pdserve.sim.validate import kept_entry
+    from pdserve.sim.kept import kept_entry
 
     kept = tmp_path / "kept.json"
     setups = {setup: kept_entry(text, book, runs, real)}

@@ -301,6 +301,38 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
         cmd_sim_validate(args)
 
 
+def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # the host sped up over the points: the calibration runs before them ran with 4 ms
+    # more a step than those after; the fit of both lands between the two
+    from pdserve.deploy.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:0.5",
+         "--num-requests", "12", "--out", str(tmp_path), "--name", "around",
+         "--calibrate-around"]
+    )  # fmt: skip
+    point = Point.parse(args.points[0])
+    text, book = setup_profiles(point.setup, args)
+    cal = calibration_args(args, point.setup)
+    runs = [*cal, (workload_args(point, args), point.rate), *cal]
+    slow, fast = Overhead(step_s=0.006, request_s=0.03), Overhead(step_s=0.002, request_s=0.03)
+    truth = [slow] * len(cal) + [fast] * (1 + len(cal))
+    real = [Measured(simulate(text, book, ns, rate, o), {})
+            for (ns, rate), o in zip(runs, truth, strict=True)]  # fmt: skip
+    keep_file(args, tmp_path, point.setup, text, book, runs, real)
+    assert cmd_sim_validate(args) == 0
+    out = json.loads((tmp_path / "around.json").read_text())
+    fitted = out["calibration"][point.setup]
+    assert fitted["around"] and len(fitted["calibration"]) == 2 * len(cal)
+    assert fitted["step_overhead_ms"] == pytest.approx(4.0, rel=0.15)  # between 2 and 6
+    (row,) = out["points"]  # the point is the one run between the calibrations
+    assert row["real"] == json.loads(json.dumps(real[len(cal)].summary))
+    args.calibrate_around = False  # the file holds the calibration twice
+    held, measured = 2 * len(cal) + 1, len(cal) + 1
+    with pytest.raises(InvalidArgumentError, match=rf"holds {held} .* flags measure {measured}"):
+        cmd_sim_validate(args)
+
+
 def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> None:
     # a prefill and a decode instance on one host slow differently, alone and beside
     # each other; one fit of both steps cannot say so, a fit per role does
