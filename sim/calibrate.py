@@ -182,7 +182,8 @@ def calibrate(
     and per-hand-off overheads: the non-negative least-squares answer (exact when the
     runs are independent; an overhead a setup lacks, such as the hand-off of a
     colocated one, has no effect and comes out 0). Then TTFT p50 of the single run
-    gives the per-request one.
+    (the mean of its runs, where ``runs`` holds it more than once) gives the
+    per-request one.
     """
 
     def tpots(o: Overhead) -> np.ndarray:
@@ -201,7 +202,8 @@ def calibrate(
     fitted = dataclasses.replace(steps, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
     single, rate = runs[0]
     stepped = simulate(text, book, single, rate, fitted)
-    request = max(0.0, (real[0]["ttft_ms"]["p50"] - stepped["ttft_ms"]["p50"]) / 1e3)
+    seen = [r["ttft_ms"]["p50"] for r, run in zip(real, runs, strict=True) if run == runs[0]]
+    request = max(0.0, (float(np.mean(seen)) - stepped["ttft_ms"]["p50"]) / 1e3)
     return dataclasses.replace(fitted, request_s=request)
 
 

@@ -7,6 +7,7 @@ calibration would be wrong without a word."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,6 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> tuple[str, Any, l
 
 def read_kept(path: Path) -> dict[str, Any]:
     """The setups of a ``--keep-traces`` file."""
-    import json
-
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:

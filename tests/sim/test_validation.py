@@ -303,7 +303,8 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
 
 def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # the host sped up over the points: the calibration runs before them ran with 4 ms
-    # more a step than those after; the fit of both lands between the two
+    # more a step and 20 ms less a request than those after; the fit of both lands
+    # between the two
     from pdserve.deploy.cli import build_parser
 
     args = build_parser().parse_args(
@@ -315,7 +316,7 @@ def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_p
     text, book = setup_profiles(point.setup, args)
     cal = calibration_args(args, point.setup)
     runs = [*cal, (workload_args(point, args), point.rate), *cal]
-    slow, fast = Overhead(step_s=0.006, request_s=0.03), Overhead(step_s=0.002, request_s=0.03)
+    slow, fast = Overhead(step_s=0.006, request_s=0.03), Overhead(step_s=0.002, request_s=0.05)
     truth = [slow] * len(cal) + [fast] * (1 + len(cal))
     real = [Measured(simulate(text, book, ns, rate, o), {})
             for (ns, rate), o in zip(runs, truth, strict=True)]  # fmt: skip
@@ -325,6 +326,7 @@ def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_p
     fitted = out["calibration"][point.setup]
     assert fitted["around"] and len(fitted["calibration"]) == 2 * len(cal)
     assert fitted["step_overhead_ms"] == pytest.approx(4.0, rel=0.15)  # between 2 and 6
+    assert fitted["request_overhead_ms"] == pytest.approx(40.0, rel=0.15)  # 30 and 50
     (row,) = out["points"]  # the point is the one run between the calibrations
     assert row["real"] == json.loads(json.dumps(real[len(cal)].summary))
     args.calibrate_around = False  # the file holds the calibration twice
