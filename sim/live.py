@@ -226,7 +226,12 @@ def step_kinds(
     out: dict[str, list[float]] = {}
     for r, f, c, s in zip(records, _features(records), cold, shared, strict=True):
         decode = sum(n == 1 for n in r.new_tokens)
-        kind = STEP_KINDS[3 if c else 0 if decode == len(r.new_tokens) else 1 if not decode else 2]
+        if c:
+            kind = "after idling"
+        elif decode == len(r.new_tokens):
+            kind = "decode"
+        else:
+            kind = "chunks with decode" if decode else "chunks"
         totals = out.setdefault(kind, [0.0, 0.0, 0])
         totals[0] += r.seconds
         totals[1] += step.live_time(f, bool(c), bool(s))
