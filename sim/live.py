@@ -325,9 +325,13 @@ class Measured:
         ``models`` (else ``default``)."""
         out: dict[str, Any] = {}
         for name, trace in self.steps.items():
-            others = [t for other, t in self.steps.items() if other != name]
-            out.update(step_ratios(models.get(self.role_of(name), default), {name: trace}, others))
+            model = models.get(self.role_of(name), default)
+            out.update(step_ratios(model, {name: trace}, self.beside(name)))
         return out
+
+    def beside(self, name: str) -> list[list[StepRecord]]:
+        """The steps of every instance of the run but ``name``."""
+        return [t for other, t in self.steps.items() if other != name]
 
     @staticmethod
     def kinds(
@@ -338,8 +342,7 @@ class Measured:
         totals: dict[str, dict[str, list[float]]] = {}
         for m in runs:
             for name, trace in m.steps.items():
-                others = [t for other, t in m.steps.items() if other != name]
-                seen = step_kinds(models.get(m.role_of(name), default), trace, others)
+                seen = step_kinds(models.get(m.role_of(name), default), trace, m.beside(name))
                 mine = totals.setdefault(name, {})
                 for kind, values in seen.items():
                     before = mine.get(kind, [0.0, 0.0, 0])

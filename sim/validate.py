@@ -230,14 +230,15 @@ def validate(
             text, book = setup_profiles(setup, args)
             real = measure(text, setup, runs, args)
         measured[setup] = kept_entry(text, book, runs, real)
-        fitted = real[: len(cal)] + real[len(real) - len(after) :]
+        ends = len(real) - len(after)  # where the points' runs end
+        fitted = real[: len(cal)] + real[ends:]
         overhead = calibrate(text, book, [m.summary for m in fitted], cal + after,
                              Measured.role_traces(fitted), per_role=args.role_fit)  # fmt: skip
-        calibrations[setup] = calibration_row(overhead, book, fitted, start)
-        calibrations[setup]["around"] = bool(after)
-        rows += point_rows(
-            mine, flags, text, book, overhead, real[: len(real) - len(after)], cal, args
-        )
+        calibrations[setup] = {
+            **calibration_row(overhead, book, fitted, start),
+            "around": bool(after),
+        }
+        rows += point_rows(mine, flags, text, book, overhead, real[:ends], cal, args)
     return rows, calibrations, measured
 
 

@@ -77,7 +77,7 @@ def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) 
     for row in rows:
         ratios = ", ".join(f"{name} {r['median_ratio']}x" for name, r in row["live_steps"].items())
         lines.append(f"{row['point']}: live steps / calibrated step model (median): {ratios}")
-        kinds = {name: r["kinds"] for name, r in row["live_steps"].items() if "kinds" in r}
+        kinds = {name: r["kinds"] for name, r in row["live_steps"].items()}
         lines.append(f"{row['point']}: the same by kind of step (totals): {kinds_text(kinds)}")
         slow = "; ".join(
             f"run {i + 1} " + ", ".join(f"{name} {r['slow_share']:.0%}" for name, r in run.items())
@@ -86,9 +86,8 @@ def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) 
         lines.append(f"{row['point']}: steps in slow windows (20 s whose median step over "
                      f"its model is 1.3x the run's): {slow}")  # fmt: skip
     for setup, c in calibrations.items():
-        if "steps_by_kind" in c:
-            lines.append(f"{setup}: the calibration runs' steps / calibrated step model by kind "
-                         f"(totals): {kinds_text(c['steps_by_kind'])}")  # fmt: skip
+        lines.append(f"{setup}: the calibration runs' steps / calibrated step model by kind "
+                     f"(totals): {kinds_text(c['steps_by_kind'])}")  # fmt: skip
         fits = {role: _fit_text(f["compute_scale"], f["memory_scale"], f["offset_s"] * 1e3,
                                 (f["cold_compute"], f["cold_factor"]),
                                 (f["shared_compute"], f["shared_factor"]), f["steps"])
