@@ -29,9 +29,8 @@ def kept_entry(text: str, book: Any, runs: Runs, real: list[Measured]) -> dict[s
             "workloads": run_workloads(runs), "runs": [m.to_json() for m in real]}  # fmt: skip
 
 
-def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> tuple[str, Any, list[Measured]]:
-    """(cluster YAML, profile book, measured runs) of ``setup`` from a ``--keep-traces``
-    file's contents, which must hold ``runs`` (the same workloads, in order)."""
+def kept_setup(kept: dict[str, Any], setup: str) -> tuple[str, Any]:
+    """(cluster YAML, profile book) of ``setup`` in a ``--keep-traces`` file's contents."""
     from pdserve.cluster.config import parse_config
     from pdserve.sim.build import book_for
     from pdserve.sim.profile import profile_from_json
@@ -39,10 +38,20 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> tuple[str, Any, l
     entry = kept.get(setup)
     if not isinstance(entry, dict) or not {"config", "profile", "runs"} <= set(entry):
         raise InvalidArgumentError("--from-traces", f"holds no {setup} setup: {sorted(kept)}")
+    text = entry["config"]
+    book = book_for(parse_config(text, f"<{setup}>"), [profile_from_json(entry["profile"])], None)
+    return text, book
+
+
+def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> list[Measured]:
+    """The measured runs of ``setup`` (:func:`kept_setup` first) in a ``--keep-traces``
+    file's contents, which must hold ``runs`` (the same workloads, in order)."""
+    entry = kept[setup]
     if len(entry["runs"]) != len(runs):
         raise InvalidArgumentError(
             "--from-traces", f"holds {len(entry['runs'])} {setup} runs, these flags measure "
-            f"{len(runs)}: give the points, --repeat and --num-requests it was measured with",
+            f"{len(runs)}: give the points, --repeat, --num-requests and --cycle-pool it was "
+            "measured with",
         )  # fmt: skip
     held = entry.get("workloads")
     if held is None:  # simulated with other workloads, its calibration would be wrong
@@ -54,9 +63,7 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> tuple[str, Any, l
         if diff:
             raise InvalidArgumentError("--from-traces", f"{setup} run {i + 1} was measured with "
                                        f"other {', '.join(diff)} than these flags give")  # fmt: skip
-    text = entry["config"]
-    book = book_for(parse_config(text, f"<{setup}>"), [profile_from_json(entry["profile"])], None)
-    return text, book, [Measured.from_json(r) for r in entry["runs"]]
+    return [Measured.from_json(r) for r in entry["runs"]]
 
 
 def read_kept(path: Path) -> dict[str, Any]:

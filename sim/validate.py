@@ -53,10 +53,11 @@ from pdserve.sim.calibrate import (
     host_check_baseline,
     host_factors,
     own_steps,
+    pool_cycle_args,
     rescaled,
     simulate,
 )
-from pdserve.sim.kept import kept_entry, kept_runs, read_kept
+from pdserve.sim.kept import kept_entry, kept_runs, kept_setup, read_kept
 from pdserve.sim.live import Measured, scaled, traced
 from pdserve.sim.validate_report import TOLERANCE, compare_point, point_row
 
@@ -223,13 +224,14 @@ def validate(
         if getattr(args, "host_check", False):  # a short check run before each
             rounds = [run for r in rounds for run in (host_check_args(args), r)]
         after = cal if getattr(args, "calibrate_around", False) else []  # again, after the points
-        runs = [*cal, *rounds, *after]
-        if kept is not None:
-            text, book, real = kept_runs(kept, setup, runs)
-        else:
-            text, book = setup_profiles(setup, args)
-            real = measure(text, setup, runs, args)
+        text, book = kept_setup(kept, setup) if kept is not None else setup_profiles(setup, args)
+        cycle = pool_cycle_args(book, args) if getattr(args, "cycle_pool", False) else []
+        runs = [*cycle, *cal, *rounds, *after]
+        real = (
+            kept_runs(kept, setup, runs) if kept is not None else measure(text, setup, runs, args)
+        )
         measured[setup] = kept_entry(text, book, runs, real)
+        real = real[len(cycle) :]  # the pool's cycle is neither fitted nor compared
         ends = len(real) - len(after)  # where the points' runs end
         fitted = real[: len(cal)] + real[ends:]
         overhead = calibrate(text, book, [m.summary for m in fitted], cal + after,
@@ -302,6 +304,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="measure the calibration runs again after the points and fit on both: "
                         "a host whose speed drifts over minutes is calibrated at its mean "
                         "over the points, not at that of the minutes before them")  # fmt: skip
+    p.add_argument("--cycle-pool", action="store_true",
+                   help="first a run of distinct 1,024-token prompts that fills every KV "
+                        "page once, so that the calibration, like the points, reads its "
+                        "caches from pages scattered over a pool that has cycled")  # fmt: skip
     p.add_argument("--keep-traces", action="store_true",
                    help="also write NAME-traces.json: per setup the cluster YAML, the profile "
                         "and every measured run with its engines' traced steps")  # fmt: skip
