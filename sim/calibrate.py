@@ -116,25 +116,6 @@ CALIBRATION_LONG_OVERLAP_RATE = 2.0
 CALIBRATION_LONG_BESIDE_RATE = 0.75
 
 
-CYCLE = ["--prompt-len", "1024", "--output-len", "4", "--arrival", "fixed"]
-CYCLE_RATE = 1.0  # req/s: a 1,024-token prefill takes 0.3-0.7 s on the validation's cores
-
-
-def pool_cycle_args(book: Any, args: argparse.Namespace) -> Runs:
-    """(flags, rate) of a run of distinct 1,024-token prompts whose pages add up to more
-    than an instance's KV pool, so that every later run reads pages from a pool that has
-    cycled once, as a serving pool has. A fresh pool hands out never-used pages in
-    ascending order, and cached prefixes keep theirs, so until the pool has cycled a
-    request's cache lies in runs of pages; later it is scattered over the pool. On
-    the colocated pool that happened during the fourth calibration run, so the first
-    runs read their caches from contiguous pages and every later step from scattered
-    ones (RESULTS). The run is not simulated: the simulator's steps do not depend on
-    where the pages lie."""
-    ns = bench_flags(CYCLE, args)
-    ns.num_requests = book.profiles[0].kv_capacity_tokens // 1024 + 2
-    return [(ns, CYCLE_RATE)]
-
-
 def calibration_args(args: argparse.Namespace, setup: str = "disaggregated") -> Runs:
     """(flags, rate) of the calibration runs of ``setup``: one request at a time (a
     fixed gap longer than a request: no queueing, no batching), bursts of 8 (batches

@@ -53,7 +53,6 @@ from pdserve.sim.calibrate import (
     host_check_baseline,
     host_factors,
     own_steps,
-    pool_cycle_args,
     rescaled,
     simulate,
 )
@@ -225,13 +224,11 @@ def validate(
             rounds = [run for r in rounds for run in (host_check_args(args), r)]
         after = cal if getattr(args, "calibrate_around", False) else []  # again, after the points
         text, book = kept_setup(kept, setup) if kept is not None else setup_profiles(setup, args)
-        cycle = pool_cycle_args(book, args) if getattr(args, "cycle_pool", False) else []
-        runs = [*cycle, *cal, *rounds, *after]
+        runs = [*cal, *rounds, *after]
         real = (
             kept_runs(kept, setup, runs) if kept is not None else measure(text, setup, runs, args)
         )
         measured[setup] = kept_entry(text, book, runs, real)
-        real = real[len(cycle) :]  # the pool's cycle is neither fitted nor compared
         ends = len(real) - len(after)  # where the points' runs end
         fitted = real[: len(cal)] + real[ends:]
         overhead = calibrate(text, book, [m.summary for m in fitted], cal + after,
@@ -304,10 +301,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="measure the calibration runs again after the points and fit on both: "
                         "a host whose speed drifts over minutes is calibrated at its mean "
                         "over the points, not at that of the minutes before them")  # fmt: skip
-    p.add_argument("--cycle-pool", action="store_true",
-                   help="first a run of distinct 1,024-token prompts that fills every KV "
-                        "page once, so that the calibration, like the points, reads its "
-                        "caches from pages scattered over a pool that has cycled")  # fmt: skip
     p.add_argument("--keep-traces", action="store_true",
                    help="also write NAME-traces.json: per setup the cluster YAML, the profile "
                         "and every measured run with its engines' traced steps")  # fmt: skip

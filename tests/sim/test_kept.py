@@ -1,7 +1,7 @@
 """``pdserve sim-validate --from-traces``: runs kept by ``--keep-traces`` calibrated and
-simulated again without measuring, the calibration taken around the points, and the
-run that cycles the KV pool first. The "measured" runs are simulations with known
-overheads, so the calibration must recover those."""
+simulated again without measuring, and the calibration taken around the points. The
+"measured" runs are simulations with known overheads, so the calibration must recover
+those."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.sim.calibrate import Overhead, calibration_args, pool_cycle_args, simulate
+from pdserve.sim.calibrate import Overhead, calibration_args, simulate
 from pdserve.sim.validate import Measured, Point, cmd_sim_validate, setup_profiles, workload_args
 from tests.sim.helpers import keep_file
 
@@ -98,36 +98,4 @@ def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_p
     args.calibrate_around = False  # the file holds the calibration twice
     held, measured = 2 * len(cal) + 1, len(cal) + 1
     with pytest.raises(InvalidArgumentError, match=rf"holds {held} .* flags measure {measured}"):
-        cmd_sim_validate(args)
-
-
-def test_the_pool_cycle_run_fills_every_page_and_is_neither_fitted_nor_compared(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from pdserve.deploy.cli import build_parser
-
-    args = build_parser().parse_args(
-        ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:0.5",
-         "--num-requests", "12", "--out", str(tmp_path), "--name", "cycled", "--cycle-pool"]
-    )  # fmt: skip
-    point = Point.parse(args.points[0])
-    text, book = setup_profiles(point.setup, args)
-    ((ns, rate),) = pool_cycle_args(book, args)
-    pages = book.profiles[0].kv_capacity_tokens
-    assert ns.prompt_len * ns.num_requests > pages >= ns.prompt_len * (ns.num_requests - 2)
-    cal = calibration_args(args, point.setup)
-    runs = [(ns, rate), *cal, (workload_args(point, args), point.rate)]
-    truth = Overhead(step_s=0.002, request_s=0.03)
-    wild = Overhead(step_s=0.05, request_s=2.0)  # the cycle run: a pool being filled
-    real = [Measured(simulate(text, book, n, r, wild if i == 0 else truth), {})
-            for i, (n, r) in enumerate(runs)]  # fmt: skip
-    keep_file(args, tmp_path, point.setup, text, book, runs, real)
-    assert cmd_sim_validate(args) == 0
-    out = json.loads((tmp_path / "cycled.json").read_text())
-    fitted = out["calibration"][point.setup]
-    assert len(fitted["calibration"]) == len(cal)
-    assert fitted["step_overhead_ms"] == pytest.approx(2.0, rel=0.15)
-    assert fitted["request_overhead_ms"] == pytest.approx(30.0, rel=0.15)
-    (row,) = out["points"]
-    assert row["real"] == json.loads(json.dumps(real[-1].summary))
-    args.cycle_pool = False  # the file holds the cycle run: the runs no longer line up
-    with pytest.raises(InvalidArgumentError, match=r"--cycle-pool it was measured with"):
         cmd_sim_validate(args)
