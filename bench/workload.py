@@ -187,6 +187,9 @@ def read_trace(path: str | Path) -> Trace:
                 output.append(int(row[cols[2]]))
             except (IndexError, ValueError) as e:
                 raise InvalidArgumentError("trace", f"{path}:{line}: {e}") from None
+            if prompt[-1] < 0 or output[-1] < 0:  # 0 is kept: a length scales to at least 1
+                name = want[1] if prompt[-1] < 0 else want[2]
+                raise InvalidArgumentError("trace", f"{path}:{line}: {name} is negative")
     if not stamps:
         raise InvalidArgumentError("trace", f"{path}: no requests")
     try:

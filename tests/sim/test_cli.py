@@ -64,6 +64,13 @@ def test_sim_rejects_a_trace_with_missing_columns(files, tmp_path, capsys) -> No
     err = capsys.readouterr().err
     assert "needs columns TIMESTAMP, ContextTokens, GeneratedTokens" in err
     assert "Traceback" not in err
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,100,8\n"
+        "2023-11-16 18:15:47,100,-3\n"
+    )  # fmt: skip
+    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--trace", str(trace)])
+    assert rc == 2
+    assert "trace.csv:3: GeneratedTokens is negative" in capsys.readouterr().err
 
 
 def test_sim_rejects_a_profile_of_another_model(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
