@@ -170,7 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.sim.cli import add_parsers as add_sim_parsers  # profile, sim, plan
 
     add_sim_parsers(sub)
+    _exact_flags(parser)
     return parser
+
+
+def _exact_flags(parser: argparse.ArgumentParser) -> None:
+    """Refuse abbreviated long flags in every command: with them ``pdserve plan --tp 2``
+    read as ``--tpot-slo-ms 2``, and a flag added later could change what an old
+    command line means."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _exact_flags(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -48,3 +50,17 @@ def test_layout_the_model_cannot_take_is_refused() -> None:
     proc = run("generate", "--tp", "3", "--prompt", "Hello")
     assert proc.returncode == 2
     assert "tensor_parallel_size: 3 does not divide the model's 8 attention heads" in proc.stderr
+
+
+def test_an_abbreviated_flag_is_refused_not_read_as_another(capsys) -> None:  # type: ignore[no-untyped-def]
+    # `plan` has --tpot-slo-ms and no --tp: a prefix match would set the TPOT SLO to 2 ms
+    from pdserve.deploy.cli import main
+
+    for argv, flag in (
+        (["plan", "--model", "llama-7b", "--rate", "east=1", "--tp", "2"], "--tp 2"),
+        (["bench", "serve", "--target", "grpc://h:1", "--num-req", "5"], "--num-req 5"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
