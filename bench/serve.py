@@ -172,6 +172,9 @@ def summary_table(rows: list[tuple[str, RunResult]]) -> str:
             f"{_ms(s['tpot_ms'], 'p50')} {_ms(s['tpot_ms'], 'p99')} "
             f"{s['attainment']:>7.1%} {s['goodput_rps']:>8.2f}"
         )
+        if s.get("errors"):  # why requests failed, beside the count
+            reasons = "; ".join(f"{n} x {why}" for why, n in s["errors"].items())
+            lines.append(f"{'':<24} failed: {reasons}")
     return "\n".join(lines)
 
 

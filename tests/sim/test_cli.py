@@ -124,3 +124,17 @@ def test_plan_meets_the_slo_and_prints_the_textbook_beside_it(tmp_path, capsys) 
     assert region["at_forecast"]["ttft_s"] <= 0.5 and region["at_forecast"]["tpot_s"] <= 0.04
     assert region["prefill"] >= 2 and region["decode"] >= 2  # N+1
     assert "model: llama-7b" in region["cluster_yaml"]
+
+
+def test_sim_says_why_requests_failed(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # one sequence per decode instance, three of them, at 200 req/s: most find no room
+    config, profile = files
+    config.write_text(CONFIG.replace("max_num_seqs: 32", "max_num_seqs: 1"))
+    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "200",
+               "--num-requests", "40", "--prompt-len", "200", "--output-len", "20",
+               "--out", str(tmp_path / "out"), "--no-plots", "--no-progress"])  # fmt: skip
+    assert rc == 0
+    summary = json.loads((tmp_path / "out" / "sim.json").read_text())["runs"][0]["summary"]
+    failed = summary["num_failed"]
+    assert failed > 0 and summary["errors"] == {"overloaded: no decode instance had room": failed}
+    assert f"failed: {failed} x overloaded: no decode instance had room" in capsys.readouterr().out
