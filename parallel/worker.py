@@ -299,6 +299,18 @@ class RankWorker(ElasticRank):
         assert self.engine is not None
         self.engine.assert_idle()
 
+    def time_plans(self, plans: list[StepPlan]) -> list[float]:
+        """Leader only, on an idle instance (``pdserve profile``): run each plan through
+        every rank as a served step runs; the seconds each took, timed here."""
+        self.check_idle()  # the plans' pages are nobody's
+        assert self.engine is not None
+        execute, out = self.engine.executor.execute, []
+        for plan in plans:
+            start = time.perf_counter()
+            execute(plan)
+            out.append(time.perf_counter() - start)
+        return out
+
     def load_lora_adapter(self, name: str, folder: str) -> tuple[str, str]:
         """Leader: serve a LoRA adapter on every rank; returns (name, content fingerprint)."""
         assert self.engine is not None, "load_lora_adapter is served by the leader (rank 0)"

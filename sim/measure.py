@@ -1,7 +1,8 @@
-"""``pdserve profile``: time the real one-rank engine and fit its step model.
+"""``pdserve profile``: time the real engine and fit its step model.
 
-The model runs in this process behind the engine's own executor
-(:class:`~pdserve.parallel.executor.LocalExecutor`); each sample is one
+One rank runs in this process behind the engine's own executor
+(:class:`~pdserve.parallel.executor.LocalExecutor`); a multi-rank layout runs
+as a served instance's ranks do (Ray actors, timed at the leader). Each sample is one
 :class:`~pdserve.core.step.StepPlan` executed ``repeats`` times (fastest kept):
 
 - prefill: one sequence of ``n`` new tokens over ``c`` cached ones (a chunk
@@ -26,10 +27,10 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.core.config import EngineConfig
-from pdserve.core.errors import UnsupportedError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
 from pdserve.engine.executor import Executor
@@ -85,55 +86,85 @@ def profile_plan(
     return StepPlan(step_id, seqs)
 
 
+Timer = Callable[[list[StepPlan]], list[float]]  # seconds each plan took to execute
+
+
+def local_timer(executor: Executor) -> Timer:
+    """Time plans on an executor of this process."""
+
+    def run(plans: list[StepPlan]) -> list[float]:
+        out = []
+        for plan in plans:
+            start = time.perf_counter()
+            executor.execute(plan)
+            out.append(time.perf_counter() - start)
+        return out
+
+    return run
+
+
 def _time_plan(
-    executor: Executor, rows: list[tuple[int, int]], block_size: int, repeats: int,
-    pages: list[int],
-) -> float:  # fmt: skip
-    run = executor.execute
-    run(profile_plan(0, rows, block_size, pages))  # warm-up
-    times = []
-    for r in range(repeats):
-        start = time.perf_counter()
-        run(profile_plan(r + 1, rows, block_size, pages))
-        times.append(time.perf_counter() - start)
-    return min(times)
+    timer: Timer, rows: list[tuple[int, int]], block_size: int, repeats: int, pages: list[int]
+) -> float:
+    """The fastest of ``repeats`` runs of a step of ``rows``, after one warm-up run."""
+    times = timer([profile_plan(r, rows, block_size, pages) for r in range(repeats + 1)])
+    return min(times[1:])
 
 
 def measure_steps(config: EngineConfig, grid: MeasureGrid) -> tuple[list[Sample], int, ModelConfig]:
-    """Time the grid on a fresh one-rank executor: (samples, KV blocks, model config)."""
+    """Time the grid on a fresh instance of ``config``'s layout: (samples, KV blocks per
+    rank, model config). One rank runs in this process behind the engine's own
+    executor; a tensor, pipeline or expert parallel layout starts its ranks as Ray
+    actors and times each step at the leader, the plan sent through every rank as a
+    served step's is."""
     from pdserve.core.builtin_models import resolve_model
-    from pdserve.parallel.executor import LocalExecutor
 
-    if config.parallel.world_size > 1 or config.parallel.expert_parallel_size > 1:
-        raise UnsupportedError(
-            "pdserve profile measures one-rank instances; for a tp/pp layout use an analytic "
-            "profile (--device h100|a100|h200), calibrated by a one-rank measurement"
-        )
     model = ModelConfig.from_dir(resolve_model(config.model))
-    executor = LocalExecutor(model, config)
+    bs = config.cache.block_size
+    if config.parallel.world_size == 1 and config.parallel.expert_parallel_size == 1:
+        from pdserve.parallel.executor import LocalExecutor
+
+        executor = LocalExecutor(model, config)
+        return _measure_twice(local_timer(executor), executor.num_kv_blocks, model, grid, bs)
+    import ray
+
+    from pdserve.parallel.instance import RankGroup
+
+    group = RankGroup.start(model, config)
+    try:
+        timer: Timer = lambda plans: ray.get(group.leader.time_plans.remote(plans))  # noqa: E731
+        return _measure_twice(timer, group.info.num_kv_blocks, model, grid, bs)
+    finally:
+        group.shutdown()
+
+
+def _measure_twice(
+    timer: Timer, num_blocks: int, model: ModelConfig, grid: MeasureGrid, bs: int
+) -> tuple[list[Sample], int, ModelConfig]:
     for _ in range(2):  # the first pass warms every shape up; the second is kept
-        samples = measure_grid(executor, model, grid, config.cache.block_size)
+        samples = measure_grid(timer, num_blocks, model, grid, bs)
     logger.info("profiled %d steps", len(samples))
-    return samples, executor.num_kv_blocks, model
+    return samples, num_blocks, model
 
 
 def measure_grid(
-    executor: Executor, model: ModelConfig, grid: MeasureGrid, bs: int
+    timer: Timer, num_blocks: int, model: ModelConfig, grid: MeasureGrid, bs: int
 ) -> list[Sample]:
-    """Every shape of ``grid`` timed on ``executor``, on pages scattered over its pool."""
-    pages = scattered_pages(executor.num_kv_blocks)
+    """Every shape of ``grid`` timed by ``timer`` on pages scattered over a pool of
+    ``num_blocks``."""
+    pages = scattered_pages(num_blocks)
     samples, capacity = [], len(pages) * bs
     for n in grid.prefill_tokens:
         for c in grid.prefill_cached:
             if n + c <= min(capacity, model.max_position_embeddings):
                 rows = [(n, c)]
-                secs = _time_plan(executor, rows, bs, grid.repeats, pages)
+                secs = _time_plan(timer, rows, bs, grid.repeats, pages)
                 samples.append(Sample("prefill", StepFeatures.of(rows), secs))
     for b in grid.decode_batch:
         for c in grid.decode_context:
             if b * (c + bs) <= capacity and c < model.max_position_embeddings:
                 rows = [(1, c)] * b
-                secs = _time_plan(executor, rows, bs, grid.repeats, pages)
+                secs = _time_plan(timer, rows, bs, grid.repeats, pages)
                 samples.append(Sample("decode", StepFeatures.of(rows), secs))
     return samples
 
@@ -178,8 +209,10 @@ def measured_profile(
     dtype = config.dtype if config.dtype != "auto" else m.dtype
     elem = 4 if dtype == "float32" else 2
     gpu = machine.get("gpu")
+    parallel = config.parallel
     return Profile(
-        model=shape, tensor_parallel_size=1, pipeline_parallel_size=1,
+        model=shape, tensor_parallel_size=parallel.tensor_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
         device=_device_name(gpu if isinstance(gpu, str) else None), source="measured",
         step=step, kv_bytes_per_token=shape.kv_bytes_per_token(elem),
         kv_capacity_tokens=num_blocks * config.cache.block_size, dtype=dtype,
