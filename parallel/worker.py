@@ -43,7 +43,7 @@ from pdserve.parallel.afd_groups import init_afd_groups
 from pdserve.parallel.context import CommStats
 from pdserve.parallel.draft_runner import DraftRunner
 from pdserve.parallel.elastic import ElasticLeader, ElasticRank
-from pdserve.parallel.executor import StepTimes
+from pdserve.parallel.executor import StepTimes, time_plans
 from pdserve.parallel.expert_slots import (
     decode_rebalance,
     encode_rebalance,
@@ -304,12 +304,7 @@ class RankWorker(ElasticRank):
         every rank as a served step runs; the seconds each took, timed here."""
         self.check_idle()  # the plans' pages are nobody's
         assert self.engine is not None
-        execute, out = self.engine.executor.execute, []
-        for plan in plans:
-            start = time.perf_counter()
-            execute(plan)
-            out.append(time.perf_counter() - start)
-        return out
+        return time_plans(self.engine.executor, plans)
 
     def load_lora_adapter(self, name: str, folder: str) -> tuple[str, str]:
         """Leader: serve a LoRA adapter on every rank; returns (name, content fingerprint)."""

@@ -50,8 +50,7 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> list[Measured]:
     if len(entry["runs"]) != len(runs):
         raise InvalidArgumentError(
             "--from-traces", f"holds {len(entry['runs'])} {setup} runs, these flags measure "
-            f"{len(runs)}: give the points, --repeat and --num-requests it was measured "
-            "with",
+            f"{len(runs)}: give the points, --repeat and --num-requests it was measured with",
         )  # fmt: skip
     held = entry.get("workloads")
     if held is None:  # simulated with other workloads, its calibration would be wrong

@@ -22,6 +22,7 @@ into a tensor mapped from a file under ``/dev/shm``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 from pdserve.core.config import EngineConfig
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
-from pdserve.engine.executor import Executor
 from pdserve.sim.fit import fit_error, fit_robust
 from pdserve.sim.profile import (
     ModelShape,
@@ -89,20 +89,6 @@ def profile_plan(
 Timer = Callable[[list[StepPlan]], list[float]]  # seconds each plan took to execute
 
 
-def local_timer(executor: Executor) -> Timer:
-    """Time plans on an executor of this process."""
-
-    def run(plans: list[StepPlan]) -> list[float]:
-        out = []
-        for plan in plans:
-            start = time.perf_counter()
-            executor.execute(plan)
-            out.append(time.perf_counter() - start)
-        return out
-
-    return run
-
-
 def _time_plan(
     timer: Timer, rows: list[tuple[int, int]], block_size: int, repeats: int, pages: list[int]
 ) -> float:
@@ -122,18 +108,22 @@ def measure_steps(config: EngineConfig, grid: MeasureGrid) -> tuple[list[Sample]
     model = ModelConfig.from_dir(resolve_model(config.model))
     bs = config.cache.block_size
     if config.parallel.world_size == 1 and config.parallel.expert_parallel_size == 1:
-        from pdserve.parallel.executor import LocalExecutor
+        from pdserve.parallel.executor import LocalExecutor, time_plans
 
         executor = LocalExecutor(model, config)
-        return _measure_twice(local_timer(executor), executor.num_kv_blocks, model, grid, bs)
+        timer = functools.partial(time_plans, executor)
+        return _measure_twice(timer, executor.num_kv_blocks, model, grid, bs)
     import ray
 
     from pdserve.parallel.instance import RankGroup
 
     group = RankGroup.start(model, config)
+
+    def at_leader(plans: list[StepPlan]) -> list[float]:
+        return list(ray.get(group.leader.time_plans.remote(plans)))
+
     try:
-        timer: Timer = lambda plans: ray.get(group.leader.time_plans.remote(plans))  # noqa: E731
-        return _measure_twice(timer, group.info.num_kv_blocks, model, grid, bs)
+        return _measure_twice(at_leader, group.info.num_kv_blocks, model, grid, bs)
     finally:
         group.shutdown()
 
