@@ -181,8 +181,9 @@ def test_profiled_steps_read_scattered_pages_as_a_serving_pool_hands_them_out() 
 def test_a_tensor_parallel_instance_is_profiled_through_its_ranks(ray_session) -> None:  # type: ignore[no-untyped-def]
     # tp=2 on builtin:tiny: each step runs on both ranks (Ray actors over gloo), timed at
     # the leader; the profile says its layout, and its KV is the instance's (each rank
-    # keeps half the KV heads in the memory one rank has, so twice the tokens); its
-    # steps grow with their work as the one-rank engine's do
+    # keeps half the KV heads in the memory one rank has, so twice the tokens). Which
+    # step is slower is not asserted: on tiny steps over gloo on a shared 2-core host,
+    # noise is larger than the work (a CI run saw decode 16x16 at half decode 1x1)
     grid = MeasureGrid((16, 128, 256), (0,), (1, 8, 16), (64,), repeats=2)
     one = build_engine_config("builtin:tiny", dtype="float32")
     one_blocks = LocalExecutor(ModelConfig.from_dir(resolve_model(one.model)), one).num_kv_blocks
@@ -192,6 +193,7 @@ def test_a_tensor_parallel_instance_is_profiled_through_its_ranks(ray_session) -
     assert abs(profile.kv_capacity_tokens - 2 * one_blocks * 16) <= 16
     profile.check_matches(model_shape("builtin:tiny"), 2, 1)
     secs = {(s.phase, s.features.seqs, s.features.new_tokens): s.seconds for s in profile.samples}
-    assert len(secs) == 6
-    assert secs[("prefill", 1, 256)] > secs[("prefill", 1, 16)]
-    assert secs[("decode", 16, 16)] > secs[("decode", 1, 1)]
+    assert set(secs) == {("prefill", 1, n) for n in (16, 128, 256)} | {
+        ("decode", n, n) for n in (1, 8, 16)
+    }
+    assert all(0 < s < 5 for s in secs.values())
