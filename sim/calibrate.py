@@ -51,7 +51,8 @@ def simulate(
     """The summary ``pdserve bench serve`` would write for workload ``ns`` at ``rate``
     against the cluster of ``text``, simulated with ``book``'s profiles and ``overhead``."""
     from pdserve.cluster.config import parse_config
-    from pdserve.sim.cluster import SimCluster, SimOptions, slo_of
+    from pdserve.sim.cluster import SimCluster, SimOptions
+    from pdserve.sim.results import slo_of
     from pdserve.sim.workload import workload_from_args
 
     config = parse_config(text, "<sim>")

@@ -21,14 +21,15 @@ read from the workload arrays as time reaches them, never queued in bulk)::
     ready    -> a new instance joins the router's tables
                 (plan and ready: :class:`~pdserve.sim.scaling.SimScaling`)
 
-What the router would learn from load reports it reads here after every step
-of an instance (the live router hears every ~100 ms), the prefill instances'
-KV events included: the blocks their real block pools cache and evict feed the
-router's :class:`~pdserve.router.prefix_index.PrefixIndex`. Where no instance
-caches prefixes, the prompt is not hashed for the router (its index stays
-empty, so the choice is the same). A prefix held by another prefill instance
-is not moved between instances (``router.peer_prefill``): the chosen prefill
-recomputes what it lacks.
+A request the front door would refuse (its prompt and ``max_tokens`` past the
+context limit) fails at arrival. What the router would learn from load reports
+it reads here after every step of an instance (the live router hears every
+~100 ms), the prefill instances' KV events included: the blocks their real
+block pools cache and evict feed the router's
+:class:`~pdserve.router.prefix_index.PrefixIndex`. Where no instance caches
+prefixes, the prompt is not hashed (its index stays empty, so the choice is the
+same). A prefix held by another prefill instance is not moved between instances
+(``router.peer_prefill``): the chosen prefill recomputes what it lacks.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.report import Slo
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import PlannerPolicy
 from pdserve.cluster.proactive import make_planner
@@ -59,7 +59,7 @@ from pdserve.sim.instance import TOKEN, SimInstance
 from pdserve.sim.metrics import RegionWindow
 from pdserve.sim.options import SimOptions, SimRun, long_lived_heap
 from pdserve.sim.profile import Profile
-from pdserve.sim.results import Recorder
+from pdserve.sim.results import Recorder, refusal
 from pdserve.sim.scaling import SimScaling
 from pdserve.sim.workload import SimWorkload
 
@@ -122,7 +122,7 @@ class SimCluster:
                      self.options.keep_itl),
             self.regions, self.all,
         )  # fmt: skip
-        self._serial = 0
+        self._serial, self.max_model_len = 0, 1 << 62
         self._next = 0  # the next arrival's index
         self.scaling = SimScaling(self)
         for g in config.regions:
@@ -146,6 +146,8 @@ class SimCluster:
 
     def _join(self, inst: SimInstance) -> None:
         self.instances[inst.instance_id] = inst
+        if inst.role == "decode":  # the router's limit: the least of its decode instances'
+            self.max_model_len = min(self.max_model_len, inst.scheduler.max_model_len)
         self.view.add(inst.view)
 
     def _refresh(self, inst: SimInstance) -> None:
@@ -196,9 +198,8 @@ class SimCluster:
 
     def _loop(self) -> None:
         arrivals, n = self.work.arrival_s, len(self.work)
-        handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff, "plan": self.scaling.on_plan,
-                    "ready": self.scaling.on_ready, "launch": self._launch,
-                    "kick": self._on_kick}  # fmt: skip
+        handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff,
+            "plan": self.scaling.on_plan, "ready": self.scaling.on_ready, "launch": self._launch, "kick": self._on_kick}  # fmt: skip
         while True:
             t_next = self.queue.peek_time()
             i = self._next
@@ -214,7 +215,7 @@ class SimCluster:
             self.run_info.events += 1
             handlers[kind](payload)
 
-    def _only_planner(self) -> bool:
+    def _only_planner(self) -> bool:  # every instance idle: only the planner's events left
         return all(not x.busy for x in self.instances.values())
 
     # -- arrivals and routing ------------------------------------------------------------
@@ -229,11 +230,14 @@ class SimCluster:
         inp = CompletionInput(f"r{i}", self.work.prompt(i), params, home)
         hashes = None if self._no_hashes is None else dict(self._no_hashes)
         rec = self.run_info.recorder
-        try:
-            choice = self.chooser.choose(inp, hashes=hashes)
-        except OverloadedError:  # every region at its limit, or none can serve
+        try:  # refused as the front door would; or every region at its limit, or none can serve
+            refused = refusal(n, out, self.max_model_len)
+            choice = None if refused else self.chooser.choose(inp, hashes=hashes)
+        except OverloadedError:
+            refused, choice = 1, None
+        if choice is None:
             rec.region[i] = home_index
-            rec.fail(i, 1, now)
+            rec.fail(i, refused, now)
             return
         region = choice.region
         rec.region[i] = self.regions.index(region)
@@ -394,7 +398,3 @@ class SimCluster:
         n = int(rec.tokens[i])
         tpot = (at - float(rec.first[i])) / (n - 1) if n > 1 else None
         self.windows[track.region].add(at, ttft, tpot, n)
-
-
-def slo_of(config: ClusterConfig) -> Slo:
-    return Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)

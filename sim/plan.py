@@ -60,6 +60,18 @@ class LengthMix:
         if len(self.prompt) == 0 or len(self.prompt) != len(self.output):
             raise InvalidArgumentError("lengths", "need as many prompt as output lengths, >= 1")
 
+    def check_context(self, limit: int) -> None:
+        """Refuse a mix with requests the front door would refuse: prompt + output past
+        the model's context (every such request would fail, so no plan could be met)."""
+        total = self.prompt + self.output
+        over = int((total > limit).sum())
+        if over:
+            raise InvalidArgumentError(
+                "lengths", f"{over} of {len(total)} requests of the mix ask for more than the "
+                f"model's context of {limit} tokens (prompt + output up to {int(total.max())}): "
+                "cap them with --max-prompt-len and --max-output-len",
+            )  # fmt: skip
+
     def draw(self, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         idx = np.random.default_rng(seed).integers(0, len(self.prompt), size=n)
         return self.prompt[idx], self.output[idx]

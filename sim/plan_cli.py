@@ -124,6 +124,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = args.device or (profiles[0].device if profiles else "cpu")
     peak_bw = DEVICES[device].mem_bw if device in DEVICES else float("nan")
     mix = mix_from(args)
+    mix.check_context(shape.max_position_embeddings)
     plans = []
     for region, rates in forecast_from(args).items():
         plans.append(plan_region(book, region, max(rates), mix, limits, slo, peak_bw))

@@ -19,12 +19,33 @@ from typing import Any, cast
 import numpy as np
 
 from pdserve.bench.report import RequestRecord, Slo, percentiles, summarize
+from pdserve.cluster.config import ClusterConfig
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.frontdoor.requests import check_prompt_len, fit_context
 
 ERRORS = (
     "",
     "overloaded: no region admitted the request",
     "overloaded: no decode instance had room",
+    "invalid: prompt: no room to generate within the context limit",
+    "invalid: max_tokens: prompt + max_tokens exceed the context limit",
 )
+
+
+def refusal(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    """The error code (``ERRORS``) with which the front door refuses a request of these
+    lengths, as ``pdserve bench serve`` sends it (``max_tokens`` set); 0: accepted."""
+    try:
+        check_prompt_len("prompt", prompt_len, max_model_len)
+        fit_context(SamplingParams(max_tokens=max_tokens), prompt_len, max_model_len, asked=True)
+    except InvalidArgumentError as e:
+        return 3 if e.field == "prompt" else 4
+    return 0
+
+
+def slo_of(config: ClusterConfig) -> Slo:
+    return Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
 
 
 class Recorder:

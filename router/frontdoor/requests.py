@@ -111,12 +111,17 @@ def prompt_tokens(
         raise InvalidArgumentError(field, "must be a string or a list of token ids")
     if not ids:
         raise InvalidArgumentError(field, "must not be empty")
-    if max_model_len and len(ids) >= max_model_len:
+    check_prompt_len(field, len(ids), max_model_len)
+    return ids
+
+
+def check_prompt_len(field: str, num_tokens: int, max_model_len: int) -> None:
+    """Refuse a prompt that leaves no room for a token within the context limit."""
+    if max_model_len and num_tokens >= max_model_len:
         raise InvalidArgumentError(
             field,
-            f"{len(ids)} tokens leave no room to generate within the context limit of {max_model_len}",
+            f"{num_tokens} tokens leave no room to generate within the context limit of {max_model_len}",
         )
-    return ids
 
 
 def fit_context(

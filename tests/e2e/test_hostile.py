@@ -60,6 +60,7 @@ HTTP_CASES = [
     ("/v1/completions", body(stop_token_ids=[10**6]), "stop_token_ids"),
     ("/v1/completions", body(stop=["ab"] * 100_000), "stop"),
     ("/v1/completions", body(max_tokens=10**6), "max_tokens"),
+    ("/v1/completions", body(prompt=[1] * 5000), "prompt"),  # past the 4,096-token context
     ("/v1/completions", body(stream=True, stream_options="yes"), "stream_options"),
     ("/v1/completions", body(stream=True, stream_options={"include_usage": "x"}), "stream_options.include_usage"),
     ("/v1/completions", json.dumps({"prompt": "hi"}).encode(), "model"),

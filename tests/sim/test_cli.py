@@ -111,6 +111,21 @@ def test_plan_infeasible_names_the_slo_and_the_gap(capsys) -> None:  # type: ign
     assert "Traceback" not in err
 
 
+def test_plan_refuses_a_mix_past_the_models_context(capsys) -> None:  # type: ignore[no-untyped-def]
+    # llama-7b holds 4,096 tokens: every request would be refused, so no count of
+    # instances meets the SLO; the error says so instead of "TTFT inf ms"
+    rc = main(["plan", "--model", "llama-7b", "--device", "h100", "--rate", "east=5",
+               "--prompt-len", "4000", "--output-len", "256", "--ttft-slo-ms", "1000",
+               "--tpot-slo-ms", "50"])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert (
+        "lengths: 4096 of 4096 requests of the mix ask for more than the model's context of 4096"
+        in err
+    )
+    assert "Traceback" not in err
+
+
 def test_plan_meets_the_slo_and_prints_the_textbook_beside_it(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "plan.json"
     rc = main(["plan", "--model", "llama-7b", "--device", "h100", "--rate", "east=2,4",

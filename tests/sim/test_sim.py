@@ -114,6 +114,23 @@ def test_fast_mode_close_to_full_mode_disaggregated() -> None:
         assert fast[key] == pytest.approx(value, rel=0.05), key
 
 
+@pytest.mark.parametrize("prefill", [0, 1])
+def test_requests_past_the_context_fail_as_the_front_door_refuses_them(prefill: int) -> None:
+    # The toy model's context is 4,096 tokens. Colocated, a 5,000-token prompt used to
+    # wait forever for room it could never get; now it fails at arrival, as the live
+    # front door answers it (a 400 naming the field), and the others are served.
+    work = workload(
+        np.arange(4) * 0.5, np.array([100, 5000, 4000, 4000]), np.array([5, 5, 200, 96])
+    )
+    rec = _run(toy_config(prefill, 1), toy_profile(CONSTANT), work, fast=True).recorder
+    assert rec.error.tolist() == [0, 3, 4, 0]
+    assert [r.error for r in rec.records()][1:3] == [
+        "invalid: prompt: no room to generate within the context limit",
+        "invalid: max_tokens: prompt + max_tokens exceed the context limit",
+    ]
+    assert rec.tokens[[0, 3]].tolist() == [5, 96]
+
+
 def test_preemption_under_a_small_kv_cache_finishes_everything() -> None:
     # 40 blocks of 16 tokens for 8 requests of up to 300 tokens: the scheduler must
     # preempt; every request still finishes and every block comes back.
