@@ -114,6 +114,10 @@ class PlannerConfig:
             raise InvalidArgumentError(
                 "planner.policy", f"must be reactive or proactive, got {self.policy!r}"
             )
+        if not 0 < self.interval_s < float("inf"):  # 0: the planner would never yield
+            raise InvalidArgumentError("planner.interval_s", f"must be > 0, got {self.interval_s}")
+        if not (self.cooldown_s >= 0 and self.idle_s >= 0):
+            raise InvalidArgumentError("planner.cooldown_s", "cooldown_s and idle_s must be >= 0")
         if not 0 < self.low < self.high:
             raise InvalidArgumentError("planner.low", "must be > 0 and below planner.high")
         if self.horizon_s < 0 or self.headroom < 0:

@@ -55,7 +55,9 @@ class EngineCore:
         self.executor = executor
         self.tokenizer = tokenizer
         num_blocks = executor.num_kv_blocks
-        self.max_model_len = resolve_max_model_len(config, model, num_blocks)
+        self.max_model_len = resolve_max_model_len(
+            config, model.max_position_embeddings, num_blocks
+        )
         self.kv = KVCacheManager.from_config(config.cache, num_blocks, executor.tier_slots)
         self.adapters = AdapterSet(config)  # LoRA adapters served now (engine/adapters.py)
         self.kv.adapter_salt = self.adapters.salt

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from pdserve.core.config import CacheConfig, EngineConfig
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import Request
 from pdserve.core.step import TierLoad
 from pdserve.engine.block_hash import adapter_salt, block_hashes
@@ -373,15 +372,16 @@ class KVEvents:
     device: list[bytes] = field(default_factory=list)  # now (again) on the device
 
 
-def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: int) -> int:
-    """The context limit: the config's, else the model's, capped by what the pool holds."""
+def resolve_max_model_len(config: EngineConfig, max_positions: int, num_blocks: int) -> int:
+    """The context limit: the config's, else the model's (``max_positions``), capped by
+    what the pool holds (the engine's rule; the simulator's instances take it too)."""
     pool_tokens = num_blocks * config.cache.block_size
     if config.max_model_len is not None:
-        if config.max_model_len > model.max_position_embeddings:
+        if config.max_model_len > max_positions:
             raise InvalidArgumentError(
                 "max_model_len",
                 f"{config.max_model_len} exceeds the model's max_position_embeddings "
-                f"({model.max_position_embeddings})",
+                f"({max_positions})",
             )
         if config.max_model_len > pool_tokens:
             raise InvalidArgumentError(
@@ -391,10 +391,10 @@ def resolve_max_model_len(config: EngineConfig, model: ModelConfig, num_blocks: 
                 "raise cache.kv_cache_memory_bytes or lower max_model_len",
             )
         return config.max_model_len
-    if model.max_position_embeddings > pool_tokens:
+    if max_positions > pool_tokens:
         logger.info(
             "max_model_len capped at %d tokens by the KV cache size (model allows %d)",
             pool_tokens,
-            model.max_position_embeddings,
+            max_positions,
         )
-    return min(model.max_position_embeddings, pool_tokens)
+    return min(max_positions, pool_tokens)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cluster.config import ClusterConfig, RegionConfig
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.engine.kv_cache_manager import resolve_max_model_len
 from pdserve.sim.analytic import Assumptions, analytic_profile, model_shape
 from pdserve.sim.instance import SimInstance
 from pdserve.sim.profile import ModelShape, Profile, StepModel
@@ -96,12 +97,7 @@ def make_instance(
     profile = book.get(tp, pp)
     bs = engine.cache.block_size
     num_blocks = engine.cache.num_blocks or max(1, profile.kv_capacity_tokens // bs)
-    limit = book.model.max_position_embeddings
-    max_len = engine.max_model_len or min(limit, num_blocks * bs)
-    if max_len > num_blocks * bs:
-        raise InvalidArgumentError(
-            "max_model_len", f"{max_len} tokens do not fit {num_blocks} KV blocks of {bs}"
-        )
+    max_len = resolve_max_model_len(engine, book.model.max_position_embeddings, num_blocks)
     step = book.role_steps.get(role, profile.step)
     inst = SimInstance(
         instance_id, role, region.name, step, engine.scheduler, num_blocks, bs, max_len,

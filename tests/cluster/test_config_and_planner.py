@@ -48,6 +48,10 @@ def test_shipped_configs_load() -> None:
             "cfg.yaml:2: planner.mode",
         ),
         (
+            ("model: builtin:tiny", "model: builtin:tiny\nplanner: {interval_s: 0}"),
+            "cfg.yaml:2: planner.interval_s",
+        ),
+        (
             ("model: builtin:tiny", "model: builtin:tiny\nengine: {block_size: 0}"),
             "cfg.yaml:2: engine.block_size",
         ),

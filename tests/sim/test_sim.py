@@ -225,3 +225,14 @@ def test_instances_on_a_host_of_few_cores_share_them(cores: float, ttft: float) 
 def test_a_negative_host_core_count_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="host_cores"):
         SimOptions(host_cores=-1)
+
+
+@pytest.mark.parametrize(("extra", "why"), [(", max_model_len: 5000", "exceeds the model's"),
+                                            (", max_model_len: 4096, num_blocks: 100", "do not fit")])  # fmt: skip
+def test_an_instance_takes_the_engines_context_limit_rule(extra: str, why: str) -> None:
+    # the engine's own rule (resolve_max_model_len), not a copy: past the toy model's
+    # 4,096 positions, or past what the pool holds, the config is refused
+    work = workload(np.zeros(1), 100, 5)
+    with pytest.raises(InvalidArgumentError, match=why) as e:
+        _run(toy_config(0, 1, extra), toy_profile(CONSTANT), work)
+    assert e.value.field == "max_model_len"
