@@ -28,10 +28,30 @@ there is one stage and no other TP or EP group::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.core.config import ParallelConfig
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.core.model_config import ModelConfig
+
+
+class ModelLayoutShape(Protocol):
+    """What a layout check reads of a model: a checkpoint's ``ModelConfig``, or the
+    ``ModelShape`` the simulator's analytic profiles are built from."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def is_moe(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -92,7 +112,7 @@ class Layout:
         return f"tp={self.tp} pp={self.pp} ep={self.ep} ({self.world_size} ranks)"
 
 
-def plan_layout(model: ModelConfig, parallel: ParallelConfig) -> Layout:
+def plan_layout(model: ModelLayoutShape, parallel: ParallelConfig) -> Layout:
     """Check that ``model`` can take the layout; raise naming the reason if not."""
     if parallel.afd:
         return _plan_afd(model, parallel)
@@ -132,7 +152,7 @@ def plan_layout(model: ModelConfig, parallel: ParallelConfig) -> Layout:
     return Layout(tp, pp, ep, _stage_layers(model.num_layers, pp, parallel.pipeline_layers))
 
 
-def _plan_afd(model: ModelConfig, parallel: ParallelConfig) -> Layout:
+def _plan_afd(model: ModelLayoutShape, parallel: ParallelConfig) -> Layout:
     """Attention on ``afd_attention_ranks``, experts on ``afd_expert_ranks`` (one stage)."""
     if not model.is_moe:
         raise InvalidArgumentError(
@@ -163,7 +183,7 @@ def _plan_afd(model: ModelConfig, parallel: ParallelConfig) -> Layout:
     return Layout(a, 1, 1, ((0, model.num_layers),), afd_experts=f)
 
 
-def _check_experts(model: ModelConfig, tp: int, ep: int) -> None:
+def _check_experts(model: ModelLayoutShape, tp: int, ep: int) -> None:
     if ep == 1:
         if model.is_moe and model.intermediate_size % tp:
             raise InvalidArgumentError(

@@ -195,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PdserveError as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file it cannot write or read, a port taken, a peer gone
+        logging.getLogger(__name__).debug("pdserve %s failed", args.command, exc_info=True)
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -9,6 +9,8 @@ multi-node cluster the group lands where Ray finds room.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -75,15 +77,11 @@ class RankGroup:
         """Start every rank; ``worker_cls(spec, *worker_args)`` is each rank's actor."""
         res = resources or RankResources()
         layout = plan_layout(model, engine.parallel)  # refuse before any actor starts
-        if not ray.is_initialized():
-            ray.init(log_to_driver=False)
-        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
-        pg = _placement_group([bundle] * layout.world_size, res.labels)
-        workers: list[Any] = []
         clock = PhaseClock()
+        pg = _reserve_ranks(layout.world_size, res)
+        clock.mark("schedule")
+        workers: list[Any] = []
         try:
-            ray.get(pg.ready(), timeout=res.start_timeout_s)
-            clock.mark("schedule")
             threads = res.torch_threads or max(1, int(res.num_cpus))
             specs = [
                 RankSpec(rank, layout, model, engine, res.collective_timeout_s, threads)
@@ -191,6 +189,31 @@ class PhaseClock:
         now = time.monotonic()
         self.phases[phase] = now - self._last
         self._last = now
+
+
+def _reserve_ranks(world_size: int, res: RankResources) -> Any:
+    """The ranks' placement group, once placed. Ray starts here if it runs nowhere yet,
+    with this host's cores, or as many CPUs as the ranks ask (they then share the cores:
+    a layout larger than the host still runs, slower)."""
+    need = world_size * res.num_cpus
+    if not ray.is_initialized():
+        cores = os.cpu_count() or 1
+        if need > cores:
+            logger.warning(
+                "%d ranks ask for %g CPUs on %d cores: they share them", world_size, need, cores
+            )
+        ray.init(log_to_driver=False, num_cpus=max(cores, math.ceil(need)))
+    bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
+    pg = _placement_group([bundle] * world_size, res.labels)
+    try:
+        ray.get(pg.ready(), timeout=res.start_timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        raise InstanceFailedError(
+            f"{world_size} ranks of {bundle} each were not placed within {res.start_timeout_s:g} s "
+            f"(the Ray cluster has {ray.cluster_resources()})"
+        ) from None
+    return pg
 
 
 def _placement_group(bundles: list[dict[str, float]], labels: dict[str, str] | None) -> Any:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
+from pdserve.core.config import ParallelConfig
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.layout import plan_layout
 from pdserve.sim.profile import ModelShape, Profile, StepModel, TransferModel
 
 
@@ -118,6 +120,7 @@ def analytic_profile(
         raise InvalidArgumentError("device", f"unknown device {device!r}; known: {sorted(DEVICES)}")
     if tp < 1 or pp < 1:
         raise InvalidArgumentError("tp", "tensor and pipeline sizes must be >= 1")
+    plan_layout(model, ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
     a = assumptions or Assumptions()
     d = DEVICES[device]
     b = _dtype_bytes(d.dtype)

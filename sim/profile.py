@@ -209,6 +209,14 @@ class ModelShape:
     num_experts_per_tok: int = 0
 
     @property
+    def architecture(self) -> str:  # what a layout check names (core/layout.py)
+        return self.name
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
     def params(self) -> int:
         """Weights read per token (active experts only)."""
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)

@@ -76,6 +76,27 @@ def test_impossible_layout_is_refused_before_any_actor(
     assert len(ray_session.util.list_named_actors(all_namespaces=True)) == actors_before
 
 
+def test_ranks_the_cluster_cannot_place_fail_with_what_they_asked(ray_session) -> None:
+    # 2 ranks of 100 CPUs on a 4-CPU test cluster: a clear error once the start timeout
+    # passes (it used to be Ray's GetTimeoutError), and the placement group is gone
+    from pdserve.core.builtin_models import resolve_model
+    from pdserve.core.config import build_engine_config
+    from pdserve.core.model_config import ModelConfig
+    from pdserve.parallel.instance import RankGroup, RankResources
+
+    config = build_engine_config("builtin:tiny", tensor_parallel_size=2)
+    model = ModelConfig.from_dir(resolve_model("builtin:tiny"))
+    pgs_before = [
+        p for p in ray_session.util.placement_group_table().values() if p["state"] != "REMOVED"
+    ]
+    with pytest.raises(
+        InstanceFailedError, match=r"2 ranks of \{'CPU': 100\} each were not placed within 2 s"
+    ):
+        RankGroup.start(model, config, RankResources(num_cpus=100, start_timeout_s=2))
+    live = [p for p in ray_session.util.placement_group_table().values() if p["state"] != "REMOVED"]
+    assert len(live) == len(pgs_before)
+
+
 def test_dead_rank_fails_the_instance_quickly(ray_session) -> None:
     from pdserve.parallel.instance import _get
     from pdserve.parallel.worker import GenerateItem

@@ -153,3 +153,22 @@ def test_sim_says_why_requests_failed(files, tmp_path, capsys) -> None:  # type:
     failed = summary["num_failed"]
     assert failed > 0 and summary["errors"] == {"overloaded: no decode instance had room": failed}
     assert f"failed: {failed} x overloaded: no decode instance had room" in capsys.readouterr().out
+
+
+def test_profile_refuses_a_layout_the_model_cannot_take(capsys) -> None:  # type: ignore[no-untyped-def]
+    # the analytic profile asks the engine's layout check (core/layout.py): llama-7b's
+    # 32 heads do not split over 3 ranks, nor its 32 layers into 64 stages
+    for flags, why in ((["--tp", "3"], "tensor_parallel_size: 3 does not divide the model's 32 attention heads"),
+                       (["--pp", "64"], "pipeline_parallel_size: 64 stages for a model of 32 layers")):  # fmt: skip
+        assert main(["profile", "--model", "llama-7b", "--device", "h100", *flags]) == 2
+        assert why in capsys.readouterr().err
+
+
+def test_a_file_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = blocker / "profile.json"  # under a file: no folder can be made there
+    assert main(["profile", "--model", "llama-7b", "--device", "h100", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve profile: error: ") and str(blocker) in err
+    assert "Traceback" not in err
