@@ -208,15 +208,13 @@ class SimCluster:
                 self._next += 1
                 self._arrive(i)
                 continue
-            if not len(self.queue) or (i >= n and not self.tracks and self._only_planner()):
-                break
+            idle = i >= n and not self.tracks and not any(x.busy for x in self.instances.values())
+            if not len(self.queue) or idle:
+                break  # nothing left, or only the planner's events
             at, kind, payload = self.queue.pop()
             self.clock.advance_to(at)
             self.run_info.events += 1
             handlers[kind](payload)
-
-    def _only_planner(self) -> bool:  # every instance idle: only the planner's events left
-        return all(not x.busy for x in self.instances.values())
 
     # -- arrivals and routing ------------------------------------------------------------
 
@@ -226,15 +224,17 @@ class SimCluster:
         home = self.regions[home_index]
         n, out = int(self.work.prompt_len[i]), int(self.work.output_len[i])
         self.windows[home].arrived(now, n)
-        params = SamplingParams(max_tokens=out, ignore_eos=True)
-        inp = CompletionInput(f"r{i}", self.work.prompt(i), params, home)
-        hashes = None if self._no_hashes is None else dict(self._no_hashes)
         rec = self.run_info.recorder
-        try:  # refused as the front door would; or every region at its limit, or none can serve
-            refused = refusal(n, out, self.max_model_len)
-            choice = None if refused else self.chooser.choose(inp, hashes=hashes)
-        except OverloadedError:
-            refused, choice = 1, None
+        refused, choice = refusal(n, out, self.max_model_len), None  # as the front door would
+        if not refused:  # the prompt is built only then: a refused one may be any length
+            params = SamplingParams(max_tokens=out, ignore_eos=True)
+            inp = CompletionInput(f"r{i}", self.work.prompt(i), params, home)
+            try:  # every region at its limit, or none can serve
+                choice = self.chooser.choose(
+                    inp, hashes=None if self._no_hashes is None else dict(self._no_hashes)
+                )
+            except OverloadedError:
+                refused = 1
         if choice is None:
             rec.region[i] = home_index
             rec.fail(i, refused, now)

@@ -36,6 +36,8 @@ ERRORS = (
 def refusal(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
     """The error code (``ERRORS``) with which the front door refuses a request of these
     lengths, as ``pdserve bench serve`` sends it (``max_tokens`` set); 0: accepted."""
+    if prompt_len + max_tokens <= max_model_len:  # what both checks accept (max_tokens >= 1)
+        return 0
     try:
         check_prompt_len("prompt", prompt_len, max_model_len)
         fit_context(SamplingParams(max_tokens=max_tokens), prompt_len, max_model_len, asked=True)
