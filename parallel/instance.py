@@ -192,9 +192,9 @@ class PhaseClock:
 
 
 def _reserve_ranks(world_size: int, res: RankResources) -> Any:
-    """The ranks' placement group, once placed. Ray starts here if it runs nowhere yet,
-    with this host's cores, or as many CPUs as the ranks ask (they then share the cores:
-    a layout larger than the host still runs, slower)."""
+    """The ranks' placement group, once placed. Ray starts here if this process has none
+    and no cluster runs to join, with this host's cores or as many CPUs as the ranks
+    ask (they then share the cores: a layout larger than the host still runs, slower)."""
     need = world_size * res.num_cpus
     if not ray.is_initialized():
         cores = os.cpu_count() or 1
@@ -202,7 +202,10 @@ def _reserve_ranks(world_size: int, res: RankResources) -> Any:
             logger.warning(
                 "%d ranks ask for %g CPUs on %d cores: they share them", world_size, need, cores
             )
-        ray.init(log_to_driver=False, num_cpus=max(cores, math.ceil(need)))
+        try:
+            ray.init(log_to_driver=False, num_cpus=max(cores, math.ceil(need)))
+        except ValueError:  # it joins a running cluster (RAY_ADDRESS, `ray start`): its CPUs
+            ray.init(log_to_driver=False)
     bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
     pg = _placement_group([bundle] * world_size, res.labels)
     try:
