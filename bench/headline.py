@@ -40,6 +40,7 @@ from pdserve.bench.serve import (
     summary_table,
     write_outputs,
 )
+from pdserve.core.errors import InvalidArgumentError
 
 MODES = ("colocated", "disaggregated")
 FULL_RATES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -64,15 +65,27 @@ disaggregation: {{local_prefill_max_tokens: {local_max}}}
 """
 
 
+def check_cores(cores: list[int], modes: list[str]) -> None:
+    """``--cores`` names distinct cores this process may run on, two or more for a
+    disaggregated setup (a core each for prefill and decode)."""
+    usable = os.sched_getaffinity(0)
+    if not cores or len(set(cores)) != len(cores):
+        raise InvalidArgumentError("cores", f"must name distinct cores, got {cores}")
+    if not set(cores) <= usable:
+        others = sorted(set(cores) - usable)
+        raise InvalidArgumentError("cores", f"{others} not usable here (usable: {sorted(usable)})")
+    if "disaggregated" in modes and len(cores) < 2:
+        raise InvalidArgumentError("cores", "disaggregated serving needs two cores (--cores A B)")
+
+
 def cluster_setup(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, tuple[int, ...]]]:
     """(cluster config YAML, cores per role) of one setup on ``args.cores``."""
     cores = tuple(args.cores)
+    check_cores(list(cores), [mode])
     if mode == "colocated":
         values = {"p": 0, "p_cpus": 1, "d_cpus": len(cores), "local_max": 1_000_000}
         pins = {"decode": cores}
     elif mode == "disaggregated":
-        if len(cores) < 2:
-            raise SystemExit("disaggregated serving needs two cores (--cores A B)")
         half = len(cores) // 2
         values = {"p": 1, "p_cpus": half, "d_cpus": len(cores) - half, "local_max": 0}
         pins = {"prefill": cores[:half], "decode": cores[half:]}
@@ -162,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     args.rate = args.rate or list(FULL_RATES)
     if args.num_requests is None and args.duration is None:
         args.num_requests = 40
+    check_cores(args.cores, args.modes)
     resolve_model(args.model)  # a built-in model is generated once, before the clusters start
     series: dict[str, list[RunResult]] = {}
     pinned: dict[str, list[dict[str, Any]]] = {}

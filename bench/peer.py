@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.headline import MODES, cluster_setup
+from pdserve.bench.headline import MODES, check_cores, cluster_setup
 from pdserve.bench.loadgen import Client, OnChunk, RequestFailed
 from pdserve.bench.local import local_cluster
 from pdserve.bench.report import header
@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.core.builtin_models import resolve_model
 
     _apply_defaults(args)
+    check_cores(args.cores, [args.pdserve_mode])
     path = str(resolve_model(args.model))
     cores = tuple(args.cores)
 

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.analytic import DEVICES, Assumptions, DeviceSpec
 from pdserve.sim.flags import add_device_flags, assumptions_from
 
@@ -116,6 +118,13 @@ class Costs:
     weight_bytes: float
     context: int
     nvlink_domain: int = 8  # devices that share NVLink (one node)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight_bytes < math.inf:
+            raise InvalidArgumentError("weight_bytes", f"must be > 0, got {self.weight_bytes}")
+        for name in ("context", "nvlink_domain"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(name, f"must be at least 1, got {getattr(self, name)}")
 
     def roofline(self, flops: float, nbytes: float) -> float:
         d = self.device
@@ -271,6 +280,10 @@ def estimate(m: MoEShape, c: Costs, n: int, slo_ms: float) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or "h100"
+    if not 0 < args.tpot_slo_ms < math.inf:
+        raise InvalidArgumentError("tpot_slo_ms", f"must be > 0, got {args.tpot_slo_ms}")
+    if min(args.gpus) < 2:  # AFD needs an attention device and an FFN device
+        raise InvalidArgumentError("gpus", f"each count must be at least 2, got {args.gpus}")
     a = assumptions_from(args)
     c = Costs(DEVICES[device], a, args.weight_bytes, args.context, args.nvlink_domain)
     m = MoEShape()

@@ -18,6 +18,7 @@ profile).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 
@@ -73,6 +74,9 @@ class Assumptions:
         for name in ("mfu", "mbu", "mem_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise InvalidArgumentError(name, f"must be in (0, 1], got {getattr(self, name)}")
+        for name in ("step_overhead_s", "allreduce_latency_s", "transfer_latency_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
 
 
 MODELS = {

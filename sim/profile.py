@@ -88,8 +88,12 @@ class StepModel:
                      "cold_compute", "cold_factor", "cold_after_s", "shared_compute",
                      "shared_factor"):  # fmt: skip
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
+            if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise InvalidArgumentError(f"step.{name}", f"must be a number >= 0, got {value!r}")
+        if not isinstance(self.s_per_seq, (int, float)) or not math.isfinite(self.s_per_seq):
+            raise InvalidArgumentError(
+                "step.s_per_seq", f"must be a number, got {self.s_per_seq!r}"
+            )
 
     def time(self, f: StepFeatures) -> float:
         compute = self.s_per_token * f.new_tokens + self.s_per_attn * f.attn

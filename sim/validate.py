@@ -311,6 +311,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_sim_validate(args: argparse.Namespace) -> int:
+    from pdserve.bench.headline import check_cores
     from pdserve.bench.report import header, write_json
     from pdserve.bench.serve import command_line
     from pdserve.core.builtin_models import resolve_model
@@ -318,8 +319,14 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     from pdserve.sim.workload import workload_from_args
 
     points = [Point.parse(p) for p in args.points]
-    if args.repeat < 1:
-        raise InvalidArgumentError("--repeat", f"must be at least 1, got {args.repeat}")
+    for flag, value in (
+        ("--repeat", args.repeat),
+        ("--calibration-requests", args.calibration_requests),
+    ):
+        if value < 1:
+            raise InvalidArgumentError(flag, f"must be at least 1, got {value}")
+    if not getattr(args, "from_traces", None):  # measuring: the cores of both setups
+        check_cores(args.cores, sorted({p.setup for p in points}))
     for point in points:  # a bad workload flag is an error now, not after the calibration
         workload_from_args(workload_args(point, args), point.rate, [1.0])
     kept = None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from pdserve.bench.headline import MODES, cluster_setup
+from pdserve.bench.headline import MODES, check_cores, cluster_setup
 from pdserve.cluster.config import parse_config
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.deploy.cli import build_parser
 
 
@@ -24,3 +27,16 @@ def test_each_setup_is_a_valid_cluster(command: str, mode: str) -> None:
         assert config.disaggregation.local_prefill_max_tokens == 0
         budget = config.engine_config("prefill", region).scheduler.max_num_batched_tokens
         assert budget == args.prefill_max_num_batched_tokens
+
+
+def test_cores_are_distinct_usable_and_two_for_disaggregated() -> None:
+    # checked before a cluster starts: a lone core used to reach the disaggregated
+    # setup after the colocated one had run, and a core not on this host reached Ray
+    usable = sorted(os.sched_getaffinity(0))
+    check_cores(usable[:1], ["colocated"])
+    for cores, modes, message in (([0, 0], ["colocated"], "distinct"),
+                                  ([], ["colocated"], "distinct"),
+                                  ([max(usable) + 1], ["colocated"], "not usable here"),
+                                  (usable[:1], list(MODES), "needs two cores")):  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match=f"cores: .*{message}"):
+            check_cores(cores, modes)

@@ -164,6 +164,23 @@ def test_profile_refuses_a_layout_the_model_cannot_take(capsys) -> None:  # type
         assert why in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--gpus", "16", "0"], "gpus: each count must be at least 2"),  # it divided by zero
+        (["--context", "0"], "context: must be at least 1"),
+        (["--weight-bytes", "0"], "weight_bytes: must be > 0"),
+        (["--tpot-slo-ms", "-5"], "tpot_slo_ms: must be > 0"),
+        (["--nvlink-domain", "0"], "nvlink_domain: must be at least 1"),
+        (["--step-overhead-ms", "nan"], "step_overhead_s: must be >= 0"),
+    ],
+)
+def test_afd_estimate_names_a_bad_flag(tmp_path, capsys, flags, why) -> None:  # type: ignore[no-untyped-def]
+    assert main(["afd-estimate", *flags, "--out", str(tmp_path / "afd.json")]) == 2
+    assert why in capsys.readouterr().err
+    assert not (tmp_path / "afd.json").exists()
+
+
 def test_a_file_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     blocker = tmp_path / "file"
     blocker.write_text("")

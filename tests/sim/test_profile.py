@@ -117,6 +117,8 @@ def test_profile_for_another_model_or_layout_is_refused(tmp_path) -> None:
         (lambda raw: raw.pop("step"), "step: is missing"),
         (lambda raw: raw.update(version=9), "version: must be 1"),
         (lambda raw: raw["step"].update(s_per_token=-1), "step.s_per_token"),
+        (lambda raw: raw["step"].update(overhead_s=float("nan")), "step.overhead_s"),
+        (lambda raw: raw["step"].update(s_per_seq=float("inf")), "step.s_per_seq"),
         (lambda raw: raw["model"].pop("num_layers"), "missing or unknown field"),
     ],
 )

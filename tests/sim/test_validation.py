@@ -214,16 +214,20 @@ def test_a_repeated_point_is_compared_with_its_runs_mean_and_each_run_with_the_f
 
 
 def test_sim_validate_refuses_a_repeat_below_one() -> None:
-    args = argparse.Namespace(points=["colocated:conv:1"], repeat=0, model="builtin:tiny")
+    args = argparse.Namespace(
+        points=["colocated:conv:1"], repeat=0, calibration_requests=1, model="builtin:tiny"
+    )
     with pytest.raises(InvalidArgumentError, match="--repeat"):
         cmd_sim_validate(args)
     with pytest.raises(InvalidArgumentError, match="SETUP:WORKLOAD:RATE"):
-        cmd_sim_validate(argparse.Namespace(points=["colocated"], repeat=1, model="builtin:tiny"))
+        cmd_sim_validate(argparse.Namespace(points=["colocated"]))
     # a bad workload flag is refused before a cluster starts (no Ray here)
     from pdserve.deploy.cli import build_parser
 
     for flags, message in ((["--num-requests", "0"], "num_requests: must be >= 1"),
-                           (["--length-scale", "0"], "length_scale: must be > 0")):  # fmt: skip
+                           (["--length-scale", "0"], "length_scale: must be > 0"),
+                           (["--calibration-requests", "0"], "--calibration-requests: must be at"),
+                           (["--cores", "0", "0"], "cores: must name distinct cores")):  # fmt: skip
         args = build_parser().parse_args(["sim-validate", "--points", "colocated:conv:1", *flags])
         with pytest.raises(InvalidArgumentError, match=message):
             cmd_sim_validate(args)
