@@ -33,6 +33,7 @@ from pdserve.bench.serve import (
     RunResult,
     add_load_flags,
     add_workload_flags,
+    check_load_flags,
     command_line,
     options_json,
     serve_rates,
@@ -176,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_requests is None and args.duration is None:
         args.num_requests = 40
     check_cores(args.cores, args.modes)
+    check_load_flags(args)
     resolve_model(args.model)  # a built-in model is generated once, before the clusters start
     series: dict[str, list[RunResult]] = {}
     pinned: dict[str, list[dict[str, Any]]] = {}

@@ -55,6 +55,16 @@ class LoadOptions:
     request_timeout_s: float = 600.0
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise InvalidArgumentError(
+                "max_concurrency", f"must be >= 1, got {self.max_concurrency}"
+            )
+        if not self.request_timeout_s > 0:
+            raise InvalidArgumentError(
+                "request_timeout", f"must be > 0, got {self.request_timeout_s}"
+            )
+
 
 class GrpcClient:
     def __init__(

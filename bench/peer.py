@@ -38,6 +38,7 @@ from pdserve.bench.serve import (
     RunResult,
     add_load_flags,
     add_workload_flags,
+    check_load_flags,
     command_line,
     options_json,
     serve_rates,
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     _apply_defaults(args)
     check_cores(args.cores, [args.pdserve_mode])
+    check_load_flags(args)
     path = str(resolve_model(args.model))
     cores = tuple(args.cores)
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench.compact_json import dumps
+from pdserve.core.errors import InvalidArgumentError
 
 PERCENTILES = (50, 90, 99)
 
@@ -41,6 +42,12 @@ class Slo:
 
     ttft_s: float | None = None
     tpot_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise InvalidArgumentError(f"{name[:4]}_slo_ms", f"must be > 0, got {value * 1e3}")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import secrets
 import shlex
 import sys
@@ -239,7 +240,23 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
+def check_load_flags(args: argparse.Namespace) -> None:
+    """The load and workload flags a run cannot start with, named before anything starts."""
+    slo_from(args)
+    if args.warmup < 0:
+        raise InvalidArgumentError("warmup", f"must be >= 0, got {args.warmup}")
+    if not 0 <= args.temperature < math.inf:
+        raise InvalidArgumentError("temperature", f"must be >= 0, got {args.temperature}")
+    if args.vocab_size <= wl.FIRST_TOKEN_ID:
+        raise InvalidArgumentError(
+            "vocab_size", f"must be > {wl.FIRST_TOKEN_ID}, got {args.vocab_size}"
+        )
+    if hasattr(args, "max_concurrency"):
+        LoadOptions(args.max_concurrency, args.request_timeout)
+
+
 def run(args: argparse.Namespace) -> int:
+    check_load_flags(args)
     rates: list[float | None] = list(args.rate) if args.rate else [None]
     runs = serve_rates(args, args.target, rates)
     payload = {**header(command_line(args)), "target": args.target, "options": options_json(args),
@@ -295,10 +312,13 @@ def add_workload_flags(
     g.add_argument("--temperature", type=float, default=0.0)
 
 
-def add_load_flags(p: argparse.ArgumentParser) -> None:
+def add_load_flags(p: argparse.ArgumentParser, client: bool = True) -> None:
+    """SLOs, and (``client``: a real load generator) its limits on requests in flight
+    and their time; the simulator sends open-loop and times nothing out."""
     g = p.add_argument_group("load and SLOs")
-    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    if client:
+        g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+        g.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     g.add_argument("--tpot-slo-ms", type=float, default=200.0)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -50,7 +50,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="builtin:tiny", help="builtin:<name>, a folder, or a preset")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
-    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="of a measured profile (default float32); an analytic one is its "
+                        "device's (bfloat16 on a GPU)")  # fmt: skip
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measured step")
     p.add_argument("--out", default="profile.json")
@@ -61,11 +63,18 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     from pdserve.bench.report import machine_info
     from pdserve.bench.serve import command_line
-    from pdserve.sim.analytic import analytic_profile, model_shape
+    from pdserve.sim.analytic import DEVICES, analytic_profile, model_shape
     from pdserve.sim.profile import save_profile
 
     command = command_line(args)
+    if args.block_size < 1:
+        raise InvalidArgumentError("block_size", f"must be at least 1, got {args.block_size}")
     if args.device is not None:
+        own = DEVICES[args.device].dtype  # the datasheet's peak is for this type
+        if args.dtype not in (None, "auto", own):
+            raise InvalidArgumentError(
+                "dtype", f"an analytic {args.device} profile is {own}, not {args.dtype}"
+            )
         shape = model_shape(args.model)
         profile = analytic_profile(
             shape, args.device, args.tensor_parallel_size, args.pipeline_parallel_size,
@@ -76,7 +85,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from pdserve.sim.measure import MeasureGrid, measured_profile
 
         config = build_engine_config(
-            args.model, dtype=args.dtype, block_size=args.block_size,
+            args.model, dtype=args.dtype or "float32", block_size=args.block_size,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
         )  # fmt: skip
@@ -135,7 +144,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     add_device_flags(p)
     add_host_flag(p)
     add_workload_flags(p)
-    add_load_flags(p)
+    add_load_flags(p, client=False)
     p.set_defaults(func=cmd_sim, prog="pdserve sim")
 
 
@@ -186,6 +195,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from pdserve.bench.report import header
     from pdserve.bench.serve import (
         RunResult,
+        check_load_flags,
         command_line,
         options_json,
         slo_from,
@@ -198,6 +208,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from pdserve.sim.report import run_json
     from pdserve.sim.workload import workload_from_args
 
+    check_load_flags(args)
     config = load_config(args.config)
     book = book_for(
         config, [load_profile(p) for p in args.profile], args.device, assumptions_from(args)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.core.config import EngineConfig
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
 from pdserve.sim.fit import fit_error, fit_robust
@@ -66,6 +67,10 @@ class MeasureGrid:
     decode_batch: tuple[int, ...] = (1, 4, 16, 32)
     decode_context: tuple[int, ...] = (64, 256, 768)
     repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise InvalidArgumentError("repeats", f"must be at least 1, got {self.repeats}")
 
 
 def scattered_pages(num_blocks: int, seed: int = 0) -> list[int]:

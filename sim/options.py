@@ -12,6 +12,7 @@ restored when the run ends.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,8 +54,8 @@ class SimOptions:
     host_cores: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.startup_s < 0:
-            raise InvalidArgumentError("startup_s", "must be >= 0")
+        if not 0 <= self.startup_s < math.inf:
+            raise InvalidArgumentError("startup_s", f"must be >= 0, got {self.startup_s}")
         if not self.host_cores >= 0:
             raise InvalidArgumentError("host_cores", f"must be >= 0, got {self.host_cores}")
 

@@ -102,8 +102,11 @@ class PlanLimits:
     def __post_init__(self) -> None:
         if self.max_devices < 1:
             raise InvalidArgumentError("max_devices", "must be >= 1")
-        if self.headroom < 0 or self.spares < 0:
+        if not 0 <= self.headroom < math.inf or self.spares < 0:
             raise InvalidArgumentError("headroom", "headroom and spares must be >= 0")
+        for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
         if not self.prefill_tp or not self.decode_tp:
             raise InvalidArgumentError("tp", "allow at least one tensor-parallel size per role")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -76,18 +77,26 @@ def forecast_from(args: argparse.Namespace) -> dict[str, list[float]]:
             raise InvalidArgumentError("forecast", 'must be a JSON object {"region": [rates]}')
         for name, rates in raw.items():
             values = rates if isinstance(rates, list) else [rates]
-            out[str(name)] = [float(r) for r in values]
+            out[str(name)] = _rates("forecast", f"{args.forecast}: {name!r}", values)
     for item in args.rate:
         name, sep, values = item.partition("=")
-        try:
-            out[name] = [float(v) for v in values.split(",")] if sep else []
-        except ValueError:
-            raise InvalidArgumentError("rate", f"{item!r}: rates must be numbers") from None
-        if not out[name]:
+        if not sep or not name:
             raise InvalidArgumentError("rate", f"{item!r} is not REGION=RATE[,RATE...]")
+        out[name] = _rates("rate", repr(item), values.split(","))
     if not out:
         raise InvalidArgumentError("rate", "give a forecast: --rate REGION=RATE or --forecast FILE")
     return out
+
+
+def _rates(field: str, where: str, values: list[Any]) -> list[float]:
+    """A region's forecast: req/s over the day, each a number >= 0, not all 0."""
+    try:
+        rates = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(field, f"{where}: rates must be numbers") from None
+    if not rates or not all(0 <= r < math.inf for r in rates) or not max(rates) > 0:
+        raise InvalidArgumentError(field, f"{where}: rates must be >= 0 and not all 0, got {rates}")
+    return rates
 
 
 def mix_from(args: argparse.Namespace) -> LengthMix:

@@ -310,12 +310,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_sim_validate, prog="pdserve sim-validate")
 
 
-def cmd_sim_validate(args: argparse.Namespace) -> int:
+def checked_points(args: argparse.Namespace) -> list[Point]:
+    """The points, once every flag is checked: a bad one is an error now, not after
+    the better part of an hour of calibration."""
     from pdserve.bench.headline import check_cores
-    from pdserve.bench.report import header, write_json
-    from pdserve.bench.serve import command_line
-    from pdserve.core.builtin_models import resolve_model
-    from pdserve.sim.validate_report import calibration_lines, mean_abs_error, repeat_table, table
     from pdserve.sim.workload import workload_from_args
 
     points = [Point.parse(p) for p in args.points]
@@ -327,8 +325,18 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(flag, f"must be at least 1, got {value}")
     if not getattr(args, "from_traces", None):  # measuring: the cores of both setups
         check_cores(args.cores, sorted({p.setup for p in points}))
-    for point in points:  # a bad workload flag is an error now, not after the calibration
+    for point in points:
         workload_from_args(workload_args(point, args), point.rate, [1.0])
+    return points
+
+
+def cmd_sim_validate(args: argparse.Namespace) -> int:
+    from pdserve.bench.report import header, write_json
+    from pdserve.bench.serve import command_line
+    from pdserve.core.builtin_models import resolve_model
+    from pdserve.sim.validate_report import calibration_lines, mean_abs_error, repeat_table, table
+
+    points = checked_points(args)
     kept = None
     if getattr(args, "from_traces", None):
         kept = read_kept(Path(args.from_traces))

@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.bench import workload as wl
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.deploy.cli import main
 
 TRACE = """TIMESTAMP, ContextTokens, GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -129,3 +130,24 @@ def test_jsonl_prompts_are_cycled(tmp_path):
     specs = wl.build_requests(np.zeros(3), None, np.zeros(3), 256, 0, prompts)
     assert specs[0].prompt_text == "hello" and specs[1].prompt_token_ids == (5, 6, 7)
     assert specs[2].prompt_text == "hello" and specs[2].max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-concurrency", "0"], "max_concurrency: must be >= 1"),  # a semaphore of 0
+        (["--request-timeout", "0"], "request_timeout: must be > 0"),
+        (["--ttft-slo-ms", "0"], "ttft_slo_ms: must be > 0"),
+        (["--tpot-slo-ms", "nan"], "tpot_slo_ms: must be > 0"),
+        (["--warmup", "-1"], "warmup: must be >= 0"),
+        (["--temperature", "-1"], "temperature: must be >= 0"),
+        (["--vocab-size", "2"], "vocab_size: must be > 3"),
+    ],
+)
+def test_bad_load_flags_are_refused_before_any_request(tmp_path, capsys, flags, message):
+    # port 1: nothing listens; the flags are refused before a client is made
+    argv = ["bench", "serve", "--target", "grpc://127.0.0.1:1", "--rate", "1",
+            "--out", str(tmp_path), *flags]  # fmt: skip
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

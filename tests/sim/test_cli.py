@@ -126,6 +126,26 @@ def test_plan_refuses_a_mix_past_the_models_context(capsys) -> None:  # type: ig
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--rate", "east=10,-1"], "rate: 'east=10,-1': rates must be >= 0 and not all 0"),
+        (["--rate", "east=0"], "rates must be >= 0 and not all 0"),
+        (["--rate", "=5"], "rate: '=5' is not REGION=RATE"),
+        (["--rate", "east=5", "--headroom", "nan"], "headroom: headroom and spares must be >= 0"),
+        # was "TPOT SLO 50 ms cannot be met ... (-43 ms over)"
+        (["--rate", "east=5", "--max-num-seqs", "0"], "max_num_seqs: must be >= 1"),
+        (["--forecast", "FILE"], "forecast: FILE: 'east': rates must be numbers"),
+    ],
+)
+def test_plan_names_a_bad_forecast_or_limit(tmp_path, capsys, flags, why) -> None:  # type: ignore[no-untyped-def]
+    forecast = tmp_path / "forecast.json"
+    forecast.write_text('{"east": [5, null]}')  # a JSON null was a traceback
+    flags = [str(forecast) if f == "FILE" else f for f in flags]
+    assert main(["plan", "--model", "llama-7b", "--device", "h100", *flags]) == 2
+    assert why.replace("FILE", str(forecast)) in capsys.readouterr().err
+
+
 def test_plan_meets_the_slo_and_prints_the_textbook_beside_it(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "plan.json"
     rc = main(["plan", "--model", "llama-7b", "--device", "h100", "--rate", "east=2,4",
@@ -179,6 +199,50 @@ def test_afd_estimate_names_a_bad_flag(tmp_path, capsys, flags, why) -> None:  #
     assert main(["afd-estimate", *flags, "--out", str(tmp_path / "afd.json")]) == 2
     assert why in capsys.readouterr().err
     assert not (tmp_path / "afd.json").exists()
+
+
+def test_profile_refuses_flags_it_would_ignore_or_choke_on(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # --repeats 0 was a traceback (min of no timings); an analytic profile took any
+    # --dtype and --block-size and wrote the device's bf16 figures
+    out = str(tmp_path / "p.json")
+    for flags, why in ((["--model", "builtin:tiny", "--repeats", "0"], "repeats: must be at least 1"),
+                       (["--model", "llama-7b", "--device", "h100", "--block-size", "0"], "block_size: must be"),
+                       (["--model", "llama-7b", "--device", "h100", "--dtype", "float32"],
+                        "dtype: an analytic h100 profile is bfloat16, not float32")):  # fmt: skip
+        assert main(["profile", *flags, "--out", out]) == 2
+        assert why in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                "llama-7b",
+                "--device",
+                "h100",
+                "--dtype",
+                "bfloat16",
+                "--out",
+                out,
+            ]
+        )
+        == 0
+    )
+
+
+def test_sim_refuses_load_flags_it_cannot_honour(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # the simulator sends open-loop: a limit on requests in flight is not offered (it was
+    # taken and ignored); the flags both share are checked as bench serve checks them
+    config = str(Path(__file__).resolve().parents[2] / "sim" / "configs" / "shift.yaml")
+    base = ["sim", "--config", config, "--device", "h100", "--rate", "5",
+            "--num-requests", "20", "--no-plots", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*base, "--max-concurrency", "4"])
+    assert "unrecognized arguments: --max-concurrency" in capsys.readouterr().err
+    for flags, why in ((["--temperature", "-1"], "temperature: must be >= 0"),
+                       (["--startup-s", "nan"], "startup_s: must be >= 0")):  # fmt: skip
+        assert main([*base, *flags]) == 2
+        assert why in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_file_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
