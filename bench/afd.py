@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.config import build_engine_config
 from pdserve.core.model_config import ModelConfig
@@ -185,19 +186,19 @@ _FLAGS = (
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("afd", help="attention-FFN disaggregation against colocated EP")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--inter", type=int, default=1024, help="each expert's intermediate size")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--ranks", type=int, default=2, help="ranks of every layout")
-    p.add_argument("--attention-ranks", type=int, default=1, help="afd: the rest hold experts")
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--batch", type=int, default=16, help="prompts (sequences per step)")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--hidden", type=count, default=512)
+    p.add_argument("--inter", type=count, default=1024, help="each expert's intermediate size")
+    p.add_argument("--layers", type=count, default=4)
+    p.add_argument("--experts", type=count, default=8)
+    p.add_argument("--top-k", type=count, default=2)
+    p.add_argument("--heads", type=count, default=8)
+    p.add_argument("--ranks", type=count, default=2, help="ranks of every layout")
+    p.add_argument("--attention-ranks", type=count, default=1, help="afd: the rest hold experts")
+    p.add_argument("--micro-batches", type=count, default=2)
+    p.add_argument("--batch", type=count, default=16, help="prompts (sequences per step)")
+    p.add_argument("--prompt-len", type=count, default=32)
+    p.add_argument("--decode-steps", type=count, default=16)
+    p.add_argument("--repeats", type=count, default=5)
     p.add_argument("--cpus", type=float, default=2.0, help="CPUs of all ranks together")
     p.add_argument("--out", default="bench/out/afd.json")
     p.set_defaults(func=run)

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 import ray
 
+from pdserve.bench.flags import count
 from pdserve.bench.local import local_cluster
 from pdserve.bench.report import write_json
 
@@ -129,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("coldstart", help="time to first token from zero, warm pool, running")
     p.add_argument("--model", default="builtin:tiny")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--num-cpus", type=int, default=4, help="the embedded Ray instance's CPUs")
+    p.add_argument("--repeats", type=count, default=3)
+    p.add_argument("--max-tokens", type=count, default=8)
+    p.add_argument("--num-cpus", type=count, default=4, help="the embedded Ray instance's CPUs")
     p.add_argument("--out", default="bench/out/coldstart.json")
     p.set_defaults(func=run)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.messages import PrefillRequest, ReserveRequest, TokenBatch
 from pdserve.core.sampling_params import SamplingParams
@@ -175,9 +176,9 @@ def _first_token_disaggregated(
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("ttft", help="TTFT of disaggregated vs colocated serving at low load")
     p.add_argument("--model", default="builtin:small")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=4)
-    p.add_argument("--requests", type=int, default=10)
+    p.add_argument("--prompt-len", type=count, default=512)
+    p.add_argument("--output-len", type=count, default=4)
+    p.add_argument("--requests", type=count, default=10)
     p.add_argument("--connector", default="shm")
     p.add_argument("--out", default="bench/out/ttft.json")
     p.set_defaults(func=run)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.afd import write_checkpoint
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.config import build_engine_config
 from pdserve.core.model_config import ModelConfig
@@ -132,19 +133,19 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("elastic", help="time from killing an EP rank to the next token")
-    p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks")
+    p.add_argument("--ranks", type=count, default=2, help="expert-parallel ranks")
     p.add_argument("--victim", type=int, default=1, help="the follower rank to kill")
     p.add_argument("--redundant", type=int, default=8, help="replica slots (second case)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--inter", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4, help="requests streaming at the kill")
-    p.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--hidden", type=count, default=512)
+    p.add_argument("--inter", type=count, default=1024)
+    p.add_argument("--experts", type=count, default=8)
+    p.add_argument("--top-k", type=count, default=2)
+    p.add_argument("--heads", type=count, default=8)
+    p.add_argument("--layers", type=count, default=4)
+    p.add_argument("--batch", type=count, default=4, help="requests streaming at the kill")
+    p.add_argument("--tokens", type=count, default=64, help="tokens per request")
     p.add_argument("--kill-after", type=int, default=8, help="steps before the kill")
-    p.add_argument("--runs", type=int, default=3, help="instances killed per case")
+    p.add_argument("--runs", type=count, default=3, help="instances killed per case")
     p.add_argument("--cpus", type=float, default=2.0, help="CPUs over all ranks")
     p.add_argument("--out", default="bench/out/elastic.json")
     p.set_defaults(func=run)

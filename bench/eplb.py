@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.parallel.context import ParallelContext
 from pdserve.parallel.eplb import imbalance, place, static_placement
@@ -176,11 +177,11 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("eplb", help="MoE imbalance and step time before/after EPLB")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--inter", type=int, default=2048)
-    p.add_argument("--tokens", type=int, default=256, help="tokens per step")
+    p.add_argument("--hidden", type=count, default=1024)
+    p.add_argument("--inter", type=count, default=2048)
+    p.add_argument("--tokens", type=count, default=256, help="tokens per step")
     p.add_argument("--redundant", type=int, default=2, help="redundant expert slots")
     p.add_argument("--bias", type=float, default=4.0, help="router bias of the hot experts")
-    p.add_argument("--steps", type=int, default=10, help="timed forwards per phase")
+    p.add_argument("--steps", type=count, default=10, help="timed forwards per phase")
     p.add_argument("--out", default="bench/out/eplb.json")
     p.set_defaults(func=run)

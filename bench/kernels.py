@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 
 if TYPE_CHECKING:
@@ -363,14 +364,14 @@ _FLAGS = (
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("kernels", help="Triton kernels vs torch and the bandwidth floor (GPU)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
-    p.add_argument("--tokens", type=int, default=4096, help="rows of the row-wise ops")
-    p.add_argument("--batch", type=int, default=64, help="decode attention: sequences")
-    p.add_argument("--context", type=int, default=4096, help="decode attention: context each")
-    p.add_argument("--long-context", type=int, default=32768, help="one sequence, split-K")
-    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--tokens", type=count, default=4096, help="rows of the row-wise ops")
+    p.add_argument("--batch", type=count, default=64, help="decode attention: sequences")
+    p.add_argument("--context", type=count, default=4096, help="decode attention: context each")
+    p.add_argument("--long-context", type=count, default=32768, help="one sequence, split-K")
+    p.add_argument("--prefill-chunk", type=count, default=1024)
     p.add_argument("--prefill-prefix", type=int, default=1024, help="cached tokens before it")
-    p.add_argument("--model-batch", type=int, default=32, help="8B decode: sequences")
-    p.add_argument("--model-context", type=int, default=2048, help="8B decode: context each")
+    p.add_argument("--model-batch", type=count, default=32, help="8B decode: sequences")
+    p.add_argument("--model-context", type=count, default=2048, help="8B decode: context each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/kernels.json")
     p.set_defaults(func=run)

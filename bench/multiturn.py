@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.sampling_params import SamplingParams
 
@@ -219,10 +220,10 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("multiturn", help="multi-turn chat over KV tiers: off, host, host+disk")
     p.add_argument("--model", default="builtin:small")
-    p.add_argument("--sessions", type=int, default=12)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--sessions", type=count, default=12)
+    p.add_argument("--turns", type=count, default=4)
     p.add_argument("--prefix-tokens", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=count, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/multiturn.json")
     p.set_defaults(func=run)

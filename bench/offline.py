@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 
 
@@ -273,12 +274,12 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
         f"the fastest this CPU runs natively ({fastest} here: bfloat16 with AVX-512 BF16 "
         "or AMX, else float32)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="rounds over the dtypes, interleaved")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--repeats", type=count, default=1, help="rounds over the dtypes, interleaved")
+    p.add_argument("--num-requests", type=count, default=32)
     p.add_argument(
-        "--hf-batch-size", type=int, default=32, help="static batch size of the baseline"
+        "--hf-batch-size", type=count, default=32, help="static batch size of the baseline"
     )
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=count, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/offline.json")
     p.set_defaults(func=run)

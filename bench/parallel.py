@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.parallel.executor import StepTimes
 from pdserve.parallel.shm_comm import ENV_SWITCH
@@ -208,11 +209,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("parallel", help="TP=2 and PP=2 step time (shm and gloo) against one rank")
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--cpus", type=float, default=2.0, help="CPUs for every layout in total")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--decode-steps", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=1, help="passes over every layout; best kept")
+    p.add_argument("--batch", type=count, default=16)
+    p.add_argument("--prompt-len", type=count, default=128)
+    p.add_argument("--decode-steps", type=count, default=32)
+    p.add_argument("--repeats", type=count, default=2)
+    p.add_argument("--rounds", type=count, default=1, help="passes over every layout; best kept")
     p.add_argument(
         "--layouts",
         nargs="+",

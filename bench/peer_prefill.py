@@ -28,6 +28,7 @@ import ray
 
 from pdserve import LLM
 from pdserve.backends import DisaggregatedBackend
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.config import DisaggregationConfig
 from pdserve.core.messages import PeerPrefix, PrefillRequest, ReserveRequest
@@ -99,8 +100,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--connector", default="shm", choices=["shm", "p2p", "object_store"])
-    p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=count, default=2000)
+    p.add_argument("--repeats", type=count, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/peer_prefill.json")
     p.set_defaults(func=run)

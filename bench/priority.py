@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench import workload as wl
+from pdserve.bench.flags import count
 from pdserve.bench.loadgen import HttpClient, LoadOptions, run_load
 from pdserve.bench.report import RequestRecord, Slo, attainment, summarize, write_json
 
@@ -192,13 +193,13 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
         help="online load as a share of the measured capacity; in the 2x run priority -1 "
         "brings the total to twice the capacity (default 1: as much again)",
     )
-    p.add_argument("--probe-requests", type=int, default=48)
+    p.add_argument("--probe-requests", type=count, default=48)
     p.add_argument("--duration", type=float, default=30.0)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--cap", type=int, default=16, help="router.max_inflight_per_region")
-    p.add_argument("--batch-lines", type=int, default=200)
-    p.add_argument("--batch-concurrency", type=int, default=8)
+    p.add_argument("--prompt-len", type=count, default=256)
+    p.add_argument("--output-len", type=count, default=64)
+    p.add_argument("--cap", type=count, default=16, help="router.max_inflight_per_region")
+    p.add_argument("--batch-lines", type=count, default=200)
+    p.add_argument("--batch-concurrency", type=count, default=8)
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     p.add_argument("--tpot-slo-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 
 _PROMPT_TOKENS = 32
@@ -272,11 +273,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
         "quant", help="int8/int4 weight-only vs float32: memory, speed, perplexity"
     )
     p.add_argument("--model", default="builtin:small")
-    p.add_argument("--decode-tokens", type=int, default=64, help="new tokens per request")
-    p.add_argument("--repeats", type=int, default=3, help="decode runs per batch size (median)")
-    p.add_argument("--context", type=int, default=256, help="tokens per perplexity window")
-    p.add_argument("--windows", type=int, default=64, help="perplexity windows")
-    p.add_argument("--iters", type=int, default=200, help="calls per matmul timing")
+    p.add_argument("--decode-tokens", type=count, default=64, help="new tokens per request")
+    p.add_argument("--repeats", type=count, default=3, help="decode runs per batch size (median)")
+    p.add_argument("--context", type=count, default=256, help="tokens per perplexity window")
+    p.add_argument("--windows", type=count, default=64, help="perplexity windows")
+    p.add_argument("--iters", type=count, default=200, help="calls per matmul timing")
     p.add_argument("--text", action="append", default=[], help="held-out text file (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/quant.json")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.bench.router_floor import percentile as _percentile
 from pdserve.bench.router_load import under_load
@@ -154,17 +155,17 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("router", help="router decision time and front-door latency")
-    p.add_argument("--rounds", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--requests", type=int, default=4, help="per concurrent client")
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rounds", type=count, default=2000)
+    p.add_argument("--concurrency", type=count, default=32)
+    p.add_argument("--requests", type=count, default=4, help="per concurrent client")
+    p.add_argument("--tokens", type=count, default=32)
     p.add_argument(
         "--router-cpu",
         type=int,
         default=None,
         help="also run with the router actor pinned to this core, the rest on the others",
     )
-    p.add_argument("--repeat", type=int, default=1, help="load runs per placement, alternated")
+    p.add_argument("--repeat", type=count, default=1, help="load runs per placement, alternated")
     p.add_argument(
         "--protocol",
         choices=("grpc", "http", "both"),

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.flags import count
+
 CHILD_FLAG = "--child"
 
 
@@ -150,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("scheduler", help="the engine scheduler's host time per step")
-    p.add_argument("--batch", type=int, nargs="+", default=[21, 64, 256])
-    p.add_argument("--steps", type=int, default=2000, help="steps per round")
-    p.add_argument("--repeat", type=int, default=3, help="rounds per batch size (best kept)")
+    p.add_argument("--batch", type=count, nargs="+", default=[21, 64, 256])
+    p.add_argument("--steps", type=count, default=2000, help="steps per round")
+    p.add_argument("--repeat", type=count, default=3, help="rounds per batch size (best kept)")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="a pdserve source tree measured alternately with this one")  # fmt: skip
     p.add_argument("--out", default="bench/out")

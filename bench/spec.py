@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 
 _FILES = (
@@ -170,15 +171,18 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--draft-model", default="builtin:pycode-draft", help="for method draft")
     p.add_argument(
-        "--draft-tokens", type=int, default=0, help="drafts per step of method draft (0: as ngram)"
+        "--draft-tokens",
+        type=count,
+        default=0,
+        help="drafts per step of method draft (0: as ngram)",
     )
-    p.add_argument("--decode-tokens", type=int, default=128, help="new tokens per request")
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--lookup-min", type=int, default=2, help="shortest n-gram looked up")
-    p.add_argument("--lookup-max", type=int, default=4, help="longest n-gram looked up")
+    p.add_argument("--decode-tokens", type=count, default=128, help="new tokens per request")
+    p.add_argument("--prompt-tokens", type=count, default=256)
+    p.add_argument("--num-speculative-tokens", type=count, default=4)
+    p.add_argument("--lookup-min", type=count, default=2, help="shortest n-gram looked up")
+    p.add_argument("--lookup-max", type=count, default=4, help="longest n-gram looked up")
     p.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
-    p.add_argument("--repeats", type=int, default=3, help="decode runs per batch (median)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--repeats", type=count, default=3, help="decode runs per batch (median)")
+    p.add_argument("--threads", type=count, default=1, help="torch threads")
     p.add_argument("--out", default="bench/out/spec.json")
     p.set_defaults(func=run)

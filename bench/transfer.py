@@ -31,6 +31,7 @@ import numpy as np
 import ray
 import torch
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import PeerEndpoint
@@ -225,11 +226,11 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("transfer", help="KV connector bandwidth vs the raw channel")
     p.add_argument("--connectors", nargs="+", default=["shm", "p2p", "object_store"])
-    p.add_argument("--pages", nargs="+", type=int, default=[8, 32, 128], help="pages per message")
-    p.add_argument("--rounds", type=int, default=10, help="messages per timed batch")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved batches; medians reported")
+    p.add_argument("--pages", nargs="+", type=count, default=[8, 32, 128], help="pages per message")
+    p.add_argument("--rounds", type=count, default=10, help="messages per timed batch")
+    p.add_argument("--repeats", type=count, default=7, help="interleaved batches; medians reported")
     p.add_argument(
-        "--requests", type=int, default=1, help="requests whose pages share each message"
+        "--requests", type=count, default=1, help="requests whose pages share each message"
     )
     p.add_argument(
         "--apart",

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 
 
@@ -100,6 +101,6 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("weights", help="memory and load time of weights shared per node")
     p.add_argument("--model", default="builtin:small")
-    p.add_argument("--instances", type=int, default=3)
+    p.add_argument("--instances", type=count, default=3)
     p.add_argument("--out", default="bench/out/weights.json")
     p.set_defaults(func=run)

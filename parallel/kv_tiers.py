@@ -61,6 +61,12 @@ def tier_slots(cache: CacheConfig, bytes_per_block: int) -> tuple[int, int]:
     """Blocks the host and disk tiers of one rank hold within their byte budgets."""
     if not cache.tiers_enabled:
         return 0, 0
+    for name in ("host_tier_bytes", "disk_tier_bytes"):
+        budget = getattr(cache, name)
+        if 0 < budget < bytes_per_block:  # a tier that would hold nothing is not quietly off
+            raise InvalidArgumentError(
+                name, f"{budget} bytes hold no KV block: one block takes {bytes_per_block}"
+            )
     return cache.host_tier_bytes // bytes_per_block, cache.disk_tier_bytes // bytes_per_block
 
 

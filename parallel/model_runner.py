@@ -54,6 +54,9 @@ _CUDA_KV_FRACTION = 0.85
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        why = "a CPU build of torch" if torch.version.cuda is None else "no GPU visible"
+        raise InvalidArgumentError("device", f"cuda asked, but this process has none ({why})")
     return torch.device(name)
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -37,6 +38,15 @@ def test_missing_model_is_one_clear_line(tmp_path) -> None:
     proc = run("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
     assert proc.returncode == 2
     assert "model:" in proc.stderr and "config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: the flag is valid")
+def test_cuda_without_cuda_is_one_clear_line() -> None:
+    # it was torch's "AssertionError: Torch not compiled with CUDA enabled" traceback
+    proc = run("generate", "--device", "cuda", "--prompt", "Hello", "--max-tokens", "2")
+    assert proc.returncode == 2
+    assert "device: cuda asked, but this process has none" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

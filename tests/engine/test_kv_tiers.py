@@ -103,6 +103,9 @@ def test_bad_tier_settings_are_refused_naming_the_field(tiny_path, tmp_path):
         ({"host_tier_bytes": -1}, "host_tier_bytes"),
         ({"host_tier_eviction": "mru"}, "host_tier_eviction"),
         ({"idle_eviction_s": 0}, "idle_eviction_s"),
+        # budgets under one block: the tier was quietly off
+        ({"host_tier_bytes": 100}, "host_tier_bytes: 100 bytes hold no KV block"),
+        ({"disk_tier_bytes": 100, "disk_tier_path": str(tmp_path)}, "disk_tier_bytes: 100 bytes"),
     ]
     for options, field in bad:
         with pytest.raises(InvalidArgumentError, match=field):

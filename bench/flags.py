@@ -1,0 +1,20 @@
+"""Argument types the benchmark commands share."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def count(text: str) -> int:
+    """An integer flag that counts something (runs, requests, tokens, ranks): at least 1.
+
+    A count of 0 used to reach the benchmark and end in a traceback (the median of
+    no timings, the first of no requests); argparse now names the flag instead.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
