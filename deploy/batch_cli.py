@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pdserve.batch import BatchRunner
 from pdserve.core.errors import InvalidArgumentError
@@ -30,11 +31,23 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--input", f"no such file: {path}")
     if args.concurrency < 1:
         raise InvalidArgumentError("--concurrency", "must be >= 1")
+    url = urlsplit(args.url)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise InvalidArgumentError(
+            "--url", f"must be http://HOST:PORT or https://..., got {args.url!r}"
+        )
+    if not args.retry_for_s >= 0:
+        raise InvalidArgumentError("--retry-for-s", f"must be >= 0, got {args.retry_for_s}")
     runner = BatchRunner(args.url, args.api_key, args.concurrency, args.priority, args.retry_for_s)
     summary = asyncio.run(runner.run(path, Path(args.output), progress=not args.no_progress))
     print(
         f"{summary.lines} lines: {summary.succeeded} succeeded, {summary.failed} failed, "
         f"{summary.skipped} already done; {summary.retries} retries"
+        + (
+            f"; {summary.resent} sent again (an earlier run's server never ran them)"
+            if summary.resent
+            else ""
+        )
         + (f"; errors {summary.errors}" if summary.errors else "")
     )
     return 0 if summary.failed == 0 else 1

@@ -15,7 +15,9 @@ is ``{"id", "custom_id", "line", "response": {"status_code", "request_id",
 - **Resumable**: lines already in the output file (by input line number) are
   skipped, so an interrupted job is continued by running the same command. A
   request in flight when the job stopped was cancelled with its connection, so
-  no request runs twice to completion.
+  no request runs twice to completion. A line whose record says the server could
+  not be reached, or refused it for load (429, 503) until ``--retry-for-s`` ran
+  out, is not final: the next run drops that record and sends the line again.
 - **Bad lines do not fail the job**: a line that is not JSON, lacks a
   ``custom_id``, repeats one, or names another method or URL gets an output
   line with ``error`` set and is never sent; a request the server refuses
@@ -38,6 +40,8 @@ from tqdm import tqdm
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 RETRY_STATUSES = (429, 503)
+# the error codes of records a later run sends again: the server never ran them
+RETRY_CODES = frozenset(("unreachable", *(f"http_{s}" for s in RETRY_STATUSES)))
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class BatchLine:
 class BatchSummary:
     lines: int = 0
     skipped: int = 0  # already in the output file
+    resent: int = 0  # records of an earlier run the server never ran, dropped and sent again
     sent: int = 0
     succeeded: int = 0
     failed: int = 0  # an error line, or a non-2xx answer
@@ -108,17 +113,41 @@ def error_record(line: int, custom_id: str | None, code: str, message: str) -> d
 
 
 def finished_lines(output: Path) -> set[int]:
-    """Input line numbers that already have an output record (a resumed job skips them)."""
+    """Input line numbers that already have a final output record (a resumed job skips them)."""
+    return {line for line, _, final in _records(output) if final}
+
+
+def settle_output(output: Path) -> tuple[set[int], int]:
+    """(finished lines, records dropped): the records of lines the server never ran
+    (unreachable, or refused for load past the retry window) leave the file, which is
+    rewritten whole (a crash leaves the old file or the new, never half of one)."""
+    records = _records(output)
+    stale = sum(1 for _, _, final in records if not final)
+    if stale:
+        tmp = output.with_name(output.name + ".settling")
+        tmp.write_text("".join(text for _, text, final in records if final), encoding="utf-8")
+        os.replace(tmp, output)
+    return {line for line, _, final in records if final}, stale
+
+
+def _records(output: Path) -> list[tuple[int, str, bool]]:
+    """(input line, text, final) of each whole record in the output file."""
     if not output.exists():
-        return set()
-    done = set()
+        return []
+    out = []
     with open(output, encoding="utf-8") as f:
         for text in f:
             try:
-                done.add(int(json.loads(text)["line"]))
+                record = json.loads(text)
+                line = int(record["line"])
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by an interruption: run it again
-    return done
+            error = record.get("error")
+            code = error.get("code") if isinstance(error, dict) else None
+            out.append(
+                (line, text if text.endswith("\n") else text + "\n", code not in RETRY_CODES)
+            )
+    return out
 
 
 class BatchRunner:
@@ -145,7 +174,7 @@ class BatchRunner:
 
     async def run(self, input_path: Path, output: Path, progress: bool = True) -> BatchSummary:
         good, bad = parse_input(input_path)
-        done = finished_lines(output)
+        done, self.summary.resent = settle_output(output)
         todo_bad = [r for r in bad if r["line"] not in done]
         todo = [line for line in good if line.line not in done]
         self.summary.lines = len(good) + len(bad)

@@ -96,6 +96,24 @@ def test_an_interrupted_job_resumes_without_running_a_line_twice(cluster, tmp_pa
     assert sorted(records) == list(range(1, 12))
 
 
+def test_lines_the_server_never_ran_are_sent_again_on_the_next_run(cluster, tmp_path):
+    # a run while the cluster was down (nothing listens on port 1): every sendable line
+    # is recorded "unreachable"; the next run against the cluster drops those records
+    # and sends the lines, and the lines the first run settled stay as they were
+    src, out = _input(tmp_path), tmp_path / "out.jsonl"
+    down = BatchRunner("http://127.0.0.1:1", KEY, concurrency=3, retry_for_s=0)
+    first = asyncio.run(down.run(src, out, progress=False))
+    assert first.errors["unreachable"] == 7 and first.sent == 7
+    settled = {n: r for n, r in _records(out).items() if r["error"]["code"] != "unreachable"}
+    summary = _run(cluster, src, out)
+    assert (summary.resent, summary.sent, summary.skipped) == (7, 7, 4)
+    records = _records(out)  # one record a line
+    assert sorted(records) == list(range(1, 12))
+    assert all(records[n]["response"]["status_code"] == 200 for n in range(1, 7))
+    assert all(records[n] == r for n, r in settled.items())
+    assert _run(cluster, src, out).skipped == 11
+
+
 def _lines(texts: list[str]) -> set[int]:
     return {json.loads(t)["line"] for t in texts}
 
