@@ -251,8 +251,7 @@ def check_load_flags(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(
             "vocab_size", f"must be > {wl.FIRST_TOKEN_ID}, got {args.vocab_size}"
         )
-    if hasattr(args, "max_concurrency"):
-        LoadOptions(args.max_concurrency, args.request_timeout)
+    LoadOptions(args.max_concurrency, getattr(args, "request_timeout", 600.0))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,12 +311,12 @@ def add_workload_flags(
     g.add_argument("--temperature", type=float, default=0.0)
 
 
-def add_load_flags(p: argparse.ArgumentParser, client: bool = True) -> None:
-    """SLOs, and (``client``: a real load generator) its limits on requests in flight
-    and their time; the simulator sends open-loop and times nothing out."""
+def add_load_flags(p: argparse.ArgumentParser, timeout: bool = True) -> None:
+    """SLOs, the most requests in flight, and (``timeout``: a real load generator) how
+    long one may take; the simulator times nothing out."""
     g = p.add_argument_group("load and SLOs")
-    if client:
-        g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    if timeout:
         g.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     g.add_argument("--tpot-slo-ms", type=float, default=200.0)

@@ -20,6 +20,7 @@ read from the workload arrays as time reaches them, never queued in bulk)::
                 drains one (no new requests; removed when idle)
     ready    -> a new instance joins the router's tables
                 (plan and ready: :class:`~pdserve.sim.scaling.SimScaling`)
+    send     -> an arrival a limit on requests in flight held (:mod:`~pdserve.sim.gate`)
 
 A request the front door would refuse (its prompt and ``max_tokens`` past the
 context limit) fails at arrival. What the router would learn from load reports
@@ -45,7 +46,7 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import PlannerPolicy
 from pdserve.cluster.proactive import make_planner
 from pdserve.core.errors import OverloadedError
-from pdserve.core.request import Request
+from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission, RetryBudget
 from pdserve.router.placement import Choice, CompletionInput, RegionChooser
@@ -55,6 +56,7 @@ from pdserve.router.state import ClusterView
 from pdserve.sim.build import ProfileBook, make_instance
 from pdserve.sim.capacity import ProfileCapacity
 from pdserve.sim.clock import EventQueue, VirtualClock
+from pdserve.sim.gate import SendGate
 from pdserve.sim.instance import TOKEN, SimInstance
 from pdserve.sim.metrics import RegionWindow
 from pdserve.sim.options import SimOptions, SimRun, long_lived_heap
@@ -117,11 +119,10 @@ class SimCluster:
         span = PLANNER_WINDOWS * config.planner.interval_s  # as the controller asks the router
         self.windows = {g: RegionWindow(span) for g in self.regions}
         self.tracks: dict[str, _Track] = {}
-        self.run_info = SimRun(
-            Recorder(workload.arrival_s, workload.prompt_len, workload.output_len, workload.home,
-                     self.options.keep_itl),
-            self.regions, self.all,
-        )  # fmt: skip
+        rec = Recorder(workload.arrival_s, workload.prompt_len, workload.output_len, workload.home,
+                       self.options.keep_itl)  # fmt: skip
+        self.run_info = SimRun(rec, self.regions, self.all)
+        self.gate = SendGate(self.options.max_concurrency, self.queue, self.clock, rec)
         self._serial, self.max_model_len = 0, 1 << 62
         self._next = 0  # the next arrival's index
         self.scaling = SimScaling(self)
@@ -199,16 +200,17 @@ class SimCluster:
     def _loop(self) -> None:
         arrivals, n = self.work.arrival_s, len(self.work)
         handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff,
-            "plan": self.scaling.on_plan, "ready": self.scaling.on_ready, "launch": self._launch, "kick": self._on_kick}  # fmt: skip
+            "plan": self.scaling.on_plan, "ready": self.scaling.on_ready, "launch": self._launch, "kick": self._on_kick, "send": self._arrive}  # fmt: skip
         while True:
             t_next = self.queue.peek_time()
             i = self._next
             if i < n and arrivals[i] <= t_next:
                 self.clock.advance_to(float(arrivals[i]))
                 self._next += 1
-                self._arrive(i)
+                if self.gate.admit(i):
+                    self._arrive(i)
                 continue
-            idle = i >= n and not self.tracks and not any(x.busy for x in self.instances.values())
+            idle = i >= n and not self.gate.in_flight and not any(x.busy for x in self.instances.values())  # fmt: skip
             if not len(self.queue) or idle:
                 break  # nothing left, or only the planner's events
             at, kind, payload = self.queue.pop()
@@ -357,7 +359,7 @@ class SimCluster:
             self._on_kick(inst)  # the step just ended: schedule the next one now
 
     def _first_token(self, track: _Track, at: float) -> None:
-        self.admission.observe(track.region, at - float(self.work.arrival_s[track.index]))
+        self.admission.observe(track.region, at - float(self.run_info.recorder.sent[track.index]))
         if track.prefill is not None:
             track.prefill.view.pending_prompt_tokens -= track.prompt_len
 
@@ -379,8 +381,6 @@ class SimCluster:
         self._interrupt(decode)
         request = decode.scheduler.activate(rid, TOKEN)
         if request.num_output_tokens >= request.sampling_params.max_tokens:
-            from pdserve.core.request import RequestStatus
-
             decode.scheduler.finish(rid, RequestStatus.FINISHED_LENGTH)
             self._finished(rid, self.clock.now())
         self._kick(decode)
@@ -394,7 +394,7 @@ class SimCluster:
         if refresh:
             self._refresh(track.decode)
         i = track.index
-        ttft = float(rec.first[i] - rec.arrival[i])
+        ttft = float(rec.first[i] - rec.sent[i])
         n = int(rec.tokens[i])
         tpot = (at - float(rec.first[i])) / (n - 1) if n > 1 else None
         self.windows[track.region].add(at, ttft, tpot, n)

@@ -43,6 +43,8 @@ class SimOptions:
             the busy instances' threads exceed the cores, re-timed whenever one of
             their steps starts or ends (processor sharing), step by step: on a
             local cluster of a few cores an added instance adds queues, not compute.
+        max_concurrency: most requests in flight, as ``pdserve bench serve
+            --max-concurrency`` sends them (None: an open loop); see :mod:`~pdserve.sim.gate`.
     """
 
     fast: bool = True
@@ -52,8 +54,13 @@ class SimOptions:
     request_overhead_s: float = 0.0
     one_host: bool = False
     host_cores: float = 0.0
+    max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise InvalidArgumentError(
+                "max_concurrency", f"must be >= 1, got {self.max_concurrency}"
+            )
         if not 0 <= self.startup_s < math.inf:
             raise InvalidArgumentError("startup_s", f"must be >= 0, got {self.startup_s}")
         if not self.host_cores >= 0:

@@ -13,7 +13,7 @@ same percentile arithmetic (per-token ITL samples are kept only when asked).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -68,6 +68,8 @@ class Recorder:
             output_len,
             home,
         )
+        self.sent = arrival  # when each was sent: its arrival, unless a gate held it
+        self.on_end: Callable[[], None] | None = None  # called as each request ends
         self.region = np.full(n, -1, dtype=np.int16)
         # First-token times and token counts are written per step: the run writes
         # them through these arrays, which share memory with the numpy views.
@@ -108,15 +110,26 @@ class Recorder:
         self._last[i] = end
         return first
 
+    def sent_at(self, i: int, at: float) -> None:
+        """Request ``i`` was sent at ``at``, after its arrival (a limit on requests in
+        flight held it): its latencies count from then."""
+        if self.sent is self.arrival:
+            self.sent = self.arrival.copy()
+        self.sent[i] = at
+
     def finish(self, i: int, at: float) -> None:
         self.end[i] = at
         self.done[i] = True
         self._last.pop(i, None)
+        if self.on_end is not None:
+            self.on_end()
 
     def fail(self, i: int, code: int, at: float) -> None:
         self.error[i] = code
         self.end[i] = at
         self.done[i] = True
+        if self.on_end is not None:
+            self.on_end()
 
     # -- summaries -------------------------------------------------------------------------
 
@@ -125,12 +138,13 @@ class Recorder:
         out = []
         for i in idx:
             ok = bool(self.error[i] == 0)
-            ttft = float(self.first[i] - self.arrival[i]) if ok else None
-            e2e = float(self.end[i] - self.arrival[i])
+            sent = float(self.sent[i])
+            ttft = float(self.first[i]) - sent if ok else None
+            e2e = float(self.end[i]) - sent
             n = int(self.tokens[i])
             tpot = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
             out.append(RequestRecord(
-                int(i), float(self.arrival[i]), float(self.arrival[i]), int(self.prompt_len[i]),
+                int(i), float(self.arrival[i]), sent, int(self.prompt_len[i]),
                 int(self.output_len[i]), ok, None if ok else ERRORS[self.error[i]], n, ttft, tpot,
                 e2e, list(self.itl.get(int(i), ())) if self.itl is not None else [],
             ))  # fmt: skip
@@ -150,7 +164,7 @@ class Recorder:
         n = self.tokens.astype(np.float64)
         with np.errstate(invalid="ignore"):
             if slo.ttft_s is not None:
-                met &= self.first - self.arrival <= slo.ttft_s
+                met &= self.first - self.sent <= slo.ttft_s
             if slo.tpot_s is not None:
                 tpot = np.where(n > 1, (self.end - self.first) / np.maximum(n - 1, 1), 0.0)
                 met &= tpot <= slo.tpot_s
@@ -158,7 +172,7 @@ class Recorder:
 
     def _array_summary(self, mask: np.ndarray, slo: Slo) -> dict[str, Any]:
         ok = mask & (self.error == 0)
-        arr, n = self.arrival, self.tokens.astype(np.float64)
+        arr, n = self.sent, self.tokens.astype(np.float64)
         ttft = self.first[ok] - arr[ok]
         e2e = self.end[mask] - arr[mask]
         e2e_ok = self.end[ok] - arr[ok]
@@ -166,7 +180,8 @@ class Recorder:
         tpot = (e2e_ok[multi] - ttft[multi]) / (n[ok][multi] - 1)
         window = float(np.max(self.end[mask]) - np.min(arr[mask])) if mask.any() else 0.0
         meets = self.slo_met(slo)[ok]
-        span = float(arr[mask].max() - arr[mask].min()) if mask.sum() > 1 else 0.0
+        sched = self.arrival[mask]  # the offered rate is the arrivals', as scheduled
+        span = float(sched.max() - sched.min()) if mask.sum() > 1 else 0.0
         errors = {ERRORS[c]: int((self.error[mask] == c).sum()) for c in range(1, len(ERRORS))}
 
         def ms(values: np.ndarray) -> dict[str, float]:

@@ -230,15 +230,17 @@ def test_profile_refuses_flags_it_would_ignore_or_choke_on(tmp_path, capsys) -> 
 
 
 def test_sim_refuses_load_flags_it_cannot_honour(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    # the simulator sends open-loop: a limit on requests in flight is not offered (it was
-    # taken and ignored); the flags both share are checked as bench serve checks them
+    # the simulator times nothing out: --request-timeout is not offered (it was taken
+    # and ignored, as --max-concurrency was before the simulator honoured it); the
+    # flags both share are checked as bench serve checks them
     config = str(Path(__file__).resolve().parents[2] / "sim" / "configs" / "shift.yaml")
     base = ["sim", "--config", config, "--device", "h100", "--rate", "5",
             "--num-requests", "20", "--no-plots", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
     with pytest.raises(SystemExit):
-        main([*base, "--max-concurrency", "4"])
-    assert "unrecognized arguments: --max-concurrency" in capsys.readouterr().err
+        main([*base, "--request-timeout", "4"])
+    assert "unrecognized arguments: --request-timeout" in capsys.readouterr().err
     for flags, why in ((["--temperature", "-1"], "temperature: must be >= 0"),
+                       (["--max-concurrency", "0"], "max_concurrency: must be >= 1"),
                        (["--startup-s", "nan"], "startup_s: must be >= 0")):  # fmt: skip
         assert main([*base, *flags]) == 2
         assert why in capsys.readouterr().err

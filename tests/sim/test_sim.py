@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench import workload as wl
+from pdserve.bench.report import Slo
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.cluster import SimCluster, SimOptions, SimRun
 from pdserve.sim.profile import StepModel
@@ -72,6 +73,37 @@ def test_steps_batch_arrivals_together() -> None:
     np.testing.assert_allclose(rec.end, 0.040)
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_limit_on_requests_in_flight_holds_arrivals_as_the_load_generator_does(fast) -> None:  # type: ignore[no-untyped-def]
+    # Six requests at once, at most two in flight (bench serve --max-concurrency 2):
+    # each pair runs alone for 50 ms (one prefill step, four decode steps), the next
+    # pair is sent as they end; latencies count from the send, as the client's do.
+    work = workload(np.zeros(6), 50, 5)  # six prompts fit one step's token budget
+    rec = _run(toy_config(0, 1), toy_profile(CONSTANT), work, fast=fast, max_concurrency=2).recorder
+    np.testing.assert_allclose(rec.sent, [0, 0, 0.05, 0.05, 0.10, 0.10])
+    np.testing.assert_allclose(rec.first - rec.sent, 0.010)
+    np.testing.assert_allclose(rec.end, [0.05, 0.05, 0.10, 0.10, 0.15, 0.15])
+    records = rec.records()
+    assert [r.scheduled_s for r in records] == [0.0] * 6
+    assert [r.ttft_s for r in records] == pytest.approx([0.010] * 6)
+    assert rec.summary(Slo(0.5, 0.1))["offered_rate_rps"] is None  # all scheduled at 0
+    # without the limit all six share every step
+    rec = _run(toy_config(0, 1), toy_profile(CONSTANT), work, fast=fast).recorder
+    np.testing.assert_allclose(rec.end, 0.05)
+    assert rec.sent is rec.arrival
+
+
+def test_a_refused_request_frees_its_place_in_flight() -> None:
+    # one slot: a prompt past the context is refused at once and the next one is sent
+    work = workload(np.zeros(3), 100, 5)
+    work.prompt_len[0] = 10**6
+    rec = _run(toy_config(0, 1), toy_profile(CONSTANT), work, max_concurrency=1).recorder
+    assert rec.error[0] != 0 and (rec.error[1:] == 0).all()
+    np.testing.assert_allclose(rec.sent, [0, 0, 0.05])
+    with pytest.raises(InvalidArgumentError, match="max_concurrency"):
+        SimOptions(max_concurrency=0)
+
+
 def _poisson(n: int, rate: float, seed: int = 0) -> np.ndarray:
     return wl.arrival_times("poisson", rate, n, None, seed=seed)
 
@@ -84,9 +116,7 @@ def _pcts(run: SimRun) -> dict[str, float]:
     return {f"{k}.{p}": s[k][p] for k in ("ttft_ms", "tpot_ms", "e2e_ms") for p in ("p50", "p90")}
 
 
-def run_slo():  # type: ignore[no-untyped-def]
-    from pdserve.bench.report import Slo
-
+def run_slo() -> Slo:
     return Slo(1.0, 0.1)
 
 
