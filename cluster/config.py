@@ -392,6 +392,8 @@ def _role(raw: dict[str, Any], path: str, lines: Lines) -> RoleSpec:
     for name in ("count", "min", "max"):
         if getattr(spec, name) < 0:
             raise lines.error(f"{path}.{name}", "must be >= 0")
-    if not spec.min <= spec.count <= spec.max:
-        raise lines.error(f"{path}.count", f"must be within [min={spec.min}, max={spec.max}]")
+    if not spec.min <= spec.count <= spec.max:  # a bound not given is not named (min is count)
+        bound = (f"within [min={spec.min}, max={spec.max}]" if "min" in raw and "max" in raw
+                 else f"<= max ({spec.max})" if spec.count > spec.max else f">= min ({spec.min})")  # fmt: skip
+        raise lines.error(f"{path}.count", f"must be {bound}, got {spec.count}")
     return spec

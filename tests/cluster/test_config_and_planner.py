@@ -69,6 +69,14 @@ def test_shipped_configs_load() -> None:
             "cfg.yaml:2: router.max_migrations",
         ),
         (("model: builtin:tiny", "model: builtin:tiny\nrouter: {colour: 1}"), "router.colour"),
+        (  # min not given (it is count): not "must be within [min=5, max=2]"
+            ("    decode: {count: 1}\n", "    decode: {count: 5, max: 2}\n"),
+            "cfg.yaml:6: regions[0].decode.count: must be <= max (2), got 5",
+        ),
+        (
+            ("    decode: {count: 1}\n", "    decode: {count: 1, min: 3}\n"),
+            "regions[0].decode.count: must be >= min (3), got 1",
+        ),
         (
             (
                 "model: builtin:tiny",
