@@ -184,14 +184,19 @@ _FLAGS = (
 )  # fmt: skip
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("afd", help="attention-FFN disaggregation against colocated EP")
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The MoE shape :func:`write_checkpoint` builds (shared with ``bench elastic``)."""
     p.add_argument("--hidden", type=count, default=512)
     p.add_argument("--inter", type=count, default=1024, help="each expert's intermediate size")
     p.add_argument("--layers", type=count, default=4)
     p.add_argument("--experts", type=count, default=8)
     p.add_argument("--top-k", type=count, default=2)
     p.add_argument("--heads", type=count, default=8)
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser("afd", help="attention-FFN disaggregation against colocated EP")
+    add_model_flags(p)
     p.add_argument("--ranks", type=count, default=2, help="ranks of every layout")
     p.add_argument("--attention-ranks", type=count, default=1, help="afd: the rest hold experts")
     p.add_argument("--micro-batches", type=count, default=2)

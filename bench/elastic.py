@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.afd import write_checkpoint
+from pdserve.bench.afd import add_model_flags, write_checkpoint
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.config import build_engine_config
@@ -136,12 +136,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", type=count, default=2, help="expert-parallel ranks")
     p.add_argument("--victim", type=int, default=1, help="the follower rank to kill")
     p.add_argument("--redundant", type=int, default=8, help="replica slots (second case)")
-    p.add_argument("--hidden", type=count, default=512)
-    p.add_argument("--inter", type=count, default=1024)
-    p.add_argument("--experts", type=count, default=8)
-    p.add_argument("--top-k", type=count, default=2)
-    p.add_argument("--heads", type=count, default=8)
-    p.add_argument("--layers", type=count, default=4)
+    add_model_flags(p)
     p.add_argument("--batch", type=count, default=4, help="requests streaming at the kill")
     p.add_argument("--tokens", type=count, default=64, help="tokens per request")
     p.add_argument("--kill-after", type=int, default=8, help="steps before the kill")
