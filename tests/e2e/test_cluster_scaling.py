@@ -134,7 +134,8 @@ def test_failed_start_is_retried_with_backoff_until_the_region_is_whole(ray_sess
         c.status()  # while the start waits for room, outside the controller's lock
         assert time.monotonic() - start < 1.0
         scaler.join(timeout=60)
-        assert isinstance(outcome[0], Exception) and "GetTimeoutError" in str(outcome[0])
+        # the start fails naming what its ranks asked (it was Ray's GetTimeoutError)
+        assert isinstance(outcome[0], Exception) and "were not placed within 8 s" in str(outcome[0])
         c.wait(lambda: c.status().regions[0].failed_starts >= 2, timeout_s=60)
         region = c.status().regions[0]
         assert region.target_decode == 2 and region.decode == 1
