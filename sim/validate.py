@@ -27,7 +27,9 @@ Setups: ``colocated`` (one decode-role instance prefilling every prompt itself,
 both cores) and ``disaggregated`` (one prefill and one decode instance, a core
 each). Workloads: ``conv`` and ``code`` (the Azure traces, lengths scaled by
 ``--length-scale`` and clamped) and ``long`` (synthetic 1,024-token prompts,
-32-token outputs).
+32-token outputs). A point with a fourth field ``cN`` (``colocated:conv:4:c2``) is
+a closed loop: the load generator (and the simulator, :mod:`pdserve.sim.gate`)
+holds an arrival while N requests are in flight, as ``--max-concurrency N``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -80,29 +83,42 @@ class Point:
     setup: str
     workload: str
     rate: float
+    concurrency: int | None = None  # a closed loop: at most this many requests in flight
 
     @classmethod
     def parse(cls, text: str) -> Point:
+        fields = text.split(":")
         try:
-            setup, workload, rate = text.split(":")
-            point = cls(setup, workload, float(rate))
+            if len(fields) not in (3, 4) or (len(fields) == 4 and not fields[3].startswith("c")):
+                raise ValueError(text)
+            limit = int(fields[3][1:]) if len(fields) == 4 else None
+            point = cls(fields[0], fields[1], float(fields[2]), limit)
         except ValueError:
-            raise InvalidArgumentError("point", f"{text!r} is not SETUP:WORKLOAD:RATE") from None
-        if setup not in SETUPS or workload not in WORKLOADS or not point.rate > 0:
             raise InvalidArgumentError(
-                "point", f"{text!r}: setup in {SETUPS}, workload in {sorted(WORKLOADS)}, rate > 0"
-            )
+                "point", f"{text!r} is not SETUP:WORKLOAD:RATE or SETUP:WORKLOAD:RATE:cN"
+            ) from None
+        if (
+            point.setup not in SETUPS or point.workload not in WORKLOADS
+            or not 0 < point.rate < math.inf or (limit is not None and limit < 1)
+        ):  # fmt: skip
+            raise InvalidArgumentError(
+                "point", f"{text!r}: setup in {SETUPS}, workload in {sorted(WORKLOADS)}, "
+                "rate > 0 and finite, cN with N >= 1",
+            )  # fmt: skip
         return point
 
     @property
     def name(self) -> str:
-        return f"{self.setup}:{self.workload}:{self.rate:g}"
+        closed = f":c{self.concurrency}" if self.concurrency is not None else ""
+        return f"{self.setup}:{self.workload}:{self.rate:g}{closed}"
 
 
 def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
     flags = list(WORKLOADS[point.workload])
     if point.workload in ("conv", "code"):
         flags += ["--length-scale", str(args.length_scale)]
+    if point.concurrency is not None:
+        flags += ["--max-concurrency", str(point.concurrency)]
     return bench_flags(flags, args)
 
 
@@ -276,8 +292,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim-validate", help="simulated against measured latency, point by point")
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS),
-                   help="SETUP:WORKLOAD:RATE (setups: colocated, disaggregated; "
-                        "workloads: conv, code, long)")  # fmt: skip
+                   help="SETUP:WORKLOAD:RATE[:cN] (setups: colocated, disaggregated; "
+                        "workloads: conv, code, long; cN: at most N requests in flight)")  # fmt: skip
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--length-scale", type=float, default=0.25, help="for the Azure traces")
     p.add_argument("--seed", type=int, default=0)

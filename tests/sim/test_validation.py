@@ -314,3 +314,29 @@ def test_steps_in_episodes_of_a_slower_host_are_counted() -> None:
     assert slow_share(ratios, starts) == pytest.approx(0.2)
     assert slow_share(np.ones_like(starts), starts) == 0.0
     assert slow_share(np.array([]), np.array([])) == 0.0
+
+
+def test_a_closed_loop_point_holds_arrivals_in_the_simulation_as_the_load_generator_does() -> None:
+    point = Point.parse("disaggregated:long:50:c1")
+    assert point == Point("disaggregated", "long", 50.0, 1)
+    assert point.name == "disaggregated:long:50:c1"
+    assert Point.parse("colocated:conv:0.3").concurrency is None
+    for bad in ("colocated:conv:1:4", "colocated:conv:1:c0", "colocated:conv:inf:c2",
+                "colocated:conv:1:c2:x", "colocated:conv:1:cx"):  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match="point"):
+            Point.parse(bad)
+    args = argparse.Namespace(model="builtin:tiny", cores=[0, 1], num_requests=12, seed=0,
+                              length_scale=0.25, calibration_requests=8)  # fmt: skip
+    closed = workload_args(point, args)
+    assert closed.max_concurrency == 1
+    text, book = setup_profiles(point.setup, args)
+    # 50 req/s is far past what the instances serve: open, the prompts queue and TTFT
+    # grows with each; closed at one in flight, each request is sent when the one
+    # before ends and its TTFT is a lone prefill's
+    opened = workload_args(Point("disaggregated", "long", 50.0), args)
+    lone = simulate(text, book, opened, 0.01, Overhead())["ttft_ms"]["p50"]
+    open_run = simulate(text, book, opened, 50.0, Overhead())
+    closed_run = simulate(text, book, closed, 50.0, Overhead())
+    assert closed_run["ttft_ms"]["p90"] == pytest.approx(lone, rel=0.05)
+    assert open_run["ttft_ms"]["p90"] > 3 * lone
+    assert closed_run["window_s"] > open_run["window_s"]
