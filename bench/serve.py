@@ -311,13 +311,15 @@ def add_workload_flags(
     g.add_argument("--temperature", type=float, default=0.0)
 
 
-def add_load_flags(p: argparse.ArgumentParser, timeout: bool = True) -> None:
-    """SLOs, the most requests in flight, and (``timeout``: a real load generator) how
-    long one may take; the simulator times nothing out."""
+def add_load_flags(p: argparse.ArgumentParser) -> None:
+    """SLOs, the most requests in flight and how long one may take (the simulator
+    honours both: ``sim/gate.py``, ``sim/timeouts.py``)."""
     g = p.add_argument_group("load and SLOs")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    if timeout:
-        g.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    g.add_argument(
+        "--request-timeout", type=float, default=600.0,
+        help="seconds from sending a request to giving up on it (it fails and is aborted)",
+    )  # fmt: skip
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     g.add_argument("--tpot-slo-ms", type=float, default=200.0)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -58,7 +58,8 @@ def simulate(
     config = parse_config(text, "<sim>")
     work = workload_from_args(ns, rate, [1.0])
     options = SimOptions(fast=False, planner=False, request_overhead_s=overhead.request_s,
-                         one_host=True, max_concurrency=ns.max_concurrency)  # fmt: skip
+                         one_host=True, max_concurrency=ns.max_concurrency,
+                         request_timeout_s=ns.request_timeout)  # fmt: skip
     run = SimCluster(config, overhead.apply(book), work, options).run()
     return run.recorder.summary(slo_of(config))
 

@@ -144,7 +144,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     add_device_flags(p)
     add_host_flag(p)
     add_workload_flags(p)
-    add_load_flags(p, timeout=False)
+    add_load_flags(p)
     p.set_defaults(func=cmd_sim, prog="pdserve sim")
 
 
@@ -219,7 +219,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     for rate in args.rate or [None]:
         work = workload_from_args(args, rate, shares)
         options = SimOptions(not args.full, len(work) <= RECORDS_LIMIT, args.startup_s,
-                             host_cores=args.host_cores, max_concurrency=args.max_concurrency)  # fmt: skip
+                             host_cores=args.host_cores, max_concurrency=args.max_concurrency,
+                             request_timeout_s=args.request_timeout)  # fmt: skip
         start, cpu = time.perf_counter(), time.process_time()
         run = SimCluster(config, book, work, options).run()
         wall, cpu, rss = time.perf_counter() - start, time.process_time() - cpu, _max_rss_mib()

@@ -22,6 +22,9 @@ read from the workload arrays as time reaches them, never queued in bulk)::
                 (plan and ready: :class:`~pdserve.sim.scaling.SimScaling`)
     send     -> an arrival a limit on requests in flight held (:mod:`~pdserve.sim.gate`)
 
+A request still in flight ``request_timeout_s`` after it was sent is aborted where
+it is (:mod:`~pdserve.sim.timeouts`; its deadlines are a queue of their own).
+
 A request the front door would refuse (its prompt and ``max_tokens`` past the
 context limit) fails at arrival. What the router would learn from load reports
 it reads here after every step of an instance (the live router hears every
@@ -36,11 +39,9 @@ same). A prefix held by another prefill instance is not moved between instances
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import PlannerPolicy
@@ -61,8 +62,10 @@ from pdserve.sim.instance import TOKEN, SimInstance
 from pdserve.sim.metrics import RegionWindow
 from pdserve.sim.options import SimOptions, SimRun, long_lived_heap
 from pdserve.sim.profile import Profile
+from pdserve.sim.reserve import decode_order, prefills_locally, reserve
 from pdserve.sim.results import Recorder, refusal
 from pdserve.sim.scaling import SimScaling
+from pdserve.sim.timeouts import Deadlines
 from pdserve.sim.workload import SimWorkload
 
 PLANNER_WINDOWS = 4  # the planner reads the last 4 intervals, as the controller does
@@ -123,6 +126,7 @@ class SimCluster:
                        self.options.keep_itl)  # fmt: skip
         self.run_info = SimRun(rec, self.regions, self.all)
         self.gate = SendGate(self.options.max_concurrency, self.queue, self.clock, rec)
+        self.deadlines = Deadlines(self.options.request_timeout_s)
         self._serial, self.max_model_len = 0, 1 << 62
         self._next = 0  # the next arrival's index
         self.scaling = SimScaling(self)
@@ -201,14 +205,19 @@ class SimCluster:
         arrivals, n = self.work.arrival_s, len(self.work)
         handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff,
             "plan": self.scaling.on_plan, "ready": self.scaling.on_ready, "launch": self._launch, "kick": self._on_kick, "send": self._arrive}  # fmt: skip
+        done, deadlines = self.run_info.recorder.done, self.deadlines
         while True:
-            t_next = self.queue.peek_time()
+            t_next, due = self.queue.peek_time(), deadlines.next_at(done)
             i = self._next
-            if i < n and arrivals[i] <= t_next:
+            if i < n and arrivals[i] <= min(t_next, due):
                 self.clock.advance_to(float(arrivals[i]))
                 self._next += 1
                 if self.gate.admit(i):
                     self._arrive(i)
+                continue
+            if due < t_next:  # an event at the deadline itself (a finish) goes first
+                self.clock.advance_to(due)
+                deadlines.expire(self)
                 continue
             idle = i >= n and not self.gate.in_flight and not any(x.busy for x in self.instances.values())  # fmt: skip
             if not len(self.queue) or idle:
@@ -243,6 +252,7 @@ class SimCluster:
             return
         region = choice.region
         rec.region[i] = self.regions.index(region)
+        self.deadlines.sent(i, now)
         self.retries.on_request()
         self.inflight[region] += 1
         lat = self.config.router.latency(home, region) + self.options.request_overhead_s
@@ -254,23 +264,25 @@ class SimCluster:
     def _launch(self, payload: tuple[int, CompletionInput, Choice]) -> None:
         i, inp, choice = payload
         rid, prompt, region = inp.request_id, inp.prompt_token_ids, choice.region
+        if self.deadlines.dropped_at_launch(i):  # it timed out on its way
+            return
         decode = self.instances.get(choice.decode.instance_id)
         if decode is None:  # removed while the request crossed to its region
-            decode = self.instances[self._reserve_order_ids(region)[0]]
+            decode = self.instances[decode_order(self.view, region)[0]]
         now = self.clock.now()
         probe = Request(rid, prompt, inp.params, (), now)  # its block hashes are computed once
         hashes = choice.hashes.get(decode.kv.block_size)
         if hashes and decode.kv.pool.enable_caching:
             probe.block_hashes = list(hashes)  # the router hashed the prompt already
         prefill = None if choice.prefill is None else self.instances.get(choice.prefill.instance_id)
-        if prefill is None or self._prefill_here(decode, probe):
+        if prefill is None or prefills_locally(self.config, decode, probe):
             self._interrupt(decode)
             decode.scheduler.add_request(probe)
             self.tracks[rid] = _Track(i, region, decode, None, len(prompt))
             self._placed(decode)
             self._kick(decode)
             return
-        reserved = self._reserve(region, decode, probe)
+        reserved = reserve(self.instances, self.view, self.retries, region, decode, probe)
         if reserved is None:
             self.inflight[region] -= 1
             self.run_info.recorder.fail(i, 2, now)
@@ -287,41 +299,6 @@ class SimCluster:
         self._placed(prefill)
         self._placed(decode)
         self._kick(prefill)
-
-    def _prefill_here(self, decode: SimInstance, probe: Request) -> bool:
-        """The decode server's rule: short prompts, and mostly cached ones, stay local."""
-        kv = decode.kv
-        return self.config.disaggregation.prefills_locally(
-            probe.num_tokens, lambda: len(kv.find_cached_prefix(probe)) * kv.block_size
-        )
-
-    def _reserve(
-        self, region: str, first: SimInstance, probe: Request
-    ) -> tuple[SimInstance, int] | None:
-        """Reserve pages for ``probe`` on ``first``, then (within the retry budget) on the
-        fastest others; the request object itself joins the decode instance."""
-        for attempt, decode in enumerate(self._reserve_order(region, first)):
-            if attempt and not self.retries.try_spend():
-                return None
-            # A reservation takes blocks but leaves the batch as it is: a run goes on.
-            decode.hold_run_blocks()
-            if decode.kv.block_size != first.kv.block_size:
-                probe.block_hashes = []
-            cached = decode.scheduler.reserve(probe)
-            if cached is not None:  # the router's view of it is refreshed once placed
-                return decode, cached
-        return None
-
-    def _reserve_order(self, region: str, first: SimInstance) -> Iterator[SimInstance]:
-        """``first``, then the region's other decode instances by TPOT (sorted if needed)."""
-        yield first
-        ids = self._reserve_order_ids(region)
-        yield from (self.instances[i] for i in ids if i != first.instance_id)
-
-    def _reserve_order_ids(self, region: str) -> list[str]:
-        """The region's decode instances, by the router's estimated TPOT."""
-        table = self.view.table("decode", region)
-        return [table.views[j].instance_id for j in np.argsort(table.decode_tpot())]
 
     def _placed(self, inst: SimInstance) -> None:
         inst.view.inflight += 1
@@ -370,7 +347,9 @@ class SimCluster:
         self.queue.push(self.clock.now() + delay, "handoff", f"r{track.index}")
 
     def _on_handoff(self, rid: str) -> None:
-        track = self.tracks[rid]
+        track = self.tracks.get(rid)
+        if track is None:
+            return  # it timed out while its pages moved (sim/timeouts.py)
         assert track.prefill is not None
         prefill, decode = track.prefill, track.decode
         prefill.scheduler.release(rid)

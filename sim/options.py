@@ -45,6 +45,9 @@ class SimOptions:
             local cluster of a few cores an added instance adds queues, not compute.
         max_concurrency: most requests in flight, as ``pdserve bench serve
             --max-concurrency`` sends them (None: an open loop); see :mod:`~pdserve.sim.gate`.
+        request_timeout_s: a request still in flight this long after it was sent fails
+            and is aborted, as ``--request-timeout`` (None: never); see
+            :mod:`~pdserve.sim.timeouts`.
     """
 
     fast: bool = True
@@ -55,11 +58,16 @@ class SimOptions:
     one_host: bool = False
     host_cores: float = 0.0
     max_concurrency: int | None = None
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise InvalidArgumentError(
                 "max_concurrency", f"must be >= 1, got {self.max_concurrency}"
+            )
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise InvalidArgumentError(
+                "request_timeout", f"must be > 0, got {self.request_timeout_s}"
             )
         if not 0 <= self.startup_s < math.inf:
             raise InvalidArgumentError("startup_s", f"must be >= 0, got {self.startup_s}")

@@ -30,7 +30,9 @@ ERRORS = (
     "overloaded: no decode instance had room",
     "invalid: prompt: no room to generate within the context limit",
     "invalid: max_tokens: prompt + max_tokens exceed the context limit",
+    "DEADLINE_EXCEEDED: Deadline Exceeded",  # as the gRPC load generator records it
 )
+TIMED_OUT = 5  # past --request-timeout (sim/timeouts.py)
 
 
 def refusal(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
@@ -123,6 +125,16 @@ class Recorder:
         self._last.pop(i, None)
         if self.on_end is not None:
             self.on_end()
+
+    def timed_out(self, i: int, at: float) -> None:
+        """Request ``i`` ran past the client's timeout: failed, its tokens dropped, as the
+        load generator records a request it gave up on."""
+        self._tokens[i] = 0
+        self._first[i] = np.nan
+        self._last.pop(i, None)
+        if self.itl is not None:
+            self.itl.pop(i, None)
+        self.fail(i, TIMED_OUT, at)
 
     def fail(self, i: int, code: int, at: float) -> None:
         self.error[i] = code

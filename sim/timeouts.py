@@ -1,0 +1,105 @@
+"""The load generator's ``--request-timeout``, in virtual time.
+
+``pdserve bench serve`` gives up on a request still streaming ``timeout_s`` after it
+sent it: the record fails (no tokens kept) and, with a limit on requests in flight,
+the slot goes to the next waiting request. Its stream's end makes the router abort
+the request wherever it is, which frees its pages. :class:`Deadlines` does the
+same for the simulator. Every request gets the same timeout and is sent in time
+order, so the deadlines come due in the order they were set: a queue, not a heap.
+A request that ended first is skipped when its deadline comes up.
+
+Where an expired request is, and what its abort frees:
+
+- crossing to its region (its launch is queued): dropped when it lands;
+- on its prefill instance (queued or prefilling): the prefill's blocks and the decode
+  instance's reservation;
+- its pages in transfer: the pages on both sides, at once (the hand-off, when it
+  lands, finds no request and does nothing);
+- on its decode instance: its blocks there.
+
+A step already running keeps the request's row and drops its tokens, as an engine
+step that an abort overtakes does (``Scheduler.update``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pdserve.core.request import RequestStatus
+
+if TYPE_CHECKING:
+    from pdserve.sim.cluster import SimCluster, _Track
+    from pdserve.sim.instance import SimInstance
+
+ABORTED = RequestStatus.FINISHED_ABORTED
+
+
+class Deadlines:
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s  # None: no request ever times out
+        self._due: deque[tuple[float, int]] = deque()
+        self.crossing: set[int] = set()  # expired before their launch
+
+    def sent(self, i: int, at: float) -> None:
+        if self.timeout_s is not None:
+            self._due.append((at + self.timeout_s, i))
+
+    def next_at(self, done: np.ndarray) -> float:
+        """When the next request still in flight times out (inf: none); ``done`` is the
+        recorder's per-request flags, which the queue skips past."""
+        due = self._due
+        while due and done[due[0][1]]:
+            due.popleft()
+        return due[0][0] if due else float("inf")
+
+    def expire(self, cluster: SimCluster) -> None:
+        """The request at the head of the queue times out now."""
+        _, i = self._due.popleft()
+        rec = cluster.run_info.recorder
+        track = cluster.tracks.pop(f"r{i}", None)
+        if track is None:  # sent, its launch still queued: dropped when it lands
+            cluster.inflight[cluster.regions[rec.region[i]]] -= 1
+            self.crossing.add(i)
+        else:
+            _abort(cluster, track)
+        rec.timed_out(i, cluster.clock.now())
+
+    def dropped_at_launch(self, i: int) -> bool:
+        """True (once) if request ``i`` expired while crossing to its region."""
+        if i in self.crossing:
+            self.crossing.discard(i)
+            return True
+        return False
+
+
+def _abort(cluster: SimCluster, track: _Track) -> None:
+    rid, prefill, decode = f"r{track.index}", track.prefill, track.decode
+    cluster.inflight[track.region] -= 1
+    decode.view.inflight -= 1
+    if prefill is not None and rid in prefill.scheduler.held:  # its pages in transfer
+        prefill.scheduler.release(rid)
+        prefill.view.inflight -= 1
+        _settle(cluster, prefill)
+    elif prefill is not None and rid in prefill.scheduler.requests:  # not prefilled yet
+        cluster._interrupt(prefill)
+        prefill.scheduler.finish(rid, ABORTED)
+        prefill.view.inflight -= 1
+        prefill.view.pending_prompt_tokens -= track.prompt_len
+        _settle(cluster, prefill)
+    else:  # on its decode instance (the only one, or after the hand-off)
+        cluster._interrupt(decode)
+    decode.scheduler.finish(rid, ABORTED)  # its blocks there, or the reservation
+    _settle(cluster, decode)
+
+
+def _settle(cluster: SimCluster, inst: SimInstance) -> None:
+    """An instance lost a request: the router hears of it, a draining instance left
+    idle goes, and one with work left schedules its next step."""
+    cluster._refresh(inst)
+    if inst.draining and inst.idle:
+        cluster.scaling.remove(inst)
+    else:
+        cluster._kick(inst)
