@@ -23,13 +23,7 @@ the profile, every run's workload, summary and engines' traced steps), and
 measuring anything, so a change to the calibration or the step model can be
 tried on runs that took the better part of an hour to measure.
 
-Setups: ``colocated`` (one decode-role instance prefilling every prompt itself,
-both cores) and ``disaggregated`` (one prefill and one decode instance, a core
-each). Workloads: ``conv`` and ``code`` (the Azure traces, lengths scaled by
-``--length-scale`` and clamped) and ``long`` (synthetic 1,024-token prompts,
-32-token outputs). A point with a fourth field ``cN`` (``colocated:conv:4:c2``) is
-a closed loop: the load generator (and the simulator, :mod:`pdserve.sim.gate`)
-holds an arrival while N requests are in flight, as ``--max-concurrency N``.
+The points: :mod:`pdserve.sim.validate_points`.
 """
 
 from __future__ import annotations
@@ -37,11 +31,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +41,6 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.calibrate import (
     Overhead,
     Runs,
-    bench_flags,
     calibrate,
     calibration_args,
     host_check_args,
@@ -61,65 +52,8 @@ from pdserve.sim.calibrate import (
 )
 from pdserve.sim.kept import kept_entry, kept_runs, kept_setup, read_kept
 from pdserve.sim.live import Measured, scaled, traced
+from pdserve.sim.validate_points import DEFAULT_POINTS, SETUPS, Point, workload_args
 from pdserve.sim.validate_report import TOLERANCE, compare_point, point_row
-
-WORKLOADS: dict[str, list[str]] = {
-    "conv": ["--trace", "azure-conv", "--max-prompt-len", "1024", "--max-output-len", "128"],
-    "code": ["--trace", "azure-code", "--max-prompt-len", "1024", "--max-output-len", "128"],
-    "long": ["--prompt-len", "1024", "--output-len", "32"],
-}
-SETUPS = ("colocated", "disaggregated")
-# (setup, workload, rate req/s) of the default run: each workload at a low rate and
-# near saturation on builtin:small, two cores
-DEFAULT_POINTS = (
-    "colocated:conv:0.3", "colocated:conv:1.2",
-    "disaggregated:code:0.3", "disaggregated:code:1.0",
-    "disaggregated:long:0.2", "colocated:long:0.8",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Point:
-    setup: str
-    workload: str
-    rate: float
-    concurrency: int | None = None  # a closed loop: at most this many requests in flight
-
-    @classmethod
-    def parse(cls, text: str) -> Point:
-        fields = text.split(":")
-        try:
-            if len(fields) not in (3, 4) or (len(fields) == 4 and not fields[3].startswith("c")):
-                raise ValueError(text)
-            limit = int(fields[3][1:]) if len(fields) == 4 else None
-            point = cls(fields[0], fields[1], float(fields[2]), limit)
-        except ValueError:
-            raise InvalidArgumentError(
-                "point", f"{text!r} is not SETUP:WORKLOAD:RATE or SETUP:WORKLOAD:RATE:cN"
-            ) from None
-        if (
-            point.setup not in SETUPS or point.workload not in WORKLOADS
-            or not 0 < point.rate < math.inf or (limit is not None and limit < 1)
-        ):  # fmt: skip
-            raise InvalidArgumentError(
-                "point", f"{text!r}: setup in {SETUPS}, workload in {sorted(WORKLOADS)}, "
-                "rate > 0 and finite, cN with N >= 1",
-            )  # fmt: skip
-        return point
-
-    @property
-    def name(self) -> str:
-        closed = f":c{self.concurrency}" if self.concurrency is not None else ""
-        return f"{self.setup}:{self.workload}:{self.rate:g}{closed}"
-
-
-def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
-    flags = list(WORKLOADS[point.workload])
-    if point.workload in ("conv", "code"):
-        flags += ["--length-scale", str(args.length_scale)]
-    if point.concurrency is not None:
-        flags += ["--max-concurrency", str(point.concurrency)]
-    return bench_flags(flags, args)
 
 
 @contextlib.contextmanager
@@ -292,8 +226,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim-validate", help="simulated against measured latency, point by point")
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS),
-                   help="SETUP:WORKLOAD:RATE[:cN] (setups: colocated, disaggregated; "
-                        "workloads: conv, code, long; cN: at most N requests in flight)")  # fmt: skip
+                   help="SETUP:WORKLOAD:RATE[:cN][:tS] (setups: colocated, disaggregated; "
+                        "workloads: conv, code, long; cN: at most N requests in flight; "
+                        "tS: a request times out S seconds after it was sent)")  # fmt: skip
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--length-scale", type=float, default=0.25, help="for the Azure traces")
     p.add_argument("--seed", type=int, default=0)
@@ -350,7 +285,13 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     from pdserve.bench.report import header, write_json
     from pdserve.bench.serve import command_line
     from pdserve.core.builtin_models import resolve_model
-    from pdserve.sim.validate_report import calibration_lines, mean_abs_error, repeat_table, table
+    from pdserve.sim.validate_report import (
+        calibration_lines,
+        failed_lines,
+        mean_abs_error,
+        repeat_table,
+        table,
+    )
 
     points = checked_points(args)
     kept = None
@@ -370,6 +311,8 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
                             {**header(command_line(args)), "setups": measured})  # fmt: skip
         print(f"wrote {traces}")
     print(table(rows))
+    for line in failed_lines(rows):
+        print(line)
     if args.repeat > 1:
         print(repeat_table(rows))
     print("\nThe same, simulated with each role's steps as they ran (the first run):")

@@ -72,6 +72,20 @@ def kinds_text(kinds: dict[str, dict[str, dict[str, float]]]) -> str:
     )
 
 
+def failed_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per point where either side had failed requests (timeouts, refusals): how many,
+    each measured run's and the simulation's, and the simulation's reasons."""
+    lines = []
+    for row in rows:
+        failed = row["failed"]
+        if failed["sim"] or any(failed["real"]):
+            real = ", ".join(str(n) for n in failed["real"])
+            why = "; ".join(f"{n} {e}" for e, n in row["sim"].get("errors", {}).items())
+            lines.append(f"{row['point']}: failed requests, real {real} / sim {failed['sim']}"
+                         + (f" ({why})" if why else ""))  # fmt: skip
+    return lines
+
+
 def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) -> list[str]:
     lines = []
     for row in rows:
@@ -150,7 +164,9 @@ def point_row(
     runs_steps = [m.ratios(role_models or {}, live_model) for m in repeats]
     row: dict[str, Any] = {"point": name, "real": first, "sim": sim,
                            "compare": compare_point(real, sim), "live_steps": runs_steps[0],
-                           "live_steps_runs": runs_steps}  # fmt: skip
+                           "live_steps_runs": runs_steps,
+                           "failed": {"real": [m.summary["num_failed"] for m in repeats],
+                                      "sim": sim["num_failed"]}}  # fmt: skip
     if len(repeats) > 1:
         row.update(real_mean=real, real_runs=[m.summary for m in repeats[1:]],
                    compare_runs=[compare_point(first, m.summary) for m in repeats[1:]])  # fmt: skip

@@ -57,7 +57,7 @@ from pdserve.sim.validate import (
     setup_profiles,
     workload_args,
 )
-from pdserve.sim.validate_report import compare_point, point_row, repeat_table
+from pdserve.sim.validate_report import compare_point, failed_lines, point_row, repeat_table
 from tests.sim.helpers import step_timeline
 
 # |sim - real| / real for TTFT and TPOT p50 at this point, on 2 shared cores: 12 requests,
@@ -188,6 +188,7 @@ def _summary(ttft: tuple[float, float], tpot: tuple[float, float]) -> dict[str, 
     return {
         "ttft_ms": {"p50": ttft[0], "p90": ttft[1]},
         "tpot_ms": {"p50": tpot[0], "p90": tpot[1]},
+        "num_failed": 0,
     }
 
 
@@ -198,7 +199,9 @@ def test_a_repeated_point_is_compared_with_its_runs_mean_and_each_run_with_the_f
     ]
     sim = _summary((110, 180), (11, 24))
     row = point_row("colocated:conv:1", sim, runs, StepModel())
-    assert row["real_mean"] == _summary((110, 180), (11, 20))
+    assert row["real_mean"] == {k: v for k, v in _summary((110, 180), (11, 20)).items()
+                                if k != "num_failed"}  # fmt: skip
+    assert row["failed"] == {"real": [0, 0], "sim": 0}
     errors = {k: c["error"] for k, c in row["compare"].items()}
     assert errors == pytest.approx({"ttft_p50": 0, "ttft_p90": 0, "tpot_p50": 0, "tpot_p90": 0.2})
     assert not row["compare"]["tpot_p90"]["ok"]  # 20% over, against a 15% tolerance
@@ -321,14 +324,20 @@ def test_a_closed_loop_point_holds_arrivals_in_the_simulation_as_the_load_genera
     assert point == Point("disaggregated", "long", 50.0, 1)
     assert point.name == "disaggregated:long:50:c1"
     assert Point.parse("colocated:conv:0.3").concurrency is None
+    limited = Point.parse("colocated:long:3:t6.5:c2")  # either order
+    assert (limited.concurrency, limited.timeout_s) == (2, 6.5)
+    assert limited.name == "colocated:long:3:c2:t6.5" and Point.parse(limited.name) == limited
     for bad in ("colocated:conv:1:4", "colocated:conv:1:c0", "colocated:conv:inf:c2",
-                "colocated:conv:1:c2:x", "colocated:conv:1:cx"):  # fmt: skip
+                "colocated:conv:1:c2:x", "colocated:conv:1:cx", "colocated:conv:1:c2:c3",
+                "colocated:conv:1:t0", "colocated:conv:1:tinf", "colocated:conv:1:t",
+                "colocated:conv"):  # fmt: skip
         with pytest.raises(InvalidArgumentError, match="point"):
             Point.parse(bad)
     args = argparse.Namespace(model="builtin:tiny", cores=[0, 1], num_requests=12, seed=0,
                               length_scale=0.25, calibration_requests=8)  # fmt: skip
     closed = workload_args(point, args)
     assert closed.max_concurrency == 1
+    assert workload_args(limited, args).request_timeout == 6.5
     text, book = setup_profiles(point.setup, args)
     # 50 req/s is far past what the instances serve: open, the prompts queue and TTFT
     # grows with each; closed at one in flight, each request is sent when the one
@@ -340,3 +349,16 @@ def test_a_closed_loop_point_holds_arrivals_in_the_simulation_as_the_load_genera
     assert closed_run["ttft_ms"]["p90"] == pytest.approx(lone, rel=0.05)
     assert open_run["ttft_ms"]["p90"] > 3 * lone
     assert closed_run["window_s"] > open_run["window_s"]
+
+
+def test_the_report_names_failed_requests_where_either_side_had_them() -> None:
+    runs = [Measured({**_summary((100, 200), (10, 20)), "num_failed": n}, {}) for n in (5, 7)]
+    sim = {**_summary((110, 180), (11, 24)), "num_failed": 6,
+           "errors": {"DEADLINE_EXCEEDED: Deadline Exceeded": 6}}  # fmt: skip
+    row = point_row("colocated:long:3:t6", sim, runs, StepModel())
+    once = [Measured(_summary((1, 2), (1, 2)), {})]
+    quiet = point_row("colocated:long:1", _summary((1, 2), (1, 2)), once, StepModel())
+    assert failed_lines([row, quiet]) == [
+        "colocated:long:3:t6: failed requests, real 5, 7 / sim 6 "
+        "(6 DEADLINE_EXCEEDED: Deadline Exceeded)"
+    ]

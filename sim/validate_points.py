@@ -1,0 +1,89 @@
+"""``pdserve sim-validate``'s points: a setup, a workload, a rate, and the load
+generator's limits.
+
+Setups: ``colocated`` (one decode-role instance prefilling every prompt itself,
+both cores) and ``disaggregated`` (one prefill and one decode instance, a core
+each). Workloads: ``conv`` and ``code`` (the Azure traces, lengths scaled by
+``--length-scale`` and clamped) and ``long`` (synthetic 1,024-token prompts,
+32-token outputs). Fields after the rate set the load generator's limits, which
+the simulator applies as well: ``cN``, a closed loop that holds an arrival while N
+requests are in flight (``--max-concurrency N``, :mod:`pdserve.sim.gate`), and
+``tS``, a request given up on S seconds after it was sent (``--request-timeout S``,
+:mod:`pdserve.sim.timeouts`); e.g. ``colocated:conv:4:c2`` or
+``colocated:long:3:t6``. The report then gives the failed requests of each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.sim.calibrate import bench_flags
+
+WORKLOADS: dict[str, list[str]] = {
+    "conv": ["--trace", "azure-conv", "--max-prompt-len", "1024", "--max-output-len", "128"],
+    "code": ["--trace", "azure-code", "--max-prompt-len", "1024", "--max-output-len", "128"],
+    "long": ["--prompt-len", "1024", "--output-len", "32"],
+}
+SETUPS = ("colocated", "disaggregated")
+# (setup, workload, rate req/s) of the default run: each workload at a low rate and
+# near saturation on builtin:small, two cores
+DEFAULT_POINTS = (
+    "colocated:conv:0.3", "colocated:conv:1.2",
+    "disaggregated:code:0.3", "disaggregated:code:1.0",
+    "disaggregated:long:0.2", "colocated:long:0.8",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Point:
+    setup: str
+    workload: str
+    rate: float
+    concurrency: int | None = None  # a closed loop: at most this many requests in flight
+    timeout_s: float | None = None  # the load generator's --request-timeout
+
+    @classmethod
+    def parse(cls, text: str) -> Point:
+        fields = text.split(":")
+        try:
+            limits = {f[0]: f[1:] for f in fields[3:]}
+            if len(fields) < 3 or len(limits) != len(fields) - 3 or set(limits) - {"c", "t"}:
+                raise ValueError(text)
+            point = cls(fields[0], fields[1], float(fields[2]),
+                        int(limits["c"]) if "c" in limits else None,
+                        float(limits["t"]) if "t" in limits else None)  # fmt: skip
+        except (ValueError, IndexError):
+            raise InvalidArgumentError(
+                "point", f"{text!r} is not SETUP:WORKLOAD:RATE[:cN][:tS]"
+            ) from None
+        if (
+            point.setup not in SETUPS or point.workload not in WORKLOADS
+            or not 0 < point.rate < math.inf
+            or (point.concurrency is not None and point.concurrency < 1)
+            or (point.timeout_s is not None and not 0 < point.timeout_s < math.inf)
+        ):  # fmt: skip
+            raise InvalidArgumentError(
+                "point", f"{text!r}: setup in {SETUPS}, workload in {sorted(WORKLOADS)}, "
+                "rate > 0 and finite, cN with N >= 1, tS with S > 0 and finite",
+            )  # fmt: skip
+        return point
+
+    @property
+    def name(self) -> str:
+        closed = f":c{self.concurrency}" if self.concurrency is not None else ""
+        timeout = f":t{self.timeout_s:g}" if self.timeout_s is not None else ""
+        return f"{self.setup}:{self.workload}:{self.rate:g}{closed}{timeout}"
+
+
+def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
+    flags = list(WORKLOADS[point.workload])
+    if point.workload in ("conv", "code"):
+        flags += ["--length-scale", str(args.length_scale)]
+    if point.concurrency is not None:
+        flags += ["--max-concurrency", str(point.concurrency)]
+    if point.timeout_s is not None:
+        flags += ["--request-timeout", str(point.timeout_s)]
+    return bench_flags(flags, args)
