@@ -131,9 +131,38 @@ def resolve(ref: str, root: Path | None = None) -> Path:
     return folder
 
 
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """A version's manifest, or an error naming the file when it is not one (edited by
+    hand, cut short): a broken manifest is never taken for a version."""
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidArgumentError("model", f"{path} is not a manifest: {e}") from None
+    kinds = {"name": str, "version": str, "sha256": str, "files": dict, "pushed_at": float,
+             "source": str}  # fmt: skip
+    if not isinstance(manifest, dict):
+        raise InvalidArgumentError("model", f"{path} is not a manifest: not a JSON object")
+    for key, kind in kinds.items():
+        value = manifest.get(key)
+        if not isinstance(value, int | float if kind is float else kind):
+            raise InvalidArgumentError(
+                "model", f"{path} is not a manifest: {key!r} missing or not a {kind.__name__}"
+            )
+    outside = [f for f in manifest["files"] if Path(f).is_absolute() or ".." in Path(f).parts]
+    if outside:
+        raise InvalidArgumentError("model", f"{path} names a file outside its folder: {outside[0]}")
+    if (manifest["name"], manifest["version"]) != (folder.parent.name, folder.name):
+        raise InvalidArgumentError(
+            "model", f"{path} names {manifest['name']}@{manifest['version']}, "
+            f"not the folder's {folder.parent.name}@{folder.name}",
+        )  # fmt: skip
+    return manifest
+
+
 def verify(folder: Path) -> dict[str, Any]:
     """Check every file of a version against its manifest; returns the manifest."""
-    manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
+    manifest = read_manifest(folder)
     ref = f"{manifest['name']}@{manifest['version']}"
     files: dict[str, str] = manifest["files"]
     present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
@@ -153,10 +182,15 @@ def verify(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def versions(root: Path | None = None) -> list[dict[str, Any]]:
-    """Every version's manifest, by name then push time."""
+def versions(root: Path | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every version's manifest, by name then push time; and, for each manifest that is
+    not one (:func:`read_manifest`), why."""
     base = root or registry_root()
-    manifests = [
-        json.loads(m.read_text()) for m in sorted(base.glob(f"*/*/{MANIFEST}")) if m.is_file()
-    ]
-    return sorted(manifests, key=lambda m: (m["name"], m["pushed_at"]))
+    manifests, broken = [], []
+    for m in sorted(base.glob(f"*/*/{MANIFEST}")):
+        if m.is_file():
+            try:
+                manifests.append(read_manifest(m.parent))
+            except InvalidArgumentError as e:
+                broken.append(e.message)
+    return sorted(manifests, key=lambda m: (m["name"], m["pushed_at"])), broken

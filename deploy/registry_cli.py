@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from pdserve.core import registry
@@ -18,10 +19,14 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    for m in registry.versions():
+    """The versions; a broken manifest is named on stderr, and the exit status is 1."""
+    manifests, broken = registry.versions()
+    for m in manifests:
         if args.name in (None, m["name"]):
             print(f"{m['name']}@{m['version']}  sha256:{m['sha256'][:16]}  from {m['source']}")
-    return 0
+    for why in broken:
+        print(f"pdserve registry list: {why}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -60,3 +60,30 @@ def test_versions_are_immutable_and_checked(root: Path, tiny_path: Path) -> None
 def test_a_malformed_reference_names_the_field(root: Path, ref: str) -> None:
     with pytest.raises(InvalidArgumentError, match=r"registry:<name>@<version>"):
         resolve_model(ref)
+
+
+def test_a_broken_manifest_is_named_never_taken_for_a_version(
+    root: Path, tiny_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    # edited by hand or cut short: resolving, verifying and listing name the file; the
+    # other versions still list
+    registry.push("tiny", "v1", tiny_path)
+    registry.push("tiny", "v2", tiny_path)
+    manifest = root / "tiny" / "v2" / registry.MANIFEST
+    good = manifest.read_text()
+    for text, why in (
+        (good[: len(good) // 2], "is not a manifest: "),
+        ("[1, 2]", "not a JSON object"),
+        (good.replace('"sha256"', '"sha"', 1), "'sha256' missing or not a str"),
+        (good.replace('"version": "v2"', '"version": "v1"'), "names tiny@v1, not the folder's tiny@v2"),
+        (good.replace('"config.json"', '"../../x.json"'), "a file outside its folder: ../../x.json"),
+    ):  # fmt: skip
+        manifest.write_text(text)
+        with pytest.raises(InvalidArgumentError, match=why.replace("(", r"\(")):
+            resolve_model("registry:tiny@v2")
+        assert main(["registry", "verify", "tiny@v2"]) == 2
+        assert why in capsys.readouterr().err
+        assert main(["registry", "list"]) == 1
+        out, err = capsys.readouterr()
+        assert "tiny@v1" in out and "tiny@v2" not in out
+        assert str(manifest) in err and "Traceback" not in err
