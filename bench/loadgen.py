@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ class LoadOptions:
 
     Attributes:
         max_concurrency: most requests in flight (None: no limit, a pure open loop).
-        request_timeout_s: a request still streaming after this long fails.
+        request_timeout_s: a request still streaming after this long fails (inf: never).
         progress: show a tqdm progress bar.
     """
 
@@ -66,6 +67,11 @@ class LoadOptions:
             )
 
 
+def no_deadline(timeout_s: float) -> float | None:
+    """``timeout_s``, or None (no deadline) for an infinite one."""
+    return timeout_s if math.isfinite(timeout_s) else None
+
+
 class GrpcClient:
     def __init__(
         self, address: str, api_key: str | None, model: str, temperature: float, timeout_s: float
@@ -81,7 +87,7 @@ class GrpcClient:
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.model = model
         self.temperature = temperature
-        self.timeout_s = timeout_s
+        self.timeout_s = no_deadline(timeout_s)  # gRPC takes an infinite one as already past
 
     async def model_name(self) -> str:
         try:
@@ -140,7 +146,7 @@ class HttpClient:
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            timeout=aiohttp.ClientTimeout(total=no_deadline(timeout_s)),
             connector=aiohttp.TCPConnector(limit=0),
         )
         self.model = model

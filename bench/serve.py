@@ -318,7 +318,8 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     g.add_argument(
         "--request-timeout", type=float, default=600.0,
-        help="seconds from sending a request to giving up on it (it fails and is aborted)",
+        help="seconds from sending a request to giving up on it (it fails and is "
+        "aborted); inf: never",
     )  # fmt: skip
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     g.add_argument("--tpot-slo-ms", type=float, default=200.0)

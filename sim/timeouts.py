@@ -23,6 +23,7 @@ step that an abort overtakes does (``Scheduler.update``).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -39,7 +40,8 @@ ABORTED = RequestStatus.FINISHED_ABORTED
 
 class Deadlines:
     def __init__(self, timeout_s: float | None) -> None:
-        self.timeout_s = timeout_s  # None: no request ever times out
+        # None or inf: no request ever times out
+        self.timeout_s = timeout_s if timeout_s is not None and math.isfinite(timeout_s) else None
         self._due: deque[tuple[float, int]] = deque()
         self.crossing: set[int] = set()  # expired before their launch
 

@@ -3,6 +3,8 @@ pages go back, and a limit on requests in flight sends the next one at that inst
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -84,5 +86,8 @@ def test_a_timeout_no_request_reaches_changes_nothing() -> None:
     late = _run(1, work, request_timeout_s=600.0).run_info.recorder
     np.testing.assert_array_equal(late.end, never.end)
     np.testing.assert_array_equal(late.first, never.first)
+    unbounded = _run(1, work, request_timeout_s=math.inf)  # --request-timeout inf: never
+    np.testing.assert_array_equal(unbounded.run_info.recorder.end, never.end)
+    assert not unbounded.deadlines._due
     with pytest.raises(InvalidArgumentError, match="request_timeout"):
         SimOptions(request_timeout_s=0.0)
