@@ -3,7 +3,8 @@
 :func:`to_python` turns a composed YAML node into plain dicts, lists and
 scalars while recording, in a :class:`Lines`, the line of every field path
 (``regions[0].prefill.count``). The checks here (a section must be a mapping
-or a list, a field must be known to its dataclass, a value must have its type)
+or a list, a field must be known to its dataclass, a value must have its type,
+a number must be finite)
 raise errors through :meth:`Lines.error`, which puts ``file:line:`` in front of
 the field. :mod:`pdserve.cluster.config` builds the config from these values.
 """
@@ -11,6 +12,7 @@ the field. :mod:`pdserve.cluster.config` builds the config from these values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import yaml
@@ -47,7 +49,11 @@ def to_python(node: yaml.Node, path: str, lines: Lines) -> Any:
         return [to_python(v, f"{path}[{i}]", lines) for i, v in enumerate(node.value)]
     if node.tag == "tag:yaml.org,2002:null":
         return None  # an empty value (``models:`` with nothing under it)
-    return yaml.safe_load(yaml.serialize(node))
+    value = yaml.safe_load(yaml.serialize(node))
+    if isinstance(value, float) and not math.isfinite(value):
+        # no setting means anything by .nan or .inf, and a NaN passes every "> 0" check
+        raise lines.error(path, f"must be a finite number, got {value}")
+    return value
 
 
 def typed(value: Any, kind: type, field: str, lines: Lines) -> Any:

@@ -98,6 +98,18 @@ def test_shipped_configs_load() -> None:
             ),
             "auth.api_keys[0].priority",
         ),
+        (  # a NaN passed every "> 0" check: reservations that never expire
+            ("model: builtin:tiny", "model: builtin:tiny\nrouter: {reservation_ttl_s: .nan}"),
+            "cfg.yaml:2: router.reservation_ttl_s: must be a finite number, got nan",
+        ),
+        (
+            ("model: builtin:tiny", "model: builtin:tiny\nhealth: {stall_timeout_s: .inf}"),
+            "cfg.yaml:2: health.stall_timeout_s: must be a finite number, got inf",
+        ),
+        (
+            ("latency_ms: {west: 20}", "latency_ms: {west: -.inf}"),
+            "regions[0].latency_ms.west: must be a finite number, got -inf",
+        ),
     ],
 )
 def test_errors_name_the_field_and_the_line(edit, where) -> None:
