@@ -7,6 +7,7 @@ Derived values are properties, never stored copies.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,8 +158,8 @@ class ParallelConfig:
         for name in ("afd_attention_ranks", "afd_expert_ranks", "afd_micro_batches"):
             _positive(name, getattr(self, name))
         for name in ("redundant_experts", "rebalance_interval_s", "rebalance_min_tokens"):
-            if getattr(self, name) < 0:
-                raise InvalidArgumentError(name, "must be >= 0")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise InvalidArgumentError(name, "must be >= 0 and finite")
         if self.redundant_experts and self.expert_parallel_size == 1:
             raise InvalidArgumentError(
                 "redundant_experts",
@@ -210,8 +211,8 @@ class DisaggregationConfig:
             raise InvalidArgumentError("local_prefill_max_tokens", "must be >= 0")
         if not 0 < self.local_prefill_cached_fraction <= 1:
             raise InvalidArgumentError("local_prefill_cached_fraction", "must be in (0, 1]")
-        if self.reservation_ttl_s <= 0:
-            raise InvalidArgumentError("reservation_ttl_s", "must be > 0")
+        if not 0 < self.reservation_ttl_s < math.inf:  # a NaN lease would never expire
+            raise InvalidArgumentError("reservation_ttl_s", "must be > 0 and finite")
 
     def prefills_locally(self, prompt_len: int, cached_tokens: Callable[[], int]) -> bool:
         """The decode instance's rule: a short prompt, or one mostly cached there

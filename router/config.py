@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,13 +162,13 @@ class RouterConfig:
             )
         if self.peer_prefill_min_tokens < 0 or self.peer_kv_s_per_token < 0:
             raise InvalidArgumentError("router.peer_prefill_min_tokens", "must be >= 0")
-        if self.stream_idle_timeout_s <= 0:
+        if not 0 < self.stream_idle_timeout_s < math.inf:
             raise InvalidArgumentError("router.stream_idle_timeout_s", "must be > 0")
         if self.cold_start_queue < 0:
             raise InvalidArgumentError("router.cold_start_queue", "must be >= 0 (0: never wait)")
-        if self.cold_start_timeout_s <= 0:
+        if not 0 < self.cold_start_timeout_s < math.inf:
             raise InvalidArgumentError("router.cold_start_timeout_s", "must be > 0")
-        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
+        if not (0 < self.ttft_slo_s < math.inf and 0 < self.tpot_slo_s < math.inf):
             raise InvalidArgumentError("slo", "SLOs must be > 0")
 
     @property
