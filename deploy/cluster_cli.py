@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pdserve.core.errors import InstanceFailedError, PdserveError
+from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, PdserveError
 
 LOCAL_CONFIG = "local.yaml"
 
@@ -158,6 +158,8 @@ def print_versions(rows: list[dict[str, Any]]) -> None:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
+    if args.prefill is None and args.decode is None:  # a no-op that logged a decision
+        raise InvalidArgumentError("scale", "give --prefill, --decode or both")
     controller = _controller(args.ray_address)
     if args.model:
         rows = _get(controller.models.remote("scale", name=args.model, region=args.region,

@@ -228,6 +228,12 @@ def test_status_and_scale_without_a_cluster_say_so_at_once() -> None:
             ENV,
             f"no Ray cluster at {nowhere}",
         ),
+        (  # nothing to change: refused before looking for a cluster (it was a no-op
+            # that the controller logged as an operator's decision)
+            ("scale", "--region", "east", "--ray-address", nowhere),
+            ENV,
+            "scale: give --prefill, --decode or both",
+        ),
         (
             ("submit", "--address", f"http://{nowhere}", "--config", config),
             ENV,
