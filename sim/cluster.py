@@ -264,7 +264,7 @@ class SimCluster:
     def _launch(self, payload: tuple[int, CompletionInput, Choice]) -> None:
         i, inp, choice = payload
         rid, prompt, region = inp.request_id, inp.prompt_token_ids, choice.region
-        if self.deadlines.dropped_at_launch(i):  # it timed out on its way
+        if self.run_info.recorder.done[i]:  # it timed out on its way (sim/timeouts.py)
             return
         decode = self.instances.get(choice.decode.instance_id)
         if decode is None:  # removed while the request crossed to its region

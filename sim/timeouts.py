@@ -43,7 +43,6 @@ class Deadlines:
         # None or inf: no request ever times out
         self.timeout_s = timeout_s if timeout_s is not None and math.isfinite(timeout_s) else None
         self._due: deque[tuple[float, int]] = deque()
-        self.crossing: set[int] = set()  # expired before their launch
 
     def sent(self, i: int, at: float) -> None:
         if self.timeout_s is not None:
@@ -62,19 +61,11 @@ class Deadlines:
         _, i = self._due.popleft()
         rec = cluster.run_info.recorder
         track = cluster.tracks.pop(f"r{i}", None)
-        if track is None:  # sent, its launch still queued: dropped when it lands
+        if track is None:  # sent, its launch still queued: it lands ended (done) and stops
             cluster.inflight[cluster.regions[rec.region[i]]] -= 1
-            self.crossing.add(i)
         else:
             _abort(cluster, track)
         rec.timed_out(i, cluster.clock.now())
-
-    def dropped_at_launch(self, i: int) -> bool:
-        """True (once) if request ``i`` expired while crossing to its region."""
-        if i in self.crossing:
-            self.crossing.discard(i)
-            return True
-        return False
 
 
 def _abort(cluster: SimCluster, track: _Track) -> None:
