@@ -25,6 +25,7 @@ from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import LiveFit, Measured, live_fit, scaled
 from pdserve.sim.profile import StepModel
+from pdserve.sim.validate_report import mean_figures
 
 CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
 Runs = list[tuple[argparse.Namespace, float]]  # each run's workload flags and rate
@@ -46,10 +47,28 @@ def bench_flags(workload: list[str], args: argparse.Namespace) -> argparse.Names
 
 
 def simulate(
-    text: str, book: Any, ns: argparse.Namespace, rate: float, overhead: Overhead
+    text: str, book: Any, ns: argparse.Namespace, rate: float, overhead: Overhead, draws: int = 1
 ) -> dict[str, Any]:
     """The summary ``pdserve bench serve`` would write for workload ``ns`` at ``rate``
-    against the cluster of ``text``, simulated with ``book``'s profiles and ``overhead``."""
+    against the cluster of ``text``, simulated with ``book``'s profiles and ``overhead``.
+
+    With noise in ``overhead`` (:mod:`~pdserve.sim.jitter`) a run is one draw of it:
+    ``draws`` runs, each its own, give TTFT and TPOT p50 and p90 as their mean (the
+    rest of the summary is the first draw's, ``noise_draws`` says how many)."""
+    runs = [simulate_once(text, book, ns, rate, overhead, seed) for seed in range(draws)]
+    if len(runs) == 1:
+        return runs[0]
+    means = mean_figures(runs)
+    out = {**runs[0], "noise_draws": draws}
+    for metric, qs in means.items():
+        out[metric] = {**out[metric], **qs}
+    return out
+
+
+def simulate_once(
+    text: str, book: Any, ns: argparse.Namespace, rate: float, overhead: Overhead, seed: int
+) -> dict[str, Any]:
+    """:func:`simulate`'s run with the ``seed``-th draws of the noise."""
     from pdserve.cluster.config import parse_config
     from pdserve.sim.cluster import SimCluster, SimOptions
     from pdserve.sim.results import slo_of
@@ -58,6 +77,7 @@ def simulate(
     config = parse_config(text, "<sim>")
     work = workload_from_args(ns, rate, [1.0])
     options = SimOptions(fast=False, planner=False, request_overhead_s=overhead.request_s,
+                         request_jitter=overhead.live.jitter, noise_seed=seed,
                          one_host=True, max_concurrency=ns.max_concurrency,
                          request_timeout_s=ns.request_timeout)  # fmt: skip
     run = SimCluster(config, overhead.apply(book), work, options).run()
@@ -79,6 +99,17 @@ class Overhead:
     seq_s: float = 0.0
     handoff_s: float = 0.0
     request_s: float = 0.0
+
+    def quiet(self) -> Overhead:
+        """Without the steps' and requests' noise: the overheads are fitted to the
+        model's mean times (a few calibration requests' draws of the noise would move
+        a run's p50 by several percent, and the overheads with it)."""
+
+        def still(fit: LiveFit) -> LiveFit:
+            return dataclasses.replace(fit, jitter=0.0, jitter_s=0.0)
+
+        roles = {role: still(fit) for role, fit in self.role_live.items()}
+        return dataclasses.replace(self, live=still(self.live), role_live=roles)
 
     def apply(self, book: Any) -> Any:
         from pdserve.sim.build import ProfileBook
@@ -178,6 +209,8 @@ def calibrate(
     one per role of its own steps beside the other roles' (:func:`role_fits`; a
     prefill and a decode instance slow differently, alone and beside each other:
     the one fit put the disaggregated prefill's live steps at 1.3-1.6x it, RESULTS).
+    The noise of the steps about that model (:mod:`~pdserve.sim.jitter`) is
+    fitted with them, and left out of the simulations below (:meth:`Overhead.quiet`).
     Then TPOT p50 of
     each run, against the simulation's sensitivity to each overhead (it differs
     with the batch and the output length), gives the per-step, per-sequence
@@ -194,7 +227,8 @@ def calibrate(
     step = book.profiles[0].step
     by_role = traces or {}
     pooled = live_fit(step, [t for ts in by_role.values() for t in ts])
-    steps = Overhead(pooled, role_fits(step, by_role) if per_role else {})
+    noisy = Overhead(pooled, role_fits(step, by_role) if per_role else {})
+    steps = noisy.quiet()
     base, probe = tpots(steps), 1e-3
     probes = (dataclasses.replace(steps, step_s=probe), dataclasses.replace(steps, seq_s=probe),
               dataclasses.replace(steps, handoff_s=probe))  # fmt: skip
@@ -206,7 +240,8 @@ def calibrate(
     stepped = simulate(text, book, single, rate, fitted)
     seen = [r["ttft_ms"]["p50"] for r, run in zip(real, runs, strict=True) if run == runs[0]]
     request = max(0.0, (float(np.mean(seen)) - stepped["ttft_ms"]["p50"]) / 1e3)
-    return dataclasses.replace(fitted, request_s=request)
+    return dataclasses.replace(fitted, request_s=request, live=noisy.live,
+                               role_live=noisy.role_live)  # fmt: skip
 
 
 def role_fits(step: StepModel, traces: dict[str, list[list[StepRecord]]]) -> dict[str, LiveFit]:

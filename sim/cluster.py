@@ -59,6 +59,7 @@ from pdserve.sim.capacity import ProfileCapacity
 from pdserve.sim.clock import EventQueue, VirtualClock
 from pdserve.sim.gate import SendGate
 from pdserve.sim.instance import TOKEN, SimInstance
+from pdserve.sim.jitter import Jitter
 from pdserve.sim.metrics import RegionWindow
 from pdserve.sim.options import SimOptions, SimRun, long_lived_heap
 from pdserve.sim.profile import Profile
@@ -81,6 +82,19 @@ class _Track:
     prefill: SimInstance | None
     prompt_len: int
     cached_on_decode: int = 0
+
+
+def _no_hashes(config: ClusterConfig) -> dict[int, list[bytes]] | None:
+    """The prompt's block hashes the router would compute, per decode block size: none
+    (an empty list per size) where no instance caches prefixes, since nothing can match
+    them; None where one does (the router hashes the prompt)."""
+    caching = any(
+        config.engine_config(role, g).cache.enable_prefix_caching
+        for g in config.regions for role in ("prefill", "decode")
+    )  # fmt: skip
+    if caching:
+        return None
+    return {config.engine_config("decode", g).cache.block_size: [] for g in config.regions}
 
 
 class SimCluster:
@@ -109,15 +123,7 @@ class SimCluster:
         self.chooser = RegionChooser(
             r, self.view, self.prefixes, self.policy, self.admission, self.inflight
         )
-        # The prompt's block hashes the router would compute, per decode block size;
-        # none where no instance caches prefixes (nothing can match them).
-        caching = any(
-            config.engine_config(role, g).cache.enable_prefix_caching
-            for g in config.regions for role in ("prefill", "decode")
-        )  # fmt: skip
-        self._no_hashes: dict[int, list[bytes]] | None = None if caching else {
-            config.engine_config("decode", g).cache.block_size: [] for g in config.regions
-        }  # fmt: skip
+        self._no_hashes = _no_hashes(config)
         self.starting: Counter[tuple[str, str]] = Counter()  # (region, role): asked, not ready
         span = PLANNER_WINDOWS * config.planner.interval_s  # as the controller asks the router
         self.windows = {g: RegionWindow(span) for g in self.regions}
@@ -127,6 +133,8 @@ class SimCluster:
         self.run_info = SimRun(rec, self.regions, self.all)
         self.gate = SendGate(self.options.max_concurrency, self.queue, self.clock, rec)
         self.deadlines = Deadlines(self.options.request_timeout_s)
+        seed = self.options.noise_seed
+        self.request_noise = Jitter(self.options.request_jitter, 0.0, f"requests/{seed}")
         self._serial, self.max_model_len = 0, 1 << 62
         self._next = 0  # the next arrival's index
         self.scaling = SimScaling(self)
@@ -144,6 +152,7 @@ class SimCluster:
             self.config, self.book, g, role, f"{region}-{role}-{self._serial}", self.clock.now
         )
         self.profiles[inst.instance_id] = profile
+        inst.seed_noise(self.options.noise_seed)
         self.all.append(inst)
         if self.options.one_host or self.options.host_cores:
             inst.peers, inst.host_cores = self.all, self.options.host_cores
@@ -255,7 +264,8 @@ class SimCluster:
         self.deadlines.sent(i, now)
         self.retries.on_request()
         self.inflight[region] += 1
-        lat = self.config.router.latency(home, region) + self.options.request_overhead_s
+        overhead = self.options.request_overhead_s * self.request_noise.factor(now)
+        lat = self.config.router.latency(home, region) + overhead
         if lat > 0:  # the router waits out the emulated distance before it launches
             self.queue.push(now + lat, "launch", (i, inp, choice))
         else:

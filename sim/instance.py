@@ -9,7 +9,9 @@ execution is replaced by the profile's step time; every sampled token is
 A step: ``start(now)`` calls ``Scheduler.schedule`` and returns when the step
 ends; ``complete()`` calls ``Scheduler.update``. A step that starts after the
 instance sat idle, or while another instance on its host (``peers``) is
-mid-step, takes the step model's ``live_time``; in fast mode such a step runs
+mid-step, takes the step model's ``live_time``; a model with noise
+(``jitter``) times each step, or each run of steps, by its instance's next
+factor (:class:`~pdserve.sim.jitter.Jitter`). In fast mode a slowed step runs
 alone (a peer's step that starts during a run does not slow the run). On a host
 of few cores (``host_cores``) the peers share the cores (processor sharing): a
 step runs as many times slower as the busy peers' threads and its own exceed
@@ -40,6 +42,7 @@ from pdserve.core.step import StepPlan
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.scheduler import Scheduler
 from pdserve.router.state import InstanceView
+from pdserve.sim.jitter import Jitter
 from pdserve.sim.profile import StepFeatures, StepModel
 
 TOKEN = 7  # every simulated sampled token (never an EOS: requests set ignore_eos)
@@ -111,6 +114,14 @@ class SimInstance:
         self.threads = 1  # the cores its ranks' threads would use
         self._crowded = 1.0  # how many times its time the step in flight takes
         self._slows = step_model.slows  # live_time can differ from time: read once
+        self._jitter = Jitter(step_model.jitter, step_model.jitter_s, instance_id)
+        self._factor = 1.0  # the step's (or run's) noise: sim.jitter
+        self._quiet = 0.0  # the last step's (or run's) time without it
+
+    def seed_noise(self, seed: int) -> None:
+        """Take the ``seed``-th draws of the step noise (each seed, other draws)."""
+        model = self.step_model
+        self._jitter = Jitter(model.jitter, model.jitter_s, f"{self.instance_id}/{seed}")
 
     @property
     def busy(self) -> bool:
@@ -144,7 +155,10 @@ class SimInstance:
             duration = model.live_time(StepFeatures.of(rows), cold, shared)
         else:
             duration = model.decode_run_time(self._seqs, self._context, steps)
-        self._end, self._crowded = now + duration * crowding, crowding
+        if self._jitter.sigma:
+            elapsed = now - self._idle_since + self._quiet  # the quiet time since the last start
+            self._factor, self._quiet = self._jitter.factor(elapsed), duration
+        self._end, self._crowded = now + duration * self._factor * crowding, crowding
         return self._end
 
     def crowding(self) -> float:
@@ -213,10 +227,10 @@ class SimInstance:
         cut = False
         if now < self._end:
             steps, elapsed = self.step_model.decode_step_end(
-                self._seqs, self._context, now - self._start
+                self._seqs, self._context, (now - self._start) / self._factor
             )
             if steps < self._steps:
-                self._steps, self._end, cut = steps, self._start + elapsed, True
+                self._steps, self._end, cut = steps, self._start + elapsed * self._factor, True
                 self.generation += 1
         self.hold_run_blocks()
         return cut
@@ -285,6 +299,8 @@ class SimInstance:
         if steps == 1:
             return [self._end]
         times = self.step_model.decode_step_times(self._seqs, self._context, steps)
+        if self._factor != 1.0:
+            times = [t * self._factor for t in times]
         out = list(accumulate(times, initial=self._start))[1:]
         out[-1] = self._end
         return out

@@ -18,7 +18,8 @@ steps (the profile's compute terms, per new token and per query-key pair, and
 the rest of its time), each step's error relative to its own time, every term
 non-negative, with a cold pair and a shared pair of factors on those parts for
 steps after idling and steps beside another instance's
-(:meth:`~pdserve.sim.profile.StepModel.live_time`). :func:`scaled` applies the
+(:meth:`~pdserve.sim.profile.StepModel.live_time`), then the steps' noise about
+that (:func:`~pdserve.sim.jitter.fit_jitter`). :func:`scaled` applies the
 fit to a :class:`~pdserve.sim.profile.StepModel`. :func:`step_ratios` says how
 far a run's steps were from a model, per instance, after the fact, by kind of
 step (:func:`step_kinds`), and how many ran in episodes of a slower host
@@ -37,6 +38,7 @@ import numpy as np
 
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
+from pdserve.sim.jitter import fit_jitter
 from pdserve.sim.profile import StepFeatures, StepModel
 
 TRACE_STEPS = 200_000  # steps an instance keeps between two reads
@@ -61,6 +63,8 @@ class LiveFit:
     shared_compute: float = 0.0  # the same, for a step beside another instance's step
     shared_factor: float = 0.0
     steps: int = 0
+    jitter: float = 0.0  # the steps' spread about the fitted model, and its
+    jitter_s: float = 0.0  # correlation time (sim.jitter.fit_jitter)
 
 
 def _features(records: Sequence[StepRecord]) -> list[StepFeatures]:
@@ -166,13 +170,30 @@ def live_fit(
         if c <= 0:  # steps unrelated to their shape: keep the profile's proportions
             return LiveFit(1.0, 1.0, float(np.median(live - model)), steps=n)
         warm_c, warm_r = c * compute, m * rest + offset
-    return LiveFit(c, m, offset, kc, kr, sc, sr, n)
+    return _with_noise(LiveFit(c, m, offset, kc, kr, sc, sr, n), step, kept, cold, shared)
+
+
+def _with_noise(
+    fit: LiveFit, step: StepModel, kept: list[list[StepRecord]], cold: np.ndarray,
+    shared: np.ndarray,
+) -> LiveFit:  # fmt: skip
+    """``fit`` with the noise of the loop turns ``kept`` (each instance's, with their
+    ``cold`` and ``shared`` flags, concatenated) about the model it makes of ``step``."""
+    fitted = scaled(step, fit)
+    records = [r for trace in kept for r in trace]
+    times = np.array([fitted.live_time(f, bool(k), bool(s)) for f, k, s
+                      in zip(_features(records), cold, shared, strict=True)])  # fmt: skip
+    live = np.array([r.seconds for r in records])
+    ends = np.cumsum([len(t) for t in kept])[:-1]
+    starts = [np.array([r.start_s for r in t]) for t in kept]
+    sigma, corr_s = fit_jitter(starts, np.split(live / times, ends))
+    return dataclasses.replace(fit, jitter=sigma, jitter_s=corr_s)
 
 
 def scaled(step: StepModel, fit: LiveFit) -> StepModel:
     """``step`` with its compute terms times ``fit.compute_scale``, the rest times
-    ``fit.memory_scale``, ``fit.offset_s`` added per step, and its cold and shared
-    factors."""
+    ``fit.memory_scale``, ``fit.offset_s`` added per step, its cold and shared
+    factors, and its noise."""
     c, m = fit.compute_scale, fit.memory_scale
     if step.combine != "sum":  # a roofline has one time: the memory scale stands for both
         c = m
@@ -182,6 +203,7 @@ def scaled(step: StepModel, fit: LiveFit) -> StepModel:
         s_per_ctx=step.s_per_ctx * m, s_per_seq=step.s_per_seq * m,
         cold_compute=fit.cold_compute, cold_factor=fit.cold_factor,
         shared_compute=fit.shared_compute, shared_factor=fit.shared_factor,
+        jitter=fit.jitter, jitter_s=fit.jitter_s,
     )  # fmt: skip
 
 

@@ -36,6 +36,10 @@ class SimOptions:
         planner: run the config's planner (its mode decides whether it applies changes).
         request_overhead_s: a request's fixed cost outside the engines' steps (front
             door, router, RPCs, the first token's way back), added to its TTFT.
+        request_jitter: that cost's spread, the standard deviation of its log (each
+            request's drawn apart, with mean 1; :mod:`~pdserve.sim.jitter`).
+        noise_seed: which draws of the steps' and requests' noise the run takes
+            (the same seed, the same run).
         one_host: every instance shares one host, as a local cluster does (a step
             beside another instance's step takes the step model's shared time).
         host_cores: every instance shares a host of this many cores (0: each has
@@ -55,6 +59,8 @@ class SimOptions:
     startup_s: float = 30.0
     planner: bool = True
     request_overhead_s: float = 0.0
+    request_jitter: float = 0.0
+    noise_seed: int = 0
     one_host: bool = False
     host_cores: float = 0.0
     max_concurrency: int | None = None
@@ -71,6 +77,8 @@ class SimOptions:
             )
         if not 0 <= self.startup_s < math.inf:
             raise InvalidArgumentError("startup_s", f"must be >= 0, got {self.startup_s}")
+        if not 0 <= self.request_jitter < math.inf:
+            raise InvalidArgumentError("request_jitter", f"must be >= 0, got {self.request_jitter}")
         if not self.host_cores >= 0:
             raise InvalidArgumentError("host_cores", f"must be >= 0, got {self.host_cores}")
 

@@ -16,7 +16,8 @@ pools gone cold), and one that runs while another instance on its host is
 mid-step takes ``shared_compute * compute + shared_factor * (t - compute)`` more
 (the host's other work pushed onto its cores). All four are 0 in a profile,
 which times steps back to back on a quiet host; ``pdserve sim-validate`` fits
-them from live steps.
+them from live steps, and with them the noise around the model (``jitter``
+and ``jitter_s``: :mod:`pdserve.sim.jitter`).
 
 A prefill step is compute-bound (many new tokens), a decode step memory-bound
 (one new token per sequence over its whole context); one model covers both
@@ -80,13 +81,15 @@ class StepModel:
     cold_after_s: float = 0.05
     shared_compute: float = 0.0
     shared_factor: float = 0.0
+    jitter: float = 0.0  # sim.jitter: the spread of a live step's time (sd of its log)
+    jitter_s: float = 0.0  # and how long a deviation lasts (correlation time)
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
             raise InvalidArgumentError("step.combine", f"must be one of {COMBINES}")
         for name in ("overhead_s", "s_per_token", "s_per_attn", "weights_s", "s_per_ctx",
                      "cold_compute", "cold_factor", "cold_after_s", "shared_compute",
-                     "shared_factor"):  # fmt: skip
+                     "shared_factor", "jitter", "jitter_s"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise InvalidArgumentError(f"step.{name}", f"must be a number >= 0, got {value!r}")

@@ -144,6 +144,8 @@ def calibration_row(
             "shared_compute": round(overhead.live.shared_compute, 4),
             "shared_factor": round(overhead.live.shared_factor, 4),
             "traced_steps": overhead.live.steps,
+            "jitter": round(overhead.live.jitter, 4),
+            "jitter_s": round(overhead.live.jitter_s, 4),
             "step_overhead_ms": round(overhead.step_s * 1e3, 3),
             "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
             "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
@@ -183,10 +185,10 @@ def validate(
         fitted = real[: len(cal)] + real[ends:]
         overhead = calibrate(text, book, [m.summary for m in fitted], cal + after,
                              Measured.role_traces(fitted), per_role=args.role_fit)  # fmt: skip
-        calibrations[setup] = {
-            **calibration_row(overhead, book, fitted, start),
-            "around": bool(after),
-        }
+        calibrations[setup] = calibration_row(overhead, book, fitted, start)  # noise fitted
+        if not getattr(args, "noise_draws", 0):
+            overhead = overhead.quiet()
+        calibrations[setup]["around"] = bool(after)
         rows += point_rows(mine, flags, text, book, overhead, real[:ends], cal, args)
     return rows, calibrations, measured
 
@@ -202,20 +204,24 @@ def point_rows(
     live_model = scaled(book.profiles[0].step, overhead.live)
     role_models = {r: scaled(book.profiles[0].step, f) for r, f in overhead.role_live.items()}
     points_real, checks = real[len(cal) :], None
+    draws = max(1, getattr(args, "noise_draws", 0))
     if getattr(args, "host_check", False):
         points_real, checks = points_real[1::2], per_point(points_real[0::2], len(mine))
     rows = []
     for k, (point, ns, repeats) in enumerate(
         zip(mine, flags, per_point(points_real, len(mine)), strict=True)
     ):
-        sim = simulate(text, book, ns, point.rate, overhead)
+        sim = simulate(text, book, ns, point.rate, overhead, draws)
         row = point_row(point.name, sim, repeats, live_model, role_models)
-        own = simulate(text, book, ns, point.rate, own_steps(overhead, book, repeats[0]))
+        own_fit = own_steps(overhead, book, repeats[0])
+        if not getattr(args, "noise_draws", 0):
+            own_fit = own_fit.quiet()
+        own = simulate(text, book, ns, point.rate, own_fit, draws)
         row.update(sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own))
         if checks is not None:
             factors = host_factors(role_models, live_model, real[host_check_baseline(cal)],
                                    checks[k])  # fmt: skip
-            checked = simulate(text, book, ns, point.rate, rescaled(overhead, factors))
+            checked = simulate(text, book, ns, point.rate, rescaled(overhead, factors), draws)
             row.update(host_factors=factors, sim_host_checked=checked,
                        compare_host_checked=compare_point(row.get("real_mean", row["real"]), checked))  # fmt: skip
         rows.append(row)
@@ -252,6 +258,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="measure the calibration runs again after the points and fit on both: "
                         "a host whose speed drifts over minutes is calibrated at its mean "
                         "over the points, not at that of the minutes before them")  # fmt: skip
+    p.add_argument("--noise-draws", type=int, default=0, metavar="N",
+                   help="simulate the steps' and requests' noise about the calibrated model "
+                        "(its spread and how long a deviation lasts, fitted on the traced "
+                        "steps; pdserve.sim.jitter), N draws of it, and compare the mean of "
+                        "their figures (0: no noise)")  # fmt: skip
     p.add_argument("--keep-traces", action="store_true",
                    help="also write NAME-traces.json: per setup the cluster YAML, the profile "
                         "and every measured run with its engines' traced steps")  # fmt: skip
@@ -274,6 +285,8 @@ def checked_points(args: argparse.Namespace) -> list[Point]:
     ):
         if value < 1:
             raise InvalidArgumentError(flag, f"must be at least 1, got {value}")
+    if getattr(args, "noise_draws", 0) < 0:
+        raise InvalidArgumentError("--noise-draws", f"must be at least 0, got {args.noise_draws}")
     if not getattr(args, "from_traces", None):  # measuring: the cores of both setups
         check_cores(args.cores, sorted({p.setup for p in points}))
     for point in points:

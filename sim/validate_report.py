@@ -56,11 +56,11 @@ def mean_figures(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _fit_text(c: float, m: float, offset_ms: float, cold: tuple[float, float],
-              shared: tuple[float, float], steps: int) -> str:  # fmt: skip
+              shared: tuple[float, float], steps: int, noise: tuple[float, float]) -> str:  # fmt: skip
     return (f"compute x{c:.4g}, the rest x{m:.4g}, + {offset_ms:.3g} ms; after idling, "
             f"compute x{1 + cold[0]:.2f} and the rest x{1 + cold[1]:.2f}; beside another "
-            f"instance's step, x{1 + shared[0]:.2f} and x{1 + shared[1]:.2f} (from {steps} "
-            "traced steps)")  # fmt: skip
+            f"instance's step, x{1 + shared[0]:.2f} and x{1 + shared[1]:.2f}; noise sd "
+            f"{noise[0]:.3f} in log over {noise[1] * 1e3:.0f} ms (from {steps} traced steps)")  # fmt: skip
 
 
 def kinds_text(kinds: dict[str, dict[str, dict[str, float]]]) -> str:
@@ -104,13 +104,14 @@ def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) 
                      f"(totals): {kinds_text(c['steps_by_kind'])}")  # fmt: skip
         fits = {role: _fit_text(f["compute_scale"], f["memory_scale"], f["offset_s"] * 1e3,
                                 (f["cold_compute"], f["cold_factor"]),
-                                (f["shared_compute"], f["shared_factor"]), f["steps"])
+                                (f["shared_compute"], f["shared_factor"]), f["steps"],
+                                (f["jitter"], f["jitter_s"]))
                 for role, f in c.get("role_fits", {}).items()}  # fmt: skip
         if not fits:
             fits = {"steps'": _fit_text(c["compute_scale"], c["memory_scale"], c["step_offset_ms"],
                                         (c["cold_compute"], c["cold_factor"]),
                                         (c["shared_compute"], c["shared_factor"]),
-                                        c["traced_steps"])}  # fmt: skip
+                                        c["traced_steps"], (c["jitter"], c["jitter_s"]))}  # fmt: skip
         lines.append(
             f"{setup}: " + "; ".join(f"{who} {text}" for who, text in fits.items())
             + f", then +{c['step_overhead_ms']} ms a step, "

@@ -27,10 +27,10 @@ def toy_profile(step: StepModel, kv_tokens: int = 1 << 16, latency_s: float = 0.
     )  # fmt: skip
 
 
-def toy_config(
+def toy_yaml(
     prefill: int, decode: int, engine: str = "", planner: str = "advisory", router: str = ""
-) -> ClusterConfig:
-    return parse_config(
+) -> str:
+    return (
         "model: toy\n"
         f"engine: {{max_num_seqs: 64, max_num_batched_tokens: 512{engine}}}\n"
         "regions:\n  - name: east\n"
@@ -40,6 +40,15 @@ def toy_config(
         f"router: {{max_inflight_per_region: 100000{router}}}\n"
         f'planner: {{mode: "{planner}", interval_s: 1, cooldown_s: 1}}\n'
     )
+
+
+def toy_config(
+    prefill: int, decode: int, engine: str = "", planner: str = "advisory", router: str = ""
+) -> ClusterConfig:
+    return parse_config(toy_yaml(prefill, decode, engine, planner, router))
+
+
+TOY_YAML = toy_yaml(0, 1)  # one colocated instance
 
 
 def book(profile: Profile) -> ProfileBook:

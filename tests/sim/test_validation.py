@@ -230,7 +230,8 @@ def test_sim_validate_refuses_a_repeat_below_one() -> None:
     for flags, message in ((["--num-requests", "0"], "num_requests: must be >= 1"),
                            (["--length-scale", "0"], "length_scale: must be > 0"),
                            (["--calibration-requests", "0"], "--calibration-requests: must be at"),
-                           (["--cores", "0", "0"], "cores: must name distinct cores")):  # fmt: skip
+                           (["--cores", "0", "0"], "cores: must name distinct cores"),
+                           (["--noise-draws", "-1"], "--noise-draws: must be at least 0")):  # fmt: skip
         args = build_parser().parse_args(["sim-validate", "--points", "colocated:conv:1", *flags])
         with pytest.raises(InvalidArgumentError, match=message):
             cmd_sim_validate(args)
