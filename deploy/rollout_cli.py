@@ -17,6 +17,8 @@ from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
 
+DEFAULT_CANARY = 10.0  # percent of new requests a canary takes
+
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from pdserve.deploy.cluster_cli import _controller, _get, print_versions
@@ -28,11 +30,22 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def _action(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """(the controller's step, its arguments); a flag the step would not read is refused
+    (it was dropped without a word: ``--promote --canary 50`` promoted)."""
     steps = [s for s in ("promote", "rollback") if getattr(args, s)]
     if len(steps) > 1 or (steps and (args.version or args.blue_green)):
         raise InvalidArgumentError("rollout", "give one of --version, --promote, --rollback")
     if (steps or args.version) and not args.model:
         raise InvalidArgumentError("model", "--model is required for a rollout step")
+    given = [f for f, v in (("--source", args.source), ("--canary", args.canary),
+                            ("--blue-green", args.blue_green)) if v not in (None, False)]  # fmt: skip
+    if given and not args.version:
+        step = f"--{steps[0]}" if steps else "a status listing"
+        raise InvalidArgumentError(
+            given[0][2:], f"applies to a rollout of a --version, not to {step}"
+        )
+    if args.blue_green and args.canary is not None:
+        raise InvalidArgumentError("canary", "a --blue-green rollout takes all traffic at once")
     if steps:
         return steps[0], {"name": args.model}
     if args.version:
@@ -40,7 +53,7 @@ def _action(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             "name": args.model,
             "version": args.version,
             "source": args.source,
-            "canary": args.canary,
+            "canary": DEFAULT_CANARY if args.canary is None else args.canary,
             "blue_green": args.blue_green,
         }
     return "status", {}
@@ -59,8 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default for a registry model: the registry's VERSION)",
     )
     p.add_argument(
-        "--canary", type=float, default=10.0, help="percent of new requests it takes (default 10)"
-    )
+        "--canary", type=float, default=None,
+        help=f"percent of new requests it takes (default {DEFAULT_CANARY:g})",
+    )  # fmt: skip
     p.add_argument("--blue-green", action="store_true", help="all traffic at once, old retired")
     p.add_argument("--promote", action="store_true", help="the canary takes all traffic")
     p.add_argument("--rollback", action="store_true", help="the stable version takes it all")

@@ -234,6 +234,16 @@ def test_status_and_scale_without_a_cluster_say_so_at_once() -> None:
             ENV,
             "scale: give --prefill, --decode or both",
         ),
+        (  # a flag the step does not read: refused (--promote dropped --canary silently)
+            ("rollout", "--model", "m", "--promote", "--canary", "50", "--ray-address", nowhere),
+            ENV,
+            "canary: applies to a rollout of a --version, not to --promote",
+        ),
+        (
+            ("rollout", "--model", "m", "--version", "v2", "--blue-green", "--canary", "5"),
+            ENV,
+            "canary: a --blue-green rollout takes all traffic at once",
+        ),
         (
             ("submit", "--address", f"http://{nowhere}", "--config", config),
             ENV,
