@@ -38,6 +38,7 @@ same). A prefix held by another prefill instance is not moved between instances
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -264,7 +265,8 @@ class SimCluster:
         self.deadlines.sent(i, now)
         self.retries.on_request()
         self.inflight[region] += 1
-        overhead = self.options.request_overhead_s * self.request_noise.factor(now)
+        # each request's overhead drawn apart from the others' (no correlation)
+        overhead = self.options.request_overhead_s * self.request_noise.factor(math.inf)
         lat = self.config.router.latency(home, region) + overhead
         if lat > 0:  # the router waits out the emulated distance before it launches
             self.queue.push(now + lat, "launch", (i, inp, choice))

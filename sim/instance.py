@@ -231,6 +231,7 @@ class SimInstance:
             )
             if steps < self._steps:
                 self._steps, self._end, cut = steps, self._start + elapsed * self._factor, True
+                self._quiet = elapsed  # the noise's clock: the run's time without it
                 self.generation += 1
         self.hold_run_blocks()
         return cut
