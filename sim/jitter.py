@@ -65,8 +65,8 @@ def fit_jitter(starts: Sequence[np.ndarray], ratios: Sequence[np.ndarray]) -> tu
     median gap between step starts. Too few steps: no noise, (0, 0)."""
     devs, lagged, gaps = [], [], []
     for start, ratio in zip(starts, ratios, strict=True):
-        if len(ratio) < MIN_STEPS:
-            continue
+        if len(ratio) < MIN_STEPS or not (np.isfinite(ratio) & (ratio > 0)).all():
+            continue  # too short, or a step the model gives no time (nothing to compare)
         d = np.log(ratio) - np.log(ratio).mean()
         devs.append(d)
         lagged.append(np.column_stack([d[:-1], d[1:]]))

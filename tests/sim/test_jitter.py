@@ -53,6 +53,9 @@ def test_the_fit_recovers_spread_and_persistence_whatever_each_trace_level() -> 
     sigma, corr_s = fit_jitter(starts[:1], [_factors(0.12, 0.0, gap, 5_000)])
     assert sigma == pytest.approx(0.12, rel=0.05) and corr_s < gap  # no persistence
     assert fit_jitter([np.arange(5.0)], [np.ones(5)]) == (0.0, 0.0)  # too few steps
+    zero_model = np.ones(20)
+    zero_model[3] = np.inf  # a step the model timed at 0 s
+    assert fit_jitter([np.arange(20.0)], [zero_model]) == (0.0, 0.0)
 
 
 def test_live_fit_measures_the_noise_of_traced_steps() -> None:
