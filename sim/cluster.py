@@ -153,7 +153,8 @@ class SimCluster:
             self.config, self.book, g, role, f"{region}-{role}-{self._serial}", self.clock.now
         )
         self.profiles[inst.instance_id] = profile
-        inst.seed_noise(self.options.noise_seed)
+        if self.options.noise_seed:  # seed 0: the draws the instance was built with
+            inst.seed_noise(self.options.noise_seed)
         self.all.append(inst)
         if self.options.one_host or self.options.host_cores:
             inst.peers, inst.host_cores = self.all, self.options.host_cores

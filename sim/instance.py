@@ -114,7 +114,7 @@ class SimInstance:
         self.threads = 1  # the cores its ranks' threads would use
         self._crowded = 1.0  # how many times its time the step in flight takes
         self._slows = step_model.slows  # live_time can differ from time: read once
-        self._jitter = Jitter(step_model.jitter, step_model.jitter_s, instance_id)
+        self.seed_noise(0)
         self._factor = 1.0  # the step's (or run's) noise: sim.jitter
         self._quiet = 0.0  # the last step's (or run's) time without it
 

@@ -73,6 +73,12 @@ def pinned_here(cores: tuple[int, ...]) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def with_noise(overhead: Overhead, args: argparse.Namespace) -> Overhead:
+    """``overhead`` as the points are simulated: with its fitted noise under
+    ``--noise-draws``, else without (:meth:`Overhead.quiet`)."""
+    return overhead if getattr(args, "noise_draws", 0) else overhead.quiet()
+
+
 def per_point(measured: list[Measured], points: int) -> list[list[Measured]]:
     """Runs of ``points`` points measured in rounds (each in turn), grouped by point."""
     return [measured[i::points] for i in range(points)]
@@ -186,8 +192,7 @@ def validate(
         overhead = calibrate(text, book, [m.summary for m in fitted], cal + after,
                              Measured.role_traces(fitted), per_role=args.role_fit)  # fmt: skip
         calibrations[setup] = calibration_row(overhead, book, fitted, start)  # noise fitted
-        if not getattr(args, "noise_draws", 0):
-            overhead = overhead.quiet()
+        overhead = with_noise(overhead, args)
         calibrations[setup]["around"] = bool(after)
         rows += point_rows(mine, flags, text, book, overhead, real[:ends], cal, args)
     return rows, calibrations, measured
@@ -213,9 +218,7 @@ def point_rows(
     ):
         sim = simulate(text, book, ns, point.rate, overhead, draws)
         row = point_row(point.name, sim, repeats, live_model, role_models)
-        own_fit = own_steps(overhead, book, repeats[0])
-        if not getattr(args, "noise_draws", 0):
-            own_fit = own_fit.quiet()
+        own_fit = with_noise(own_steps(overhead, book, repeats[0]), args)
         own = simulate(text, book, ns, point.rate, own_fit, draws)
         row.update(sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own))
         if checks is not None:
