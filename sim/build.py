@@ -98,7 +98,7 @@ def make_instance(
     bs = engine.cache.block_size
     num_blocks = engine.cache.num_blocks or max(1, profile.kv_capacity_tokens // bs)
     max_len = resolve_max_model_len(engine, book.model.max_position_embeddings, num_blocks)
-    step = book.role_steps.get(role, profile.step)
+    step = book.role_steps.get(role) or profile.role_steps.get(role, profile.step)
     inst = SimInstance(
         instance_id, role, region.name, step, engine.scheduler, num_blocks, bs, max_len,
         engine.cache.enable_prefix_caching, clock,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import LiveFit, Measured, live_fit, scaled
-from pdserve.sim.profile import StepModel
+from pdserve.sim.profile import Profile, StepModel
 from pdserve.sim.validate_report import mean_figures
 
 CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
@@ -56,11 +57,25 @@ def simulate(
     ``draws`` runs, each its own, give TTFT and TPOT p50 and p90 as their mean (the
     rest of the summary is the first draw's, ``noise_draws`` says how many)."""
     runs = [simulate_once(text, book, ns, rate, overhead, seed) for seed in range(draws)]
-    if len(runs) == 1:
-        return runs[0]
-    means = mean_figures(runs)
-    out = {**runs[0], "noise_draws": draws}
-    for metric, qs in means.items():
+    return runs[0] if draws == 1 else {**averaged(runs), "noise_draws": draws}
+
+
+def simulate_each(
+    text: str, book: Any, ns: argparse.Namespace, rate: float, overheads: list[Overhead],
+    draws: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`simulate` once per overhead (each measured run of a point, with the
+    steps its host ran at then), TTFT and TPOT p50 and p90 the mean over them: a
+    point whose runs met hosts 1.7x apart is simulated for each host, not for their
+    mean (latency is not linear in step time near saturation)."""
+    runs = [simulate(text, book, ns, rate, overhead, draws) for overhead in overheads]
+    return runs[0] if len(runs) == 1 else {**averaged(runs), "simulated_runs": len(runs)}
+
+
+def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first of ``runs``' summaries with TTFT and TPOT p50 and p90 their mean."""
+    out = dict(runs[0])
+    for metric, qs in mean_figures(runs).items():
         out[metric] = {**out[metric], **qs}
     return out
 
@@ -295,15 +310,15 @@ def host_check_baseline(runs: Runs) -> int:
 
 
 def host_factors(
-    role_models: dict[str, StepModel], default: StepModel, baseline: Measured,
+    role_models: dict[str, StepModel], default: StepModel, baselines: list[Measured],
     checks: list[Measured],
-) -> dict[str, float]:  # fmt: skip
-    """Per role: how many times slower its engine ran the host checks (``checks``, each
-    just before a measured run) than the same requests in the calibration
-    (``baseline``), each against the role's calibrated step model (``role_models``,
-    else ``default``: the median loop turn over the model's time), over the checks'
-    mean. The host of a 2-vCPU VM drifts: one workload moved TPOT p50 by 14% in four
-    minutes (RESULTS)."""
+) -> list[dict[str, float]]:  # fmt: skip
+    """Per measured run, per role: how many times slower its engine ran the host check
+    just before it (``checks``, one per run) than the same requests in the calibration
+    (``baselines``: each calibration's run of them, their mean), each against the role's calibrated step model (``role_models``,
+    else ``default``: the median loop turn over the model's time). The host of a
+    2-vCPU VM drifts: one workload moved TPOT p50 by 14% in four minutes, and one
+    point's two rounds ran 1.7x apart (RESULTS)."""
 
     def ratios(measured: Measured) -> dict[str, float]:
         out: dict[str, list[float]] = {}
@@ -311,9 +326,11 @@ def host_factors(
             out.setdefault(Measured.role_of(name), []).append(seen["median_ratio"])
         return {role: float(np.mean(values)) for role, values in out.items()}
 
-    base, seen = ratios(baseline), [ratios(m) for m in checks]
-    return {role: float(np.mean([s[role] for s in seen if role in s])) / b
-            for role, b in base.items() if b > 0 and any(role in s for s in seen)}  # fmt: skip
+    calibrated = [ratios(m) for m in baselines]
+    base = {role: float(np.mean([c[role] for c in calibrated if role in c]))
+            for role in calibrated[0]}  # fmt: skip
+    return [{role: seen[role] / b for role, b in base.items() if b > 0 and role in seen}
+            for seen in map(ratios, checks)]  # fmt: skip
 
 
 def rescaled(overhead: Overhead, factors: dict[str, float]) -> Overhead:
@@ -327,3 +344,16 @@ def rescaled(overhead: Overhead, factors: dict[str, float]) -> Overhead:
     roles = {role: scale(fit, factors.get(role, 1.0)) for role, fit in overhead.role_live.items()}
     mean = float(np.mean(list(factors.values()))) if factors else 1.0
     return dataclasses.replace(overhead, live=scale(overhead.live, mean), role_live=roles)
+
+
+def calibrated_profile(book: Any, overhead: Overhead, command: str) -> Profile:
+    """``book``'s profile as the calibration found the live system, for ``pdserve sim
+    --profile``: its steps and each role's scaled and slowed as the engines ran them,
+    with their noise (:meth:`Overhead.apply`), a request's overhead and its noise, and
+    every instance on one host (a step beside another instance's is slower)."""
+    applied = overhead.apply(book)
+    return dataclasses.replace(
+        applied.profiles[0], role_steps=dict(applied.role_steps),
+        request_overhead_s=overhead.request_s, request_jitter=overhead.live.jitter,
+        one_host=True, command=command, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )  # fmt: skip

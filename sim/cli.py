@@ -191,6 +191,14 @@ def _write_sim_outputs(
     return paths
 
 
+def calibrated_options(profiles: list[Any]) -> dict[str, Any]:
+    """What calibrated profiles (``pdserve sim-validate --write-profiles``) add to a
+    run: a request's overhead and its noise, and every instance on one host."""
+    return {"request_overhead_s": max((p.request_overhead_s for p in profiles), default=0.0),
+            "request_jitter": max((p.request_jitter for p in profiles), default=0.0),
+            "one_host": any(p.one_host for p in profiles)}  # fmt: skip
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from pdserve.bench.report import header
     from pdserve.bench.serve import (
@@ -210,9 +218,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
     check_load_flags(args)
     config = load_config(args.config)
-    book = book_for(
-        config, [load_profile(p) for p in args.profile], args.device, assumptions_from(args)
-    )
+    profiles = [load_profile(p) for p in args.profile]
+    book = book_for(config, profiles, args.device, assumptions_from(args))
     shares = region_shares([r.name for r in config.regions], args.region_share)
     slo = slo_from(args)
     runs, entries = [], []
@@ -220,7 +227,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         work = workload_from_args(args, rate, shares)
         options = SimOptions(not args.full, len(work) <= RECORDS_LIMIT, args.startup_s,
                              host_cores=args.host_cores, max_concurrency=args.max_concurrency,
-                             request_timeout_s=args.request_timeout)  # fmt: skip
+                             request_timeout_s=args.request_timeout,
+                             **calibrated_options(profiles))  # fmt: skip
         start, cpu = time.perf_counter(), time.process_time()
         run = SimCluster(config, book, work, options).run()
         wall, cpu, rss = time.perf_counter() - start, time.process_time() - cpu, _max_rss_mib()

@@ -267,10 +267,23 @@ class Profile:
     command: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
     date: str = ""
+    # What a live calibration (``pdserve sim-validate --write-profiles``) adds: each
+    # role's steps as its engine ran them, a request's cost outside the steps and its
+    # noise, and whether the instances shared one host (their steps slow each other)
+    role_steps: dict[str, StepModel] = field(default_factory=dict)
+    request_overhead_s: float = 0.0
+    request_jitter: float = 0.0
+    one_host: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise InvalidArgumentError("source", f"must be one of {SOURCES}, got {self.source!r}")
+        if set(self.role_steps) - {"prefill", "decode"}:
+            raise InvalidArgumentError("role_steps", "roles are prefill and decode")
+        for name in ("request_overhead_s", "request_jitter"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise InvalidArgumentError(name, f"must be a number >= 0, got {value!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "kv_bytes_per_token"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, "must be >= 1")
@@ -355,12 +368,15 @@ def profile_from_json(raw: Any) -> Profile:
             Sample(s["phase"], StepFeatures(**s["features"]), float(s["seconds"]))
             for s in raw.get("samples", ())
         )
+        roles = {k: StepModel(**_as_dict(v, f"role_steps.{k}"))
+                 for k, v in _as_dict(raw.get("role_steps", {}), "role_steps").items()}  # fmt: skip
         rest = {
             k: raw[k]
             for k in Profile.__dataclass_fields__
-            if k in raw and k not in ("model", "step", "connectors", "samples")
+            if k in raw and k not in ("model", "step", "connectors", "samples", "role_steps")
         }
-        return Profile(model=model, step=step, connectors=connectors, samples=samples, **rest)
+        return Profile(model=model, step=step, connectors=connectors, samples=samples,
+                       role_steps=roles, **rest)  # fmt: skip
     except TypeError as e:
         raise InvalidArgumentError("profile", f"missing or unknown field: {e}") from None
     except (KeyError, ValueError) as e:

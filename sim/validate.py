@@ -42,6 +42,7 @@ from pdserve.sim.calibrate import (
     Overhead,
     Runs,
     calibrate,
+    calibrated_profile,
     calibration_args,
     host_check_args,
     host_check_baseline,
@@ -49,6 +50,7 @@ from pdserve.sim.calibrate import (
     own_steps,
     rescaled,
     simulate,
+    simulate_each,
 )
 from pdserve.sim.kept import kept_entry, kept_runs, kept_setup, read_kept
 from pdserve.sim.live import Measured, scaled, traced
@@ -192,20 +194,44 @@ def validate(
         overhead = calibrate(text, book, [m.summary for m in fitted], cal + after,
                              Measured.role_traces(fitted), per_role=args.role_fit)  # fmt: skip
         calibrations[setup] = calibration_row(overhead, book, fitted, start)  # noise fitted
+        if getattr(args, "write_profiles", False):
+            calibrations[setup]["written"] = write_calibrated(setup, text, book, overhead, args)
         overhead = with_noise(overhead, args)
         calibrations[setup]["around"] = bool(after)
-        rows += point_rows(mine, flags, text, book, overhead, real[:ends], cal, args)
+        base = host_check_baseline(cal)  # what a host check repeats, in each calibration
+        baselines = [real[base], *([real[ends + base]] if after else [])]
+        rows += point_rows(mine, flags, text, book, overhead, real[:ends], cal, baselines, args)
     return rows, calibrations, measured
+
+
+def write_calibrated(
+    setup: str, text: str, book: Any, overhead: Overhead, args: argparse.Namespace
+) -> dict[str, str]:
+    """Write the setup's cluster YAML and its calibrated profile (noise included:
+    :func:`~pdserve.sim.calibrate.calibrated_profile`) under ``--out``, for ``pdserve
+    sim``; their paths."""
+    from pdserve.bench.serve import command_line
+    from pdserve.sim.profile import save_profile
+
+    stem = Path(args.out) / f"{args.name}-{setup}"
+    config = stem.with_name(f"{stem.name}.yaml")
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(text)
+    profile = calibrated_profile(book, overhead, command_line(args))
+    path = save_profile(profile, stem.with_name(f"{stem.name}-profile.json"))
+    return {"config": str(config), "profile": str(path)}
 
 
 def point_rows(
     mine: list[Point], flags: list[argparse.Namespace], text: str, book: Any,
-    overhead: Overhead, real: list[Measured], cal: Runs,
+    overhead: Overhead, real: list[Measured], cal: Runs, baselines: list[Measured],
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """One setup's rows: each point simulated with the calibration (``overhead``), with
     the steps its first run ran, and with ``--host-check`` with the steps scaled by
-    the checks measured before its runs (``real``: calibration runs, then the rounds)."""
+    the checks measured before its runs (``real``: calibration runs, then the rounds)
+    against the same requests in the calibration (``baselines``: before the points,
+    and after them with ``--calibrate-around``, as the fit took both)."""
     live_model = scaled(book.profiles[0].step, overhead.live)
     role_models = {r: scaled(book.profiles[0].step, f) for r, f in overhead.role_live.items()}
     points_real, checks = real[len(cal) :], None
@@ -222,9 +248,9 @@ def point_rows(
         own = simulate(text, book, ns, point.rate, own_fit, draws)
         row.update(sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own))
         if checks is not None:
-            factors = host_factors(role_models, live_model, real[host_check_baseline(cal)],
-                                   checks[k])  # fmt: skip
-            checked = simulate(text, book, ns, point.rate, rescaled(overhead, factors), draws)
+            factors = host_factors(role_models, live_model, baselines, checks[k])
+            checked = simulate_each(text, book, ns, point.rate,
+                                    [rescaled(overhead, f) for f in factors], draws)  # fmt: skip
             row.update(host_factors=factors, sim_host_checked=checked,
                        compare_host_checked=compare_point(row.get("real_mean", row["real"]), checked))  # fmt: skip
         rows.append(row)
@@ -269,6 +295,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-traces", action="store_true",
                    help="also write NAME-traces.json: per setup the cluster YAML, the profile "
                         "and every measured run with its engines' traced steps")  # fmt: skip
+    p.add_argument("--write-profiles", action="store_true",
+                   help="also write each setup's cluster YAML and calibrated profile "
+                        "(NAME-SETUP.yaml, NAME-SETUP-profile.json) and print, per point, the "
+                        "`pdserve sim` command that simulates it with them")  # fmt: skip
     p.add_argument("--from-traces", default=None, metavar="FILE",
                    help="measure nothing: calibrate and simulate again on a --keep-traces "
                         "file's runs (the same points, --repeat and request counts)")  # fmt: skip
@@ -304,9 +334,11 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     from pdserve.sim.validate_report import (
         calibration_lines,
         failed_lines,
+        host_check_lines,
         mean_abs_error,
         repeat_table,
         table,
+        written_lines,
     )
 
     points = checked_points(args)
@@ -335,11 +367,11 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     print(table(rows, "compare_own_steps"))
     if getattr(args, "host_check", False):
         print("\nThe same, simulated with each role's steps scaled by the host checks:")
-        print(table(rows, "compare_host_checked"))
-        for row in rows:
-            factors = ", ".join(f"{r} x{f:.3f}" for r, f in row["host_factors"].items())
-            print(f"{row['point']}: host checks against the calibration: {factors}")
-    for line in calibration_lines(rows, calibrations):
+        print("\n".join(host_check_lines(rows)))
+    for line in [
+        *calibration_lines(rows, calibrations),
+        *written_lines(points, args, calibrations),
+    ]:
         print(line)
     print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
     if apart is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 from dataclasses import dataclass
 
 from pdserve.core.errors import InvalidArgumentError
@@ -78,7 +79,8 @@ class Point:
         return f"{self.setup}:{self.workload}:{self.rate:g}{closed}{timeout}"
 
 
-def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
+def workload_flags(point: Point, args: argparse.Namespace) -> list[str]:
+    """The point's ``pdserve bench serve`` workload and load-limit flags."""
     flags = list(WORKLOADS[point.workload])
     if point.workload in ("conv", "code"):
         flags += ["--length-scale", str(args.length_scale)]
@@ -86,4 +88,17 @@ def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
         flags += ["--max-concurrency", str(point.concurrency)]
     if point.timeout_s is not None:
         flags += ["--request-timeout", str(point.timeout_s)]
-    return bench_flags(flags, args)
+    return flags
+
+
+def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
+    return bench_flags(workload_flags(point, args), args)
+
+
+def sim_command(point: Point, args: argparse.Namespace, written: dict[str, str]) -> str:
+    """The ``pdserve sim`` command that simulates ``point`` with its setup's calibrated
+    profile and cluster (``written``: their files, ``--write-profiles``)."""
+    return shlex.join(["pdserve", "sim", "--config", written["config"], "--profile",
+                       written["profile"], "--full", "--rate", f"{point.rate:g}",
+                       *workload_flags(point, args), "--num-requests", str(args.num_requests),
+                       "--seed", str(args.seed)])  # fmt: skip

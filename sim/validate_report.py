@@ -172,3 +172,26 @@ def point_row(
         row.update(real_mean=real, real_runs=[m.summary for m in repeats[1:]],
                    compare_runs=[compare_point(first, m.summary) for m in repeats[1:]])  # fmt: skip
     return row
+
+
+def host_check_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``--host-check``'s table and each point's factors, run by run."""
+    lines = [table(rows, "compare_host_checked")]
+    for row in rows:
+        factors = "; ".join(", ".join(f"{r} x{f:.3f}" for r, f in run.items())
+                            for run in row["host_factors"])  # fmt: skip
+        lines.append(f"{row['point']}: host checks against the calibration, run by run: {factors}")
+    return lines
+
+
+def written_lines(points: list[Any], args: Any, calibrations: dict[str, Any]) -> list[str]:
+    """With ``--write-profiles``: the files written and, per point, the ``pdserve sim``
+    command that simulates it with them (the steps' noise its first draw, as
+    ``--noise-draws 1`` simulates it)."""
+    from pdserve.sim.validate_points import sim_command
+
+    written = {s: c["written"] for s, c in calibrations.items() if "written" in c}
+    lines = [f"{s}: wrote {w['config']} and {w['profile']}" for s, w in written.items()]
+    if written:
+        lines.append("each point simulated with them (the noise's first draw, as --noise-draws 1):")
+    return lines + [sim_command(p, args, written[p.setup]) for p in points if p.setup in written]
