@@ -54,7 +54,13 @@ from pdserve.sim.calibrate import (
 )
 from pdserve.sim.kept import kept_entry, kept_runs, kept_setup, read_kept
 from pdserve.sim.live import Measured, scaled, traced
-from pdserve.sim.validate_points import DEFAULT_POINTS, SETUPS, Point, workload_args
+from pdserve.sim.validate_points import (
+    DEFAULT_POINTS,
+    SETUPS,
+    Point,
+    workload_args,
+    written_lines,
+)
 from pdserve.sim.validate_report import TOLERANCE, compare_point, point_row
 
 
@@ -338,14 +344,11 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
         mean_abs_error,
         repeat_table,
         table,
-        written_lines,
     )
 
     points = checked_points(args)
-    kept = None
-    if getattr(args, "from_traces", None):
-        kept = read_kept(Path(args.from_traces))
-    else:
+    kept = read_kept(Path(args.from_traces)) if getattr(args, "from_traces", None) else None
+    if kept is None:
         resolve_model(args.model)
     rows, calibrations, measured = validate(points, args, kept)
     apart = mean_abs_error([run for r in rows for run in r.get("compare_runs", [])])
@@ -368,11 +371,8 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     if getattr(args, "host_check", False):
         print("\nThe same, simulated with each role's steps scaled by the host checks:")
         print("\n".join(host_check_lines(rows)))
-    for line in [
-        *calibration_lines(rows, calibrations),
-        *written_lines(points, args, calibrations),
-    ]:
-        print(line)
+    print("\n".join([*calibration_lines(rows, calibrations),
+                     *written_lines(points, args, calibrations)]))  # fmt: skip
     print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
     if apart is not None:
         print(f"later runs against the first: mean |difference| {apart}")

@@ -19,6 +19,7 @@ import argparse
 import math
 import shlex
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.calibrate import bench_flags
@@ -102,3 +103,16 @@ def sim_command(point: Point, args: argparse.Namespace, written: dict[str, str])
                        written["profile"], "--full", "--rate", f"{point.rate:g}",
                        *workload_flags(point, args), "--num-requests", str(args.num_requests),
                        "--seed", str(args.seed)])  # fmt: skip
+
+
+def written_lines(
+    points: list[Point], args: argparse.Namespace, calibrations: dict[str, Any]
+) -> list[str]:
+    """With ``--write-profiles``: the files written and, per point, the ``pdserve sim``
+    command that simulates it with them (the steps' noise its first draw, as
+    ``--noise-draws 1`` simulates it)."""
+    written = {s: c["written"] for s, c in calibrations.items() if "written" in c}
+    lines = [f"{s}: wrote {w['config']} and {w['profile']}" for s, w in written.items()]
+    if written:
+        lines.append("each point simulated with them (the noise's first draw, as --noise-draws 1):")
+    return lines + [sim_command(p, args, written[p.setup]) for p in points if p.setup in written]

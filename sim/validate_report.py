@@ -182,16 +182,3 @@ def host_check_lines(rows: list[dict[str, Any]]) -> list[str]:
                             for run in row["host_factors"])  # fmt: skip
         lines.append(f"{row['point']}: host checks against the calibration, run by run: {factors}")
     return lines
-
-
-def written_lines(points: list[Any], args: Any, calibrations: dict[str, Any]) -> list[str]:
-    """With ``--write-profiles``: the files written and, per point, the ``pdserve sim``
-    command that simulates it with them (the steps' noise its first draw, as
-    ``--noise-draws 1`` simulates it)."""
-    from pdserve.sim.validate_points import sim_command
-
-    written = {s: c["written"] for s, c in calibrations.items() if "written" in c}
-    lines = [f"{s}: wrote {w['config']} and {w['profile']}" for s, w in written.items()]
-    if written:
-        lines.append("each point simulated with them (the noise's first draw, as --noise-draws 1):")
-    return lines + [sim_command(p, args, written[p.setup]) for p in points if p.setup in written]
