@@ -27,9 +27,16 @@ def sim_args(out, repeat: int = 1, around: bool = False):  # type: ignore[no-unt
 
     return build_parser().parse_args(
         ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:3",
-         "--num-requests", "12", "--out", str(out), "--name", "checked", "--host-check",
+         "--num-requests", "12", "--calibration-requests", "3", "--out", str(out),
+         "--name", "checked", "--host-check",
          "--repeat", str(repeat), *(["--calibrate-around"] if around else [])]
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The disaggregated setup's cluster and profiles, measured once for the module."""
+    return setup_profiles("disaggregated", sim_args(tmp_path_factory.mktemp("profiles")))
 
 
 def checked_row(tmp_path, checks: list[tuple[float, float]], profiles, after=None):  # type: ignore[no-untyped-def]
@@ -70,11 +77,10 @@ def checked_row(tmp_path, checks: list[tuple[float, float]], profiles, after=Non
     return row
 
 
-def test_host_checks_scale_each_roles_steps_by_the_hosts_drift(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_host_checks_scale_each_roles_steps_by_the_hosts_drift(tmp_path, profiles) -> None:  # type: ignore[no-untyped-def]
     # The check before the point's run ran the calibration's requests 1.25x slower on
     # the prefill and 1.1x on the decode: the point is simulated again with steps that
     # much longer.
-    profiles = setup_profiles("disaggregated", sim_args(tmp_path))
     row = checked_row(tmp_path, [(1.25, 1.1)], profiles)
     (factors,) = row["host_factors"]
     assert factors == pytest.approx({"prefill": 1.25, "decode": 1.1}, rel=0.01)
@@ -84,10 +90,9 @@ def test_host_checks_scale_each_roles_steps_by_the_hosts_drift(tmp_path) -> None
     assert set(row["compare_host_checked"]) == set(row["compare"])
 
 
-def test_each_run_is_simulated_on_its_own_hosts_drift(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_each_run_is_simulated_on_its_own_hosts_drift(tmp_path, profiles) -> None:  # type: ignore[no-untyped-def]
     # Two runs of a point, the second on a host 1.7x slower: each run is simulated with
     # the steps of its own check and the figures averaged, not once at the mean factor.
-    profiles = setup_profiles("disaggregated", sim_args(tmp_path))
     quick = checked_row(tmp_path, [(1.0, 1.0)], profiles)
     slow = checked_row(tmp_path, [(1.7, 1.7)], profiles)
     both = checked_row(tmp_path, [(1.0, 1.0), (1.7, 1.7)], profiles)
@@ -98,11 +103,12 @@ def test_each_run_is_simulated_on_its_own_hosts_drift(tmp_path) -> None:  # type
             assert both["sim_host_checked"][metric][q] == pytest.approx(sum(runs) / 2)
 
 
-def test_with_the_calibration_around_the_points_checks_compare_with_both(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_with_the_calibration_around_the_points_checks_compare_with_both(
+    tmp_path, profiles
+) -> None:  # type: ignore[no-untyped-def]
     # The calibration ran the long requests at the model's time before the points and
     # 1.4x slower after them; the fit took both. A check 1.2x slower than the first
     # ran as fast as the calibration did on average: no drift to correct.
-    profiles = setup_profiles("disaggregated", sim_args(tmp_path))
     row = checked_row(tmp_path, [(1.2, 1.2)], profiles, after=(1.4, 1.4))
     (factors,) = row["host_factors"]
     assert factors == pytest.approx({"prefill": 1.0, "decode": 1.0}, rel=0.03)
