@@ -315,9 +315,9 @@ def host_factors(
 ) -> list[dict[str, float]]:  # fmt: skip
     """Per measured run, per role: how many times slower its engine ran the host check
     just before it (``checks``, one per run) than the same requests in the calibration
-    (``baselines``: each calibration's run of them, their mean), each against the role's calibrated step model (``role_models``,
-    else ``default``: the median loop turn over the model's time). The host of a
-    2-vCPU VM drifts: one workload moved TPOT p50 by 14% in four minutes, and one
+    (``baselines``: each calibration's run of them, their mean), each against the
+    role's calibrated step model (``role_models``, else ``default``: the median loop
+    turn over the model's time). The host of a 2-vCPU VM drifts: one workload moved TPOT p50 by 14% in four minutes, and one
     point's two rounds ran 1.7x apart (RESULTS)."""
 
     def ratios(measured: Measured) -> dict[str, float]:

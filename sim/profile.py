@@ -27,7 +27,10 @@ roofline). :class:`TransferModel` gives the KV hand-off time per connector.
 
 A :class:`Profile` records what it describes (model shape, layout, device),
 how it was made (command, machine, date) and, for a measured one, the samples
-and the fit's error. ``load_profile`` checks everything and names the bad field.
+and the fit's error; a calibrated one (``pdserve sim-validate --write-profiles``)
+also each role's live steps, a request's overhead outside the steps and its
+noise, and that its instances shared one host. ``load_profile`` checks
+everything and names the bad field.
 """
 
 from __future__ import annotations
