@@ -125,6 +125,9 @@ class PrefillServer:
     # -- on the loop thread ---------------------------------------------------------------
 
     def _start(self, engine: EngineCore, request: PrefillRequest) -> Future[FirstToken]:
+        if request.request_id in self._dropped:  # the drop overtook the call (another group)
+            self.stats.aborted += 1
+            raise RequestAbortedError(f"{request.request_id} was dropped before it started")
         res = request.reservation
         if res is not None:
             if res.decode_id not in self.decodes:

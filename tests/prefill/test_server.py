@@ -232,6 +232,18 @@ def test_drop_while_prefilling_fails_the_first_token_and_frees_everything(
     assert server.drop("r1") is False
 
 
+def test_a_prompt_whose_drop_overtook_it_is_refused_not_run(server: PrefillServer) -> None:
+    # The router's drop runs in the control group and can reach the instance before
+    # the prefill call it cancels: that call must not run later into pages the decode
+    # instance has given back.
+    assert server.drop("r1") is False
+    with pytest.raises(RequestAbortedError, match="dropped before it started"):
+        server.prefill(PrefillRequest("r1", PROMPT, greedy(8), reservation()))
+    assert executor_of(server.loop.engine).plans_of("r1") == []
+    assert idle(server)
+    assert server.stats.aborted == 1
+
+
 def test_drop_after_the_first_token_releases_the_held_pages(
     server: PrefillServer, decode: Decode
 ) -> None:
