@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from pdserve import LLM, SamplingParams
+from pdserve.core.errors import RequestAbortedError
 from pdserve.core.messages import PrefillRequest
 from tests.e2e.local_cluster import Running, event_log, generate, start_streams
 
@@ -182,7 +183,9 @@ def test_stalled_engine_loop_is_replaced_after_the_deadline(ray_session, referen
 
 def test_health_checks_answer_while_queued_prompts_fill_the_data_path(ray_session) -> None:
     """Many more prompts than the prefill leader's data-path threads (64) wait for their
-    first token; health checks, stats and drops still answer, and nothing is replaced."""
+    first token; health checks, stats and drops still answer, and nothing is replaced.
+    Then every prompt is dropped: those in the engine stop, those still queued for a
+    data-path thread are refused when they get one, and no page is left held."""
     c = Running(p=1, d=1, budget=32)
     try:
         (prefill,) = c.leaders("prefill")
@@ -208,7 +211,14 @@ def test_health_checks_answer_while_queued_prompts_fill_the_data_path(ray_sessio
         assert sorted(i.instance_id for i in c.status().instances) == before
         assert all(i.healthy for i in c.status().instances)
         assert "unhealthy" not in event_log(c)
-        ray.get(refs, timeout=300)
+        ray.get([prefill.drop.remote(f"queued-{i}") for i in range(len(refs))], timeout=120)
+        dropped = 0
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=120)
+            except RequestAbortedError:
+                dropped += 1
+        assert dropped > 64
         c.assert_idle()
     finally:
         c.stop()
