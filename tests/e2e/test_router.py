@@ -372,26 +372,34 @@ def test_requests_stay_home_until_home_is_full_then_spill(ray_session) -> None:
         c.shutdown()
 
 
+def _prefix_counts(cluster: Cluster) -> tuple[int, int]:
+    stats = [s for s in cluster.stats().values() if s.role == "prefill"]
+    return sum(s.prefix_hits for s in stats), sum(s.prefix_queries for s in stats)
+
+
 def _hit_rate(cluster: Cluster, doors, prompts: list[str]) -> float:
+    hits, queries = _prefix_counts(cluster)
     for prompt in prompts:
         stub(doors).Complete(request(prompt=prompt, max_tokens=2), metadata=AUTH)
         time.sleep(0.25)  # let the prefill instances report their new blocks
-    stats = [s for s in cluster.stats().values() if s.role == "prefill"]
-    return sum(s.prefix_hits for s in stats) / sum(s.prefix_queries for s in stats)
+    now_hits, now_queries = _prefix_counts(cluster)
+    return (now_hits - hits) / (now_queries - queries)
 
 
 def test_cost_model_finds_cached_prefixes_better_than_round_robin(ray_session) -> None:
     # Three long prefixes over two prefill instances: round-robin lands each
     # prefix on both, so each is computed twice; the cost model follows the cache.
-    words = ["alpha", "bravo", "charlie"]
-    prefixes = [" ".join(f"{w} {i} {w}{i}" for i in range(40)) for w in words]
-    prompts = [f"{prefixes[i % 3]} question {i}" for i in range(15)]
+    # One cluster, a router of each policy in turn, each with prefixes of its own
+    # (the first's cached blocks are no use to the second).
     rates = {}
-    for policy in ("round_robin", "cost_model"):
-        c = Cluster({"local": (2, 1)})
-        try:
+    c = Cluster({"local": (2, 1)})
+    try:
+        for policy, words in (("round_robin", ["alpha", "bravo", "charlie"]),
+                              ("cost_model", ["delta", "echo", "foxtrot"])):  # fmt: skip
+            prefixes = [" ".join(f"{w} {i} {w}{i}" for i in range(40)) for w in words]
+            prompts = [f"{prefixes[i % 3]} question {i}" for i in range(15)]
             _, doors = c.router(RouterConfig(model_name="tiny", api_keys=(KEY,), policy=policy))
             rates[policy] = _hit_rate(c, doors, prompts)
-        finally:
-            c.shutdown()
+    finally:
+        c.shutdown()
     assert rates["cost_model"] > rates["round_robin"] + 0.1, rates
