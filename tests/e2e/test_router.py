@@ -372,31 +372,26 @@ def test_requests_stay_home_until_home_is_full_then_spill(ray_session) -> None:
         c.shutdown()
 
 
-def _prefix_counts(cluster: Cluster) -> tuple[int, int]:
-    stats = [s for s in cluster.stats().values() if s.role == "prefill"]
-    return sum(s.prefix_hits for s in stats), sum(s.prefix_queries for s in stats)
-
-
 def _hit_rate(cluster: Cluster, doors, prompts: list[str]) -> float:
-    hits, queries = _prefix_counts(cluster)
+    def counts() -> tuple[int, int]:
+        stats = [s for s in cluster.stats().values() if s.role == "prefill"]
+        return sum(s.prefix_hits for s in stats), sum(s.prefix_queries for s in stats)
+
+    hits, queries = counts()
     for prompt in prompts:
         stub(doors).Complete(request(prompt=prompt, max_tokens=2), metadata=AUTH)
         time.sleep(0.25)  # let the prefill instances report their new blocks
-    now_hits, now_queries = _prefix_counts(cluster)
-    return (now_hits - hits) / (now_queries - queries)
+    return (counts()[0] - hits) / (counts()[1] - queries)
 
 
 def test_cost_model_finds_cached_prefixes_better_than_round_robin(ray_session) -> None:
-    # Three long prefixes over two prefill instances: round-robin lands each
-    # prefix on both, so each is computed twice; the cost model follows the cache.
-    # One cluster, a router of each policy in turn, each with prefixes of its own
-    # (the first's cached blocks are no use to the second).
+    # Three long prefixes over two prefill instances: round-robin lands each prefix on
+    # both, so each is computed twice; the cost model follows the cache.
     rates = {}
     c = Cluster({"local": (2, 1)})
     try:
-        for policy, words in (("round_robin", ["alpha", "bravo", "charlie"]),
-                              ("cost_model", ["delta", "echo", "foxtrot"])):  # fmt: skip
-            prefixes = [" ".join(f"{w} {i} {w}{i}" for i in range(40)) for w in words]
+        for policy in ("round_robin", "cost_model"):  # a router each, prefixes of its own
+            prefixes = [" ".join(f"{policy}{k} {i} x{k}{i}" for i in range(40)) for k in range(3)]
             prompts = [f"{prefixes[i % 3]} question {i}" for i in range(15)]
             _, doors = c.router(RouterConfig(model_name="tiny", api_keys=(KEY,), policy=policy))
             rates[policy] = _hit_rate(c, doors, prompts)
