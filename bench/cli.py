@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+BENCH_HELP = "benchmarks (see bench/RESULTS.md)"
+
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (see bench/RESULTS.md)")
+    bench = sub.add_parser("bench", help=BENCH_HELP)
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     from pdserve.bench import (
         afd,

@@ -72,7 +72,7 @@ def _first_token_s(endpoints: Any, prompt: str, max_tokens: int) -> float:
 
 
 def _controller() -> Any:
-    from pdserve.cluster.serve import CONTROLLER, NAMESPACE
+    from pdserve.cluster.connect import CONTROLLER, NAMESPACE
 
     return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
 

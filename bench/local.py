@@ -111,7 +111,8 @@ def local_cluster(
     ``capacity``: the latency model of a proactive planner (as ``pdserve serve``
     builds it from ``planner.profile``)."""
     from pdserve.cluster.config import parse_config
-    from pdserve.cluster.serve import connect, start_controller
+    from pdserve.cluster.connect import connect
+    from pdserve.cluster.serve import start_controller
 
     config = parse_config(config_yaml, "<bench>")
     claim_cores({c for cores in (cores_by_role or {}).values() for c in cores})

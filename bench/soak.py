@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.bench.serve import command_line
     from pdserve.cluster.config import load_config
-    from pdserve.cluster.serve import connect
+    from pdserve.cluster.connect import connect
 
     check_args(args)
     config = load_config(args.config)

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from pdserve.parallel.elastic import ElasticStatus
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the rank side brings torch; the controller reads its statuses only
     from pdserve.cluster.instances import Instance
+    from pdserve.parallel.elastic import ElasticStatus
 
 logger = logging.getLogger(__name__)
 

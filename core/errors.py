@@ -127,3 +127,9 @@ def wire_status(exc: BaseException) -> WireStatus:
     if isinstance(exc, PdserveError):
         return WireStatus(exc.grpc_code, exc.http_status, str(exc))
     return WireStatus("INTERNAL", 500, f"internal error: {type(exc).__name__}")
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message for one line of output: its first line, else its type's name."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

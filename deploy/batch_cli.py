@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pdserve.batch import BatchRunner
 from pdserve.core.errors import InvalidArgumentError
 
 
@@ -38,6 +37,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         )
     if not args.retry_for_s >= 0:
         raise InvalidArgumentError("--retry-for-s", f"must be >= 0, got {args.retry_for_s}")
+    from pdserve.batch import BatchRunner  # brings Ray: only when a batch runs
+
     runner = BatchRunner(args.url, args.api_key, args.concurrency, args.priority, args.retry_for_s)
     summary = asyncio.run(runner.run(path, Path(args.output), progress=not args.no_progress))
     print(

@@ -17,7 +17,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, PdserveError
+from pdserve.core.errors import (
+    InstanceFailedError,
+    InvalidArgumentError,
+    PdserveError,
+    first_line,
+)
 
 LOCAL_CONFIG = "local.yaml"
 
@@ -37,19 +42,14 @@ def _operator_errors() -> Iterator[None]:
     except RayTaskError as e:
         if isinstance(e.cause, PdserveError):
             raise e.cause from None
-        raise InstanceFailedError(f"the controller failed: {_first_line(e.cause or e)}") from None
+        raise InstanceFailedError(f"the controller failed: {first_line(e.cause or e)}") from None
     except AuthenticationError as e:
         raise InstanceFailedError(
-            f"the Ray cluster refused pdserve's token ({_first_line(e)}): run pdserve as the user "
+            f"the Ray cluster refused pdserve's token ({first_line(e)}): run pdserve as the user "
             "who started the cluster, or set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to its token"
         ) from None
     except RayError as e:
-        raise InstanceFailedError(f"Ray: {_first_line(e)}") from None
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+        raise InstanceFailedError(f"Ray: {first_line(e)}") from None
 
 
 def _get(ref: Any) -> Any:
@@ -76,7 +76,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from ray.job_submission import JobSubmissionClient
 
     from pdserve.cluster.config import load_config
-    from pdserve.cluster.serve import use_ray_token
+    from pdserve.cluster.connect import use_ray_token
     from pdserve.sim.capacity import capacity_for
 
     config = Path(args.config).resolve()
@@ -86,7 +86,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         client = JobSubmissionClient(args.address)
     except ConnectionError as e:
         raise InstanceFailedError(
-            f"no Ray dashboard at {args.address} ({_first_line(e)}): pass the head's "
+            f"no Ray dashboard at {args.address} ({first_line(e)}): pass the head's "
             "dashboard address, e.g. --address http://HEAD:8265"
         ) from None
     deadline = time.monotonic() + 60
@@ -101,7 +101,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except RuntimeError as e:
             # A head that just started has no job agent yet; Ray says to try again.
             if "try again later" not in str(e) or time.monotonic() > deadline:
-                raise InstanceFailedError(f"Ray refused the job: {_first_line(e)}") from None
+                raise InstanceFailedError(f"Ray refused the job: {first_line(e)}") from None
             time.sleep(2.0)
     print(f"submitted job {job_id} to {args.address}")
     print(f"follow it with: ray job logs --address {args.address} --follow {job_id}")
@@ -110,7 +110,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _controller(address: str) -> Any:
     """The running cluster's controller; never starts a Ray instance to ask an empty one."""
-    from pdserve.cluster.serve import connect, find_controller
+    from pdserve.cluster.connect import connect, find_controller
 
     with _operator_errors():
         connect(address, start_local=False)
@@ -174,7 +174,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start the local two-region cluster, stream a few requests over gRPC, keep serving."""
     from pdserve.cluster.config import load_config
-    from pdserve.cluster.serve import connect, describe, start_controller
+    from pdserve.cluster.connect import connect
+    from pdserve.cluster.serve import describe, start_controller
 
     config = load_config(args.config or example_config(LOCAL_CONFIG))
     print(f"pdserve demo: {config.model} continues four Python prompts, streamed over gRPC;")

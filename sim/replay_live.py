@@ -142,7 +142,7 @@ def run_policy(
     from pdserve.bench.local import local_cluster
     from pdserve.bench.serve import serve_rates
     from pdserve.cluster.config import parse_config
-    from pdserve.cluster.serve import CONTROLLER, NAMESPACE
+    from pdserve.cluster.connect import CONTROLLER, NAMESPACE
     from pdserve.sim.capacity import capacity_for
 
     text = policy_yaml(text, policy, profile)

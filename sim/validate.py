@@ -126,7 +126,7 @@ def measure(text: str, setup: str, runs: Runs, args: argparse.Namespace) -> list
     from pdserve.bench.headline import cluster_setup
     from pdserve.bench.local import local_cluster
     from pdserve.bench.serve import serve_rates
-    from pdserve.cluster.serve import CONTROLLER, NAMESPACE
+    from pdserve.cluster.connect import CONTROLLER, NAMESPACE
 
     _, pins = cluster_setup(setup, _config_args(args))
     out = []
