@@ -229,9 +229,11 @@ def calibrate(
     Then TPOT p50 of
     each run, against the simulation's sensitivity to each overhead (it differs
     with the batch and the output length), gives the per-step, per-sequence
-    and per-hand-off overheads: the non-negative least-squares answer (exact when the
-    runs are independent; an overhead a setup lacks, such as the hand-off of a
-    colocated one, has no effect and comes out 0). Then TTFT p50 of the single run
+    and per-hand-off overheads: the non-negative least-squares answer over each run's
+    gap relative to its own TPOT (exact when the runs are independent; an overhead a
+    setup lacks, such as the hand-off of a colocated one, has no effect and comes out
+    0). Relative, so that every run counts alike: in absolute terms a run near
+    saturation, whose TPOT moved 2.8x between two calibrations (RESULTS), set them. Then TTFT p50 of the single run
     (the mean of its runs, where ``runs`` holds it more than once) gives the
     per-request one.
     """
@@ -248,8 +250,11 @@ def calibrate(
     probes = (dataclasses.replace(steps, step_s=probe), dataclasses.replace(steps, seq_s=probe),
               dataclasses.replace(steps, handoff_s=probe))  # fmt: skip
     columns = [(tpots(o) - base) / probe for o in probes]
-    gap = np.array([_tpot(r) for r in real]) - base
-    step_s, seq_s, handoff_s = nonnegative_lstsq(np.column_stack(columns), gap)
+    seen = np.array([_tpot(r) for r in real])
+    weight = 1 / np.maximum(seen, 1e-6)  # each run's gap relative to its own TPOT
+    step_s, seq_s, handoff_s = nonnegative_lstsq(
+        np.column_stack(columns) * weight[:, None], (seen - base) * weight
+    )
     fitted = dataclasses.replace(steps, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
     single, rate = runs[0]
     stepped = simulate(text, book, single, rate, fitted)

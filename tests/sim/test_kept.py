@@ -91,7 +91,8 @@ def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_p
     out = json.loads((tmp_path / "around.json").read_text())
     fitted = out["calibration"][point.setup]
     assert fitted["around"] and len(fitted["calibration"]) == 2 * len(cal)
-    assert fitted["step_overhead_ms"] == pytest.approx(4.0, rel=0.15)  # between 2 and 6
+    # between 2 and 6 (each run's gap relative to its TPOT: the faster runs' weigh more)
+    assert 2.5 <= fitted["step_overhead_ms"] <= 5.5
     assert fitted["request_overhead_ms"] == pytest.approx(40.0, rel=0.15)  # 30 and 50
     (row,) = out["points"]  # the point is the one run between the calibrations
     assert row["real"] == json.loads(json.dumps(real[len(cal)].summary))
