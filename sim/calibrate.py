@@ -249,12 +249,8 @@ def calibrate(
     base, probe = tpots(steps), 1e-3
     probes = (dataclasses.replace(steps, step_s=probe), dataclasses.replace(steps, seq_s=probe),
               dataclasses.replace(steps, handoff_s=probe))  # fmt: skip
-    columns = [(tpots(o) - base) / probe for o in probes]
-    seen = np.array([_tpot(r) for r in real])
-    weight = 1 / np.maximum(seen, 1e-6)  # each run's gap relative to its own TPOT
-    step_s, seq_s, handoff_s = nonnegative_lstsq(
-        np.column_stack(columns) * weight[:, None], (seen - base) * weight
-    )
+    columns = np.column_stack([(tpots(o) - base) / probe for o in probes])
+    step_s, seq_s, handoff_s = relative_fit(columns, np.array([_tpot(r) for r in real]), base)
     fitted = dataclasses.replace(steps, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
     single, rate = runs[0]
     stepped = simulate(text, book, single, rate, fitted)
@@ -262,6 +258,14 @@ def calibrate(
     request = max(0.0, (float(np.mean(seen)) - stepped["ttft_ms"]["p50"]) / 1e3)
     return dataclasses.replace(fitted, request_s=request, live=noisy.live,
                                role_live=noisy.role_live)  # fmt: skip
+
+
+def relative_fit(columns: np.ndarray, seen: np.ndarray, base: np.ndarray) -> list[float]:
+    """The non-negative overheads (one per column: each run's TPOT per second of it)
+    that close the runs' gaps between ``seen`` and ``base`` TPOT, each gap relative to
+    its own run's TPOT."""
+    weight = 1 / np.maximum(seen, 1e-6)
+    return nonnegative_lstsq(columns * weight[:, None], (seen - base) * weight)
 
 
 def role_fits(step: StepModel, traces: dict[str, list[list[StepRecord]]]) -> dict[str, LiveFit]:
