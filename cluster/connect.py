@@ -2,8 +2,9 @@
 ``pdserve status`` and ``pdserve scale`` share.
 
 This module imports Ray and nothing of the engine, so a command that only asks a
-running cluster (``status``, ``scale``) starts in a fraction of a second; the
-controller itself, and with it torch, is ``pdserve.cluster.serve``'s.
+running cluster (``status``, ``scale``) starts without torch (``pdserve status``
+with no cluster to find: 1.7 s, from 4.4 s); the controller itself, and with it
+torch, is ``pdserve.cluster.serve``'s.
 """
 
 from __future__ import annotations
