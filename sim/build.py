@@ -19,7 +19,7 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.engine.kv_cache_manager import resolve_max_model_len
 from pdserve.sim.analytic import Assumptions, analytic_profile, model_shape
 from pdserve.sim.instance import SimInstance
-from pdserve.sim.profile import ModelShape, Profile, StepModel
+from pdserve.sim.profile import ModelShape, Profile
 
 
 @dataclass
@@ -30,9 +30,6 @@ class ProfileBook:
     profiles: list[Profile] = field(default_factory=list)
     device: str | None = None
     assumptions: Assumptions = field(default_factory=Assumptions)
-    # A role's step model in place of its profile's (``pdserve sim-validate`` sets
-    # each role to the steps its engine actually ran)
-    role_steps: dict[str, StepModel] = field(default_factory=dict)
     _cache: dict[tuple[int, int], Profile] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,7 +95,7 @@ def make_instance(
     bs = engine.cache.block_size
     num_blocks = engine.cache.num_blocks or max(1, profile.kv_capacity_tokens // bs)
     max_len = resolve_max_model_len(engine, book.model.max_position_embeddings, num_blocks)
-    step = book.role_steps.get(role) or profile.role_steps.get(role, profile.step)
+    step = profile.role_steps.get(role, profile.step)  # a calibrated role's, else the profile's
     inst = SimInstance(
         instance_id, role, region.name, step, engine.scheduler, num_blocks, bs, max_len,
         engine.cache.enable_prefix_caching, clock,

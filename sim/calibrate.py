@@ -141,11 +141,11 @@ class Overhead:
 
         profiles = [
             dataclasses.replace(p, step=step(p.step, self.live),
+                                role_steps={r: step(p.step, f) for r, f in self.role_live.items()},
                                 connectors={name: link(t) for name, t in p.connectors.items()})
             for p in book.profiles
         ]  # fmt: skip
-        roles = {role: step(book.profiles[0].step, fit) for role, fit in self.role_live.items()}
-        return ProfileBook(book.model, profiles, book.device, book.assumptions, roles)
+        return ProfileBook(book.model, profiles, book.device, book.assumptions)
 
 
 CALIBRATION = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
@@ -362,7 +362,6 @@ def calibrated_profile(book: Any, overhead: Overhead, command: str) -> Profile:
     every instance on one host (a step beside another instance's is slower)."""
     applied = overhead.apply(book)
     return dataclasses.replace(
-        applied.profiles[0], role_steps=dict(applied.role_steps),
-        request_overhead_s=overhead.request_s, request_jitter=overhead.live.jitter,
+        applied.profiles[0], request_overhead_s=overhead.request_s, request_jitter=overhead.live.jitter,
         one_host=True, command=command, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )  # fmt: skip

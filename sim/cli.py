@@ -141,6 +141,11 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench/out/sim", help="output folder")
     p.add_argument("--name", default="sim", help="output file stem")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--noise-draws", type=int, default=1, metavar="N",
+                   help="a calibrated profile's noise (pdserve sim-validate --write-profiles): "
+                        "simulate N draws of it and give TTFT and TPOT p50 and p90 as their "
+                        "mean, the rest of a rate's figures and its records the first draw's "
+                        "(0: no noise, the model's mean times)")  # fmt: skip
     add_device_flags(p)
     add_host_flag(p)
     add_workload_flags(p)
@@ -199,10 +204,52 @@ def calibrated_options(profiles: list[Any]) -> dict[str, Any]:
             "one_host": any(p.one_host for p in profiles)}  # fmt: skip
 
 
+def quiet(profile: Any) -> Any:
+    """``profile`` without its steps' and requests' noise (``--noise-draws 0``)."""
+    import dataclasses
+
+    def still(s: Any) -> Any:
+        return dataclasses.replace(s, jitter=0.0, jitter_s=0.0)
+
+    return dataclasses.replace(profile, step=still(profile.step), request_jitter=0.0,
+                               role_steps={r: still(s) for r, s in profile.role_steps.items()})  # fmt: skip
+
+
+def _simulate_rate(
+    args: argparse.Namespace, config: Any, book: Any, profiles: list[Any], rate: float | None,
+    shares: list[float], slo: Slo,
+) -> tuple[dict[str, Any], RunResult]:  # fmt: skip
+    """One rate's JSON entry and result: ``--noise-draws`` runs, one per draw of the
+    noise, TTFT and TPOT p50 and p90 their mean, the rest the first draw's."""
+    import dataclasses
+
+    from pdserve.bench.serve import RunResult
+    from pdserve.sim.calibrate import averaged
+    from pdserve.sim.cluster import SimCluster, SimOptions
+    from pdserve.sim.report import run_json
+    from pdserve.sim.workload import workload_from_args
+
+    work = workload_from_args(args, rate, shares)
+    options = SimOptions(not args.full, len(work) <= RECORDS_LIMIT, args.startup_s,
+                         host_cores=args.host_cores, max_concurrency=args.max_concurrency,
+                         request_timeout_s=args.request_timeout,
+                         **calibrated_options(profiles))  # fmt: skip
+    start, cpu = time.perf_counter(), time.process_time()
+    runs = [SimCluster(config, book, work, dataclasses.replace(options, noise_seed=seed)).run()
+            for seed in range(max(1, args.noise_draws))]  # fmt: skip
+    wall, cpu, rss = time.perf_counter() - start, time.process_time() - cpu, _max_rss_mib()
+    records = runs[0].recorder.records() if len(work) <= RECORDS_LIMIT else []
+    entry = run_json(runs[0], rate, slo, wall, "full" if args.full else "fast", records)
+    if len(runs) > 1:
+        summaries = [entry["summary"], *(r.recorder.summary(slo) for r in runs[1:])]
+        entry["summary"] = {**averaged(summaries), "noise_draws": len(runs)}
+    entry["sim"].update(cpu_s=round(cpu, 3), max_rss_mib=round(rss, 1), draws=len(runs))
+    return entry, RunResult(rate, records, entry["summary"])
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from pdserve.bench.report import header
     from pdserve.bench.serve import (
-        RunResult,
         check_load_flags,
         command_line,
         options_json,
@@ -211,41 +258,30 @@ def cmd_sim(args: argparse.Namespace) -> int:
     )
     from pdserve.cluster.config import load_config
     from pdserve.sim.build import book_for
-    from pdserve.sim.cluster import SimCluster, SimOptions
     from pdserve.sim.profile import load_profile
-    from pdserve.sim.report import run_json
-    from pdserve.sim.workload import workload_from_args
 
     check_load_flags(args)
+    if args.noise_draws < 0:
+        raise InvalidArgumentError("noise_draws", f"must be at least 0, got {args.noise_draws}")
     config = load_config(args.config)
     profiles = [load_profile(p) for p in args.profile]
+    if args.noise_draws == 0:
+        profiles = [quiet(p) for p in profiles]
     book = book_for(config, profiles, args.device, assumptions_from(args))
     shares = region_shares([r.name for r in config.regions], args.region_share)
     slo = slo_from(args)
-    runs, entries = [], []
-    for rate in args.rate or [None]:
-        work = workload_from_args(args, rate, shares)
-        options = SimOptions(not args.full, len(work) <= RECORDS_LIMIT, args.startup_s,
-                             host_cores=args.host_cores, max_concurrency=args.max_concurrency,
-                             request_timeout_s=args.request_timeout,
-                             **calibrated_options(profiles))  # fmt: skip
-        start, cpu = time.perf_counter(), time.process_time()
-        run = SimCluster(config, book, work, options).run()
-        wall, cpu, rss = time.perf_counter() - start, time.process_time() - cpu, _max_rss_mib()
-        records = run.recorder.records() if len(work) <= RECORDS_LIMIT else []
-        entry = run_json(run, rate, slo, wall, "full" if args.full else "fast", records)
-        entry["sim"]["cpu_s"] = round(cpu, 3)
-        entry["sim"]["max_rss_mib"] = round(rss, 1)
-        entries.append(entry)
-        runs.append(RunResult(rate, records, entry["summary"]))
+    done = [_simulate_rate(args, config, book, profiles, rate, shares, slo)
+            for rate in args.rate or [None]]  # fmt: skip
+    entries, runs = [e for e, _ in done], [r for _, r in done]
     payload = {**header(command_line(args)), "config": str(args.config),
                "options": options_json(args), "runs": entries}  # fmt: skip
     paths = _write_sim_outputs(args, payload, runs, slo)
     print(summary_table([(f"rate {r.rate:g}" if r.rate else "trace", r) for r in runs]))
     for e in entries:
         s = e["sim"]
+        draws = f", {s['draws']} draws of the noise" if s["draws"] > 1 else ""
         print(f"simulated {s['requests']} requests, {s['virtual_s']:.1f} s of virtual time in "
               f"{s['wall_s']:.2f} s wall, {s['cpu_s']:.2f} s CPU ({s['mode']} mode, "
-              f"{s['events']} events, peak RSS {s['max_rss_mib']:.0f} MiB)")  # fmt: skip
+              f"{s['events']} events{draws}, peak RSS {s['max_rss_mib']:.0f} MiB)")  # fmt: skip
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -102,17 +102,16 @@ def sim_command(point: Point, args: argparse.Namespace, written: dict[str, str])
     return shlex.join(["pdserve", "sim", "--config", written["config"], "--profile",
                        written["profile"], "--full", "--rate", f"{point.rate:g}",
                        *workload_flags(point, args), "--num-requests", str(args.num_requests),
-                       "--seed", str(args.seed)])  # fmt: skip
+                       "--seed", str(args.seed), "--noise-draws", str(args.noise_draws)])  # fmt: skip
 
 
 def written_lines(
     points: list[Point], args: argparse.Namespace, calibrations: dict[str, Any]
 ) -> list[str]:
     """With ``--write-profiles``: the files written and, per point, the ``pdserve sim``
-    command that simulates it with them (the steps' noise its first draw, as
-    ``--noise-draws 1`` simulates it)."""
+    command that simulates it with them (as many draws of the noise as here)."""
     written = {s: c["written"] for s, c in calibrations.items() if "written" in c}
     lines = [f"{s}: wrote {w['config']} and {w['profile']}" for s, w in written.items()]
     if written:
-        lines.append("each point simulated with them (the noise's first draw, as --noise-draws 1):")
+        lines.append("each point simulated with them:")
     return lines + [sim_command(p, args, written[p.setup]) for p in points if p.setup in written]

@@ -17,7 +17,7 @@ from pdserve.sim.calibrate import (
     host_check_baseline,
     simulate,
 )
-from pdserve.sim.live import LiveFit, Measured
+from pdserve.sim.live import LiveFit, Measured, shared_flags
 from pdserve.sim.profile import load_profile, profile_from_json, save_profile
 from pdserve.sim.validate import Point, cmd_sim_validate, setup_profiles, workload_args
 from tests.sim.helpers import keep_file, step_timeline
@@ -34,12 +34,30 @@ def noisy(records: list[StepRecord]) -> list[StepRecord]:
     return out
 
 
+def beside_each_other(model, truth: LiveFit) -> dict[str, list[StepRecord]]:  # type: ignore[no-untyped-def]
+    """A prefill instance's 8 chunks back to back and a decode instance's 248 steps
+    from the start of its fifth chunk, on one host: a step that the other's steps
+    cover is as much slower as ``truth``'s shared factors say (found by going round
+    until the overlaps stop changing)."""
+    shapes = [[((1024,), (0,))] * 8, [((1,), (1024 + i,)) for i in range(31)] * 8]
+    flags = [[False] * len(s) for s in shapes]
+    for _ in range(10):
+        prefill = step_timeline(model, shapes[0], 0.0, truth, flags[0])
+        decode = step_timeline(model, shapes[1], prefill[4].start_s, truth, flags[1])
+        again = [list(shared_flags(prefill, [decode])), list(shared_flags(decode, [prefill]))]
+        if again == flags:
+            break
+        flags = again
+    assert 0 < sum(flags[0]) < 8 and 0 < sum(flags[1]) < 248  # both kinds of step in each
+    return {"prefill0": noisy(prefill), "decode1": noisy(decode)}
+
+
 def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from pdserve.deploy.cli import build_parser
 
     args = build_parser().parse_args(
         ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:2",
-         "--num-requests", "12", "--out", str(tmp_path), "--name", "cal", "--noise-draws", "1",
+         "--num-requests", "12", "--out", str(tmp_path), "--name", "cal", "--noise-draws", "2",
          "--write-profiles"]
     )  # fmt: skip
     point = Point.parse(args.points[0])
@@ -51,11 +69,9 @@ def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(t
     live = Overhead(request_s=0.03, step_s=0.002)
     real = [Measured(simulate(text, book, ns, rate, live), {}) for ns, rate in runs]
     base = host_check_baseline(cal)
-    shapes = {"prefill0": [((1024,), (0,))] * 8,
-              "decode1": [((1,), (1024 + i,)) for i in range(31)] * 8}  # fmt: skip
-    real[base] = Measured(real[base].summary, {
-        name: noisy(step_timeline(model, shape, 0.0, LiveFit(1.2, 1.1), [False] * len(shape)))
-        for name, shape in shapes.items()})  # fmt: skip
+    # the engines' steps: slower than profiled, and slower still beside each other
+    truth = LiveFit(1.2, 1.1, shared_compute=0.6, shared_factor=0.8)
+    real[base] = Measured(real[base].summary, beside_each_other(model, truth))
     keep_file(args, tmp_path, point.setup, text, book, runs, real)
     assert cmd_sim_validate(args) == 0
     out = json.loads((tmp_path / "cal.json").read_text())
@@ -65,6 +81,7 @@ def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(t
     assert profile.request_overhead_s > 0.01 and profile.one_host
     assert set(profile.role_steps) == {"prefill", "decode"}
     assert profile.role_steps["decode"].jitter > 0.05  # the steps' noise, fitted
+    assert profile.role_steps["decode"].slows  # and how much a step beside another slows
     # the printed command, as a user runs it, simulates the point as the validation did
     from pdserve.sim.validate_points import sim_command
 
@@ -73,6 +90,7 @@ def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(t
                                      "--no-plots"])  # fmt: skip
     assert sim.func(sim) == 0
     (run,) = json.loads((tmp_path / "again.json").read_text())["runs"]
+    assert run["summary"]["noise_draws"] == 2  # the mean of two draws, as the validation's
     for metric in ("ttft_ms", "tpot_ms"):
         for q in ("p50", "p90"):
             assert run["summary"][metric][q] == pytest.approx(row["sim"][metric][q], rel=1e-6)

@@ -91,6 +91,31 @@ def test_sim_rejects_a_bad_profile_file(files, tmp_path, capsys) -> None:  # typ
     assert "kv_capacity_tokens" in capsys.readouterr().err
 
 
+def test_sim_noise_draws_zero_is_the_profile_without_its_noise(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    config, profile = files
+    raw = json.loads(profile.read_text())
+    raw["step"].update(jitter=0.3, jitter_s=0.05)
+    raw.update(request_overhead_s=0.01, request_jitter=0.4)
+    profile.write_text(json.dumps(raw))
+    raw.update(request_jitter=0.0)
+    quiet_file = tmp_path / "quiet.json"  # the same profile, its noise taken out by hand
+    quiet_file.write_text(json.dumps(raw | {"step": {**raw["step"], "jitter": 0, "jitter_s": 0}}))
+
+    def p50s(path: Path, *flags: str) -> tuple[float, float]:
+        rc = main(["sim", "--config", str(config), "--profile", str(path), "--rate", "8",
+                   "--num-requests", "60", "--prompt-len", "200", "--output-len", "20",
+                   "--out", str(tmp_path / "out"), "--no-plots", *flags])  # fmt: skip
+        assert rc == 0
+        (run,) = json.loads((tmp_path / "out" / "sim.json").read_text())["runs"]
+        return run["summary"]["ttft_ms"]["p50"], run["summary"]["tpot_ms"]["p50"]
+
+    assert p50s(profile, "--noise-draws", "0") == p50s(quiet_file)
+    assert p50s(profile) != p50s(quiet_file)  # one draw of the noise moves them
+    assert main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "1",
+                 "--noise-draws", "-1"]) == 2  # fmt: skip
+    assert "noise_draws: must be at least 0, got -1" in capsys.readouterr().err
+
+
 def test_profile_analytic_writes_a_loadable_file(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "h100.json"
     assert (
