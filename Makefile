@@ -32,7 +32,7 @@ typecheck: $(STAMP)
 	$(BIN)/python -m tests.typecheck $(TYPED)
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test: lint typecheck pytest
 

@@ -45,7 +45,7 @@ from pdserve.cluster.config import ClusterConfig, check_fits
 from pdserve.cluster.fleet import Fleet
 from pdserve.cluster.health import HealthChecks
 from pdserve.cluster.instances import Instance, best_effort, pair_in_region
-from pdserve.cluster.membership import Membership
+from pdserve.cluster.membership import Membership, in_parallel
 from pdserve.cluster.planning import Planning
 from pdserve.cluster.pool import WarmPool
 from pdserve.cluster.proactive import CapacityModel, make_planner
@@ -130,8 +130,10 @@ class Controller:
                 self.config.router, self.model_path, {"scheduling_strategy": here}
             )
             ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
+        # every region at once (only starts: nothing to drain yet), then the warm pools
+        in_parallel(lambda name: self._converge(name, raise_errors=True), list(self.regions),
+                    "start")  # fmt: skip
         for name in self.regions:
-            self._converge(name, raise_errors=True)  # only starts: nothing to drain yet
             self.pool.fill(name)  # in the background
         threading.Thread(
             target=self._loop, args=(self.health.interval_s, self.health_checks.check), daemon=True

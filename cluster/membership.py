@@ -6,7 +6,9 @@ the lock not held:
 
 - each claimed role gets a new instance, started, paired with the region's
   instances of the other role and registered with the router
-  (``Controller._join``); a start that fails is recorded in the region's
+  (``Controller._join``); the claimed roles start at once, each loading its
+  weights while the others load theirs, and join one at a time (the join holds
+  the controller's topology lock); a start that fails is recorded in the region's
   :class:`~pdserve.cluster.status.RetryState`, and the health loop retries it
   once its backoff has passed;
 - a role is taken from the region's warm pool when one is ready there
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 import ray
 
@@ -37,6 +41,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 300.0
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def in_parallel(call: Callable[[T], R], items: Sequence[T], name: str) -> list[R]:
+    """``call`` on every item, each in a thread of its own; the results in order (the
+    first error raised once all are done). Starting instances is mostly waiting on
+    their actors (spawning, importing, loading weights), so they overlap."""
+    if len(items) <= 1:
+        return [call(x) for x in items]
+    with ThreadPoolExecutor(len(items), thread_name_prefix=name) as pool:
+        return list(pool.map(call, items))
 
 
 class Membership:
@@ -56,23 +73,29 @@ class Membership:
             self.drain(region, leaving)
 
     def start_roles(self, region: str, roles: list[Role], raise_errors: bool) -> None:
-        """Start one instance per entry of ``roles`` (claimed by ``Controller._plan_region``)."""
-        error: Exception | None = None
-        for role in roles:
-            try:
-                self._add(self.c.specs[region], role)
-            except Exception as e:
-                error = error or e
-                self._start_failed(region, role, e)
-            finally:
-                with self.c._lock:
-                    self.c.starting[region][role] -= 1
+        """Start one instance per entry of ``roles`` (claimed by ``Controller._plan_region``),
+        all at once: a region of N instances starts in about the time of its slowest
+        start, not of N starts one after another."""
+        errors = in_parallel(lambda role: self._start_one(region, role), roles, f"start-{region}")
+        error = next((e for e in errors if e is not None), None)
         with self.c._lock:
             if error is None and region in self.c.retries and not self.c._short(region):
                 retry = self.c.retries.pop(region)
                 self.c._event(f"{region} is whole again after {retry.failures} failed start(s)")
         if error is not None and raise_errors:
             raise error
+
+    def _start_one(self, region: str, role: Role) -> Exception | None:
+        """Start and join one claimed ``role``; its error, recorded for a retry, or None."""
+        try:
+            self._add(self.c.specs[region], role)
+            return None
+        except Exception as e:
+            self._start_failed(region, role, e)
+            return e
+        finally:
+            with self.c._lock:
+                self.c.starting[region][role] -= 1
 
     def _start_failed(self, region: str, role: Role, error: Exception) -> None:
         with self.c._lock:

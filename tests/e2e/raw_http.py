@@ -10,7 +10,7 @@ import json
 import urllib.error
 import urllib.request
 
-from tests.e2e.test_router import KEY
+from tests.e2e.tiny_cluster import KEY
 
 
 def raw_post(doors, path: str, data: bytes, key: str = KEY) -> tuple[int, dict]:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pdserve.batch import BatchRunner
-from tests.e2e.test_router import KEY, Cluster
+from tests.e2e.tiny_cluster import KEY, Cluster
 
 COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 3, "temperature": 0}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

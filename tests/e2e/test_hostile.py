@@ -21,7 +21,7 @@ from pdserve.core.messages import DecodeRequest, PrefillRequest
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from tests.e2e.raw_http import get, raw_post, raw_post_any
-from tests.e2e.test_router import AUTH, Cluster, stub
+from tests.e2e.tiny_cluster import AUTH, Cluster, stub
 
 GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

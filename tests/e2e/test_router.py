@@ -15,77 +15,12 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.topology import RegionInstances, add_instance, register, start_router
 from pdserve.core.builtin_models import resolve_model
-from pdserve.core.config import DisaggregationConfig, build_engine_config
-from pdserve.core.model_config import ModelConfig
-from pdserve.parallel.instance import RankResources
 from pdserve.router.config import RegionSpec, RouterConfig
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
-from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
+from tests.e2e.tiny_cluster import AUTH, KEY, Cluster, stub
 
-KEY = "test-key"
-AUTH = (("authorization", f"Bearer {KEY}"),)
 PROMPT = "Hello there, how are you doing today? Tell me about the weather."
-REMOTE = DisaggregationConfig(local_prefill_max_tokens=4, local_prefill_cached_fraction=1.0)
-
-
-class Cluster:
-    """Regions of builtin:tiny instances; routers can be added over the same instances."""
-
-    def __init__(self, regions: dict[str, tuple[int, int]]) -> None:
-        self.path = str(resolve_model("builtin:tiny"))
-        self.model = ModelConfig.from_dir(self.path)
-        self.engine = build_engine_config("builtin:tiny", max_num_batched_tokens=256)
-        self.regions = {name: RegionInstances(name) for name in regions}
-        self.routers: list = []
-        self._bootstrap = None
-        for name, (n_prefill, n_decode) in regions.items():
-            for role, count in (("decode", n_decode), ("prefill", n_prefill)):
-                for _ in range(count):
-                    self._add(name, role)
-
-    def _add(self, region: str, role: str) -> None:
-        if self._bootstrap is None:  # instances register with a first router
-            self._bootstrap = self.router(
-                RouterConfig(model_name="tiny", api_keys=(KEY,)), register_all=False
-            )
-        add_instance(
-            self._bootstrap[0], self.regions[region], role, self.model, self.engine, "shm",
-            RankResources(num_cpus=0.25), REMOTE,
-        )  # fmt: skip
-
-    def router(self, config: RouterConfig, register_all: bool = True):
-        actor, endpoints = start_router(config, self.path)
-        self.routers.append(actor)
-        if register_all:
-            for region in self.regions.values():
-                for instance in region.prefill + region.decode:
-                    register(actor, instance, region.name)
-        return actor, endpoints
-
-    def instances(self):
-        return [i for r in self.regions.values() for i in r.prefill + r.decode]
-
-    def assert_idle(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                ray.get([i.leader.check_idle.remote() for i in self.instances()])
-                return
-            except ray.exceptions.RayTaskError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-    def stats(self):
-        return {i.instance_id: ray.get(i.leader.stats.remote()) for i in self.instances()}
-
-    def shutdown(self) -> None:
-        for actor in self.routers:
-            ray.kill(actor)
-        for instance in self.instances():
-            instance.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +39,6 @@ def doors(cluster):
 def reference():
     out = LLM("builtin:tiny").generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0]
     return out.outputs[0]
-
-
-def stub(endpoints):
-    return pb_grpc.CompletionStub(grpc.insecure_channel(f"{endpoints.host}:{endpoints.grpc_port}"))
 
 
 def openai_client(endpoints, key: str = KEY):
