@@ -30,6 +30,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         serve,
         soak,
         spec,
+        startup,
         transfer,
         weights,
     )
@@ -55,3 +56,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     afd.add_parser(kinds)
     coldstart.add_parser(kinds)
     weights.add_parser(kinds)
+    startup.add_parser(kinds)

@@ -1,0 +1,84 @@
+"""A region's instances started one after another against all at once.
+
+    pdserve bench startup --instances 3 --repeats 3
+
+One embedded Ray instance; each repeat starts ``--instances`` instances of
+``--model`` (one prefill, the rest decode) one after another, shuts them down,
+then starts them at once as the controller starts a region's missing instances
+(``pdserve.cluster.membership.in_parallel``), and shuts them down again. A time
+runs from the first start call to the last instance up (placement groups, rank
+processes, weights, KV cache, engine loop), not paired or registered. Written:
+each repeat's two times and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from pdserve.bench.flags import count
+from pdserve.bench.report import write_json
+
+if TYPE_CHECKING:
+    from pdserve.cluster.worker import Role
+
+
+def _timed(start: Any, roles: list[Role], at_once: bool) -> float:
+    from pdserve.cluster.membership import in_parallel
+
+    began = time.monotonic()
+    started = in_parallel(start, roles, "bench") if at_once else [start(r) for r in roles]
+    took = time.monotonic() - began
+    for instance in started:
+        instance.shutdown()
+    time.sleep(2.0)  # their processes exit before the next case starts
+    return took
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.cluster.instances import start_instance
+    from pdserve.core.builtin_models import resolve_model
+    from pdserve.core.config import build_engine_config
+    from pdserve.core.model_config import ModelConfig
+    from pdserve.parallel.instance import RankResources
+
+    model = ModelConfig.from_dir(str(resolve_model(args.model)))
+    engine = build_engine_config(args.model, max_num_batched_tokens=256)
+    roles: list[Role] = ["prefill"]
+    roles += ["decode"] * (args.instances - 1)
+
+    def start(role: Role) -> Any:
+        return start_instance(role, model, engine, "shm", RankResources(num_cpus=0.25))
+
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = [{"one_after_another_s": _timed(start, roles, False),
+                 "at_once_s": _timed(start, roles, True)} for _ in range(args.repeats)]  # fmt: skip
+    finally:
+        ray.shutdown()
+    for i, row in enumerate(rows):
+        row["ratio"] = row["at_once_s"] / row["one_after_another_s"]
+        print(f"repeat {i}: {args.instances} instances one after another "
+              f"{row['one_after_another_s']:.2f} s, at once {row['at_once_s']:.2f} s "
+              f"({row['ratio']:.2f}x)")  # fmt: skip
+    print(f"median ratio {statistics.median(r['ratio'] for r in rows):.2f}x")
+    path = write_json(Path(args.out), {"args": vars(args) | {"func": None}, "repeats": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    p = kinds.add_parser(
+        "startup", help="a region's instances started one after another vs at once"
+    )
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--instances", type=count, default=3)
+    p.add_argument("--repeats", type=count, default=3)
+    p.add_argument("--num-cpus", type=count, default=4, help="the embedded Ray instance's CPUs")
+    p.add_argument("--out", default="bench/out/startup.json")
+    p.set_defaults(func=run)
