@@ -45,7 +45,7 @@ from pdserve.cluster.config import ClusterConfig, check_fits
 from pdserve.cluster.fleet import Fleet
 from pdserve.cluster.health import HealthChecks
 from pdserve.cluster.instances import Instance, best_effort, pair_in_region
-from pdserve.cluster.membership import Membership, in_parallel
+from pdserve.cluster.membership import Membership
 from pdserve.cluster.planning import Planning
 from pdserve.cluster.pool import WarmPool
 from pdserve.cluster.proactive import CapacityModel, make_planner
@@ -130,9 +130,7 @@ class Controller:
                 self.config.router, self.model_path, {"scheduling_strategy": here}
             )
             ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
-        # every region at once (only starts: nothing to drain yet), then the warm pools
-        in_parallel(lambda name: self._converge(name, raise_errors=True), list(self.regions),
-                    "start")  # fmt: skip
+        self.membership.start_all([] if self.fleet is None else [self.fleet.start])
         for name in self.regions:
             self.pool.fill(name)  # in the background
         threading.Thread(
@@ -141,8 +139,6 @@ class Controller:
         if self.config.planner.mode != "off":
             plan = (self.config.planner.interval_s, self.planning.plan)
             threading.Thread(target=self._loop, args=plan, daemon=True).start()
-        if self.fleet is not None:
-            self.fleet.start()  # the config's further models
         self._event("cluster started" if self.owns_router else f"{self.key} started")
         return self.endpoints
 

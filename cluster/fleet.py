@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from pdserve.cluster.config_models import ModelSpec, RolloutConfig
+from pdserve.cluster.membership import in_parallel
 from pdserve.core.adapters import adapter_pairs
 from pdserve.core.errors import InvalidArgumentError
 
@@ -103,10 +104,13 @@ class Fleet:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        """Start every model of the config's ``models`` list, then the canary judge."""
-        for spec in self.root.config.models:
-            self.models[spec.name] = {}
-            self._launch(spec, "stable")
+        """Start every model of the config's ``models`` list, all at once (the root
+        controller runs this beside its own regions' starts), then the canary judge."""
+        specs = list(self.root.config.models)
+        with self._lock:
+            for spec in specs:
+                self.models[spec.name] = {}
+        in_parallel(lambda spec: self._launch(spec, "stable"), specs, "models")
         threading.Thread(target=self._judge_loop, daemon=True).start()
 
     def stop(self) -> None:

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 import ray
@@ -71,6 +72,14 @@ class Membership:
             self.start_roles(region, roles, raise_errors)
         finally:
             self.drain(region, leaving)
+
+    def start_all(self, also: list[Callable[[], None]]) -> None:
+        """At start-up: every region's instances at once (only starts, nothing to drain
+        yet), beside ``also`` (the config's further models)."""
+        starts: list[Callable[[], None]] = [
+            partial(self.c._converge, r, True) for r in self.c.regions
+        ]
+        in_parallel(lambda start: start(), [*starts, *also], "start")
 
     def start_roles(self, region: str, roles: list[Role], raise_errors: bool) -> None:
         """Start one instance per entry of ``roles`` (claimed by ``Controller._plan_region``),
