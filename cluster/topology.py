@@ -63,14 +63,20 @@ def add_instance(
     instance = start_instance(
         role, model, engine, connector, resources, disaggregation, instance_id
     )
+    join_region(router, region, instance)
+    return instance
+
+
+def join_region(router: Any, region: RegionInstances, instance: Instance) -> None:
+    """Pair a started instance with the region's other role, register it, list it
+    (shut down if either fails)."""
     try:
         pair_in_region(instance, region.prefill, region.decode)
         register(router, instance, region.name)
     except BaseException:
         instance.shutdown()
         raise
-    region.of(role).append(instance)
-    return instance
+    region.of(instance.role).append(instance)
 
 
 def register(router: Any, instance: Instance, region: str, model: str = "") -> None:

@@ -4,13 +4,14 @@ parts the controller uses (instances, pairing, registration, routers)."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import grpc
 import ray
 
-from pdserve.cluster.instances import pair_in_region, start_instance
+from pdserve.cluster.instances import start_instance
 from pdserve.cluster.membership import in_parallel
-from pdserve.cluster.topology import RegionInstances, register, start_router
+from pdserve.cluster.topology import RegionInstances, join_region, register, start_router
 from pdserve.core.builtin_models import resolve_model
 from pdserve.core.config import DisaggregationConfig, build_engine_config
 from pdserve.core.model_config import ModelConfig
@@ -41,20 +42,15 @@ class Cluster:
             for role, count in (("decode", n_decode), ("prefill", n_prefill))
             for _ in range(count)
         ]
-        first = RouterConfig(model_name="tiny", api_keys=(KEY,))
-        self._bootstrap, *started = in_parallel(self._start, [first, *plan], "tiny-cluster")
+        first = RouterConfig(model_name="tiny", api_keys=(KEY,))  # instances register with it
+        starts = [partial(self.router, first, register_all=False)] + [
+            partial(start_instance, role, self.model, self.engine, "shm",
+                    RankResources(num_cpus=0.25), REMOTE)
+            for _, role in plan
+        ]  # fmt: skip
+        self._bootstrap, *started = in_parallel(lambda start: start(), starts, "tiny-cluster")
         for (name, _), instance in zip(plan, started, strict=True):
-            region = self.regions[name]
-            pair_in_region(instance, region.prefill, region.decode)
-            register(self._bootstrap[0], instance, name)
-            region.of(instance.role).append(instance)
-
-    def _start(self, what):  # type: ignore[no-untyped-def]
-        if isinstance(what, RouterConfig):  # instances register with a first router
-            return self.router(what, register_all=False)
-        return start_instance(
-            what[1], self.model, self.engine, "shm", RankResources(num_cpus=0.25), REMOTE
-        )
+            join_region(self._bootstrap[0], self.regions[name], instance)
 
     def router(self, config: RouterConfig, register_all: bool = True):  # type: ignore[no-untyped-def]
         actor, endpoints = start_router(config, self.path)
