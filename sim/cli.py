@@ -14,6 +14,7 @@ simulated and a measured run of one command line compare key by key.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -215,11 +216,21 @@ def quiet(profile: Any) -> Any:
                                role_steps={r: still(s) for r, s in profile.role_steps.items()})  # fmt: skip
 
 
+def noise_draws(args: argparse.Namespace, profiles: list[Any]) -> int:
+    """How many runs ``--noise-draws`` asks for: one where no profile carries noise
+    (every draw would be the same run), with a note saying so."""
+    if args.noise_draws > 1 and all(quiet(p) == p for p in profiles):
+        print(f"note: --noise-draws {args.noise_draws}: no profile carries noise "
+              "(only calibrated ones do), so one run gives them all", file=sys.stderr)  # fmt: skip
+        return 1
+    return max(1, args.noise_draws)
+
+
 def _simulate_rate(
     args: argparse.Namespace, config: Any, book: Any, profiles: list[Any], rate: float | None,
-    shares: list[float], slo: Slo,
+    shares: list[float], slo: Slo, draws: int,
 ) -> tuple[dict[str, Any], RunResult]:  # fmt: skip
-    """One rate's JSON entry and result: ``--noise-draws`` runs, one per draw of the
+    """One rate's JSON entry and result: ``draws`` runs, one per draw of the
     noise, TTFT and TPOT p50 and p90 their mean, the rest the first draw's."""
     import dataclasses
 
@@ -236,7 +247,7 @@ def _simulate_rate(
                          **calibrated_options(profiles))  # fmt: skip
     start, cpu = time.perf_counter(), time.process_time()
     runs = [SimCluster(config, book, work, dataclasses.replace(options, noise_seed=seed)).run()
-            for seed in range(max(1, args.noise_draws))]  # fmt: skip
+            for seed in range(draws)]  # fmt: skip
     wall, cpu, rss = time.perf_counter() - start, time.process_time() - cpu, _max_rss_mib()
     records = runs[0].recorder.records() if len(work) <= RECORDS_LIMIT else []
     entry = run_json(runs[0], rate, slo, wall, "full" if args.full else "fast", records)
@@ -269,8 +280,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         profiles = [quiet(p) for p in profiles]
     book = book_for(config, profiles, args.device, assumptions_from(args))
     shares = region_shares([r.name for r in config.regions], args.region_share)
-    slo = slo_from(args)
-    done = [_simulate_rate(args, config, book, profiles, rate, shares, slo)
+    slo, draws = slo_from(args), noise_draws(args, profiles)
+    done = [_simulate_rate(args, config, book, profiles, rate, shares, slo, draws)
             for rate in args.rate or [None]]  # fmt: skip
     entries, runs = [e for e, _ in done], [r for _, r in done]
     payload = {**header(command_line(args)), "config": str(args.config),
@@ -279,9 +290,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     print(summary_table([(f"rate {r.rate:g}" if r.rate else "trace", r) for r in runs]))
     for e in entries:
         s = e["sim"]
-        draws = f", {s['draws']} draws of the noise" if s["draws"] > 1 else ""
+        drawn = f", {s['draws']} draws of the noise" if s["draws"] > 1 else ""
         print(f"simulated {s['requests']} requests, {s['virtual_s']:.1f} s of virtual time in "
               f"{s['wall_s']:.2f} s wall, {s['cpu_s']:.2f} s CPU ({s['mode']} mode, "
-              f"{s['events']} events{draws}, peak RSS {s['max_rss_mib']:.0f} MiB)")  # fmt: skip
+              f"{s['events']} events{drawn}, peak RSS {s['max_rss_mib']:.0f} MiB)")  # fmt: skip
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

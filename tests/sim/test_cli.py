@@ -116,6 +116,16 @@ def test_sim_noise_draws_zero_is_the_profile_without_its_noise(files, tmp_path, 
     assert "noise_draws: must be at least 0, got -1" in capsys.readouterr().err
 
 
+def test_sim_runs_once_when_no_profile_carries_noise(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    config, profile = files  # measured, not calibrated: no jitter, no request overhead
+    assert main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "4",
+                 "--num-requests", "20", "--out", str(tmp_path), "--no-plots",
+                 "--noise-draws", "3"]) == 0  # fmt: skip
+    assert "--noise-draws 3: no profile carries noise" in capsys.readouterr().err
+    (run,) = json.loads((tmp_path / "sim.json").read_text())["runs"]
+    assert run["sim"]["draws"] == 1 and "noise_draws" not in run["summary"]
+
+
 def test_profile_analytic_writes_a_loadable_file(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "h100.json"
     assert (
