@@ -101,16 +101,22 @@ def _config_args(args: argparse.Namespace) -> argparse.Namespace:
     )  # fmt: skip
 
 
+def setup_config(setup: str, args: argparse.Namespace) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """(cluster YAML, each role's cores) of a setup."""
+    from pdserve.bench.headline import cluster_setup
+
+    return cluster_setup(setup, _config_args(args))
+
+
 def setup_profiles(setup: str, args: argparse.Namespace) -> tuple[str, Any]:
     """(cluster YAML, profile book) of a setup: the profile measured on the cores and
     with the threads its ranks get."""
-    from pdserve.bench.headline import cluster_setup
     from pdserve.bench.report import machine_info
     from pdserve.cluster.config import parse_config
     from pdserve.sim.build import book_for
     from pdserve.sim.measure import MeasureGrid, measured_profile
 
-    text, pins = cluster_setup(setup, _config_args(args))
+    text, pins = setup_config(setup, args)
     config = parse_config(text, f"<{setup}>")
     engine = config.engine_config("decode", config.regions[0])
     with pinned_here(pins["decode"]):

@@ -3,6 +3,7 @@ synthetic engine step traces and kept-traces files for the calibration's."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -84,6 +85,30 @@ def step_timeline(
         out.append(StepRecord(now, t, new, cached))
         now += t
     return out
+
+
+# builtin:tiny's step as `sim-validate` measured it here (disaggregated, decode's core,
+# 2026-11-29). Tests that simulate a validation point's runs take it instead of measuring:
+# a measured model moves with the machine's load, and with it how well a fit separates
+# the overheads a test sets.
+TINY_STEP = StepModel(overhead_s=0.0069, s_per_token=1.34e-4, s_per_attn=2.18e-7,
+                      s_per_ctx=1.82e-6, s_per_seq=3.6e-5)  # fmt: skip
+
+
+def tiny_setup(setup: str, args: argparse.Namespace) -> tuple[str, ProfileBook]:
+    """``setup_profiles(setup, args)`` with :data:`TINY_STEP` in place of a measurement."""
+    from pdserve.sim.analytic import model_shape
+    from pdserve.sim.build import book_for
+    from pdserve.sim.validate import setup_config
+
+    text, _ = setup_config(setup, args)
+    shape, link = model_shape(args.model), TransferModel(0.0, 3.5e9)
+    profile = Profile(
+        model=shape, tensor_parallel_size=1, pipeline_parallel_size=1, device="cpu",
+        source="measured", step=TINY_STEP, kv_bytes_per_token=shape.kv_bytes_per_token(4),
+        kv_capacity_tokens=65536, connectors={"shm": link, "default": link},
+    )  # fmt: skip
+    return text, book_for(parse_config(text, f"<{setup}>"), [profile], None)
 
 
 def keep_file(args, tmp_path, setup, text, book, runs, real):  # type: ignore[no-untyped-def]

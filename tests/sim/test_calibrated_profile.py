@@ -19,8 +19,8 @@ from pdserve.sim.calibrate import (
 )
 from pdserve.sim.live import LiveFit, Measured, shared_flags
 from pdserve.sim.profile import load_profile, profile_from_json, save_profile
-from pdserve.sim.validate import Point, cmd_sim_validate, setup_profiles, workload_args
-from tests.sim.helpers import keep_file, step_timeline
+from pdserve.sim.validate import Point, cmd_sim_validate, workload_args
+from tests.sim.helpers import keep_file, step_timeline, tiny_setup
 
 
 def noisy(records: list[StepRecord]) -> list[StepRecord]:
@@ -61,7 +61,7 @@ def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(t
          "--write-profiles"]
     )  # fmt: skip
     point = Point.parse(args.points[0])
-    text, book = setup_profiles(point.setup, args)
+    text, book = tiny_setup(point.setup, args)
     model = book.profiles[0].step
     cal = calibration_args(args, point.setup)
     runs = [*cal, (workload_args(point, args), point.rate)]

@@ -18,8 +18,8 @@ from pdserve.sim.calibrate import (
     simulate,
 )
 from pdserve.sim.live import LiveFit, Measured
-from pdserve.sim.validate import Point, cmd_sim_validate, setup_profiles, workload_args
-from tests.sim.helpers import keep_file, step_timeline
+from pdserve.sim.validate import Point, cmd_sim_validate, workload_args
+from tests.sim.helpers import keep_file, step_timeline, tiny_setup
 
 
 def sim_args(out, repeat: int = 1, around: bool = False):  # type: ignore[no-untyped-def]
@@ -36,7 +36,7 @@ def sim_args(out, repeat: int = 1, around: bool = False):  # type: ignore[no-unt
 @pytest.fixture(scope="module")
 def profiles(tmp_path_factory):  # type: ignore[no-untyped-def]
     """The disaggregated setup's cluster and profiles, measured once for the module."""
-    return setup_profiles("disaggregated", sim_args(tmp_path_factory.mktemp("profiles")))
+    return tiny_setup("disaggregated", sim_args(tmp_path_factory.mktemp("profiles")))
 
 
 def checked_row(tmp_path, checks: list[tuple[float, float]], profiles, after=None):  # type: ignore[no-untyped-def]

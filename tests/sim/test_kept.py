@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.calibrate import Overhead, calibration_args, simulate
-from pdserve.sim.validate import Measured, Point, cmd_sim_validate, setup_profiles, workload_args
-from tests.sim.helpers import keep_file
+from pdserve.sim.validate import Measured, Point, cmd_sim_validate, workload_args
+from tests.sim.helpers import keep_file, tiny_setup
 
 
 def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -36,7 +36,7 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
     ]
     args = build_parser().parse_args(argv)
     point = Point.parse(args.points[0])
-    text, book = setup_profiles(point.setup, args)
+    text, book = tiny_setup(point.setup, args)
     truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
     runs = [*calibration_args(args, point.setup), (workload_args(point, args), point.rate)]
     real = [Measured(simulate(text, book, ns, rate, truth), {}) for ns, rate in runs]
@@ -79,7 +79,7 @@ def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_p
          "--calibrate-around"]
     )  # fmt: skip
     point = Point.parse(args.points[0])
-    text, book = setup_profiles(point.setup, args)
+    text, book = tiny_setup(point.setup, args)
     cal = calibration_args(args, point.setup)
     runs = [*cal, (workload_args(point, args), point.rate), *cal]
     slow, fast = Overhead(step_s=0.006, request_s=0.03), Overhead(step_s=0.002, request_s=0.05)

@@ -58,7 +58,7 @@ from pdserve.sim.validate import (
     workload_args,
 )
 from pdserve.sim.validate_report import compare_point, failed_lines, point_row, repeat_table
-from tests.sim.helpers import step_timeline
+from tests.sim.helpers import step_timeline, tiny_setup
 
 # |sim - real| / real for TTFT and TPOT p50 at this point, on 2 shared cores: 8 requests,
 # measured once after calibration runs of 4; a CI run of 12 after runs of 8 measured TTFT
@@ -170,7 +170,7 @@ def test_nonnegative_lstsq_keeps_what_it_can_and_zeroes_the_rest() -> None:
 def test_calibration_recovers_the_overheads_a_simulated_system_has() -> None:
     args = argparse.Namespace(model="builtin:tiny", cores=[0, 1], num_requests=8, seed=0,
                               length_scale=0.25, calibration_requests=4)  # fmt: skip
-    text, book = setup_profiles("disaggregated", args)
+    text, book = tiny_setup("disaggregated", args)
     cal = calibration_args(args)
     truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
     got = calibrate(text, book, [simulate(text, book, ns, rate, truth) for ns, rate in cal], cal)
@@ -340,7 +340,7 @@ def test_a_closed_loop_point_holds_arrivals_in_the_simulation_as_the_load_genera
     closed = workload_args(point, args)
     assert closed.max_concurrency == 1
     assert workload_args(limited, args).request_timeout == 6.5
-    text, book = setup_profiles(point.setup, args)
+    text, book = tiny_setup(point.setup, args)
     # 50 req/s is far past what the instances serve: open, the prompts queue and TTFT
     # grows with each; closed at one in flight, each request is sent when the one
     # before ends and its TTFT is a lone prefill's
