@@ -54,6 +54,7 @@ from pdserve.parallel.expert_slots import (
 )
 from pdserve.parallel.groups import (
     InstanceGroups,
+    abort_groups,
     destroy_groups,
     init_groups,
     leader_store,
@@ -284,9 +285,16 @@ class RankWorker(ElasticRank):
                     apply_lora(self.stage.runner, payload)
                 else:
                     self.stage.run(StepPlan.from_msgpack(payload))
-        except Exception as e:  # the leader notices through its own collectives
+        except Exception as e:
             self.follower_error = f"{type(e).__name__}: {e}"
             logger.error("rank %d follower loop stopped: %s", self.spec.rank, e)
+            # Leave the groups now, so that the leader notices through its own collectives
+            # at once: a peer still waiting on this rank (a send needs its receive) would
+            # otherwise wait out the collective timeout while this process keeps its sockets.
+            try:
+                abort_groups(self.groups, f"rank {self.spec.rank} stopped: {e}")
+            except Exception:
+                logger.exception("rank %d could not leave its groups", self.spec.rank)
 
     # -- leader API -------------------------------------------------------------
 

@@ -118,6 +118,34 @@ def test_dead_rank_fails_the_instance_quickly(ray_session) -> None:
         llm.shutdown()
 
 
+def test_a_follower_whose_loop_fails_leaves_its_groups_so_the_leader_fails_fast(
+    ray_session,
+) -> None:
+    """A follower that stops serving but stays alive (its step raised) must not leave the
+    leader waiting out the collective timeout (60 s) for its half of an all-reduce."""
+    from pdserve.parallel.instance import _get
+    from pdserve.parallel.worker import GenerateItem
+
+    def broken(worker) -> None:  # type: ignore[no-untyped-def]
+        def run(plan) -> None:  # type: ignore[no-untyped-def]
+            raise RuntimeError("a step that fails on this rank only")
+
+        worker.stage.run = run
+
+    llm = LLM("builtin:tiny", tensor_parallel_size=2, num_cpus_per_rank=0.5)
+    try:
+        ray_session.get(llm.instance.workers[1].__ray_call__.remote(broken))
+        started = time.monotonic()
+        pending = llm.instance.leader.generate.remote(
+            [GenerateItem("r0", "hello " * 10, SamplingParams(max_tokens=8))]
+        )
+        with pytest.raises(InstanceFailedError):
+            _get(pending, 120)
+        assert time.monotonic() - started < 40  # 60 s and more before
+    finally:
+        llm.shutdown()
+
+
 def test_each_tp_rank_reads_only_its_slice(references, monkeypatch) -> None:
     folder, _, _ = references("llama")
     config = ModelConfig.from_dir(folder)
