@@ -35,7 +35,7 @@ def sim_args(out, repeat: int = 1, around: bool = False):  # type: ignore[no-unt
 
 @pytest.fixture(scope="module")
 def profiles(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """The disaggregated setup's cluster and profiles, measured once for the module."""
+    """The disaggregated setup's cluster and its fixed profile (TINY_STEP), once for the module."""
     return tiny_setup("disaggregated", sim_args(tmp_path_factory.mktemp("profiles")))
 
 
