@@ -35,6 +35,7 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batches import BatchJobs
 from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.lora_admin import add_lora_routes
+from pdserve.router.frontdoor.request_keys import ADMITTED, BODY_BYTES, KEY_PRIORITY
 from pdserve.router.frontdoor.requests import (
     completion_input,
     fit_context,
@@ -95,16 +96,16 @@ class HttpApi:
         except web.HTTPException:
             raise
         except Exception as e:
-            if request.path.startswith("/v1/") and not request.get("admitted"):
+            if request.path.startswith("/v1/") and not request.get(ADMITTED):
                 self.router.reject(e)
             return error_response(e)
 
     async def _body(self, request: web.Request, allowed: set[str]) -> dict[str, Any]:
-        request["key_priority"] = self.keys.check(request.headers.get("Authorization"))
+        request[KEY_PRIORITY] = self.keys.check(request.headers.get("Authorization"))
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise InvalidArgumentError("body", f"larger than {self.max_body_bytes} bytes")
         raw = await request.read()
-        request["body_bytes"] = len(raw)
+        request[BODY_BYTES] = len(raw)
         if len(raw) > self.max_body_bytes:
             raise InvalidArgumentError("body", f"larger than {self.max_body_bytes} bytes")
         try:
@@ -156,7 +157,7 @@ class HttpApi:
         if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:
             values["max_tokens"] = body["max_completion_tokens"]
         if values["priority"] is None:
-            values["priority"] = request.get("key_priority")
+            values["priority"] = request.get(KEY_PRIORITY)
         params = sampling_params(values, version.vocab_size)
         asked = values["max_tokens"] is not None
         params = fit_context(params, len(ids), max_len, asked)
@@ -168,7 +169,7 @@ class HttpApi:
         body = await self._body(request, COMPLETION_FIELDS)
         served = self.router.resolve(body["model"])  # 404 for an unknown name
         inp = await off_loop(
-            request["body_bytes"], self._input, request, body, body.get("prompt"), False, served
+            request[BODY_BYTES], self._input, request, body, body.get("prompt"), False, served
         )
         return await self._respond(request, body, inp, chat=False)
 
@@ -180,9 +181,7 @@ class HttpApi:
             raise InvalidArgumentError("messages", "must be a non-empty list")
         if served[0].tokenizer is None:
             raise InvalidArgumentError("messages", "the model has no tokenizer")
-        inp = await off_loop(
-            request["body_bytes"], self._chat_input, request, body, messages, served
-        )
+        inp = await off_loop(request[BODY_BYTES], self._chat_input, request, body, messages, served)
         return await self._respond(request, body, inp, chat=True)
 
     def _chat_input(
@@ -211,7 +210,7 @@ class HttpApi:
     async def _respond(
         self, request: web.Request, body: dict[str, Any], inp: CompletionInput, chat: bool
     ) -> web.StreamResponse:
-        request["admitted"] = True  # from here the router counts the outcome
+        request[ADMITTED] = True  # from here the router counts the outcome
         model = inp.params.lora or inp.served_as.rpartition("@")[0] or self.router.config.model_name
         shape = ResponseShape(inp.request_id, model, chat, inp.served_as)
         if not body.get("stream"):

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.frontdoor.auth import ApiKeys
+from pdserve.router.frontdoor.request_keys import ADMITTED
 from pdserve.router.router import Router
 
 _LOAD = {"lora_name", "lora_path", "model", "instances"}
@@ -49,7 +50,7 @@ def add_lora_routes(
 async def _body(
     request: web.Request, keys: ApiKeys, limit: int, allowed: set[str]
 ) -> dict[str, Any]:
-    request["admitted"] = True  # an admin call, not a completion the router refused
+    request[ADMITTED] = True  # an admin call, not a completion the router refused
     keys.check(request.headers.get("Authorization"))
     raw = await request.content.read(limit + 1)
     if len(raw) > limit:
