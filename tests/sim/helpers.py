@@ -18,14 +18,21 @@ from pdserve.sim.workload import SimWorkload
 TOY = ModelShape("toy", 2, 64, 4, 2, 16, 128, 256, 4096)
 
 
+def cpu_profile(
+    shape: ModelShape, step: StepModel, kv_tokens: int, connectors: dict[str, TransferModel]
+) -> Profile:
+    """A measured-looking float32 profile of ``shape`` on one CPU rank: ``step`` times every
+    step, ``connectors`` every transfer."""
+    return Profile(
+        model=shape, tensor_parallel_size=1, pipeline_parallel_size=1, device="cpu",
+        source="measured", step=step, kv_bytes_per_token=shape.kv_bytes_per_token(4),
+        kv_capacity_tokens=kv_tokens, connectors=connectors,
+    )  # fmt: skip
+
+
 def toy_profile(step: StepModel, kv_tokens: int = 1 << 16, latency_s: float = 0.005) -> Profile:
     """A profile of the toy model: ``step`` times every step; transfers take ``latency_s``."""
-    link = TransferModel(latency_s, 1e18)
-    return Profile(
-        model=TOY, tensor_parallel_size=1, pipeline_parallel_size=1, device="cpu",
-        source="measured", step=step, kv_bytes_per_token=TOY.kv_bytes_per_token(4),
-        kv_capacity_tokens=kv_tokens, connectors={"default": link},
-    )  # fmt: skip
+    return cpu_profile(TOY, step, kv_tokens, {"default": TransferModel(latency_s, 1e18)})
 
 
 def toy_yaml(
@@ -102,12 +109,8 @@ def tiny_setup(setup: str, args: argparse.Namespace) -> tuple[str, ProfileBook]:
     from pdserve.sim.validate import setup_config
 
     text, _ = setup_config(setup, args)
-    shape, link = model_shape(args.model), TransferModel(0.0, 3.5e9)
-    profile = Profile(
-        model=shape, tensor_parallel_size=1, pipeline_parallel_size=1, device="cpu",
-        source="measured", step=TINY_STEP, kv_bytes_per_token=shape.kv_bytes_per_token(4),
-        kv_capacity_tokens=65536, connectors={"shm": link, "default": link},
-    )  # fmt: skip
+    link = TransferModel(0.0, 3.5e9)
+    profile = cpu_profile(model_shape(args.model), TINY_STEP, 65536, {"shm": link, "default": link})
     return text, book_for(parse_config(text, f"<{setup}>"), [profile], None)
 
 
