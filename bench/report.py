@@ -19,8 +19,12 @@ matplotlib (Agg) only when called.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
+import shutil
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -214,8 +218,8 @@ def max_rate_meeting(
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-
+    """The machine a result came from. Loads no torch: the simulator and the load
+    generator need none (torch's import is seconds of a short run)."""
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -224,10 +228,35 @@ def machine_info() -> dict[str, Any]:
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
         if hasattr(os, "sysconf")
         else None,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": _gpu_name(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": _version("torch"),
     }
+
+
+def _gpu_name() -> str | None:
+    """The first GPU's name: torch's where the process runs it already, else nvidia-smi's."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    return out.stdout.splitlines()[0].strip()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def header(command: str) -> dict[str, Any]:

@@ -29,13 +29,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from pdserve.core import registry
 from pdserve.core.errors import ModelNotFoundError
+
+if TYPE_CHECKING:
+    import torch
 
 GENERATOR_VERSION = 1
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -172,6 +174,8 @@ def write_builtin(spec: BuiltinSpec, folder: Path) -> None:
     bos, eos = write_tokenizer_files(tok, folder, spec.max_position_embeddings)
     config = hf_config(spec, vocab, bos, eos)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    from safetensors.torch import save_file  # torch only where a model is generated
+
     save_file(
         _random_weights(spec, vocab), str(folder / "model.safetensors"), metadata={"format": "pt"}
     )
@@ -238,6 +242,8 @@ def hf_config(spec: BuiltinSpec, vocab: int, bos: int | None, eos: int | None) -
 
 
 def _random_weights(spec: BuiltinSpec, vocab: int) -> dict[str, torch.Tensor]:
+    import torch
+
     gen = torch.Generator().manual_seed(spec.seed)
     h, d = spec.hidden_size, spec.hidden_size // spec.num_heads
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,8 @@ import pytest
 from pdserve.deploy.cli import main
 from pdserve.sim.profile import StepModel, save_profile
 from tests.sim.helpers import toy_profile
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = """\
 model: toy
@@ -53,6 +59,25 @@ def test_sim_writes_bench_compatible_json(files, tmp_path, capsys) -> None:  # t
     assert {"east.prefill", "east.decode", "west.decode"} <= set(run["per_role"])
     assert run["instances_over_time"][0]["east.decode"] == 2
     assert "simulated 60 requests" in capsys.readouterr().out
+
+
+def test_sim_runs_without_torch_and_still_records_the_machine(files, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The simulator needs no torch (its import is seconds and hundreds of MiB): a
+    fresh process simulates and writes its result with torch never loaded."""
+    config, profile = files
+    argv = ["sim", "--config", str(config), "--profile", str(profile), "--rate", "5",
+            "--num-requests", "20", "--out", str(tmp_path / "out"), "--no-plots"]  # fmt: skip
+    script = (
+        "import sys\nfrom pdserve.deploy.cli import main\n"
+        f"rc = main({argv!r})\nprint(rc, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "0 False"
+    machine = json.loads((tmp_path / "out" / "sim.json").read_text())["machine"]
+    assert machine["torch"] == importlib.metadata.version("torch")
+    assert machine["cpu_count"] == os.cpu_count()
 
 
 def test_sim_rejects_a_trace_with_missing_columns(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
