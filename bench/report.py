@@ -218,8 +218,8 @@ def max_rate_meeting(
 
 
 def machine_info() -> dict[str, Any]:
-    """The machine a result came from. Loads no torch: the simulator and the load
-    generator need none (torch's import is seconds of a short run)."""
+    """The machine a result came from. Loads no torch: the simulator needs none, and
+    its import is seconds of a short run."""
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -230,7 +230,7 @@ def machine_info() -> dict[str, Any]:
         else None,
         "gpu": _gpu_name(),
         "python": platform.python_version(),
-        "torch": _version("torch"),
+        "torch": importlib.metadata.version("torch"),  # a dependency: always there
     }
 
 
@@ -250,13 +250,6 @@ def _gpu_name() -> str | None:
     if out.returncode != 0 or not out.stdout.strip():
         return None
     return out.stdout.splitlines()[0].strip()
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def header(command: str) -> dict[str, Any]:
