@@ -194,8 +194,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=count, default=8)
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("afd", help="attention-FFN disaggregation against colocated EP")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.add_argument("--ranks", type=count, default=2, help="ranks of every layout")
     p.add_argument("--attention-ranks", type=count, default=1, help="afd: the rest hold experts")

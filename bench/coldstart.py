@@ -127,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("coldstart", help="time to first token from zero, warm pool, running")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:tiny")
     p.add_argument("--repeats", type=count, default=3)
     p.add_argument("--max-tokens", type=count, default=8)

@@ -173,8 +173,7 @@ def _first_token_disaggregated(
     return time.monotonic()
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("ttft", help="TTFT of disaggregated vs colocated serving at low load")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--prompt-len", type=count, default=512)
     p.add_argument("--output-len", type=count, default=4)

@@ -131,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["same_tokens"] for r in results.values()) else 1
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("elastic", help="time from killing an EP rank to the next token")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=count, default=2, help="expert-parallel ranks")
     p.add_argument("--victim", type=int, default=1, help="the follower rank to kill")
     p.add_argument("--redundant", type=int, default=8, help="replica slots (second case)")

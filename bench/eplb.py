@@ -175,8 +175,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("eplb", help="MoE imbalance and step time before/after EPLB")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=count, default=1024)
     p.add_argument("--inter", type=count, default=2048)
     p.add_argument("--tokens", type=count, default=256, help="tokens per step")

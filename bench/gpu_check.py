@@ -43,9 +43,9 @@ GPU_MODULES = ["pdserve", "pdserve.bench.kernels", "pdserve.parallel.model_runne
 
 # `pdserve bench kernels` without the command line (which would import the cluster, and Ray).
 KERNELS = """import argparse, sys
-from pdserve.bench import kernels
+from pdserve.bench.cli import add_kind
 parser = argparse.ArgumentParser()
-kernels.add_parser(parser.add_subparsers())
+add_kind(parser.add_subparsers(), "kernels")
 args = parser.parse_args(["kernels", *sys.argv[1:]])
 sys.exit(args.func(args))
 """

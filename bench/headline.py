@@ -211,11 +211,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser(
-        "disagg-vs-colocated",
-        help="goodput of disaggregated vs colocated serving on the same cores, over rates",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--rate", type=float, nargs="+", default=None,
                    help=f"request rates (default {' '.join(map(str, FULL_RATES))})")  # fmt: skip

@@ -361,8 +361,7 @@ _FLAGS = (
 )  # fmt: skip
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("kernels", help="Triton kernels vs torch and the bandwidth floor (GPU)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     p.add_argument("--tokens", type=count, default=4096, help="rows of the row-wise ops")
     p.add_argument("--batch", type=count, default=64, help="decode attention: sequences")

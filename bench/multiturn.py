@@ -217,8 +217,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("multiturn", help="multi-turn chat over KV tiers: off, host, host+disk")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--sessions", type=count, default=12)
     p.add_argument("--turns", type=count, default=4)

@@ -261,10 +261,9 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.parallel.cpu_features import fastest_cpu_dtype
 
-    p = kinds.add_parser("offline", help="engine throughput vs transformers.generate")
     p.add_argument("--model", default="builtin:small")
     fastest = fastest_cpu_dtype()
     p.add_argument(
@@ -285,4 +284,4 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-__all__ = ["Measurement", "Workload", "add_parser", "asdict", "run", "workloads"]
+__all__ = ["Measurement", "Workload", "add_arguments", "asdict", "run", "workloads"]

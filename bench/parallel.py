@@ -205,8 +205,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("parallel", help="TP=2 and PP=2 step time (shm and gloo) against one rank")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--cpus", type=float, default=2.0, help="CPUs for every layout in total")
     p.add_argument("--batch", type=count, default=16)

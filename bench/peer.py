@@ -213,10 +213,7 @@ def side_by_side(series: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
     return rows
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser(
-        "peer", help="the serving benchmark against transformers' continuous batching"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--rate", type=float, nargs="+", default=None,
                    help="request rates (default 0.5 1 2)")  # fmt: skip

@@ -94,10 +94,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser(
-        "peer-prefill", help="a prefix from a peer instance's cache vs recomputing it"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--connector", default="shm", choices=["shm", "p2p", "object_store"])
     p.add_argument("--prompt-tokens", type=count, default=2000)

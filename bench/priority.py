@@ -180,8 +180,7 @@ def _line(mode: str, r: dict[str, Any]) -> str:
     return text
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("priority", help="online SLOs beside low-priority load and a batch job")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:tiny")
     p.add_argument(
         "--rate", type=float, default=None, help="online req/s (default: the measured capacity)"

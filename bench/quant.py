@@ -268,10 +268,7 @@ def _flags(args: argparse.Namespace) -> list[str]:
     return flags + [f"--text {t}" for t in args.text]
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser(
-        "quant", help="int8/int4 weight-only vs float32: memory, speed, perplexity"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--decode-tokens", type=count, default=64, help="new tokens per request")
     p.add_argument("--repeats", type=count, default=3, help="decode runs per batch size (median)")

@@ -153,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("router", help="router decision time and front-door latency")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=count, default=2000)
     p.add_argument("--concurrency", type=count, default=32)
     p.add_argument("--requests", type=count, default=4, help="per concurrent client")

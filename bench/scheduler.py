@@ -150,8 +150,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("scheduler", help="the engine scheduler's host time per step")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=count, nargs="+", default=[21, 64, 256])
     p.add_argument("--steps", type=count, default=2000, help="steps per round")
     p.add_argument("--repeat", type=count, default=3, help="rounds per batch size (best kept)")

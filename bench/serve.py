@@ -326,10 +326,7 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser(
-        "serve", help="load a running cluster over gRPC or HTTP; goodput under SLOs"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="grpc://HOST:PORT or http://HOST:PORT")
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer <key>'")
     p.add_argument("--model", default=None, help="model name (default: ask the server)")

@@ -305,10 +305,7 @@ def _ray_logs() -> str | None:
     return f"{node.get_session_dir_path()}/logs" if node is not None else None
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser(
-        "soak", help="a local cluster at 80%% load with client cancels and worker kills"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="length of the soak phase")
     p.add_argument("--config", default="deploy/configs/local.yaml", help="cluster config (YAML)")
     p.add_argument("--out", default="bench/out/soak.json", help="result file (JSON)")

@@ -160,8 +160,7 @@ def _methods(value: str) -> str:
     return value
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("spec", help="speculative decoding (prompt lookup, draft model) vs off")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:pycode")
     p.add_argument(
         "--methods",

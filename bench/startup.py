@@ -72,10 +72,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser(
-        "startup", help="a region's instances started one after another vs at once"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:tiny")
     p.add_argument("--instances", type=count, default=3)
     p.add_argument("--repeats", type=count, default=3)

@@ -223,8 +223,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("transfer", help="KV connector bandwidth vs the raw channel")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connectors", nargs="+", default=["shm", "p2p", "object_store"])
     p.add_argument("--pages", nargs="+", type=count, default=[8, 32, 128], help="pages per message")
     p.add_argument("--rounds", type=count, default=10, help="messages per timed batch")
@@ -241,4 +240,4 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_arguments", "run"]

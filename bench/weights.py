@@ -98,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(kinds: argparse._SubParsersAction) -> None:
-    p = kinds.add_parser("weights", help="memory and load time of weights shared per node")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--instances", type=count, default=3)
     p.add_argument("--out", default="bench/out/weights.json")

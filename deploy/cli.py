@@ -20,9 +20,10 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pdserve.bench.cli import named_kind
 from pdserve.core.errors import PdserveError
 
 if TYPE_CHECKING:
@@ -147,11 +148,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
+def build_parser(
+    command: str | None = "bench", bench_kinds: Collection[str] | None = None
+) -> argparse.ArgumentParser:
     """Every command's parser; for a ``command`` other than ``bench``, the benchmarks
     are one line of help: their modules bring torch and Ray, and a command that only
     checks its flags answers without them (a flag error of ``pdserve rollout``: 3.5 s
-    with every benchmark imported, 0.7 s without)."""
+    with every benchmark imported, 0.7 s without). ``bench_kinds`` names the benchmarks
+    whose flags ``bench`` gets (None: all)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,7 +175,7 @@ def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
     registry_cli.add_parser(sub)
     rollout_cli.add_parser(sub)
     if command == "bench":
-        add_bench_parser(sub)
+        add_bench_parser(sub, bench_kinds)
     else:
         sub.add_parser("bench", help=BENCH_HELP)
     from pdserve.sim.cli import add_parsers as add_sim_parsers  # profile, sim, plan
@@ -202,7 +206,10 @@ def _command(argv: Sequence[str] | None) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(_command(argv)).parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = _command(words)
+    kind = named_kind(words) if command == "bench" else None
+    args = build_parser(command, [kind] if kind else []).parse_args(words)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.bench.soak import add_parser, api_key_for, check_args, log_errors
+from pdserve.bench.soak import add_arguments, api_key_for, check_args, log_errors
 from pdserve.bench.soak_outcomes import (
     Attempt,
     RssSample,
@@ -207,8 +207,8 @@ def test_log_errors_are_collected_with_their_traceback(tmp_path: Path) -> None:
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    return parser.parse_args(["soak", *argv])
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
 def test_the_defaults_are_valid_and_bad_flags_are_refused() -> None:

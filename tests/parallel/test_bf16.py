@@ -113,7 +113,7 @@ def test_bench_offline_defaults_to_the_fastest_native_dtype() -> None:
     from pdserve.bench import offline
 
     parser = argparse.ArgumentParser()
-    offline.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["offline"])
+    offline.add_arguments(parser)
+    args = parser.parse_args([])
     assert args.dtype == cpu_features.fastest_cpu_dtype()
     assert args.repeats == 1

@@ -1,0 +1,73 @@
+"""``pdserve bench`` loads only the benchmark a command line names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.cli import KINDS, named_kind
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fresh(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``pdserve`` run with ``argv`` in a fresh process; its output, and the bench
+    modules and heavy packages it had loaded when it exited."""
+    script = (
+        "import atexit, sys\n"
+        "def loaded():\n"
+        "    mods = sorted(m for m in sys.modules if m.startswith('pdserve.bench.'))\n"
+        "    heavy = [m for m in ('torch', 'ray') if m in sys.modules]\n"
+        "    print('LOADED', ' '.join(heavy + mods), file=sys.stderr)\n"
+        "atexit.register(loaded)\n"
+        "from pdserve.deploy.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)  # fmt: skip
+    loaded = next(ln for ln in done.stderr.splitlines() if ln.startswith("LOADED"))
+    return done, loaded
+
+
+def test_bench_help_lists_every_benchmark_and_imports_none() -> None:
+    done, loaded = _fresh(["bench", "--help"])
+    assert done.returncode == 0, done.stderr
+    for name in KINDS:
+        assert name in done.stdout
+    # serve's module is loaded anyway: `pdserve sim` takes its workload flags
+    benchmarks = {f"pdserve.bench.{kind.module}" for kind in KINDS.values()}
+    assert benchmarks & set(loaded.split()) == {"pdserve.bench.serve"}, loaded
+    assert "torch" not in loaded.split() and "ray" not in loaded.split()
+
+
+def test_the_load_generator_starts_without_torch() -> None:
+    # `bench serve` is a client of a running cluster: neither torch nor Ray
+    done, loaded = _fresh(["bench", "serve", "--rate", "0"])
+    assert done.returncode == 2 and "--rate" in done.stderr
+    assert "torch" not in loaded.split() and "ray" not in loaded.split()
+    assert "pdserve.bench.serve" in loaded and "pdserve.bench.kernels" not in loaded
+
+
+def test_a_benchmark_gets_its_own_flags_and_help() -> None:
+    done, loaded = _fresh(["bench", "scheduler", "--help"])
+    assert done.returncode == 0, done.stderr
+    assert KINDS["scheduler"].help in done.stdout and "--batch" in done.stdout
+    assert "pdserve.bench.offline" not in loaded
+
+
+@pytest.mark.parametrize(
+    ("argv", "kind"),
+    [
+        (["bench", "serve", "--rate", "2"], "serve"),
+        (["--log-level", "INFO", "bench", "-h", "ttft"], "ttft"),
+        (["bench", "--help"], None),
+        (["bench", "nosuch"], None),
+        (["sim", "--config", "bench"], None),
+        (["generate", "--prompt", "x"], None),
+    ],
+)
+def test_named_kind(argv: list[str], kind: str | None) -> None:
+    assert named_kind(argv) == kind
