@@ -218,8 +218,8 @@ def max_rate_meeting(
 
 
 def machine_info() -> dict[str, Any]:
-    """The machine a result came from. Loads no torch: the simulator needs none, and
-    its import is seconds of a short run."""
+    """The machine a result came from. Loads no torch: the simulator and the load
+    generator need none, and its import is seconds of a short run."""
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

@@ -43,8 +43,9 @@ def test_bench_help_lists_every_benchmark_and_imports_none() -> None:
     assert "torch" not in loaded.split() and "ray" not in loaded.split()
 
 
-def test_the_load_generator_starts_without_torch() -> None:
-    # `bench serve` is a client of a running cluster: neither torch nor Ray
+def test_the_load_generators_command_loads_neither_torch_nor_ray() -> None:
+    # `bench serve` is a client of a running cluster; a flag error stops it after its
+    # module and parser are loaded, before it dials anything
     done, loaded = _fresh(["bench", "serve", "--rate", "0"])
     assert done.returncode == 2 and "--rate" in done.stderr
     assert "torch" not in loaded.split() and "ray" not in loaded.split()
