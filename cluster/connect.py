@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from pdserve.core.errors import InstanceFailedError, first_line
+from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ def connect(address: str, num_cpus: int | None = None, start_local: bool = True)
         return
     use_ray_token()
     named = os.environ.get("RAY_ADDRESS") or address  # what ray.init will dial
+    check_ray_address(named, "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "--ray-address")
     try:
-        if named != "auto" and not _listening(named):  # Ray itself would retry for minutes
+        if named != "auto" and not listening(named):  # Ray itself would retry for minutes
             raise ConnectionError(f"nothing listens at {named}")
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     except ConnectionError as e:
@@ -53,6 +54,33 @@ def connect(address: str, num_cpus: int | None = None, start_local: bool = True)
             ) from None
         logger.info("no Ray cluster found: starting an embedded local one")
         _start_local(num_cpus)
+
+
+def check_ray_address(address: str, source: str = "--ray-address") -> None:
+    """Refuse an address Ray cannot dial before Ray sees it (Ray raises a bare
+    ``ValueError`` for them): ``auto``, ``local``, ``HOST:PORT`` (the Ray cluster's
+    GCS, which ``pdserve serve`` prints) or ``ray://HOST:PORT`` (a Ray client
+    server) are the forms; ``source`` names the flag or variable it came from."""
+    if address in ("auto", "local"):
+        return
+    scheme, sep, rest = address.rpartition("://")
+    if sep and scheme in ("http", "https"):
+        raise InvalidArgumentError(
+            source,
+            f"{address!r} is an HTTP address (a Ray dashboard's?); give the Ray cluster's "
+            "HOST:PORT as pdserve serve prints it (e.g. 10.0.0.1:6379), auto or local",
+        )
+    if sep and scheme != "ray":
+        raise InvalidArgumentError(source, f"{address!r}: the only scheme Ray dials is ray://")
+    if not is_host_port(rest):
+        raise InvalidArgumentError(
+            source, f"{address!r} is not HOST:PORT (a port from 1 to 65535), auto or local"
+        )
+
+
+def is_host_port(address: str) -> bool:
+    host, colon, port = address.rpartition(":")
+    return bool(host and colon and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _start_local(num_cpus: int | None) -> None:
@@ -67,7 +95,7 @@ def _start_local(num_cpus: int | None) -> None:
         ) from None
 
 
-def _listening(address: str) -> bool:
+def listening(address: str) -> bool:
     """Whether a ``host:port`` address accepts connections (other forms: assumed so)."""
     host, sep, port = address.rpartition(":")
     if not sep or "://" in address or not port.isdigit():

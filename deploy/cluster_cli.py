@@ -73,8 +73,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit ``pdserve serve`` as a Ray job (the config travels in the job's working dir)."""
-    from ray.job_submission import JobSubmissionClient
-
     from pdserve.cluster.config import load_config
     from pdserve.cluster.connect import use_ray_token
     from pdserve.sim.capacity import capacity_for
@@ -82,13 +80,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     config = Path(args.config).resolve()
     capacity_for(load_config(config))  # refuse a bad config here, not on the cluster
     use_ray_token()
-    try:
-        client = JobSubmissionClient(args.address)
-    except ConnectionError as e:
-        raise InstanceFailedError(
-            f"no Ray dashboard at {args.address} ({first_line(e)}): pass the head's "
-            "dashboard address, e.g. --address http://HEAD:8265"
-        ) from None
+    client = _job_client(args.address)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -106,6 +98,37 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"submitted job {job_id} to {args.address}")
     print(f"follow it with: ray job logs --address {args.address} --follow {job_id}")
     return 0
+
+
+def _job_client(address: str) -> Any:
+    """The job client of the Ray cluster whose dashboard is at ``address``
+    (``http(s)://HOST:PORT``), or whose GCS is (``HOST:PORT``, ``auto``: Ray asks
+    it where the dashboard is, for half a minute when nobody answers)."""
+    from ray.exceptions import RayError
+    from ray.job_submission import JobSubmissionClient
+
+    from pdserve.cluster.connect import is_host_port, listening
+
+    hint = "pass the head's dashboard address, e.g. --address http://HEAD:8265"
+    if address != "auto" and address.partition("://")[0] not in ("http", "https"):
+        if address == "local" or "://" in address or not is_host_port(address):
+            raise InvalidArgumentError(
+                "--address", f"{address!r} is not http(s)://HOST:PORT nor HOST:PORT: {hint}"
+            )
+        if not listening(address):
+            raise InstanceFailedError(f"no Ray cluster at {address} (nothing listens): {hint}")
+    try:
+        return JobSubmissionClient(address)
+    except ConnectionError as e:
+        raise InstanceFailedError(
+            f"no Ray dashboard at {address} ({first_line(e)}): {hint}"
+        ) from None
+    except ValueError as e:
+        raise InvalidArgumentError("--address", f"{first_line(e)}: {hint}") from None
+    except RayError as e:
+        raise InstanceFailedError(
+            f"no Ray cluster at {address} ({first_line(e)}): {hint}"
+        ) from None
 
 
 def _controller(address: str) -> Any:

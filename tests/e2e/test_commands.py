@@ -249,6 +249,17 @@ def test_status_and_scale_without_a_cluster_say_so_at_once() -> None:
             ENV,
             f"no Ray dashboard at http://{nowhere}",
         ),
+        (  # a GCS address: Ray would wait half a minute for it
+            ("submit", "--address", nowhere, "--config", config),
+            ENV,
+            f"no Ray cluster at {nowhere} (nothing listens)",
+        ),
+        (  # a dashboard's address where a GCS address goes: Ray raised a bare ValueError
+            ("status", "--ray-address", f"http://{nowhere}"),
+            ENV,
+            "--ray-address: 'http://127.0.0.1",
+        ),
+        (("status",), {**ENV, "RAY_ADDRESS": "head"}, "RAY_ADDRESS: 'head' is not HOST:PORT"),
     ]
     for args, env, says in runs:
         start = time.monotonic()
