@@ -32,47 +32,16 @@ from pdserve.cluster.config_models import (
     parse_models,
     parse_rollout,
 )
+from pdserve.cluster.config_regions import (
+    PARALLEL_KEYS,
+    RegionConfig,
+    parse_region,
+)
 from pdserve.cluster.config_router import router_config
-from pdserve.cluster.config_yaml import Lines, get_list, get_map, known_fields, to_python
+from pdserve.cluster.config_yaml import Lines, get_list, get_map, to_python, typed, typed_fields
 from pdserve.core.config import DisaggregationConfig, EngineConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RouterConfig
-
-ROLE_KEYS = {"count", "min", "max", "num_cpus_per_rank", "num_gpus_per_rank", "engine"}
-PARALLEL_KEYS = {
-    "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size", "redundant_experts"
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """How many instances of one role a region runs, their layout and resources."""
-
-    count: int = 1
-    min: int = 1
-    max: int = 4
-    num_cpus_per_rank: float = 1.0
-    num_gpus_per_rank: float = 0.0
-    parallel: dict[str, int] = field(default_factory=dict)
-    # Engine options of this role over the cluster's `engine` section (e.g. a
-    # larger max_num_batched_tokens for prefill). An instance that flips role
-    # keeps the options it started with.
-    engine: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RegionConfig:
-    name: str
-    latency_ms: dict[str, float] = field(default_factory=dict)
-    prefill: RoleSpec = field(default_factory=RoleSpec)
-    decode: RoleSpec = field(default_factory=RoleSpec)
-    node_labels: dict[str, str] = field(default_factory=dict)
-    # Instances kept started but serving nothing (the decode role's resources and
-    # engine options), so a start skips start-up: see pdserve.cluster.pool.
-    warm_pool: int = 0
-
-    def role(self, role: str) -> RoleSpec:
-        return self.prefill if role == "prefill" else self.decode
 
 
 @dataclass(frozen=True)
@@ -247,7 +216,11 @@ def load_config(path: str | Path) -> ClusterConfig:
     file = Path(path)
     if not file.is_file():
         raise InvalidArgumentError("config", f"no such file: {file}")
-    return parse_config(file.read_text(), str(file))
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError("config", f"{file}: not UTF-8 text ({e.reason})") from None
+    return parse_config(text, str(file))
 
 
 def parse_config(text: str, source: str = "<config>") -> ClusterConfig:
@@ -293,7 +266,9 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
             raise lines.error(key, f"unknown field (known: {sorted(_TOP)})")
     if not isinstance(raw.get("model"), str):
         raise lines.error("model", "required: a checkpoint folder or builtin:<name>")
-    regions = tuple(_region(r, i, lines) for i, r in enumerate(get_list(raw, "regions", lines)))
+    regions = tuple(
+        parse_region(r, i, lines) for i, r in enumerate(get_list(raw, "regions", lines))
+    )
     if not regions:
         raise lines.error("regions", "at least one region is required")
     names = [r.name for r in regions]
@@ -312,20 +287,20 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
         connector=str(raw.get("connector", "shm")),
         router=router,
         planner=PlannerConfig(
-            **known_fields(get_map(raw, "planner", lines), PlannerConfig, "planner", lines)
+            **typed_fields(get_map(raw, "planner", lines), PlannerConfig, "planner", lines)
         ),
         health=HealthConfig(
-            **known_fields(get_map(raw, "health", lines), HealthConfig, "health", lines)
+            **typed_fields(get_map(raw, "health", lines), HealthConfig, "health", lines)
         ),
         disaggregation=DisaggregationConfig(
-            **known_fields(
+            **typed_fields(
                 get_map(raw, "disaggregation", lines), DisaggregationConfig, "disaggregation", lines
             )
         ),
-        ray_num_cpus=get_map(raw, "ray", lines).get("num_cpus"),
-        metrics_port=int(server.get("metrics_port", 0)),
+        ray_num_cpus=_optional_int(get_map(raw, "ray", lines), "num_cpus", "ray", lines),
+        metrics_port=typed(server.get("metrics_port", 0), int, "server.metrics_port", lines),
         source=lines.source,
-        models=parse_models(raw, lines, names, router.model_name, _region),
+        models=parse_models(raw, lines, names, router.model_name),
         rollout=parse_rollout(raw, lines),
     )
     _check_engines(config, lines)
@@ -350,50 +325,6 @@ def _check_engines(config: ClusterConfig, lines: Lines, prefix: str = "") -> Non
                 raise lines.error(where, e.message) from None
 
 
-def _region(raw: Any, i: int, lines: Lines, path: str | None = None) -> RegionConfig:
-    path = path or f"regions[{i}]"
-    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-        raise lines.error(f"{path}.name", "each region needs a name")
-    allowed = {"name", "latency_ms", "prefill", "decode", "node_labels", "warm_pool"}
-    for key in raw:
-        if key not in allowed:
-            raise lines.error(f"{path}.{key}", f"unknown field (known: {sorted(allowed)})")
-    return RegionConfig(
-        name=raw["name"],
-        latency_ms={str(k): float(v) for k, v in (raw.get("latency_ms") or {}).items()},
-        prefill=_role(raw.get("prefill") or {}, f"{path}.prefill", lines),
-        decode=_role(raw.get("decode") or {}, f"{path}.decode", lines),
-        node_labels={str(k): str(v) for k, v in (raw.get("node_labels") or {}).items()},
-        warm_pool=_pool_size(raw.get("warm_pool", 0), f"{path}.warm_pool", lines),
-    )
-
-
-def _pool_size(value: Any, path: str, lines: Lines) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise lines.error(path, f"must be an integer >= 0 (instances kept warm), got {value!r}")
-    return value
-
-
-def _role(raw: dict[str, Any], path: str, lines: Lines) -> RoleSpec:
-    for key in raw:
-        if key not in ROLE_KEYS | PARALLEL_KEYS:
-            raise lines.error(
-                f"{path}.{key}", f"unknown field (known: {sorted(ROLE_KEYS | PARALLEL_KEYS)})"
-            )
-    spec = RoleSpec(
-        count=int(raw.get("count", 1)),
-        min=int(raw.get("min", raw.get("count", 1))),
-        max=int(raw.get("max", max(int(raw.get("count", 1)), 4))),
-        num_cpus_per_rank=float(raw.get("num_cpus_per_rank", 1.0)),
-        num_gpus_per_rank=float(raw.get("num_gpus_per_rank", 0.0)),
-        parallel={k: int(raw[k]) for k in PARALLEL_KEYS if k in raw},
-        engine=get_map(raw, "engine", lines, path),
-    )
-    for name in ("count", "min", "max"):
-        if getattr(spec, name) < 0:
-            raise lines.error(f"{path}.{name}", "must be >= 0")
-    if not spec.min <= spec.count <= spec.max:  # a bound not given is not named (min is count)
-        bound = (f"within [min={spec.min}, max={spec.max}]" if "min" in raw and "max" in raw
-                 else f"<= max ({spec.max})" if spec.count > spec.max else f">= min ({spec.min})")  # fmt: skip
-        raise lines.error(f"{path}.count", f"must be {bound}, got {spec.count}")
-    return spec
+def _optional_int(raw: dict[str, Any], key: str, parent: str, lines: Lines) -> int | None:
+    value = raw.get(key)
+    return None if value is None else typed(value, int, f"{parent}.{key}", lines)

@@ -19,13 +19,11 @@ and its own prefill and decode pools per region; and how rollouts judge a canary
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdserve.cluster.config_yaml import Lines, get_list, get_map, known_fields
+from pdserve.cluster.config_regions import RegionConfig, parse_region
+from pdserve.cluster.config_yaml import Lines, get_list, get_map, typed_fields
 from pdserve.core.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from pdserve.cluster.config import RegionConfig
 
 MODEL_KEYS = {"name", "version", "model", "engine", "regions"}
 
@@ -85,9 +83,9 @@ def default_version(model: str) -> str:
 
 
 def parse_models(
-    raw: dict[str, Any], lines: Lines, region_names: list[str], own_name: str, region: Any
+    raw: dict[str, Any], lines: Lines, region_names: list[str], own_name: str
 ) -> tuple[ModelSpec, ...]:
-    """The ``models`` list (``region``: the parser of one region entry)."""
+    """The ``models`` list."""
     specs: list[ModelSpec] = []
     names = {own_name}
     for i, entry in enumerate(get_list(raw, "models", lines)):
@@ -104,7 +102,7 @@ def parse_models(
             raise lines.error(f"{path}.name", f"duplicate model name {entry['name']!r}")
         names.add(entry["name"])
         regions = tuple(
-            _model_region(r, j, f"{path}.regions", lines, region_names, region)
+            _model_region(r, j, f"{path}.regions", lines, region_names)
             for j, r in enumerate(get_list(entry, "regions", lines))
         )
         if not regions:
@@ -122,18 +120,16 @@ def parse_models(
     return tuple(specs)
 
 
-def _model_region(
-    raw: Any, j: int, path: str, lines: Lines, names: list[str], region: Any
-) -> RegionConfig:
+def _model_region(raw: Any, j: int, path: str, lines: Lines, names: list[str]) -> RegionConfig:
     where = f"{path}[{j}]"
     if isinstance(raw, dict) and "latency_ms" in raw:
         raise lines.error(f"{where}.latency_ms", "set latencies in the top-level regions list")
-    spec: RegionConfig = region(raw, j, lines, where)
+    spec = parse_region(raw, j, lines, where)
     if spec.name not in names:
         raise lines.error(f"{where}.name", f"unknown region {spec.name!r}; known: {names}")
     return spec
 
 
 def parse_rollout(raw: dict[str, Any], lines: Lines) -> RolloutConfig:
-    values = known_fields(get_map(raw, "rollout", lines), RolloutConfig, "rollout", lines)
+    values = typed_fields(get_map(raw, "rollout", lines), RolloutConfig, "rollout", lines)
     return RolloutConfig(**values)

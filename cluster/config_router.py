@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.cluster.config_models import default_version
-from pdserve.cluster.config_yaml import Lines, api_key_entries, get_map, known_fields, typed
+from pdserve.cluster.config_yaml import Lines, api_key_entries, get_map, typed, typed_fields
 from pdserve.core.adapters import adapter_pairs
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RegionSpec, RouterConfig, TlsConfig
@@ -55,13 +55,13 @@ def router_config(
             api_keys=tuple(key for key, _ in keys),
             api_key_priorities=tuple((k, p) for k, p in keys if p is not None),
             auth_disabled=bool(auth.get("disabled", False)),
-            ttft_slo_s=float(slo.get("ttft_ms", 2000)) / 1000,
-            tpot_slo_s=float(slo.get("tpot_ms", 200)) / 1000,
-            host=str(server.get("host", "127.0.0.1")),
-            grpc_port=int(server.get("grpc_port", 0)),
-            http_port=int(server.get("http_port", 0)),
+            ttft_slo_s=typed(slo.get("ttft_ms", 2000), float, "slo.ttft_ms", lines) / 1000,
+            tpot_slo_s=typed(slo.get("tpot_ms", 200), float, "slo.tpot_ms", lines) / 1000,
+            host=typed(server.get("host", "127.0.0.1"), str, "server.host", lines),
+            grpc_port=typed(server.get("grpc_port", 0), int, "server.grpc_port", lines),
+            http_port=typed(server.get("http_port", 0), int, "server.http_port", lines),
             hedge_after_s=None if hedge_ms is None else float(hedge_ms) / 1000,
-            tls=TlsConfig(**known_fields(tls, TlsConfig, "server.tls", lines)) if tls else None,
+            tls=TlsConfig(**typed_fields(tls, TlsConfig, "server.tls", lines)) if tls else None,
             **options,
         )
     except InvalidArgumentError as e:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from typing import Any
 
 import yaml
@@ -88,6 +90,38 @@ def known_fields(values: dict[str, Any], cls: type, prefix: str, lines: Lines) -
         if key not in names:
             raise lines.error(f"{prefix}.{key}", f"unknown field (known: {sorted(names)})")
     return values
+
+
+def typed_fields(values: dict[str, Any], cls: type, prefix: str, lines: Lines) -> dict[str, Any]:
+    """:func:`known_fields`, each value of a number, bool or str field of ``cls``
+    checked for its type (None where the field is optional): a dataclass's own
+    checks compare numbers, and ``"abc" > 0`` raised a TypeError from them."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in known_fields(values, cls, prefix, lines).items():
+        kind, optional = scalar_kind(hints[key])
+        keep = kind is None or (value is None and optional)
+        out[key] = value if keep else typed(value, kind, f"{prefix}.{key}", lines)
+    return out
+
+
+def scalar_kind(hint: Any) -> tuple[type | None, bool]:
+    """(int, float, bool or str, or None for other types; whether None is allowed)."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    kinds = [a for a in args if a is not type(None)]
+    scalar = len(kinds) == 1 and kinds[0] in (int, float, bool, str)
+    return (kinds[0] if scalar else None), len(kinds) < len(args)
+
+
+def typed_map(
+    raw: dict[str, Any], key: str, kind: type, parent: str, lines: Lines
+) -> dict[str, Any]:
+    """The mapping at ``raw[key]``, each value of type ``kind`` (names: strings)."""
+    where = f"{parent}.{key}"
+    return {
+        str(k): typed(v, kind, f"{where}.{k}", lines)
+        for k, v in get_map(raw, key, lines, parent).items()
+    }
 
 
 def api_key_entries(auth: dict[str, Any], lines: Lines) -> list[tuple[str, int | None]]:

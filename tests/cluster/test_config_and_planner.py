@@ -22,6 +22,13 @@ regions:
 """
 
 
+def test_a_file_that_is_not_text_is_refused(tmp_path) -> None:
+    binary = tmp_path / "cluster.yaml"
+    binary.write_bytes(b"model: \xff\xfe")
+    with pytest.raises(InvalidArgumentError, match="cluster.yaml: not UTF-8 text"):
+        load_config(binary)
+
+
 def test_shipped_configs_load() -> None:
     local = load_config(example_config("local.yaml"))
     assert [r.name for r in local.regions] == ["east", "west"]
@@ -220,3 +227,46 @@ def test_an_api_key_may_carry_a_default_priority() -> None:
     assert router.api_key_priorities == (("batch", -2),)
     keys = ApiKeys(router.api_keys, False, router.api_key_priorities)
     assert keys.check("Bearer batch") == -2 and keys.check("Bearer online") is None
+
+
+def _leaves(value, path=""):
+    """(dotted field path as the config's errors name it, keys to reach it) of every value."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, child in items:
+        sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        if isinstance(child, dict | list) and child:
+            yield from _leaves(child, sub)
+        yield sub, child
+
+
+def test_a_value_of_the_wrong_type_anywhere_is_refused_naming_its_field() -> None:
+    # Every field of the shipped config, set to a word, a list and 1.5 in turn: each
+    # either loads or is refused naming that field (a count read as int("two") raised a
+    # ValueError, a planner interval of "abc" a TypeError from its own "< 0" check)
+    import yaml
+
+    text = example_config("local.yaml").read_text()
+    good = yaml.safe_load(text)
+    refused, wrong = 0, []
+    for path, value in list(_leaves(good)):
+        for bad in ("abc", [1], 1.5):
+            if isinstance(value, str) and bad == "abc":
+                continue  # another word is another name (a region's: others name it)
+            config = yaml.safe_load(text)
+            parent, key = _parent(config, path)
+            parent[key] = bad
+            try:
+                parse_config(yaml.safe_dump(config), "local.yaml")
+            except InvalidArgumentError as e:
+                refused += 1
+                if not (e.field.startswith(path) or path.startswith(e.field)):
+                    wrong.append((path, bad, str(e)))
+    assert not wrong
+    assert refused > 60  # most fields are numbers or sections
+
+
+def _parent(config, path: str):
+    keys = [int(k) if k.isdigit() else k for k in path.replace("[", ".").replace("]", "").split(".")]
+    for key in keys[:-1]:
+        config = config[key]
+    return config, keys[-1]
