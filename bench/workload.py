@@ -17,12 +17,15 @@ sends it at ``arrival_s`` after the measured run starts.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -164,12 +167,25 @@ def trace_path(name: str) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def text_file(path: str | Path, field: str) -> Iterator[TextIO]:
+    """``path`` read as UTF-8 text; a missing file, or one that is not text (found
+    while it is read), is refused naming ``field``."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            yield f
+    except FileNotFoundError:
+        raise InvalidArgumentError(field, f"no such file: {path}") from None
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(field, f"{path}: not UTF-8 text ({e.reason})") from None
+
+
 def read_trace(path: str | Path) -> Trace:
     """Parse a ``TIMESTAMP, ContextTokens, GeneratedTokens`` CSV, sorted by arrival."""
     stamps: list[str] = []
     prompt: list[int] = []
     output: list[int] = []
-    with open(path, newline="") as f:
+    with text_file(path, "trace") as f:
         reader = csv.reader(f)
         header = [h.strip() for h in next(reader, [])]
         want = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -258,7 +274,7 @@ def limit_trace(trace: Trace, num_requests: int | None, duration_s: float | None
 def read_jsonl(path: str | Path, default_max_tokens: int) -> list[tuple[str | list[int], int]]:
     """(prompt, max_tokens) per line of ``{"prompt": text or ids, "max_tokens": n}``."""
     out: list[tuple[str | list[int], int]] = []
-    with open(path) as f:
+    with text_file(path, "prompts") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue

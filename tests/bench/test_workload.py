@@ -99,6 +99,18 @@ def test_bad_trace_rows_name_the_line(tmp_path):
         wl.read_trace(path)
 
 
+def test_files_that_are_not_text_are_refused_naming_the_flag(tmp_path):
+    # the bytes after a good first line: the error comes while the file is read
+    path = tmp_path / "blob"
+    path.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n\xff\xfe\x00\n")
+    with pytest.raises(InvalidArgumentError, match=r"trace: .*blob: not UTF-8 text"):
+        wl.read_trace(path)
+    with pytest.raises(InvalidArgumentError, match=r"prompts: .*blob: not UTF-8 text"):
+        wl.read_jsonl(path, 8)
+    with pytest.raises(InvalidArgumentError, match=r"prompts: no such file: .*nothing"):
+        wl.read_jsonl(tmp_path / "nothing", 8)
+
+
 def test_lengths_and_prompts():
     fixed = wl.sample_lengths(5, 100)
     assert fixed.tolist() == [100] * 5
