@@ -350,7 +350,12 @@ class EngineConfig:
             raise InvalidArgumentError("kernel_backend", msg)
 
 
-def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+# EngineConfig's fields that no flat option names: the model is the argument, the
+# groups are built from their fields' flat names.
+_NOT_FLAT = {"model", "cache", "scheduler", "parallel", "speculative"}
+
+
+def build_engine_config(model: str, /, **kwargs: Any) -> EngineConfig:
     """An :class:`EngineConfig` from flat keyword arguments (the API's and the CLI's)."""
     groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "parallel": {}}
     fields = {
@@ -369,7 +374,7 @@ def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
             groups[group][name] = value
         elif name == "lora_adapters":
             top[name] = adapter_pairs(value)
-        elif name in EngineConfig.__dataclass_fields__:
+        elif name in EngineConfig.__dataclass_fields__ and name not in _NOT_FLAT:
             top[name] = value
         else:
             raise InvalidArgumentError(name, "unknown engine option")

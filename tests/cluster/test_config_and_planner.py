@@ -63,6 +63,14 @@ def test_shipped_configs_load() -> None:
             "cfg.yaml:2: engine.block_size",
         ),
         (("model: builtin:tiny", "model: builtin:tiny\nwhatever: 1"), "cfg.yaml:2: whatever"),
+        (  # the engine's groups and model are not options (they raised a TypeError)
+            ("model: builtin:tiny", "model: builtin:tiny\nengine: {cache: 1}"),
+            "cfg.yaml:2: engine.cache: unknown engine option",
+        ),
+        (
+            ("    decode: {count: 1}\n", "    decode: {count: 1, engine: {model: x}}\n"),
+            "regions[0].decode.engine.model: unknown engine option",
+        ),
         (
             ("    decode: {count: 1}\n", "    decode: {count: 1, engine: {max_num_seqs: -3}}\n"),
             "cfg.yaml:6: regions[0].decode.engine.max_num_seqs",
