@@ -52,8 +52,9 @@ def router_config(
                 RegionSpec(name, {k: v / 1000 for k, v in latency_ms.items()})
                 for name, latency_ms in regions
             ),
-            api_keys=tuple(key for key, _ in keys),
-            api_key_priorities=tuple((k, p) for k, p in keys if p is not None),
+            api_keys=tuple(key for key, _, _ in keys),
+            api_key_priorities=tuple((k, p) for k, p, _ in keys if p is not None),
+            api_key_admins=tuple(k for k, _, admin in keys if admin),
             auth_disabled=bool(auth.get("disabled", False)),
             ttft_slo_s=typed(slo.get("ttft_ms", 2000), float, "slo.ttft_ms", lines) / 1000,
             tpot_slo_s=typed(slo.get("tpot_ms", 200), float, "slo.tpot_ms", lines) / 1000,

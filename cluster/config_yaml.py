@@ -124,21 +124,25 @@ def typed_map(
     }
 
 
-def api_key_entries(auth: dict[str, Any], lines: Lines) -> list[tuple[str, int | None]]:
-    """``auth.api_keys``: each a key, or ``{key: ..., priority: N}`` (a default priority)."""
-    out: list[tuple[str, int | None]] = []
+def api_key_entries(auth: dict[str, Any], lines: Lines) -> list[tuple[str, int | None, bool]]:
+    """``auth.api_keys``: each a key, or ``{key: ..., priority: N, admin: true}`` (a
+    default priority; whether it may load and unload adapters): (key, priority, admin)."""
+    out: list[tuple[str, int | None, bool]] = []
     for i, entry in enumerate(get_list(auth, "api_keys", lines)):
         where = f"auth.api_keys[{i}]"
         if isinstance(entry, str):
-            out.append((entry, None))
+            out.append((entry, None, False))
             continue
         if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
-            raise lines.error(where, "must be a key, or a mapping with key and priority")
-        unknown = set(entry) - {"key", "priority"}
+            raise lines.error(where, "must be a key, or a mapping with key, priority and admin")
+        unknown = set(entry) - {"key", "priority", "admin"}
         if unknown:
-            raise lines.error(where, f"unknown fields {sorted(unknown)} (known: key, priority)")
+            raise lines.error(
+                where, f"unknown fields {sorted(unknown)} (known: key, priority, admin)"
+            )
         priority = entry.get("priority")
         if priority is not None:
             priority = typed(priority, int, f"{where}.priority", lines)
-        out.append((entry["key"], priority))
+        admin = typed(entry.get("admin", False), bool, f"{where}.admin", lines)
+        out.append((entry["key"], priority, admin))
     return out

@@ -78,6 +78,13 @@ class AuthenticationError(PdserveError):
     http_status = 401
 
 
+class PermissionDeniedError(PdserveError):
+    """The API key is known but may not do this (an admin call with a client's key)."""
+
+    grpc_code = "PERMISSION_DENIED"
+    http_status = 403
+
+
 class RequestAbortedError(PdserveError):
     """The request was cancelled by its client or by the server."""
 

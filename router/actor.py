@@ -65,7 +65,9 @@ class RouterActor:
         self.model = ModelConfig.from_dir(model_path)
         has_tokenizer = (Path(model_path) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(model_path) if has_tokenizer else None
-        self.keys = ApiKeys(config.api_keys, config.auth_disabled, config.api_key_priorities)
+        self.keys = ApiKeys(
+            config.api_keys, config.auth_disabled, config.api_key_priorities, config.api_key_admins
+        )
         self.router: Router | None = None
         self._servers: list[Any] = []
         self._sampler: asyncio.Future[None] | None = None

@@ -52,6 +52,8 @@ class RouterConfig:
     api_keys: accepted API keys (more come from ``$PDSERVE_API_KEYS``).
     api_key_priorities: (key, priority) pairs: the priority of a request sent with
         that key when the request sets none.
+    api_key_admins: keys that may also load and unload LoRA adapters at runtime
+        (more come from ``$PDSERVE_ADMIN_API_KEYS``); other keys only send requests.
     auth_disabled: serve without keys (local use only; must be said explicitly).
     ttft_slo_s, tpot_slo_s: the service-level objectives.
     max_inflight_per_region: admission ceiling of requests in flight per region.
@@ -99,6 +101,7 @@ class RouterConfig:
     regions: tuple[RegionSpec, ...] = (RegionSpec("local"),)
     api_keys: tuple[str, ...] = ()
     api_key_priorities: tuple[tuple[str, int], ...] = ()
+    api_key_admins: tuple[str, ...] = ()
     auth_disabled: bool = False
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.2

@@ -58,7 +58,8 @@ COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "top_logprobs"}
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
 
 
 class HttpApi:

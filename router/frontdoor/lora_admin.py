@@ -4,7 +4,9 @@
                                    "model"?: str, "instances"?: [str]}
     POST /v1/unload_lora_adapter  {"lora_name": str, "model"?: str, "instances"?: [str]}
 
-Both need an API key like every ``/v1`` call. The router loads the adapter on
+Both need an admin API key (``admin: true`` in ``auth.api_keys``, or
+``$PDSERVE_ADMIN_API_KEYS``): a client's key may not make the instances read a
+path of the server's nor take away an adapter others use (403). The router loads the adapter on
 every instance of the model (or the ones named), prefill and decode alike,
 through :class:`~pdserve.router.lora_admin.LoraAdmin`; the answer lists where
 it was loaded (and where it failed and why). Instances of the model started
@@ -51,7 +53,7 @@ async def _body(
     request: web.Request, keys: ApiKeys, limit: int, allowed: set[str]
 ) -> dict[str, Any]:
     request[ADMITTED] = True  # an admin call, not a completion the router refused
-    keys.check(request.headers.get("Authorization"))
+    keys.check_admin(request.headers.get("Authorization"), "load or unload adapters")
     raw = await request.content.read(limit + 1)
     if len(raw) > limit:
         raise InvalidArgumentError("body", f"larger than {limit} bytes")

@@ -25,7 +25,7 @@ regions:
 def test_a_file_that_is_not_text_is_refused(tmp_path) -> None:
     binary = tmp_path / "cluster.yaml"
     binary.write_bytes(b"model: \xff\xfe")
-    with pytest.raises(InvalidArgumentError, match="cluster.yaml: not UTF-8 text"):
+    with pytest.raises(InvalidArgumentError, match=r"cluster\.yaml: not UTF-8 text"):
         load_config(binary)
 
 
@@ -237,8 +237,16 @@ def test_an_api_key_may_carry_a_default_priority() -> None:
     assert keys.check("Bearer batch") == -2 and keys.check("Bearer online") is None
 
 
+def test_an_api_key_may_be_an_admins() -> None:
+    text = GOOD + "auth: {api_keys: [client, {key: ops, admin: true}, {key: b, admin: false}]}\n"
+    router = parse_config(text).router
+    assert router.api_keys == ("client", "ops", "b") and router.api_key_admins == ("ops",)
+    with pytest.raises(InvalidArgumentError, match=r"auth.api_keys\[0\].admin: must be a bool"):
+        parse_config(GOOD + "auth: {api_keys: [{key: k, admin: yes please}]}\n")
+
+
 def _leaves(value, path=""):
-    """(dotted field path as the config's errors name it, keys to reach it) of every value."""
+    """(dotted field path as the config's errors name it, value) of every value."""
     items = value.items() if isinstance(value, dict) else enumerate(value)
     for key, child in items:
         sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
@@ -274,7 +282,9 @@ def test_a_value_of_the_wrong_type_anywhere_is_refused_naming_its_field() -> Non
 
 
 def _parent(config, path: str):
-    keys = [int(k) if k.isdigit() else k for k in path.replace("[", ".").replace("]", "").split(".")]
+    keys = [
+        int(k) if k.isdigit() else k for k in path.replace("[", ".").replace("]", "").split(".")
+    ]
     for key in keys[:-1]:
         config = config[key]
     return config, keys[-1]

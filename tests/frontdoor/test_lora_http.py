@@ -15,8 +15,13 @@ from pdserve.router.router import Router
 ADAPTERS = ("sql", "poems")
 
 
-def _run(requests: list[tuple[str, str, dict[str, Any] | None]]) -> tuple[list, list]:
-    """(status, json) of each request to a router with no instance, and the inputs it got."""
+def _run(
+    requests: list[tuple[str, str, dict[str, Any] | None]],
+    keys: ApiKeys | None = None,
+    key: str | None = None,
+) -> tuple[list, list]:
+    """(status, json) of each request to a router with no instance, and the inputs it got
+    (``keys``: the router's, default none needed; ``key``: the one the client sends)."""
     config = RouterConfig(model_name="tiny", auth_disabled=True, lora_adapters=ADAPTERS)
     router = Router(config, None, None, vocab_size=100)
     seen: list[Any] = []
@@ -27,13 +32,14 @@ def _run(requests: list[tuple[str, str, dict[str, Any] | None]]) -> tuple[list, 
         return real(inp)
 
     router.stream = spy  # type: ignore[method-assign]
-    api = HttpApi(router, ApiKeys((), True), 1 << 20)
+    api = HttpApi(router, keys or ApiKeys((), True), 1 << 20)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def go() -> list:
         async with TestClient(TestServer(api.app())) as client:
             out = []
             for method, path, body in requests:
-                resp = await client.request(method, path, json=body)
+                resp = await client.request(method, path, json=body, headers=headers)
                 out.append((resp.status, await resp.json()))
             return out
 
@@ -90,3 +96,27 @@ def test_malformed_adapter_admin_bodies_get_400_naming_the_field() -> None:
         ]
     )
     assert [status for status, _ in results] == [404, 503], results
+
+
+def test_only_an_admin_key_loads_or_unloads_adapters(monkeypatch) -> None:
+    # A client's key may not make the instances read a server path, nor unload an
+    # adapter other clients use; an admin key's call reaches the router.
+    monkeypatch.setenv("PDSERVE_ADMIN_API_KEYS", "ops-env")
+    keys = ApiKeys(("client",), False, admins=("ops",))
+    calls = [
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/etc"}),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"}),
+    ]
+    for key, statuses in (("client", [403, 403]), (None, [401, 401]), ("ops", [503, 404]),
+                          ("ops-env", [503, 404])):  # fmt: skip
+        results, _ = _run(calls, keys, key)
+        assert [status for status, _ in results] == statuses, (key, results)
+    results, _ = _run(calls[:1], keys, "client")
+    error = results[0][1]["error"]
+    assert error["type"] == "permission_error" and error["code"] == "permission_denied"
+    assert "needs an admin key" in error["message"]
+    # an admin key is an API key too; a client key still sends requests (with no
+    # instance the router refuses it as overloaded, not for its key)
+    assert keys.check("Bearer ops-env") is None
+    completion = ("POST", "/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+    assert _run([completion], keys, "client")[0][0][0] == 429
