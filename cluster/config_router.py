@@ -20,6 +20,7 @@ ROUTER_KEYS: dict[str, type] = {
     "stream_idle_timeout_s": float, "max_body_bytes": int, "on_transfer_failure": str,
     "peer_prefill": bool, "peer_prefill_min_tokens": int, "peer_kv_s_per_token": float,
     "cold_start_queue": int, "cold_start_timeout_s": float, "batch_dir": str,
+    "batch_quota_mb": int,
 }  # fmt: skip
 SERVER_KEYS = {"host", "grpc_port", "http_port", "metrics_port", "tls"}
 

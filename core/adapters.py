@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.errors import ConflictError, InvalidArgumentError
 
 
 class UnknownAdapterError(InvalidArgumentError):
@@ -20,12 +20,9 @@ class UnknownAdapterError(InvalidArgumentError):
         super().__init__("model", f"unknown model or LoRA adapter {name!r}; valid names: {valid}")
 
 
-class AdapterConflictError(InvalidArgumentError):
+class AdapterConflictError(ConflictError):
     """A runtime load or unload that the adapters held now forbid (HTTP 409): the name
     is taken, the instance is full (``max_loras``), or requests still use the adapter."""
-
-    grpc_code = "FAILED_PRECONDITION"
-    http_status = 409
 
 
 def check_adapter_name(field: str, name: object) -> str:

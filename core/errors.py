@@ -49,6 +49,14 @@ class NotFoundError(InvalidArgumentError):
     http_status = 404
 
 
+class ConflictError(InvalidArgumentError):
+    """A well-formed request that what the server holds now forbids (a file a running
+    batch reads, an adapter requests use); it may succeed later."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 409
+
+
 class ModelNotFoundError(InvalidArgumentError):
     """The model path or name does not resolve to a checkpoint pdserve can load."""
 

@@ -93,6 +93,7 @@ class RouterConfig:
         fails (503 with Retry-After).
     batch_dir: where ``POST /v1/files`` and ``/v1/batches`` keep files and batch
         records (default ``~/.cache/pdserve/batches``).
+    batch_quota_mb: most MiB the files one API key uploads may hold together.
     """
 
     model_name: str = "pdserve"
@@ -130,6 +131,7 @@ class RouterConfig:
     cold_start_queue: int = 32
     cold_start_timeout_s: float = 60.0
     batch_dir: str | None = None
+    batch_quota_mb: int = 4096
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -173,6 +175,10 @@ class RouterConfig:
             raise InvalidArgumentError("router.cold_start_timeout_s", "must be > 0")
         if not (0 < self.ttft_slo_s < math.inf and 0 < self.tpot_slo_s < math.inf):
             raise InvalidArgumentError("slo", "SLOs must be > 0")
+        if self.max_body_bytes < 1024:
+            raise InvalidArgumentError("router.max_body_bytes", "must be >= 1024")
+        if self.batch_quota_mb < 0:
+            raise InvalidArgumentError("router.batch_quota_mb", "must be >= 0")
 
     @property
     def home_region(self) -> str:

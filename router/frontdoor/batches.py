@@ -3,6 +3,7 @@
     POST /v1/files                  multipart: purpose=batch, file=<requests.jsonl>
     GET  /v1/files/{id}             the file object
     GET  /v1/files/{id}/content     its bytes (a batch's output file: one line per request)
+    DELETE /v1/files/{id}           deleted (not while a running batch reads or writes it)
     POST /v1/batches                {"input_file_id", "endpoint", "completion_window"}
     GET  /v1/batches[/{id}]         status and request_counts (total, completed, failed)
     POST /v1/batches/{id}/cancel
@@ -19,7 +20,9 @@ Files and batch records live under ``router.batch_dir``. A batch that was
 running when the router stopped is resumed when it starts again: lines already
 in its output are skipped, and a request that was in flight was cancelled with
 its connection, so none runs twice to completion. A key sees only its own
-files and batches; only a hash of the key is written down.
+files and batches; only a hash of the key is written down. The files a key
+uploads may hold at most ``router.batch_quota_mb`` together (an upload over it is
+refused, and a partial upload is removed): a key cannot fill the router's disk.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from pathlib import Path
@@ -36,19 +40,27 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from pdserve.core.errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from pdserve.core.errors import (
+    ConflictError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnsupportedError,
+)
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batch_runner import URLS, BatchRunner
 
 logger = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 256 << 20
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # file-<hex>, batch_<hex>
 
 
 class BatchJobs:
-    def __init__(self, folder: Path, keys: ApiKeys) -> None:
+    def __init__(self, folder: Path, keys: ApiKeys, quota_bytes: int = 4096 << 20) -> None:
         self.folder = folder
         self.keys = keys
+        self.quota_bytes = quota_bytes
+        self.uploading: dict[str, int] = {}  # owner -> bytes of its uploads under way
         self.base_url = ""  # this front door, set once it listens
         self.verify_tls = True
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -60,6 +72,7 @@ class BatchJobs:
         app.router.add_post("/v1/files", self.upload)
         app.router.add_get("/v1/files/{id}", self.file)
         app.router.add_get("/v1/files/{id}/content", self.content)
+        app.router.add_delete("/v1/files/{id}", self.delete)
         app.router.add_post("/v1/batches", self.create)
         app.router.add_get("/v1/batches", self.list)
         app.router.add_get("/v1/batches/{id}", self.get)
@@ -83,24 +96,73 @@ class BatchJobs:
             raise InvalidArgumentError("file", "upload a multipart form with purpose and file")
         file_id, purpose, name, size = f"file-{uuid.uuid4().hex}", None, "", 0
         path = self.folder / "files" / f"{file_id}.jsonl"
-        reader = await request.multipart()
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                continue
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                name, size = part.filename or "upload.jsonl", await _save(part, path)
-        if purpose != "batch":
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    continue
+                if part.name == "purpose":
+                    purpose = (await part.text()).strip()
+                elif part.name == "file":
+                    name, size = (
+                        part.filename or "upload.jsonl",
+                        await self._receive(part, path, owner),
+                    )
+            if purpose != "batch":
+                raise InvalidArgumentError("purpose", f"must be 'batch', got {purpose!r}")
+            if not size:
+                raise InvalidArgumentError("file", "missing or empty")
+        except BaseException:  # refused, or the client went away mid-upload: keep nothing
             path.unlink(missing_ok=True)
-            raise InvalidArgumentError("purpose", f"must be 'batch', got {purpose!r}")
-        if not size:
-            path.unlink(missing_ok=True)
-            raise InvalidArgumentError("file", "missing or empty")
+            raise
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                 "filename": name, "purpose": "batch", "owner": owner}  # fmt: skip
         _write(self.folder / "files" / f"{file_id}.json", meta)
         return web.json_response(_public(meta))
+
+    async def _receive(self, part: BodyPartReader, path: Path, owner: str) -> int:
+        """Write an upload's bytes; over the file limit or the key's quota: refused."""
+        room = self.quota_bytes - self._stored(owner) - self.uploading.get(owner, 0)
+        size = 0
+        try:
+            with open(path, "wb") as f:
+                while chunk := await part.read_chunk():
+                    size += len(chunk)
+                    self.uploading[owner] = self.uploading.get(owner, 0) + len(chunk)
+                    if size > MAX_FILE_BYTES:
+                        raise InvalidArgumentError(
+                            "file", f"larger than {MAX_FILE_BYTES >> 20} MiB"
+                        )
+                    if size > room:
+                        raise InvalidArgumentError(
+                            "file",
+                            f"this key's files would hold over {self.quota_bytes >> 20} MiB "
+                            "(router.batch_quota_mb): delete some with DELETE /v1/files/{id}",
+                        )
+                    f.write(chunk)
+        finally:
+            left = self.uploading.pop(owner, 0) - size
+            if left > 0:
+                self.uploading[owner] = left
+        return size
+
+    def _stored(self, owner: str) -> int:
+        """Bytes of the files ``owner`` uploaded and keeps."""
+        metas = (json.loads(p.read_text()) for p in self.folder.glob("files/*.json"))
+        return sum(m["bytes"] for m in metas if m["owner"] == owner and m["purpose"] == "batch")
+
+    async def delete(self, request: web.Request) -> web.Response:
+        meta = self._file(request.match_info["id"], request)
+        for record in self.folder.glob("batches/*.json"):
+            batch = json.loads(record.read_text())
+            uses = meta["id"] in (batch["input_file_id"], batch["output_file_id"])
+            if uses and batch["status"] in ("validating", "in_progress"):
+                raise ConflictError(
+                    "file_id", f"batch {batch['id']} is running on it: cancel it first"
+                )
+        for suffix in (".jsonl", ".json"):
+            (self.folder / "files" / f"{meta['id']}{suffix}").unlink(missing_ok=True)
+        return web.json_response({"id": meta["id"], "object": "file", "deleted": True})
 
     async def file(self, request: web.Request) -> web.Response:
         return web.json_response(_public(self._file(request.match_info["id"], request)))
@@ -233,7 +295,7 @@ class BatchJobs:
     def _record(self, kind: str, name: str, request: web.Request, field: str) -> dict[str, Any]:
         owner = self._owner(request)
         path = self.folder / kind / f"{name}.json"
-        if "/" in name or not path.is_file():
+        if not _ID.fullmatch(name) or not path.is_file():
             raise NotFoundError(field, f"no such {kind[:-1]}: {name[:128]!r}")
         record: dict[str, Any] = json.loads(path.read_text())
         if record["owner"] != owner:
@@ -242,19 +304,6 @@ class BatchJobs:
 
     def _save(self, batch: dict[str, Any]) -> None:
         _write(self.folder / "batches" / f"{batch['id']}.json", batch)
-
-
-async def _save(part: BodyPartReader, path: Path) -> int:
-    size = 0
-    with open(path, "wb") as f:
-        while chunk := await part.read_chunk():
-            size += len(chunk)
-            if size > MAX_FILE_BYTES:
-                f.close()
-                path.unlink(missing_ok=True)
-                raise InvalidArgumentError("file", f"larger than {MAX_FILE_BYTES >> 20} MiB")
-            f.write(chunk)
-    return size
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:

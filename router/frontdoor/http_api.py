@@ -72,7 +72,8 @@ class HttpApi:
     ) -> None:
         self.router = router
         self.keys = keys
-        self.batches = BatchJobs(batch_dir, keys) if batch_dir is not None else None
+        quota = router.config.batch_quota_mb << 20
+        self.batches = BatchJobs(batch_dir, keys, quota) if batch_dir is not None else None
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> web.Application:

@@ -1,0 +1,98 @@
+"""The Batch API's files over real HTTP (aiohttp's test server, a router with no
+instance): each key's quota, deletion, and nothing kept of a refused or broken upload."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+import aiohttp
+from aiohttp.test_utils import TestClient, TestServer
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.frontdoor.auth import ApiKeys
+from pdserve.router.frontdoor.http_api import HttpApi
+from pdserve.router.router import Router
+
+LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                   "body": {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}}) + "\n"  # fmt: skip
+
+
+def _api(folder: Path, quota_mb: int) -> HttpApi:
+    config = RouterConfig(model_name="tiny", api_keys=("alice", "bob"), batch_quota_mb=quota_mb)
+    router = Router(config, None, None, vocab_size=100)
+    return HttpApi(router, ApiKeys(config.api_keys, False), 1 << 20, folder)
+
+
+def _form(data: bytes) -> aiohttp.FormData:
+    form = aiohttp.FormData({"purpose": "batch"})
+    form.add_field("file", data, filename="in.jsonl")
+    return form
+
+
+async def _call(client: TestClient, method: str, path: str, key: str, **kw) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with client.request(method, path, headers=headers, **kw) as r:
+        return r.status, await r.json()
+
+
+def _kept(folder: Path) -> list[str]:
+    return sorted(p.name for p in (folder / "files").iterdir())
+
+
+def test_each_key_uploads_within_its_quota_and_deletes_its_files(tmp_path: Path) -> None:
+    big = LINE.encode() * ((600 << 10) // len(LINE))  # ~600 KiB: one fits a 1-MiB quota
+
+    async def go() -> None:
+        async with TestClient(TestServer(_api(tmp_path, 1).app())) as client:
+            status, first = await _call(client, "POST", "/v1/files", "alice", data=_form(big))
+            assert status == 200 and first["bytes"] == len(big)
+            status, over = await _call(client, "POST", "/v1/files", "alice", data=_form(big))
+            assert status == 400 and over["error"]["param"] == "file", over
+            assert "batch_quota_mb" in over["error"]["message"]
+            assert _kept(tmp_path) == [f"{first['id']}.json", f"{first['id']}.jsonl"]
+            # another key's quota is its own; it cannot see nor delete alice's file
+            status, _ = await _call(client, "POST", "/v1/files", "bob", data=_form(big))
+            assert status == 200
+            status, gone = await _call(client, "DELETE", f"/v1/files/{first['id']}", "bob")
+            assert status == 404 and gone["error"]["type"] == "not_found_error"
+            status, deleted = await _call(client, "DELETE", f"/v1/files/{first['id']}", "alice")
+            assert (status, deleted) == (
+                200,
+                {"id": first["id"], "object": "file", "deleted": True},
+            )
+            status, _ = await _call(client, "GET", f"/v1/files/{first['id']}", "alice")
+            assert status == 404
+            status, _ = await _call(client, "POST", "/v1/files", "alice", data=_form(big))
+            assert status == 200  # room again
+            for bad in ("file-%00", "file.x", "x" * 200):  # an id that is not one: 404, not a 500
+                status, answer = await _call(client, "GET", f"/v1/files/{bad}", "alice")
+                assert status == 404 and answer["error"]["param"] == "file_id", (bad, answer)
+
+    asyncio.run(go())
+
+
+def test_an_upload_cut_off_midway_leaves_no_file(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with TestServer(_api(tmp_path, 64).app()) as server:
+            head = ("--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                    "--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x\"\r\n\r\n")  # fmt: skip
+            request = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
+                       f"Content-Type: multipart/form-data; boundary=b\r\n"
+                       f"Content-Length: 10000000\r\n\r\n{head}{LINE * 5000}")  # fmt: skip
+            with socket.create_connection((server.host, server.port)) as s:
+                s.sendall(request.encode())
+                for _ in range(50):  # until the server has the file open and part written
+                    if _kept(tmp_path):
+                        break
+                    await asyncio.sleep(0.1)
+                assert len(_kept(tmp_path)) == 1
+            for _ in range(50):  # the connection is gone: the partial file is removed
+                if not _kept(tmp_path):
+                    break
+                await asyncio.sleep(0.1)
+            assert _kept(tmp_path) == []
+
+    asyncio.run(go())
