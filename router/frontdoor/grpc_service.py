@@ -231,15 +231,24 @@ async def start_grpc(
     tls: TlsConfig | None = None,
 ) -> tuple[Any, int]:
     """Serve the completion and health services (over TLS if given); returns (server, port)."""
-    server = grpc.aio.server()
+    # Without SO_REUSEPORT: gRPC sets it by default, and a second cluster given the
+    # same port would then share it, each taking part of the other's requests.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     add_completion_service(CompletionService(router, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
-    if tls is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, grpc_credentials(tls))
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, grpc_credentials(tls))
+    except RuntimeError:  # grpc says only "Failed to bind"
+        raise InvalidArgumentError(
+            "server.grpc_port",
+            f"cannot listen on {address}: the port is taken or the host is not this "
+            "machine's (0: any free port)",
+        ) from None
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -322,7 +323,16 @@ async def start_http(
     runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls) if tls else None)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        why = {errno.EADDRINUSE: "the port is taken",
+               errno.EADDRNOTAVAIL: "the host is not this machine's"}.get(e.errno or 0, e.strerror)  # fmt: skip
+        field = "server.host" if e.errno == errno.EADDRNOTAVAIL else "server.http_port"
+        raise InvalidArgumentError(
+            field, f"cannot listen on {host}:{port}: {why} (port 0: any free port)"
+        ) from None
     server: Any = site._server
     sockets = server.sockets if server is not None else []
     return runner, sockets[0].getsockname()[1] if sockets else port
