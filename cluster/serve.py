@@ -108,6 +108,7 @@ def auth_warning(config: ClusterConfig) -> str | None:
         for name, keys in (
             ("auth.api_keys", config.router.api_keys),
             ("$PDSERVE_API_KEYS", os.environ.get("PDSERVE_API_KEYS", "").strip()),
+            ("$PDSERVE_ADMIN_API_KEYS", os.environ.get("PDSERVE_ADMIN_API_KEYS", "").strip()),
         )
         if keys
     ]
