@@ -26,7 +26,7 @@ from pdserve.core.config import DisaggregationConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams, check_text
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.engine import EngineCore
 
@@ -142,16 +142,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order."""
         batch = _as_batch(prompts)
-        if sampling_params is None:
-            params: Sequence[SamplingParams] = [SamplingParams()] * len(batch)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(batch)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(batch):
-                raise InvalidArgumentError(
-                    "sampling_params", f"{len(params)} given for {len(batch)} prompts"
-                )
+        params = _as_params(sampling_params, len(batch))
         work = [
             (f"offline-{next(self._ids)}", prompt, p)
             for prompt, p in zip(batch, params, strict=True)
@@ -178,9 +169,39 @@ def _tick(bar: tqdm) -> None:
     bar.update(1)
 
 
+def _as_params(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> Sequence[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, str) or not isinstance(sampling_params, Sequence):
+        raise InvalidArgumentError(
+            "sampling_params",
+            f"must be a SamplingParams or a list of them, got {type(sampling_params).__name__}",
+        )
+    for i, one in enumerate(sampling_params):
+        if not isinstance(one, SamplingParams):
+            raise InvalidArgumentError(
+                f"sampling_params[{i}]", f"must be a SamplingParams, got {type(one).__name__}"
+            )
+    if len(sampling_params) != n:
+        raise InvalidArgumentError(
+            "sampling_params", f"{len(sampling_params)} given for {n} prompts"
+        )
+    return sampling_params
+
+
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
+        check_text("prompts", prompts)
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise InvalidArgumentError(
+            "prompts",
+            f"must be a string, a list of token ids or a list of those, got {type(prompts).__name__}",
+        )
     items = list(prompts)
     if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [cast(list[int], items)]  # one prompt given as token ids
@@ -189,6 +210,8 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             raise InvalidArgumentError(
                 f"prompts[{i}]", f"must be a string or a list of token ids, got {type(p).__name__}"
             )
+        if isinstance(p, str):
+            check_text(f"prompts[{i}]", p)
     if not items:
         raise InvalidArgumentError("prompts", "must not be empty")
     return cast(list[Prompt], items)

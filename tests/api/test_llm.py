@@ -135,12 +135,25 @@ def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "field"),
-    [([], "prompts"), ([[]], "prompt"), ([[10**9]], "prompt_token_ids"), ([3.5], "prompts[0]")],
-)
+    [([], "prompts"), ([[]], "prompt"), ([[10**9]], "prompt_token_ids"), ([3.5], "prompts[0]"),
+     (None, "prompts"), (7, "prompts"), ("\ud800", "prompts"), (["ok", "x\ud800"], "prompts[1]")],
+)  # fmt: skip
 def test_bad_prompts_name_the_field_and_leave_nothing_behind(llm: LLM, prompt, field: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         llm.generate(prompt, SamplingParams(max_tokens=2))
     assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [({"max_tokens": 2}, "sampling_params"), ("greedy", "sampling_params"),
+     ([SamplingParams(), {"max_tokens": 2}], "sampling_params[1]"), ([], "sampling_params")],
+)  # fmt: skip
+def test_bad_sampling_params_arguments_name_the_argument(llm: LLM, params, field: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        llm.generate(["a", "b"], params)
+    assert err.value.field == field
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_bad_prompt_in_a_batch_queues_nothing(llm: LLM) -> None:
