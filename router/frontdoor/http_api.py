@@ -36,6 +36,7 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batches import BatchJobs
 from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.lora_admin import add_lora_routes
+from pdserve.router.frontdoor.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pdserve.router.frontdoor.request_keys import ADMITTED, BODY_BYTES, KEY_PRIORITY
 from pdserve.router.frontdoor.requests import (
     completion_input,
@@ -53,11 +54,6 @@ from pdserve.router.stream import Usage
 
 logger = logging.getLogger(__name__)
 
-COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-          "stop", "seed", "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "region", "request_id",
-          "priority", "presence_penalty", "frequency_penalty", "logprobs"}  # fmt: skip
-COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = COMMON | {"messages", "top_logprobs"}
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
@@ -119,10 +115,7 @@ class HttpApi:
             raise InvalidArgumentError("body", "JSON nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidArgumentError("body", "must be a JSON object")
-        for name in body:
-            if name not in allowed:
-                raise InvalidArgumentError(name, "unknown field")
-        _check_unsupported(body)
+        check_fields(body, allowed)
         if body.get("model") is None:
             served = self.router.catalog.names()
             raise InvalidArgumentError("model", f"is required; this server serves {served}")
@@ -276,30 +269,6 @@ def _message(m: Any, i: int) -> dict[str, str]:
         )
     check_text(f"messages[{i}].content", content)
     return {"role": m["role"], "content": content}
-
-
-def _check_unsupported(body: dict[str, Any]) -> None:
-    if body.get("n", 1) != 1:
-        raise InvalidArgumentError("n", "only n=1 is supported")
-    if body.get("echo"):
-        raise InvalidArgumentError("echo", "echo is not supported")
-    if body.get("suffix"):
-        raise InvalidArgumentError("suffix", "suffix is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name):
-            raise InvalidArgumentError(name, "penalties are not supported (only 0)")
-    if body.get("logprobs"):
-        raise InvalidArgumentError("logprobs", "logprobs are not supported")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise InvalidArgumentError("stream", "must be a boolean")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise InvalidArgumentError(
-                "stream_options", "must be an object with only 'include_usage'"
-            )
-        if not isinstance(options.get("include_usage", False), bool):
-            raise InvalidArgumentError("stream_options.include_usage", "must be a boolean")
 
 
 def error_response(error: BaseException) -> web.Response:

@@ -40,7 +40,9 @@ def test_an_http_door_on_a_taken_port_is_refused() -> None:
             taken.listen()
             port = taken.getsockname()[1]
             api = HttpApi(_router(), ApiKeys((), True), 1 << 20)
-            with pytest.raises(InvalidArgumentError, match=rf"server.http_port: .*:{port}: the port is taken"):
+            with pytest.raises(
+                InvalidArgumentError, match=rf"server.http_port: .*:{port}: the port is taken"
+            ):
                 await start_http(api, "127.0.0.1", port)
 
     asyncio.run(go())

@@ -1,0 +1,73 @@
+"""The OpenAI request fields the HTTP front door takes, and the values it supports.
+
+A field not listed is refused by name (a typo must not be ignored silently).
+Clients and SDK wrappers also send fields whose value asks for nothing
+(``"tools": null``, ``"logit_bias": {}``, ``"n": 1``): those are taken, and any
+other value of them is refused naming the field, as pdserve does not do it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.core.errors import InvalidArgumentError
+
+COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+          "stop", "seed", "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "region", "request_id",
+          "priority", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}  # fmt: skip
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "response_format", "tools", "functions",
+                        "tool_choice", "function_call", "parallel_tool_calls", "modalities",
+                        "service_tier", "store", "metadata"}  # fmt: skip
+
+# Fields taken only at a value that asks for nothing: name -> that test.
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v in (None, 1),
+    "best_of": lambda v: v in (None, 1),
+    "echo": lambda v: not v,
+    "suffix": lambda v: not v,
+    "presence_penalty": lambda v: not v,
+    "frequency_penalty": lambda v: not v,
+    "logprobs": lambda v: not v,
+    "top_logprobs": lambda v: not v,
+    "logit_bias": lambda v: not v,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
+    "modalities": lambda v: v is None or v == ["text"],
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "store": lambda v: not v,
+    "metadata": lambda v: v is None or isinstance(v, dict),
+}
+
+
+def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    """Refuse a field ``allowed`` does not name, a value pdserve does not support, and
+    a malformed ``stream`` / ``stream_options``."""
+    for name, value in body.items():
+        if name not in allowed:
+            raise InvalidArgumentError(name, "unknown field")
+        neutral = NEUTRAL.get(name)
+        if neutral is not None and not _is_neutral(neutral, value):
+            raise InvalidArgumentError(name, f"is not supported (got {str(value)[:64]})")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidArgumentError("stream", "must be a boolean")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise InvalidArgumentError(
+                "stream_options", "must be an object with only 'include_usage'"
+            )
+        if not isinstance(options.get("include_usage", False), bool):
+            raise InvalidArgumentError("stream_options.include_usage", "must be a boolean")
+
+
+def _is_neutral(test: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bool(test(value))
+    except TypeError:  # e.g. an unhashable value where a choice is expected
+        return False

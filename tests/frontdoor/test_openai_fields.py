@@ -1,0 +1,48 @@
+"""Which OpenAI fields the HTTP door takes: the fields clients send at their
+do-nothing value pass; any other value of them, and unknown fields, are refused
+by name. Over real HTTP too, where a request that passes meets a router with no
+instance (429), and a refused one never reaches it (400)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.core.errors import InvalidArgumentError
+from pdserve.router.frontdoor.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from tests.frontdoor.test_lora_http import _run
+
+TAKEN = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
+         "frequency_penalty": 0.0, "logprobs": None, "logit_bias": {}}  # fmt: skip
+TAKEN_CHAT = {"n": None, "logit_bias": None, "top_logprobs": None,
+              "response_format": {"type": "text"}, "tools": [], "functions": None,
+              "tool_choice": "none", "function_call": "auto", "parallel_tool_calls": False,
+              "modalities": ["text"], "service_tier": "auto", "store": False,
+              "metadata": {"team": "a"}}  # fmt: skip
+REFUSED = [("n", 2), ("n", [1]), ("best_of", 3), ("echo", True), ("suffix", "x"),
+           ("presence_penalty", 0.5), ("logprobs", 2), ("logit_bias", {"5": 100})]  # fmt: skip
+REFUSED_CHAT = [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+                ("tool_choice", {"type": "function"}), ("service_tier", "flex"), ("store", True),
+                ("modalities", ["text", "audio"]), ("top_logprobs", 3), ("parallel_tool_calls", 1)]  # fmt: skip
+
+
+def test_do_nothing_values_pass_and_others_are_refused_by_name() -> None:
+    check_fields({"model": "m", **TAKEN}, COMPLETION_FIELDS)
+    check_fields({"model": "m", **TAKEN_CHAT}, CHAT_FIELDS)
+    for fields, refused in ((COMPLETION_FIELDS, REFUSED), (CHAT_FIELDS, REFUSED_CHAT)):
+        for name, value in refused:
+            with pytest.raises(InvalidArgumentError, match="is not supported") as e:
+                check_fields({"model": "m", name: value}, fields)
+            assert e.value.field == name
+    for name, fields in (("bogus", COMPLETION_FIELDS), ("tools", COMPLETION_FIELDS),
+                         ("best_of", CHAT_FIELDS)):  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match="unknown field"):
+            check_fields({name: None}, fields)
+
+
+def test_over_http_a_request_with_do_nothing_fields_reaches_the_router() -> None:
+    completion = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
+    requests = [("POST", "/v1/completions", {**completion, **TAKEN}),
+                ("POST", "/v1/completions", {**completion, "best_of": 2})]  # fmt: skip
+    (taken, refused), seen = _run(requests)
+    assert taken[0] == 429 and len(seen) == 1  # no instance: refused by admission, not the door
+    assert refused[0] == 400 and refused[1]["error"]["param"] == "best_of"
