@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.cli import named_kind
-from pdserve.core.errors import PdserveError
+from pdserve.core.errors import InvalidArgumentError, PdserveError
 
 if TYPE_CHECKING:
     from pdserve.core.sampling_params import SamplingParams
@@ -214,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
+        _check_out(getattr(args, "out", None))
         return int(args.func(args))
     except PdserveError as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
@@ -224,6 +227,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _check_out(out: object) -> None:
+    """Make the folder a command's ``--out`` names (a file's: its parent) before a run
+    of minutes, so that a path that cannot be written fails at once, not at the end."""
+    if not isinstance(out, str) or not out:
+        return
+    path = Path(out)
+    folder = path.parent if path.suffix else path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgumentError("--out", f"cannot create {folder}: {e.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise InvalidArgumentError("--out", f"{folder} is not writable")
 
 
 if __name__ == "__main__":

@@ -308,7 +308,18 @@ def test_a_file_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path, cap
     blocker = tmp_path / "file"
     blocker.write_text("")
     out = blocker / "profile.json"  # under a file: no folder can be made there
-    assert main(["profile", "--model", "llama-7b", "--device", "h100", "--out", str(out)]) == 1
+    assert main(["profile", "--model", "llama-7b", "--device", "h100", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("pdserve profile: error: ") and str(blocker) in err
+    assert err.startswith("pdserve profile: error: --out: cannot create ") and str(blocker) in err
     assert "Traceback" not in err
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_before_the_run(files, capsys) -> None:  # type: ignore[no-untyped-def]
+    config, profile = files
+    blocker = config.parent / "taken"
+    blocker.write_text("")
+    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "1",
+               "--num-requests", "5", "--out", str(blocker / "results")])  # fmt: skip
+    assert rc == 2
+    captured = capsys.readouterr()
+    assert "--out: cannot create" in captured.err and "simulated" not in captured.out
