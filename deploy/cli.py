@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -230,18 +231,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_out(out: object) -> None:
-    """Make the folder a command's ``--out`` names (a file's: its parent) before a run
-    of minutes, so that a path that cannot be written fails at once, not at the end."""
+    """Refuse a ``--out`` (a file or a folder) that cannot be made, before a run of
+    minutes rather than at its end; nothing is made here."""
     if not isinstance(out, str) or not out:
         return
-    path = Path(out)
-    folder = path.parent if path.suffix else path
+    path = Path(out).absolute()
+    if path.exists():
+        return  # the command says what it needs there
+    ancestor = next(p for p in path.parents if p.exists())
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        if not ancestor.is_dir():
+            raise NotADirectoryError(20, "not a folder")
+        os.rmdir(tempfile.mkdtemp(dir=ancestor))
     except OSError as e:
-        raise InvalidArgumentError("--out", f"cannot create {folder}: {e.strerror}") from None
-    if not os.access(folder, os.W_OK):
-        raise InvalidArgumentError("--out", f"{folder} is not writable")
+        raise InvalidArgumentError(
+            "--out", f"cannot create {path}: {ancestor}: {e.strerror}"
+        ) from None
 
 
 if __name__ == "__main__":
