@@ -84,7 +84,8 @@ class PlanLimits:
     prefill_tp / decode_tp: tensor-parallel sizes allowed per role.
     headroom: planned load over the forecast (0.3: +30%).
     spares: instances added per role for failures (N+1: 1).
-    num_requests: requests simulated per candidate.
+    num_requests: requests simulated per candidate (None: enough to span ten times a
+        request's own latency or the TTFT SLO, whichever is longer, and at least 1,500).
     max_num_seqs / max_num_batched_tokens / block_size: engine options of every instance.
     """
 
@@ -93,7 +94,7 @@ class PlanLimits:
     decode_tp: tuple[int, ...] = (1,)
     headroom: float = 0.3
     spares: int = 1
-    num_requests: int = 1500
+    num_requests: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
@@ -105,7 +106,7 @@ class PlanLimits:
         if not 0 <= self.headroom < math.inf or self.spares < 0:
             raise InvalidArgumentError("headroom", "headroom and spares must be >= 0")
         for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
         if not self.prefill_tp or not self.decode_tp:
             raise InvalidArgumentError("tp", "allow at least one tensor-parallel size per role")
@@ -168,11 +169,10 @@ class _Search:
     """Simulations of one region and layout at one rate (memoised by counts)."""
 
     def __init__(self, book: ProfileBook, region: str, rate: float, mix: LengthMix,
-                 tp: tuple[int, int], limits: PlanLimits, slo: PlanSlo) -> None:  # fmt: skip
+                 tp: tuple[int, int], limits: PlanLimits, slo: PlanSlo, n: int) -> None:  # fmt: skip
         self.book, self.region, self.rate, self.mix = book, region, rate, mix
         self.tp, self.limits, self.slo = tp, limits, slo
         self.cache: dict[tuple[int, int], Outcome] = {}
-        n = limits.num_requests
         arrival = wl.arrival_times("poisson", rate, n, None, seed=limits.seed)
         prompt, output = mix.draw(n, limits.seed + 1)
         self.work = SimWorkload(arrival, prompt, output, np.zeros(n, dtype=np.int16))
@@ -256,7 +256,8 @@ def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp:
     if cap_p < 1 or cap_d < 1:
         raise Infeasible("max_devices", f"{limits.max_devices} devices cannot hold one prefill and "
                          f"one decode instance plus spares at tp={tp[0]}/{tp[1]}")  # fmt: skip
-    search = _Search(book, region, rate * (1 + limits.headroom), mix, tp, limits, slo)
+    n = simulated_requests(region, rate * (1 + limits.headroom), one, output, slo, limits)
+    search = _Search(book, region, rate * (1 + limits.headroom), mix, tp, limits, slo, n)
     ample_p = min(cap_p, max(1, 2 * book_plan.prefill_bare + 1))
     d = search.smallest(max(1, book_plan.decode_bare // 2), cap_d,
                         lambda n: search.run(ample_p, n).meets(slo)[1])  # fmt: skip
@@ -278,10 +279,39 @@ def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp:
         if p > cap_p or d > cap_d:
             _missed(search.run(min(p, cap_p), min(d, cap_d)), slo, "both", cap_p, tp, limits)
     p, d = p + limits.spares, d + limits.spares
-    final = _Search(book, region, rate, mix, tp, limits, slo).run(p, d)
+    final = _Search(book, region, rate, mix, tp, limits, slo, n).run(p, d)
     tb_devices = book_plan.prefill * tp[0] + book_plan.decode * tp[1]
     return RegionPlan(region, rate, tp[0], tp[1], p, d, p * tp[0] + d * tp[1], final, one,
                       book_plan, tb_devices, len(search.cache) + 1)  # fmt: skip
+
+
+MIN_REQUESTS = 1500  # simulated per candidate at least, when the planner chooses
+MAX_REQUESTS = 200_000  # most it chooses: ~2 CPU-minutes a candidate here
+
+
+def simulated_requests(region: str, rate: float, one: SingleInstance, output: float,
+                       slo: PlanSlo, limits: PlanLimits) -> int:  # fmt: skip
+    """Requests to simulate per candidate: their arrivals must span ten times a request's
+    own latency or the TTFT SLO, whichever is longer. A shorter span is a burst that
+    enough instances absorb at any rate: no queue, nor a full decode batch, has time to
+    show (a 200-request plan at 1e9 req/s "met" the SLOs with 124 devices)."""
+    span_s = 10 * max(one.prefill_s + output * one.decode_floor_s, slo.ttft_s)
+    needed = math.ceil(rate * span_s)
+    given = limits.num_requests
+    if given is not None and given < needed:
+        raise InvalidArgumentError(
+            "num_requests", f"{given} requests at {rate:g} req/s (with headroom) arrive within "
+            f"{given / rate:.3g} s, too short for queues to show (ten times a request's own "
+            f"latency or the TTFT SLO: {span_s:.3g} s): give at least {needed}",
+        )  # fmt: skip
+    if given is None and needed > MAX_REQUESTS:
+        raise InvalidArgumentError(
+            "rate", f"region {region}: {rate:g} req/s (with headroom) needs {needed} simulated requests a "
+            f"candidate to show queues ({span_s:.3g} s of arrivals), over the {MAX_REQUESTS} "
+            "the planner simulates by itself: plan a share of the traffic (the rate over k) "
+            "and multiply the counts by k, or pass --num-requests",
+        )  # fmt: skip
+    return given if given is not None else max(MIN_REQUESTS, needed)
 
 
 def _missed(o: Outcome, slo: PlanSlo, role: str, cap: int, tp: tuple[int, int],

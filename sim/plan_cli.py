@@ -56,8 +56,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--headroom", type=float, default=d.headroom, help="0.3: plan for +30%% load")
     s.add_argument("--spares", type=int, default=d.spares, help="spare instances per role (N+1)")
     s.add_argument(
-        "--num-requests", type=int, default=d.num_requests, help="simulated per candidate"
-    )
+        "--num-requests", type=int, default=d.num_requests,
+        help="simulated per candidate (default: enough to span ten times a request's latency "
+        "or the TTFT SLO, at least 1500)",
+    )  # fmt: skip
     s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     s.add_argument("--seed", type=int, default=0)

@@ -196,8 +196,12 @@ def test_plan_refuses_a_mix_past_the_models_context(capsys) -> None:  # type: ig
         # was "TPOT SLO 50 ms cannot be met ... (-43 ms over)"
         (["--rate", "east=5", "--max-num-seqs", "0"], "max_num_seqs: must be >= 1"),
         (["--forecast", "FILE"], "forecast: FILE: 'east': rates must be numbers"),
+        # 200 requests at 1e9 req/s are a burst: 124 devices "met" the SLOs at that rate
+        (["--rate", "east=1e9", "--num-requests", "200"],
+         "num_requests: 200 requests at 1.3e+09 req/s (with headroom) arrive within"),
+        (["--rate", "east=1e9"], "rate: region east: 1.3e+09 req/s (with headroom) needs"),
     ],
-)
+)  # fmt: skip
 def test_plan_names_a_bad_forecast_or_limit(tmp_path, capsys, flags, why) -> None:  # type: ignore[no-untyped-def]
     forecast = tmp_path / "forecast.json"
     forecast.write_text('{"east": [5, null]}')  # a JSON null was a traceback
