@@ -100,8 +100,10 @@ def typed_fields(values: dict[str, Any], cls: type, prefix: str, lines: Lines) -
     out = {}
     for key, value in known_fields(values, cls, prefix, lines).items():
         kind, optional = scalar_kind(hints[key])
-        keep = kind is None or (value is None and optional)
-        out[key] = value if keep else typed(value, kind, f"{prefix}.{key}", lines)
+        if kind is None or (value is None and optional):
+            out[key] = value
+        else:
+            out[key] = typed(value, kind, f"{prefix}.{key}", lines)
     return out
 
 
