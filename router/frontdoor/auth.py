@@ -4,8 +4,8 @@
 Both front doors check the same keys: gRPC in the ``authorization`` metadata,
 HTTP in the ``Authorization`` header, as ``Bearer <key>``. With no key
 configured the router refuses to start unless auth was disabled explicitly.
-A key may carry a default priority for the requests that set none (a batch
-client's key, say, at -1). Admin keys (``admin: true``) may also change what the
+A key may carry a priority: the default of the requests that set none, and the
+highest any of them may set (a batch client's key, say, at -1). Admin keys (``admin: true``) may also change what the
 cluster serves (load and unload LoRA adapters); any other key only sends requests.
 """
 

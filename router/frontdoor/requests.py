@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.errors import InvalidArgumentError, PermissionDeniedError
 from pdserve.core.sampling_params import SamplingParams, check_text
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.models import ServedVersion
@@ -82,6 +82,17 @@ def with_priority(params: SamplingParams, value: str) -> SamplingParams:
     except ValueError:
         raise InvalidArgumentError("priority", f"must be an integer, got {value!r}") from None
     return dataclasses.replace(params, priority=priority)
+
+
+def check_priority(priority: int, key_priority: int | None) -> None:
+    """A key's priority is its requests' default and their ceiling: a request may
+    yield below it, never rise above it (a batch key at -1 must not preempt online
+    traffic by asking for more)."""
+    if key_priority is not None and priority > key_priority:
+        raise PermissionDeniedError(
+            f"priority: this API key may send priority {key_priority} at most (its "
+            f"auth.api_keys entry), got {priority}"
+        )
 
 
 def prompt_tokens(
