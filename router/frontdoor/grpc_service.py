@@ -25,7 +25,7 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 from pdserve.router.frontdoor.requests import (
-    check_priority,
+    capped_priority,
     completion_input,
     fit_context,
     off_loop,
@@ -136,7 +136,7 @@ class CompletionService(pb_grpc.CompletionServicer):
             params = with_priority(params, meta["x-pdserve-priority"])
         elif key_priority is not None:
             params = dataclasses.replace(params, priority=key_priority)
-        check_priority(params.priority, key_priority)
+        params = capped_priority(params, key_priority)
         region = request.region or meta.get("x-pdserve-region")
         return completion_input(ids, params, region, request.request_id or None, version)
 

@@ -39,7 +39,7 @@ from pdserve.router.frontdoor.lora_admin import add_lora_routes
 from pdserve.router.frontdoor.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pdserve.router.frontdoor.request_keys import ADMITTED, BODY_BYTES, KEY_PRIORITY
 from pdserve.router.frontdoor.requests import (
-    check_priority,
+    capped_priority,
     completion_input,
     fit_context,
     off_loop,
@@ -156,7 +156,7 @@ class HttpApi:
         if values["priority"] is None:
             values["priority"] = request.get(KEY_PRIORITY)
         params = sampling_params(values, version.vocab_size)
-        check_priority(params.priority, request.get(KEY_PRIORITY))
+        params = capped_priority(params, request.get(KEY_PRIORITY))
         asked = values["max_tokens"] is not None
         params = fit_context(params, len(ids), max_len, asked)
         params = dataclasses.replace(params, lora=lora)

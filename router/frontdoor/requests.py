@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pdserve.core.errors import InvalidArgumentError, PermissionDeniedError
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.sampling_params import SamplingParams, check_text
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.models import ServedVersion
@@ -84,15 +84,14 @@ def with_priority(params: SamplingParams, value: str) -> SamplingParams:
     return dataclasses.replace(params, priority=priority)
 
 
-def check_priority(priority: int, key_priority: int | None) -> None:
+def capped_priority(params: SamplingParams, key_priority: int | None) -> SamplingParams:
     """A key's priority is its requests' default and their ceiling: a request may
-    yield below it, never rise above it (a batch key at -1 must not preempt online
-    traffic by asking for more)."""
-    if key_priority is not None and priority > key_priority:
-        raise PermissionDeniedError(
-            f"priority: this API key may send priority {key_priority} at most (its "
-            f"auth.api_keys entry), got {priority}"
-        )
+    yield below it, and one asking for more gets the key's (a batch key at -1 must
+    not preempt online traffic by asking; a batch runner's own -1 still runs under
+    a key at -2)."""
+    if key_priority is None or params.priority <= key_priority:
+        return params
+    return dataclasses.replace(params, priority=key_priority)
 
 
 def prompt_tokens(
