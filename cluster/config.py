@@ -284,7 +284,7 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
         model=raw["model"],
         engine=get_map(raw, "engine", lines),
         regions=regions,
-        connector=str(raw.get("connector", "shm")),
+        connector=typed(raw.get("connector", "shm"), str, "connector", lines),
         router=router,
         planner=PlannerConfig(
             **typed_fields(get_map(raw, "planner", lines), PlannerConfig, "planner", lines)
@@ -297,7 +297,7 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
                 get_map(raw, "disaggregation", lines), DisaggregationConfig, "disaggregation", lines
             )
         ),
-        ray_num_cpus=_optional_int(get_map(raw, "ray", lines), "num_cpus", "ray", lines),
+        ray_num_cpus=_ray_cpus(get_map(raw, "ray", lines), lines),
         metrics_port=typed(server.get("metrics_port", 0), int, "server.metrics_port", lines),
         source=lines.source,
         models=parse_models(raw, lines, names, router.model_name),
@@ -325,6 +325,10 @@ def _check_engines(config: ClusterConfig, lines: Lines, prefix: str = "") -> Non
                 raise lines.error(where, e.message) from None
 
 
-def _optional_int(raw: dict[str, Any], key: str, parent: str, lines: Lines) -> int | None:
-    value = raw.get(key)
-    return None if value is None else typed(value, int, f"{parent}.{key}", lines)
+def _ray_cpus(ray: dict[str, Any], lines: Lines) -> int | None:
+    """``ray.num_cpus``: the CPUs an embedded Ray instance offers (None: the machine's)."""
+    for key in ray:
+        if key != "num_cpus":
+            raise lines.error(f"ray.{key}", "unknown field (known: ['num_cpus'])")
+    value = ray.get("num_cpus")
+    return None if value is None else typed(value, int, "ray.num_cpus", lines)

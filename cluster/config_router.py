@@ -23,6 +23,8 @@ ROUTER_KEYS: dict[str, type] = {
     "batch_quota_mb": int,
 }  # fmt: skip
 SERVER_KEYS = {"host", "grpc_port", "http_port", "metrics_port", "tls"}
+AUTH_KEYS = {"api_keys", "disabled"}
+SLO_KEYS = {"ttft_ms", "tpot_ms"}
 
 
 def router_config(
@@ -31,7 +33,9 @@ def router_config(
     """The router's config from the ``slo``, ``server``, ``auth`` and ``router`` sections."""
     slo, server, auth = (get_map(raw, k, lines) for k in ("slo", "server", "auth"))
     extra = get_map(raw, "router", lines)
-    for section, values, known in (("router", extra, ROUTER_KEYS), ("server", server, SERVER_KEYS)):
+    sections = (("router", extra, ROUTER_KEYS), ("server", server, SERVER_KEYS),
+                ("auth", auth, AUTH_KEYS), ("slo", slo, SLO_KEYS))  # fmt: skip
+    for section, values, known in sections:
         for key in values:
             if key not in known:
                 raise lines.error(f"{section}.{key}", f"unknown field (known: {sorted(known)})")
@@ -56,7 +60,8 @@ def router_config(
             api_keys=tuple(key for key, _, _ in keys),
             api_key_priorities=tuple((k, p) for k, p, _ in keys if p is not None),
             api_key_admins=tuple(k for k, _, admin in keys if admin),
-            auth_disabled=bool(auth.get("disabled", False)),
+            # typed: bool("false") is True, and a quoted "false" turned auth off
+            auth_disabled=typed(auth.get("disabled", False), bool, "auth.disabled", lines),
             ttft_slo_s=typed(slo.get("ttft_ms", 2000), float, "slo.ttft_ms", lines) / 1000,
             tpot_slo_s=typed(slo.get("tpot_ms", 200), float, "slo.tpot_ms", lines) / 1000,
             host=typed(server.get("host", "127.0.0.1"), str, "server.host", lines),

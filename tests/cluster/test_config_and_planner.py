@@ -63,6 +63,16 @@ def test_shipped_configs_load() -> None:
             "cfg.yaml:2: engine.block_size",
         ),
         (("model: builtin:tiny", "model: builtin:tiny\nwhatever: 1"), "cfg.yaml:2: whatever"),
+        (  # a quoted "false" was bool("false"): auth turned off
+            ("model: builtin:tiny", 'model: builtin:tiny\nauth: {disabled: "false"}'),
+            "cfg.yaml:2: auth.disabled: must be a bool",
+        ),
+        (  # a misspelt key in a section was ignored (the SLO stayed at its default)
+            ("model: builtin:tiny", "model: builtin:tiny\nslo: {ttft: 500}"),
+            "cfg.yaml:2: slo.ttft: unknown field",
+        ),
+        (("model: builtin:tiny", "model: builtin:tiny\nauth: {disable: true}"), "auth.disable"),
+        (("model: builtin:tiny", "model: builtin:tiny\nray: {cpus: 2}"), "cfg.yaml:2: ray.cpus"),
         (  # the engine's groups and model are not options (they raised a TypeError)
             ("model: builtin:tiny", "model: builtin:tiny\nengine: {cache: 1}"),
             "cfg.yaml:2: engine.cache: unknown engine option",
