@@ -19,10 +19,14 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s"
 def setup_logging(level: str | None = None) -> None:
     """Send pdserve's loggers to stderr (idempotent; for actor processes)."""
     log = logging.getLogger("pdserve")
-    log.setLevel((level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")).upper())
+    name = (level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")).upper()
+    known = isinstance(logging.getLevelName(name), int)
+    log.setLevel(name if known else "INFO")
     if not any(getattr(h, "_pdserve", False) for h in log.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(FORMAT))
         handler._pdserve = True  # type: ignore[attr-defined]
         log.addHandler(handler)
         log.propagate = False
+    if not known:  # an actor would die of it, and with it the cluster's start
+        log.warning("log level %r is not one of DEBUG, INFO, WARNING, ERROR: INFO", name)
