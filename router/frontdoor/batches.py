@@ -1,6 +1,7 @@
 """The OpenAI Batch API on the HTTP front door: upload a file, run it as a batch, fetch results.
 
     POST /v1/files                  multipart: purpose=batch, file=<requests.jsonl>
+    GET  /v1/files                  this key's files (uploads and batch outputs)
     GET  /v1/files/{id}             the file object
     GET  /v1/files/{id}/content     its bytes (a batch's output file: one line per request)
     DELETE /v1/files/{id}           deleted (not while a running batch reads or writes it)
@@ -70,6 +71,7 @@ class BatchJobs:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload)
+        app.router.add_get("/v1/files", self.files)
         app.router.add_get("/v1/files/{id}", self.file)
         app.router.add_get("/v1/files/{id}/content", self.content)
         app.router.add_delete("/v1/files/{id}", self.delete)
@@ -163,6 +165,13 @@ class BatchJobs:
         for suffix in (".jsonl", ".json"):
             (self.folder / "files" / f"{meta['id']}{suffix}").unlink(missing_ok=True)
         return web.json_response({"id": meta["id"], "object": "file", "deleted": True})
+
+    async def files(self, request: web.Request) -> web.Response:
+        owner = self._owner(request)
+        metas = [json.loads(p.read_text()) for p in self.folder.glob("files/*.json")]
+        data = sorted((_public(m) for m in metas if m["owner"] == owner),
+                      key=lambda m: (m["created_at"], m["id"]))  # fmt: skip
+        return web.json_response({"object": "list", "data": data})
 
     async def file(self, request: web.Request) -> web.Response:
         return web.json_response(_public(self._file(request.match_info["id"], request)))

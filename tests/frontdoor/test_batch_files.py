@@ -58,6 +58,9 @@ def test_each_key_uploads_within_its_quota_and_deletes_its_files(tmp_path: Path)
             assert status == 200
             status, gone = await _call(client, "DELETE", f"/v1/files/{first['id']}", "bob")
             assert status == 404 and gone["error"]["type"] == "not_found_error"
+            status, listed = await _call(client, "GET", "/v1/files", "alice")
+            assert status == 200 and [f["id"] for f in listed["data"]] == [first["id"]]
+            assert "owner" not in listed["data"][0]
             status, deleted = await _call(client, "DELETE", f"/v1/files/{first['id']}", "alice")
             assert (status, deleted) == (
                 200,
