@@ -59,9 +59,19 @@ def to_python(node: yaml.Node, path: str, lines: Lines) -> Any:
 
 
 def typed(value: Any, kind: type, field: str, lines: Lines) -> Any:
-    """``value`` as ``kind`` (an int is a float too; a bool is never a number)."""
+    """``value`` as ``kind`` (an int is a float too; a bool is never a number; a
+    quoted number, as templates write them, is its number)."""
     if kind is bool and isinstance(value, bool):
         return value
+    if kind in (int, float) and isinstance(value, str):
+        try:
+            value = kind(value.strip())
+        except ValueError:
+            pass  # refused below, as a string
+        else:
+            if not math.isfinite(value):
+                raise lines.error(field, f"must be a finite number, got {value}")
+            return value
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if number and (kind is float or (kind is int and float(value).is_integer())):
         return kind(value)

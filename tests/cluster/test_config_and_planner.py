@@ -247,6 +247,16 @@ def test_an_api_key_may_carry_a_default_priority() -> None:
     assert keys.check("Bearer batch") == -2 and keys.check("Bearer online") is None
 
 
+def test_a_quoted_number_is_its_number_as_before() -> None:
+    # templates quote what they fill in; int("2") and float("500") were read before
+    text = GOOD.replace("prefill: {count: 1, min: 1, max: 3}", 'prefill: {count: "2", max: 3}')
+    config = parse_config(text + 'slo: {ttft_ms: "500"}\nserver: {grpc_port: "50051"}\n')
+    assert config.regions[0].prefill.count == 2 and config.router.ttft_slo_s == 0.5
+    assert config.router.grpc_port == 50051
+    with pytest.raises(InvalidArgumentError, match="slo.ttft_ms: must be a finite number"):
+        parse_config(GOOD + 'slo: {ttft_ms: "inf"}\n')
+
+
 def test_an_api_key_may_be_an_admins() -> None:
     text = GOOD + "auth: {api_keys: [client, {key: ops, admin: true}, {key: b, admin: false}]}\n"
     router = parse_config(text).router
