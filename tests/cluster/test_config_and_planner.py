@@ -253,7 +253,7 @@ def test_a_quoted_number_is_its_number_as_before() -> None:
     config = parse_config(text + 'slo: {ttft_ms: "500"}\nserver: {grpc_port: "50051"}\n')
     assert config.regions[0].prefill.count == 2 and config.router.ttft_slo_s == 0.5
     assert config.router.grpc_port == 50051
-    with pytest.raises(InvalidArgumentError, match="slo.ttft_ms: must be a finite number"):
+    with pytest.raises(InvalidArgumentError, match=r"slo\.ttft_ms: must be a finite number"):
         parse_config(GOOD + 'slo: {ttft_ms: "inf"}\n')
 
 
