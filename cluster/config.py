@@ -287,7 +287,9 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
         connector=typed(raw.get("connector", "shm"), str, "connector", lines),
         router=router,
         planner=PlannerConfig(
-            **typed_fields(get_map(raw, "planner", lines), PlannerConfig, "planner", lines)
+            **typed_fields(
+                _planner(get_map(raw, "planner", lines)), PlannerConfig, "planner", lines
+            )
         ),
         health=HealthConfig(
             **typed_fields(get_map(raw, "health", lines), HealthConfig, "health", lines)
@@ -323,6 +325,13 @@ def _check_engines(config: ClusterConfig, lines: Lines, prefix: str = "") -> Non
                 else:
                     where = f"{prefix and prefix + 'engine or '}engine.{e.field}"
                 raise lines.error(where, e.message) from None
+
+
+def _planner(planner: dict[str, Any]) -> dict[str, Any]:
+    """``planner``, its ``mode: on`` / ``mode: off`` read as meant: YAML reads those
+    unquoted words as booleans."""
+    mode = planner.get("mode")
+    return {**planner, "mode": "on" if mode else "off"} if isinstance(mode, bool) else planner
 
 
 def _ray_cpus(ray: dict[str, Any], lines: Lines) -> int | None:

@@ -77,7 +77,10 @@ def typed(value: Any, kind: type, field: str, lines: Lines) -> Any:
         return kind(value)
     if kind is str and isinstance(value, str):
         return value
-    raise lines.error(field, f"must be {'an' if kind is int else 'a'} {kind.__name__}")
+    hint = ""
+    if kind is str and isinstance(value, bool):  # YAML reads on/off/yes/no as booleans
+        hint = f" (YAML read an unquoted word as {value}: quote it)"
+    raise lines.error(field, f"must be {'an' if kind is int else 'a'} {kind.__name__}{hint}")
 
 
 def get_map(raw: dict[str, Any], key: str, lines: Lines, parent: str = "") -> dict[str, Any]:

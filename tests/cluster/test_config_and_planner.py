@@ -257,6 +257,14 @@ def test_a_quoted_number_is_its_number_as_before() -> None:
         parse_config(GOOD + 'slo: {ttft_ms: "inf"}\n')
 
 
+def test_planner_mode_on_and_off_need_no_quotes() -> None:
+    # YAML reads unquoted on/off as booleans: "must be a str" was all a user got
+    assert parse_config(GOOD + "planner: {mode: on}\n").planner.mode == "on"
+    assert parse_config(GOOD + "planner: {mode: off}\n").planner.mode == "off"
+    with pytest.raises(InvalidArgumentError, match="unquoted word as False: quote it"):
+        parse_config(GOOD + "router: {policy: off}\n")
+
+
 def test_an_api_key_may_be_an_admins() -> None:
     text = GOOD + "auth: {api_keys: [client, {key: ops, admin: true}, {key: b, admin: false}]}\n"
     router = parse_config(text).router
