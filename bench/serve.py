@@ -245,6 +245,9 @@ def check_load_flags(args: argparse.Namespace) -> None:
     slo_from(args)
     if args.warmup < 0:
         raise InvalidArgumentError("warmup", f"must be >= 0, got {args.warmup}")
+    for name in ("seed", "prompt_seed"):  # numpy's generators take no negative seed
+        if (getattr(args, name, None) or 0) < 0:
+            raise InvalidArgumentError(name, f"must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.temperature < math.inf:
         raise InvalidArgumentError("temperature", f"must be >= 0, got {args.temperature}")
     if args.vocab_size <= wl.FIRST_TOKEN_ID:

@@ -18,7 +18,6 @@ profile).
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, replace
 
@@ -74,9 +73,13 @@ class Assumptions:
         for name in ("mfu", "mbu", "mem_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise InvalidArgumentError(name, f"must be in (0, 1], got {getattr(self, name)}")
+        # at most a second: per step or per message, more is no device (1e300 s hung
+        # the simulation, its clock no longer moving at that magnitude)
         for name in ("step_overhead_s", "allreduce_latency_s", "transfer_latency_s"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) <= 1.0:
+                raise InvalidArgumentError(
+                    name, f"must be in [0, 1] s, got {getattr(self, name):g} s"
+                )
 
 
 MODELS = {

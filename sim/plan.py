@@ -43,8 +43,8 @@ class PlanSlo:
     percentile: float = 90.0
 
     def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tpot_s > 0):
-            raise InvalidArgumentError("slo", "TTFT and TPOT SLOs must be > 0")
+        if not (0 < self.ttft_s < math.inf and 0 < self.tpot_s < math.inf):
+            raise InvalidArgumentError("slo", "TTFT and TPOT SLOs must be > 0 and finite")
         if not 0 < self.percentile < 100:
             raise InvalidArgumentError("percentile", "must be in (0, 100)")
 
@@ -108,6 +108,8 @@ class PlanLimits:
         for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise InvalidArgumentError("seed", f"must be >= 0, got {self.seed}")
         if not self.prefill_tp or not self.decode_tp:
             raise InvalidArgumentError("tp", "allow at least one tensor-parallel size per role")
 

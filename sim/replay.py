@@ -17,6 +17,7 @@ trace CSV that ``pdserve bench serve --trace`` replays on a live cluster;
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from pdserve.sim.replay_report import figures
 from pdserve.sim.workload import SimWorkload
 
 POLICIES = ("reactive", "proactive")
+MAX_PHASE_REQUESTS = 10_000_000
 
 
 def phased_workload(
@@ -40,8 +42,13 @@ def phased_workload(
     """The traces one after another, each at ``rate`` req/s for ``phase_s`` seconds;
     also the times the phases start."""
     for name, value in (("rate", rate), ("phase_s", phase_s)):
-        if not value > 0:
-            raise InvalidArgumentError(name, f"must be > 0, got {value}")
+        if not 0 < value < math.inf:
+            raise InvalidArgumentError(name, f"must be > 0 and finite, got {value}")
+    if rate * phase_s > MAX_PHASE_REQUESTS:
+        raise InvalidArgumentError(
+            "phase_s", f"{rate:g} req/s for {phase_s:g} s is over {MAX_PHASE_REQUESTS} "
+            "requests a phase: shorten the phase or lower the rate",
+        )  # fmt: skip
     arrival, prompt, output, starts = [], [], [], []
     for k, name in enumerate(traces):
         # the phase's own requests scaled to the rate: a trace is burstier than its mean

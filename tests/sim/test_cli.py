@@ -196,6 +196,8 @@ def test_plan_refuses_a_mix_past_the_models_context(capsys) -> None:  # type: ig
         # was "TPOT SLO 50 ms cannot be met ... (-43 ms over)"
         (["--rate", "east=5", "--max-num-seqs", "0"], "max_num_seqs: must be >= 1"),
         (["--forecast", "FILE"], "forecast: FILE: 'east': rates must be numbers"),
+        (["--rate", "east=5", "--ttft-slo-ms", "inf"], "slo: TTFT and TPOT SLOs must be > 0 and"),
+        (["--rate", "east=5", "--seed", "-1"], "seed: must be >= 0"),
         # 200 requests at 1e9 req/s are a burst: 124 devices "met" the SLOs at that rate
         (["--rate", "east=1e9", "--num-requests", "200"],
          "num_requests: 200 requests at 1.3e+09 req/s (with headroom) arrive within"),
@@ -256,7 +258,7 @@ def test_profile_refuses_a_layout_the_model_cannot_take(capsys) -> None:  # type
         (["--weight-bytes", "0"], "weight_bytes: must be > 0"),
         (["--tpot-slo-ms", "-5"], "tpot_slo_ms: must be > 0"),
         (["--nvlink-domain", "0"], "nvlink_domain: must be at least 1"),
-        (["--step-overhead-ms", "nan"], "step_overhead_s: must be >= 0"),
+        (["--step-overhead-ms", "nan"], "step_overhead_s: must be in [0, 1] s"),
     ],
 )
 def test_afd_estimate_names_a_bad_flag(tmp_path, capsys, flags, why) -> None:  # type: ignore[no-untyped-def]
@@ -302,7 +304,10 @@ def test_sim_refuses_load_flags_bench_serve_refuses(tmp_path, capsys) -> None:  
                        (["--max-concurrency", "0"], "max_concurrency: must be >= 1"),
                        (["--request-timeout", "0"], "request_timeout: must be > 0"),
                        (["--request-timeout", "nan"], "request_timeout: must be > 0"),
-                       (["--startup-s", "nan"], "startup_s: must be >= 0")):  # fmt: skip
+                       (["--startup-s", "nan"], "startup_s: must be >= 0"),
+                       (["--seed", "-1"], "seed: must be >= 0"),  # numpy's ValueError
+                       # the simulation hung: a clock at 1e297 s no longer moves by a step
+                       (["--step-overhead-ms", "1e300"], "step_overhead_s: must be in [0, 1] s")):  # fmt: skip
         assert main([*base, *flags]) == 2
         assert why in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
@@ -327,3 +332,17 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_the_run(files, caps
     assert rc == 2
     captured = capsys.readouterr()
     assert "--out: cannot create" in captured.err and "simulated" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [(["--rate", "inf"], "rate: must be > 0 and finite"),
+     (["--phase-s", "inf"], "phase_s: must be > 0 and finite"),  # OverflowError
+     (["--phase-s", "1e300"], "phase_s: 2 req/s for 1e+300 s is over 10000000")],  # it hung
+)  # fmt: skip
+def test_sim_planners_names_a_phase_it_cannot_replay(tmp_path, capsys, flags, why) -> None:  # type: ignore[no-untyped-def]
+    config = str(Path(__file__).resolve().parents[2] / "sim" / "configs" / "shift.yaml")
+    base = ["sim-planners", "--config", config, "--device", "h100", "--rate", "2",
+            "--phase-s", "5", "--out", str(tmp_path)]  # fmt: skip
+    assert main([*base, *flags]) == 2
+    assert why in capsys.readouterr().err
