@@ -97,9 +97,9 @@ def _start_local(num_cpus: int | None) -> None:
 
 def listening(address: str) -> bool:
     """Whether a ``host:port`` address accepts connections (other forms: assumed so)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or "://" in address or not port.isdigit():
+    if "://" in address or not is_host_port(address):
         return True
+    host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
             return True

@@ -36,6 +36,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,14 @@ class BatchJobs:
 
     def _stored(self, owner: str) -> int:
         """Bytes of the files ``owner`` uploaded and keeps."""
-        metas = (json.loads(p.read_text()) for p in self.folder.glob("files/*.json"))
-        return sum(m["bytes"] for m in metas if m["owner"] == owner and m["purpose"] == "batch")
+        return sum(m["bytes"] for m in self._metas(owner) if m["purpose"] == "batch")
+
+    def _metas(self, owner: str) -> Iterator[dict[str, Any]]:
+        """The records of ``owner``'s files."""
+        for path in self.folder.glob("files/*.json"):
+            meta = json.loads(path.read_text())
+            if meta["owner"] == owner:
+                yield meta
 
     async def delete(self, request: web.Request) -> web.Response:
         meta = self._file(request.match_info["id"], request)
@@ -168,8 +175,7 @@ class BatchJobs:
 
     async def files(self, request: web.Request) -> web.Response:
         owner = self._owner(request)
-        metas = [json.loads(p.read_text()) for p in self.folder.glob("files/*.json")]
-        data = sorted((_public(m) for m in metas if m["owner"] == owner),
+        data = sorted((_public(m) for m in self._metas(owner)),
                       key=lambda m: (m["created_at"], m["id"]))  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 

@@ -52,7 +52,7 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
         if name not in allowed:
             raise InvalidArgumentError(name, "unknown field")
         neutral = NEUTRAL.get(name)
-        if neutral is not None and not _is_neutral(neutral, value):
+        if neutral is not None and not neutral(value):
             raise InvalidArgumentError(name, f"is not supported (got {str(value)[:64]})")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise InvalidArgumentError("stream", "must be a boolean")
@@ -64,10 +64,3 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
             )
         if not isinstance(options.get("include_usage", False), bool):
             raise InvalidArgumentError("stream_options.include_usage", "must be a boolean")
-
-
-def _is_neutral(test: Callable[[Any], bool], value: Any) -> bool:
-    try:
-        return bool(test(value))
-    except TypeError:  # e.g. an unhashable value where a choice is expected
-        return False
