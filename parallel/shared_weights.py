@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from pdserve.core.builtin_models import cache_dir as builtin_cache_dir
+from pdserve.core.env import env_switch
 
 ALIGN = 64  # bytes: every parameter starts on a cache line
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
@@ -54,7 +55,7 @@ def cache_dir() -> Path:
 
 
 def shareable(model: nn.Module) -> bool:
-    if os.environ.get("PDSERVE_SHARE_WEIGHTS", "1") == "0":
+    if not env_switch("PDSERVE_SHARE_WEIGHTS"):
         return False
     params = list(model.parameters())
     return bool(params) and all(p.device.type == "cpu" and str(p.dtype) in _DTYPES for p in params)

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.core.env import env_switch
 from pdserve.parallel.futex import FUTEX_WAIT, FUTEX_WAKE, Timespec, futex, process_alive
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class ShmCollectiveError(RuntimeError):
 
 def shm_enabled_by_env() -> bool:
     """False when ``PDSERVE_SHM_COLLECTIVES`` is ``0``, ``false``, ``no`` or ``off``."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch(ENV_SWITCH)
 
 
 def shm_supported() -> tuple[bool, str]:

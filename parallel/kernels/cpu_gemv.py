@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
+from pdserve.core.env import env_switch
 from pdserve.parallel.kernels.cpu_build import compile_library, declare
 
 # The most rows the kernel takes (its accumulators fill the registers); beyond it
@@ -41,8 +41,9 @@ def _gemv() -> ctypes._NamedFuncPointer | None:
 
 def available() -> bool:
     """True when the kernel is built here (a C compiler and AVX-512 BF16) and not
-    switched off (``PDSERVE_CPU_GEMV=0``: its layers keep one weight copy, oneDNN's)."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and _gemv() is not None
+    switched off (``PDSERVE_CPU_GEMV=0``, ``off``, ``false`` or ``no``: its layers keep
+    one weight copy, oneDNN's)."""
+    return env_switch(ENV_SWITCH) and _gemv() is not None
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
