@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.flags import file_stem
 from pdserve.bench.local import local_cluster
 from pdserve.bench.report import Slo, goodput, header, max_rate_meeting
 from pdserve.bench.serve import (
@@ -232,5 +233,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_load_flags(p)
     p.set_defaults(prompt_len_range=[512, 1024], ttft_slo_ms=3000.0, tpot_slo_ms=100.0)
     p.add_argument("--out", default="bench/out/headline")
-    p.add_argument("--name", default="disagg-vs-colocated")
+    p.add_argument("--name", type=file_stem, default="disagg-vs-colocated")
     p.set_defaults(func=run, prog="pdserve bench disagg-vs-colocated", target=None, api_key=None)

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.flags import file_stem
 from pdserve.bench.headline import MODES, check_cores, cluster_setup
 from pdserve.bench.loadgen import Client, OnChunk, RequestFailed
 from pdserve.bench.local import local_cluster
@@ -230,5 +231,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_load_flags(p)
     p.set_defaults(prompt_len_range=[128, 512], ttft_slo_ms=3000.0, tpot_slo_ms=100.0)
     p.add_argument("--out", default="bench/out/peer")
-    p.add_argument("--name", default="peer")
+    p.add_argument("--name", type=file_stem, default="peer")
     p.set_defaults(func=run, prog="pdserve bench peer", target=None, api_key=None)

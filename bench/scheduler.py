@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.flags import count
+from pdserve.bench.flags import count, file_stem
 
 CHILD_FLAG = "--child"
 
@@ -157,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="a pdserve source tree measured alternately with this one")  # fmt: skip
     p.add_argument("--out", default="bench/out")
-    p.add_argument("--name", default="scheduler")
+    p.add_argument("--name", type=file_stem, default="scheduler")
     p.set_defaults(func=run)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench import workload as wl
+from pdserve.bench.flags import file_stem
 from pdserve.bench.loadgen import Client, LoadOptions, open_client, run_load
 from pdserve.bench.report import (
     RequestRecord,
@@ -338,5 +339,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_flags(p)
     add_load_flags(p)
     p.add_argument("--out", default="bench/out/serve", help="output folder")
-    p.add_argument("--name", default="serve", help="output file stem")
+    p.add_argument("--name", type=file_stem, default="serve", help="output file stem")
     p.set_defaults(func=run, prog="pdserve bench serve")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.bench.flags import file_stem
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.flags import add_device_flags, add_host_flag, assumptions_from
 
@@ -140,7 +141,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         "--startup-s", type=float, default=30.0, help="seconds for an added instance to start"
     )
     p.add_argument("--out", default="bench/out/sim", help="output folder")
-    p.add_argument("--name", default="sim", help="output file stem")
+    p.add_argument("--name", type=file_stem, default="sim", help="output file stem")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--noise-draws", type=int, default=1, metavar="N",
                    help="a calibrated profile's noise (pdserve sim-validate --write-profiles): "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pdserve.bench.flags import file_stem
 from pdserve.bench.report import Slo
 from pdserve.sim.replay import POLICIES, compare, outcome, phased_workload
 from pdserve.sim.replay_report import comparison_table, plot_policies, write_trace
@@ -34,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "here) instead of simulating it")  # fmt: skip
     p.add_argument("--num-cpus", type=int, default=4, help="--live: the local Ray's CPUs")
     p.add_argument("--out", default="bench/out/sim", help="output folder")
-    p.add_argument("--name", default="planners")
+    p.add_argument("--name", type=file_stem, default="planners")
     add_device_flags(p)
     add_host_flag(p)
     p.set_defaults(func=cmd_sim_planners, prog="pdserve sim-planners")

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.flags import file_stem
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.calibrate import (
     Overhead,
@@ -286,7 +287,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "later run with the first")  # fmt: skip
     p.add_argument("--cores", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", default="bench/out/sim")
-    p.add_argument("--name", default="validation")
+    p.add_argument("--name", type=file_stem, default="validation")
     p.add_argument("--role-fit", action=argparse.BooleanOptionalAction, default=True,
                    help="fit each role's steps on their own, beside the other role's "
                         "(--no-role-fit: one fit of every instance's steps)")  # fmt: skip

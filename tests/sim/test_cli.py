@@ -346,3 +346,18 @@ def test_sim_planners_names_a_phase_it_cannot_replay(tmp_path, capsys, flags, wh
             "--phase-s", "5", "--out", str(tmp_path)]  # fmt: skip
     assert main([*base, *flags]) == 2
     assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../escaped", "a/b", "", ".."])
+@pytest.mark.parametrize("command", ["sim", "sim-planners", "sim-validate", "bench serve"])
+def test_a_name_that_is_a_path_is_refused(tmp_path, capsys, command, name) -> None:  # type: ignore[no-untyped-def]
+    """``--name ../escaped`` wrote its files outside ``--out``."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:  # the unknown last flag keeps any command from running
+        main([*command.split(), "--out", str(out), "--name", name, "--not-a-flag"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        f"argument --name: must be a file name without '/' (files go in --out), got {name!r}" in err
+    )
+    assert not tmp_path.joinpath("escaped").exists() and not out.exists()
