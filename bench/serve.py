@@ -127,9 +127,15 @@ def serve_rates(
 ) -> list[RunResult]:
     """Run the workload at each rate in turn against ``target`` (an address, or a
     coroutine function that makes a client); one result per rate. Runs are
-    numbered from ``first_run`` (the number picks the prompts' token ids)."""
+    numbered from ``first_run`` (the number picks the prompts' token ids).
+
+    The first run's workload is built before the client connects, so a workload
+    flag or trace file it cannot use is named at once, not after reaching the target
+    (the runs differ only in rate and token ids; each is built when its turn comes).
+    """
     slo = slo_from(args)
     options = LoadOptions(args.max_concurrency, args.request_timeout, not args.no_progress)
+    first = build_workload(args, rates[0], first_run) if rates else None
 
     async def sweep() -> list[RunResult]:
         if isinstance(target, str):
@@ -141,7 +147,7 @@ def serve_rates(
         try:
             out = []
             for i, rate in enumerate(rates, start=first_run):
-                specs, warmup = build_workload(args, rate, i)
+                specs, warmup = first if first and i == first_run else build_workload(args, rate, i)
                 name = f"{label} rate {rate:g}" if rate is not None else label or "trace"
                 records = await run_load(client, specs, warmup, options, name.strip())
                 out.append(RunResult(rate, records, summarize(records, slo)))

@@ -72,3 +72,32 @@ def test_a_benchmark_gets_its_own_flags_and_help() -> None:
 )
 def test_named_kind(argv: list[str], kind: str | None) -> None:
     assert named_kind(argv) == kind
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [(["--rate", "1", "--prompt-len", "-5"], "prompt_len: must be >= 1, got -5"),
+     (["--rate", "1", "--num-requests", "0"], "num_requests: must be >= 1, got 0"),
+     (["--trace", "/nonexistent.csv"], "trace: no such file: /nonexistent.csv"),
+     ([], "rate: is required without --trace")],
+)  # fmt: skip
+def test_workload_flags_are_named_before_the_target_is_dialled(
+    tmp_path, capsys, flags, why
+) -> None:  # type: ignore[no-untyped-def]
+    # they were checked only once connected: an unreachable target was reported
+    # instead, or a long wait for a cluster's start preceded the flag error
+    import socket
+
+    from pdserve.deploy.cli import main
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        target = f"grpc://127.0.0.1:{server.getsockname()[1]}"
+        rc = main(["bench", "serve", "--target", target, *flags, "--no-progress",
+                   "--out", str(tmp_path / "out")])  # fmt: skip
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected
+    assert rc == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
