@@ -93,7 +93,7 @@ class RouterConfig:
         fails (503 with Retry-After).
     batch_dir: where ``POST /v1/files`` and ``/v1/batches`` keep files and batch
         records (default ``~/.cache/pdserve/batches``).
-    batch_quota_mb: most MiB the files one API key uploads may hold together.
+    batch_quota_mb: most MiB one API key's batch files (uploads and outputs) may hold.
     """
 
     model_name: str = "pdserve"

@@ -31,12 +31,15 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from tqdm import tqdm
+
+from pdserve.core.errors import ConflictError
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 RETRY_STATUSES = (429, 503)
@@ -162,7 +165,12 @@ class BatchRunner:
         retry_for_s: float = 600.0,
         timeout_s: float = 600.0,
         verify_tls: bool = True,
+        room: Callable[[int], bool] | None = None,
     ) -> None:
+        """``room``, where the output's size is limited (the front door's batches): called
+        with each record's bytes as it is written, False once the limit is reached; no
+        further line is then sent, and :meth:`run` raises ConflictError after the
+        requests in flight are written (the lines not sent have no record)."""
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = concurrency
@@ -171,6 +179,8 @@ class BatchRunner:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.verify_tls = verify_tls  # False: a front door running its own batch over TLS
         self.summary = BatchSummary()
+        self.room = room
+        self.full = False  # the output reached its limit
 
     async def run(self, input_path: Path, output: Path, progress: bool = True) -> BatchSummary:
         good, bad = parse_input(input_path)
@@ -190,10 +200,15 @@ class BatchRunner:
 
                 async def one(line: BatchLine) -> None:
                     async with gate:
-                        self._write(out, await self._send(session, line), bar)
+                        if not self.full:
+                            self._write(out, await self._send(session, line), bar)
 
                 await asyncio.gather(*(one(line) for line in todo))
         bar.close()
+        if self.full:
+            unsent = self.summary.lines - self.summary.skipped
+            unsent -= self.summary.succeeded + self.summary.failed
+            raise ConflictError("output", f"reached its size limit; {unsent} lines not sent")
         return self.summary
 
     def _write(self, out: Any, record: dict[str, Any], bar: tqdm) -> None:
@@ -205,9 +220,12 @@ class BatchRunner:
             self.summary.failed += 1
             code = record["error"]["code"] if record["error"] else "unknown"
             self.summary.errors[code] = self.summary.errors.get(code, 0) + 1
-        out.write(json.dumps(record) + "\n")
+        text = json.dumps(record) + "\n"
+        out.write(text)
         out.flush()
         bar.update(1)
+        if self.room is not None and not self.room(len(text.encode())):
+            self.full = True
 
     async def _send(self, session: aiohttp.ClientSession, line: BatchLine) -> dict[str, Any]:
         body = {**line.body, "stream": False}

@@ -22,8 +22,11 @@ running when the router stopped is resumed when it starts again: lines already
 in its output are skipped, and a request that was in flight was cancelled with
 its connection, so none runs twice to completion. A key sees only its own
 files and batches; only a hash of the key is written down. The files a key
-uploads may hold at most ``router.batch_quota_mb`` together (an upload over it is
-refused, and a partial upload is removed): a key cannot fill the router's disk.
+files (its uploads and its batches' outputs) may hold at most
+``router.batch_quota_mb`` together: an upload over it is refused (a partial
+upload is removed), a batch is not started while the key is at its quota, and a
+running batch whose output reaches it sends no more lines and ends ``failed``
+(the lines it ran keep their results). A key cannot fill the router's disk.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class BatchJobs:
         self.keys = keys
         self.quota_bytes = quota_bytes
         self.uploading: dict[str, int] = {}  # owner -> bytes of its uploads under way
+        self.stored: dict[str, int] = {}  # owner -> bytes of its files, read from disk once
         self.base_url = ""  # this front door, set once it listens
         self.verify_tls = True
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -121,6 +125,7 @@ class BatchJobs:
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                 "filename": name, "purpose": "batch", "owner": owner}  # fmt: skip
         _write(self.folder / "files" / f"{file_id}.json", meta)
+        self.stored[owner] = self._stored(owner) + size
         return web.json_response(_public(meta))
 
     async def _receive(self, part: BodyPartReader, path: Path, owner: str) -> int:
@@ -137,11 +142,7 @@ class BatchJobs:
                             "file", f"larger than {MAX_FILE_BYTES >> 20} MiB"
                         )
                     if size > room:
-                        raise InvalidArgumentError(
-                            "file",
-                            f"this key's files would hold over {self.quota_bytes >> 20} MiB "
-                            "(router.batch_quota_mb): delete some with DELETE /v1/files/{id}",
-                        )
+                        raise InvalidArgumentError("file", self._over_quota("would hold"))
                     f.write(chunk)
         finally:
             left = self.uploading.pop(owner, 0) - size
@@ -150,8 +151,19 @@ class BatchJobs:
         return size
 
     def _stored(self, owner: str) -> int:
-        """Bytes of the files ``owner`` uploaded and keeps."""
-        return sum(m["bytes"] for m in self._metas(owner) if m["purpose"] == "batch")
+        """Bytes of ``owner``'s files (uploads and batch outputs, running ones included):
+        read from disk when first asked, then kept up to date as files are written."""
+        if owner not in self.stored:
+            files = self.folder / "files"
+            sizes = ((files / f"{m['id']}.jsonl") for m in self._metas(owner))
+            self.stored[owner] = sum(p.stat().st_size for p in sizes if p.is_file())
+        return self.stored[owner]
+
+    def _over_quota(self, verb: str) -> str:
+        return (
+            f"this key's files {verb} over {self.quota_bytes >> 20} MiB "
+            "(router.batch_quota_mb): delete some with DELETE /v1/files/{id}"
+        )
 
     def _metas(self, owner: str) -> Iterator[dict[str, Any]]:
         """The records of ``owner``'s files."""
@@ -171,6 +183,7 @@ class BatchJobs:
                 )
         for suffix in (".jsonl", ".json"):
             (self.folder / "files" / f"{meta['id']}{suffix}").unlink(missing_ok=True)
+        self.stored.pop(meta["owner"], None)  # read again from disk when next needed
         return web.json_response({"id": meta["id"], "object": "file", "deleted": True})
 
     async def files(self, request: web.Request) -> web.Response:
@@ -203,6 +216,8 @@ class BatchJobs:
         if body.get("endpoint") not in URLS:
             raise InvalidArgumentError("endpoint", f"must be one of {URLS}")
         source = self._file(str(body.get("input_file_id")), request, "input_file_id")
+        if self._stored(owner) >= self.quota_bytes:
+            raise ConflictError("input_file_id", self._over_quota("hold"))
         batch_id, out_id = f"batch_{uuid.uuid4().hex}", f"file-{uuid.uuid4().hex}"
         meta = {**_output_meta(out_id, batch_id), "owner": owner}
         _write(self.folder / "files" / f"{out_id}.json", meta)
@@ -242,7 +257,15 @@ class BatchJobs:
     # -- running -------------------------------------------------------------------------------
 
     def _start(self, batch: dict[str, Any], authorization: str | None) -> None:
-        runner = BatchRunner(self.base_url, _key(authorization), verify_tls=self.verify_tls)
+        owner = batch["owner"]
+
+        def room(written: int) -> bool:
+            self.stored[owner] = self._stored(owner) + written
+            return self.stored[owner] < self.quota_bytes
+
+        runner = BatchRunner(
+            self.base_url, _key(authorization), verify_tls=self.verify_tls, room=room
+        )
         self.runners[batch["id"]] = runner
         self.tasks[batch["id"]] = asyncio.ensure_future(self._run(batch, runner))
 
@@ -258,12 +281,18 @@ class BatchJobs:
         except asyncio.CancelledError:
             self._finish(batch, "cancelled")
             raise
+        except ConflictError as e:  # its output reached the key's quota
+            logger.warning("batch %s stopped: %s", batch["id"], e)
+            why = f"{e}: {self._over_quota('hold')}"
+            batch["errors"] = {"object": "list", "data": [{"code": "quota", "message": why}]}
+            self._finish(batch, "failed")
         except Exception as e:
             logger.exception("batch %s failed", batch["id"])
             batch["errors"] = {"object": "list", "data": [{"code": "failed", "message": str(e)}]}
             self._finish(batch, "failed")
         finally:
             self.tasks.pop(batch["id"], None)
+            self.stored.pop(batch["owner"], None)  # a resumed output may have been trimmed
 
     def _finish(self, batch: dict[str, Any], status: str) -> None:
         batch.update(self._view(batch), status=status)

@@ -99,3 +99,48 @@ def test_an_upload_cut_off_midway_leaves_no_file(tmp_path: Path) -> None:
             assert _kept(tmp_path) == []
 
     asyncio.run(go())
+
+
+def test_batch_outputs_count_toward_the_quota(tmp_path: Path) -> None:
+    """A batch's output file is the key's too: it stops the batch when it reaches the
+    quota (the lines run keep their results), and no batch starts past it."""
+    line = json.loads(LINE)
+    line["body"].update(model="nosuch", prompt="x " * 3994)  # a 404 each: a short record
+    lines = [json.dumps({**line, "custom_id": f"c{i:03}"}) + "\n" for i in range(128)]
+    data = "".join(lines).encode()
+    assert (1 << 20) - 12_000 < len(data) < (1 << 20) - 8_000  # room for ~25 records
+    api = _api(tmp_path, 1)
+
+    async def go() -> None:
+        async with TestServer(api.app()) as server, TestClient(server) as client:
+            assert api.batches is not None
+            api.batches.listening(f"http://{server.host}:{server.port}", False, False)
+            _, upload = await _call(client, "POST", "/v1/files", "alice", data=_form(data))
+            create = {"input_file_id": upload["id"], "endpoint": "/v1/completions"}
+            status, batch = await _call(client, "POST", "/v1/batches", "alice", json=create)
+            assert status == 200, batch
+            for _ in range(200):
+                _, batch = await _call(client, "GET", f"/v1/batches/{batch['id']}", "alice")
+                if batch["status"] != "in_progress":
+                    break
+                await asyncio.sleep(0.05)
+            assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "quota"
+            why = batch["errors"]["data"][0]["message"]
+            assert "lines not sent" in why and "batch_quota_mb" in why, why
+            done = batch["request_counts"]["failed"]  # each a 404: the model does not exist
+            assert 0 < done < 128 and batch["request_counts"]["completed"] == 0
+            status, out = await _call(
+                client, "GET", f"/v1/files/{batch['output_file_id']}", "alice"
+            )
+            assert len(data) + out["bytes"] >= 1 << 20  # it stopped at the quota ...
+            assert len(data) + out["bytes"] < (1 << 20) + 8 * 400  # ... less the 8 in flight
+            status, refused = await _call(client, "POST", "/v1/batches", "alice", json=create)
+            assert status == 409 and "batch_quota_mb" in refused["error"]["message"], refused
+            status, _ = await _call(client, "DELETE", f"/v1/files/{batch['output_file_id']}",
+                                    "alice")  # fmt: skip
+            assert status == 200
+            status, again = await _call(client, "POST", "/v1/batches", "alice", json=create)
+            assert status == 200, again  # room again
+            await _call(client, "POST", f"/v1/batches/{again['id']}/cancel", "alice")
+
+    asyncio.run(go())
