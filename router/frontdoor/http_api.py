@@ -34,6 +34,7 @@ from pdserve.core.sampling_params import check_text
 from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batches import BatchJobs
+from pdserve.router.frontdoor.choices import choice_count, fan_out, merged, total_usage
 from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.lora_admin import add_lora_routes
 from pdserve.router.frontdoor.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
@@ -208,21 +209,28 @@ class HttpApi:
     async def _respond(
         self, request: web.Request, body: dict[str, Any], inp: CompletionInput, chat: bool
     ) -> web.StreamResponse:
+        n = choice_count(body.get("n"))
         request[ADMITTED] = True  # from here the router counts the outcome
         model = inp.params.lora or inp.served_as.rpartition("@")[0] or self.router.config.model_name
         shape = ResponseShape(inp.request_id, model, chat, inp.served_as)
+        inputs = fan_out(inp, n)
+        usages: list[Usage | None] = [None] * n
         if not body.get("stream"):
-            text, reason, usage = [], None, Usage(0, 0)
-            async with contextlib.aclosing(self.router.stream(inp)) as deltas:
-                async for delta in deltas:
-                    text.append(delta.text)
-                    reason, usage = delta.finish_reason or reason, delta.usage or usage
-            return web.json_response(shape.whole("".join(text), reason, usage))
+            texts: list[list[str]] = [[] for _ in range(n)]
+            reasons: list[str | None] = [None] * n
+            async with contextlib.aclosing(merged(inputs, self.router.stream)) as deltas:
+                async for i, delta in deltas:
+                    texts[i].append(delta.text)
+                    reasons[i] = delta.finish_reason or reasons[i]
+                    usages[i] = delta.usage or usages[i]
+            usage = total_usage([u or Usage(0, 0) for u in usages])
+            choices = [("".join(t), r) for t, r in zip(texts, reasons, strict=True)]
+            return web.json_response(shape.whole(choices, usage))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         response: web.StreamResponse | None = None
         try:
-            async with contextlib.aclosing(self.router.stream(inp)) as deltas:
-                async for delta in deltas:
+            async with contextlib.aclosing(merged(inputs, self.router.stream)) as deltas:
+                async for i, delta in deltas:
                     if response is None:  # errors before the first token are plain HTTP errors
                         response = web.StreamResponse(
                             headers={
@@ -231,13 +239,10 @@ class HttpApi:
                             }
                         )
                         await response.prepare(request)
-                    data = shape.chunk_event(delta)  # one write per delta
-                    if (
-                        delta.finish_reason is not None
-                        and include_usage
-                        and delta.usage is not None
-                    ):
-                        data += shape.usage_event(delta.usage)
+                    usages[i] = delta.usage or usages[i]
+                    data = shape.chunk_event(delta, i)  # one write per delta
+                    if include_usage and all(usages) and delta.finish_reason is not None:
+                        data += shape.usage_event(total_usage([u for u in usages if u]))
                     await response.write(data)
                     self.router.delivered(delta)
         except (ConnectionResetError, OSError):

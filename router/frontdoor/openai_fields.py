@@ -2,7 +2,7 @@
 
 A field not listed is refused by name (a typo must not be ignored silently).
 Clients and SDK wrappers also send fields whose value asks for nothing
-(``"tools": null``, ``"logit_bias": {}``, ``"n": 1``): those are taken, and any
+(``"tools": null``, ``"logit_bias": {}``, ``"best_of": 1``): those are taken, and any
 other value of them is refused naming the field, as pdserve does not do it.
 """
 
@@ -23,7 +23,6 @@ CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "response_format", "tools", 
 
 # Fields taken only at a value that asks for nothing: name -> that test.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: not v,
     "suffix": lambda v: not v,

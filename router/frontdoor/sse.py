@@ -29,41 +29,43 @@ class ResponseShape:
         self.version = version  # name@version that served it (system_fingerprint)
         self.chat = chat
         self.created = int(time.time())
-        self.first = True
+        self.started: set[int] = set()  # choices that sent their first chunk
         base = json.dumps(self._base("chat.completion.chunk" if chat else "text_completion"))
-        # `{...base, "choices": [{"index": 0, "text": ` or `... "delta": {"content": `
-        opening = '"delta": {"content": ' if chat else '"text": '
-        self._head = "data: " + base[:-1] + ', "choices": [{"index": 0, ' + opening
+        # `{...base, "choices": [{"index": ` then `0, "text": ` or `0, "delta": {"content": `
+        self._head = "data: " + base[:-1] + ', "choices": [{"index": '
+        self._opening = ', "delta": {"content": ' if chat else ', "text": '
         self._tail = ', "logprobs": null}]}\n\n'
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.version or None}  # fmt: skip
 
-    def whole(self, text: str, reason: str | None, usage: Usage) -> dict[str, Any]:
-        """The response of a request that does not stream."""
+    def whole(self, choices: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
+        """The response of a request that does not stream: (text, finish reason) per choice."""
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-                "logprobs": None,
-            }
             out = self._base("chat.completion")
+            rows = [
+                {"index": i, "message": {"role": "assistant", "content": text},
+                 "finish_reason": reason, "logprobs": None}
+                for i, (text, reason) in enumerate(choices)
+            ]  # fmt: skip
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
             out = self._base("text_completion")
-        return {**out, "choices": [choice], "usage": usage_object(usage)}
+            rows = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                    for i, (text, reason) in enumerate(choices)]  # fmt: skip
+        return {**out, "choices": rows, "usage": usage_object(usage)}
 
-    def chunk_event(self, delta: StreamDelta) -> bytes:
-        """The event of one delta: ``data: {chunk}\\n\\n``."""
+    def chunk_event(self, delta: StreamDelta, index: int = 0) -> bytes:
+        """The event of one delta of choice ``index``: ``data: {chunk}\\n\\n``."""
         text = encode_basestring_ascii(delta.text)
         if self.chat:
-            text += ', "role": "assistant"}' if self.first else "}"
-            self.first = False
+            text += "}" if index in self.started else ', "role": "assistant"}'
+            self.started.add(index)
         reason = delta.finish_reason
         finish = "null" if reason is None else encode_basestring_ascii(reason)
-        return f'{self._head}{text}, "finish_reason": {finish}{self._tail}'.encode()
+        return (
+            f'{self._head}{index}{self._opening}{text}, "finish_reason": {finish}{self._tail}'
+        ).encode()
 
     def usage_event(self, usage: Usage) -> bytes:
         """The last chunk of a stream that asked for usage (no choices)."""

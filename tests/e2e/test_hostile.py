@@ -210,9 +210,11 @@ FUZZ_BODY = st.fixed_dictionaries(
 
 
 def _bounded(payload: dict) -> dict:
-    """Keep generated work small: a valid request must not ask for many tokens."""
+    """Keep generated work small: a valid request must not ask for many tokens or choices."""
     if isinstance(payload.get("max_tokens"), int) and payload["max_tokens"] > 6:
         payload["max_tokens"] = 6
+    if isinstance(payload.get("n"), int) and payload["n"] > 3:
+        payload["n"] = 3
     payload.pop("max_completion_tokens", None)
     return payload
 

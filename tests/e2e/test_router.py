@@ -174,6 +174,43 @@ def test_openai_chat_stream_and_not(doors) -> None:
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_openai_n_choices_are_the_seeded_requests_one_by_one(cluster, doors, reference) -> None:
+    """``n`` choices of a seeded request are the requests of seeds seed, seed + 1, ...;
+    streamed, each choice's chunks carry its index and make the same text."""
+    client = openai_client(doors)
+    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+    many = client.completions.create(n=3, seed=7, **ask)
+    one = [client.completions.create(seed=7 + i, **ask) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [o.choices[0].text for o in one]
+    assert len({c.text for c in many.choices}) > 1  # different seeds, different samples
+    assert (
+        many.usage.completion_tokens == 24
+        and many.usage.prompt_tokens == one[0].usage.prompt_tokens
+    )
+    greedy = client.completions.create(**{**ask, "temperature": 0, "max_tokens": 12}, n=2)
+    assert [c.text for c in greedy.choices] == [reference.text] * 2
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+            "temperature": 1.0, "seed": 3, "n": 3}  # fmt: skip
+    whole = client.chat.completions.create(**chat)
+    chunks = list(
+        client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True})
+    )
+    texts, roles = ["", "", ""], [None, None, None]
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        roles[choice.index] = roles[choice.index] or choice.delta.role
+        texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices] and roles == ["assistant"] * 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+    stream = client.completions.create(**{**ask, "max_tokens": 3000}, n=4, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    for _, _chunk in zip(range(6), stream, strict=False):
+        pass
+    stream.close()  # the client leaves: every choice is aborted
+    cluster.assert_idle()
+
+
 def post(doors, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(
@@ -203,6 +240,9 @@ GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         ({**GOOD, "model": "gpt-9"}, KEY, 404, "model"),  # not found, as OpenAI answers
         ({**GOOD, "prompt": "word " * 5000}, KEY, 400, "prompt"),
         ({**GOOD, "nonsense": 1}, KEY, 400, "nonsense"),
+        ({**GOOD, "n": 0}, KEY, 400, "n"),
+        ({**GOOD, "n": 65}, KEY, 400, "n"),
+        ({**GOOD, "n": True}, KEY, 400, "n"),
         (b"{not json", KEY, 400, "body"),
         ({**GOOD, "prompt": "x" * (2 << 20)}, KEY, 400, "body"),
         (GOOD, None, 401, None),
