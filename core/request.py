@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.step import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -82,6 +83,8 @@ class Request:
         # Tokens this request generated elsewhere before it moved here (they end
         # its prompt): seeded sampling continues at this index.
         self.output_offset = 0
+        # Each output token's logprobs, when its params ask for them (else empty).
+        self.logprobs: list[TokenLogprobs] = []
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -125,6 +128,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Per token: its logprob and the likeliest tokens' (SamplingParams.logprobs); else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -180,3 +185,4 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    new_logprobs: list[TokenLogprobs] | None = None

@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PRIORITY = 1_000_000
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class SamplingParams:
         priority: how much the request matters (higher: more); under the priority
             eviction policy its KV blocks are kept longer than lower ones'.
         lora: name of the LoRA adapter to run the request under (None: the base model).
+        logprobs: return each generated token's log-probability under the model
+            (its raw distribution, before temperature, top-k/p and bans) and the
+            ``logprobs`` most likely tokens' (0 to 20); None: none.
     """
 
     max_tokens: int = 16
@@ -57,6 +61,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     lora: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string from callers; store tuples so the
@@ -106,6 +111,12 @@ class SamplingParams:
             not isinstance(self.lora, str) or not self.lora or len(self.lora) > 128
         ):
             raise InvalidArgumentError("lora", "must be an adapter name of 1 to 128 characters")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise InvalidArgumentError(
+                    "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+                )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "must be a boolean")

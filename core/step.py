@@ -14,6 +14,9 @@ from typing import Any
 
 import msgpack
 
+# One generated token's log-probability and the likeliest tokens' ((id, logprob), ...).
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
 
 @dataclass(slots=True)
 class RowSampling:
@@ -30,6 +33,7 @@ class RowSampling:
     seed: int | None = None
     output_index: int = 0
     banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: int = -1  # -1: none; k >= 0: the new token's and the k likeliest tokens'
 
     @property
     def greedy(self) -> bool:
@@ -237,12 +241,13 @@ class StepPlan:
 
 
 def _sampling_to_list(s: RowSampling) -> list[Any]:
-    return [s.temperature, s.top_k, s.top_p, s.seed, s.output_index, list(s.banned_token_ids)]
+    return [s.temperature, s.top_k, s.top_p, s.seed, s.output_index, list(s.banned_token_ids),
+            s.logprobs]  # fmt: skip
 
 
 def _sampling_from_list(v: list[Any]) -> RowSampling:
-    temperature, top_k, top_p, seed, output_index, banned = v
-    return RowSampling(temperature, top_k, top_p, seed, output_index, tuple(banned))
+    temperature, top_k, top_p, seed, output_index, banned, logprobs = v
+    return RowSampling(temperature, top_k, top_p, seed, output_index, tuple(banned), logprobs)
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,8 @@ class StepResult:
     kv_transfer_ok: bool = True
     loads_ok: list[bool] = field(default_factory=list)
     extra: dict[str, list[int]] = field(default_factory=dict)
+    # Rows that asked for logprobs (RowSampling.logprobs >= 0): one entry per new token.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
     @classmethod
     def from_tokens(
@@ -271,6 +278,7 @@ class StepResult:
         tokens: dict[str, list[int]],
         kv_transfer_ok: bool = True,
         loads_ok: list[bool] | None = None,
+        logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> StepResult:
         """A result from each row's new tokens (one, or more after verified drafts)."""
         return cls(
@@ -279,6 +287,7 @@ class StepResult:
             kv_transfer_ok,
             loads_ok if loads_ok is not None else [],
             {rid: t[1:] for rid, t in tokens.items() if len(t) > 1},
+            logprobs or {},
         )
 
     def tokens(self, request_id: str) -> list[int]:

@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import LoadReport
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import (
-    CompletionOutput,
     Request,
-    RequestMetrics,
     RequestOutput,
     RequestStatus,
 )
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
-from pdserve.core.step import KVSend, StepPlan, StepResult
+from pdserve.core.step import KVSend, StepPlan, StepResult, TokenLogprobs
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.adapters import AdapterSet, ServedAdapter
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -35,6 +33,7 @@ from pdserve.engine.executor import Executor
 from pdserve.engine.isolation import execute_isolating
 from pdserve.engine.kv_cache_manager import KVCacheManager, resolve_max_model_len
 from pdserve.engine.kv_tiers import TIERS
+from pdserve.engine.outputs import request_output
 from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -114,13 +113,22 @@ class EngineCore:
         self._track(request, prompt)
         return self.kv.block_table(request_id), cached
 
-    def activate(self, request_id: str, first_token: int) -> RequestOutput:
-        """Decode role: the reserved prompt's KV has landed; decode from ``first_token``."""
+    def activate(
+        self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
+        """Decode role: the reserved prompt's KV has landed; decode from ``first_token``
+        (``logprobs``: its entry, sampled on the prefill instance)."""
         request = self.scheduler.activate(request_id, first_token)
         stop = self._detok[request_id].update([first_token])
         if stop is not None:  # the first token completed a stop string
             self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED, stop)
-        return self._output(request, [first_token])
+        new = (
+            [logprobs]
+            if logprobs is not None and request.sampling_params.logprobs is not None
+            else []
+        )
+        request.logprobs += new
+        return self._output(request, [first_token], new)
 
     def cached_prefix_tokens(
         self, token_ids: list[int], params: SamplingParams | None = None
@@ -278,7 +286,10 @@ class EngineCore:
         }
         for request in self.scheduler.update(plan, result.sampled, result.extra):
             new = request.token_ids[before[request.request_id] :]
-            outputs.append(self._output(request, self._detokenize(request, new)))
+            kept = self._detokenize(request, new)
+            logprobs = result.logprobs.get(request.request_id, [])[: len(kept)]
+            request.logprobs += logprobs
+            outputs.append(self._output(request, kept, logprobs))
         return outputs
 
     def _adapter_of(self, request_id: str) -> str | None:
@@ -345,40 +356,14 @@ class EngineCore:
                     self.abort_request(rid)
         return [done[rid] for rid, _, _ in requests]
 
-    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+    def _output(
+        self, request: Request, new_token_ids: list[int], new_logprobs: Sequence[TokenLogprobs] = ()
+    ) -> RequestOutput:
         rid = request.request_id
-        finished = request.finished
-        detok = self._detok[rid]
-        if finished:
-            detok.finish(request.output_token_ids)
-        new_text = detok.pop_new_text(finished)
-        out = RequestOutput(
-            request_id=rid,
-            prompt=self._prompts[rid],
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=0,
-                    text=detok.text,
-                    token_ids=request.output_token_ids,
-                    finish_reason=request.status.value if finished else None,
-                    stop_reason=request.stop_reason,
-                )
-            ],
-            finished=finished,
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_token_time=request.first_token_time,
-                finished_time=time.monotonic() if finished else None,
-                num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-                num_preemptions=request.num_preemptions,
-                first_scheduled_time=request.first_scheduled_time,
-                activated_time=request.activated_time,
-            ),
-            new_token_ids=new_token_ids,
-            new_text=new_text,
+        out = request_output(
+            request, self._prompts[rid], self._detok[rid], new_token_ids, new_logprobs
         )
-        if finished:
+        if request.finished:
             del self._detok[rid]
             del self._prompts[rid]
         return out

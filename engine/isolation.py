@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 
 from pdserve.core.errors import InstanceFailedError
-from pdserve.core.step import StepPlan, StepResult, TierWrite
+from pdserve.core.step import StepPlan, StepResult, TierWrite, TokenLogprobs
 from pdserve.engine.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ def execute_isolating(
         forget_writes(plan.tier_ops.writes)
     sampled: dict[str, int] = {}
     extra: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {}
     failed: list[str] = []
     transfer_ok = True
     for i, seq in enumerate(plan.seqs):
@@ -56,5 +57,6 @@ def execute_isolating(
             continue
         sampled.update(result.sampled)
         extra.update(result.extra)
+        logprobs.update(result.logprobs)
         transfer_ok = transfer_ok and result.kv_transfer_ok
-    return StepResult(plan.step_id, sampled, transfer_ok, extra=extra), failed
+    return StepResult(plan.step_id, sampled, transfer_ok, extra=extra, logprobs=logprobs), failed

@@ -264,8 +264,9 @@ class Scheduler:
             if num_output < p.min_tokens:
                 banned = request.eos_token_ids + p.stop_token_ids
             sampling = RowSampling(
-                p.temperature, p.top_k, p.top_p, p.seed, request.output_offset + num_output, banned
-            )
+                p.temperature, p.top_k, p.top_p, p.seed, request.output_offset + num_output,
+                banned, -1 if p.logprobs is None else p.logprobs,
+            )  # fmt: skip
         tokens = ids[start : start + num_known]
         if drafts:
             tokens += drafts

@@ -258,6 +258,9 @@ class ModelRunner:
         every_row = batch.sample_indices.shape[0] == hidden.shape[0]
         logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_indices])
         tokens = self.sampler.verify(logits, batch.sample_rows, batch.sample_drafts)
+        logprobs = self.sampler.logprobs(logits, batch.sample_rows, batch.sample_drafts, tokens)
         return StepResult.from_tokens(
-            plan.step_id, dict(zip(batch.sample_ids, tokens, strict=True))
+            plan.step_id,
+            dict(zip(batch.sample_ids, tokens, strict=True)),
+            logprobs={batch.sample_ids[i]: v for i, v in logprobs.items()},
         )

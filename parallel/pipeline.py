@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from pdserve.core.step import StepPlan
+from pdserve.core.step import StepPlan, TokenLogprobs
 from pdserve.parallel.batch import PreparedBatch
 from pdserve.parallel.groups import InstanceGroups
 from pdserve.parallel.model_runner import ModelRunner
@@ -85,6 +85,8 @@ class StageExecutor:
         # Seconds this rank spent running plans (its ``ctx.comm`` says how much of
         # it went to waiting for peers): the rank's busy time.
         self.run_seconds = 0.0
+        # On the leader after :meth:`run`: the step's logprobs of the rows that asked.
+        self.logprobs: dict[str, list[TokenLogprobs]] = {}
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> tuple[dict[str, list[int]], bool, list[bool]]:
@@ -94,6 +96,7 @@ class StageExecutor:
         has a flag per KV-tier load, True where every rank loaded that block.
         """
         start = time.perf_counter()
+        self.logprobs = {}
         loads_ok = self._tier_loads(plan)
         try:
             if not plan.seqs:  # tier work or exports; ranks still hear of finished requests
@@ -196,6 +199,11 @@ class StageExecutor:
                     dist.recv(got, src=g.sampler_rank, group=g.cpu_group)
                 rows = [[t for t in row if t >= 0] for row in got.tolist()]
                 tokens.update(zip(batch.sample_ids, rows, strict=True))
+                if _logprob_width(batch):
+                    table = torch.empty(_logprob_shape(batch), dtype=torch.float64)
+                    with self.ctx.comm.timed(table.numel() * 8):
+                        dist.recv(table, src=g.sampler_rank, group=g.cpu_group)
+                    self.logprobs.update(_logprobs_from_table(batch, rows, table))
 
     def _sample(
         self, batch: PreparedBatch, hidden: torch.Tensor, tokens: dict[str, list[int]]
@@ -205,10 +213,58 @@ class StageExecutor:
         g = self.groups
         if g.rank != g.sampler_rank:
             return []
-        sampled = self.runner.sampler.verify(logits, batch.sample_rows, batch.sample_drafts)
+        sampler = self.runner.sampler
+        sampled = sampler.verify(logits, batch.sample_rows, batch.sample_drafts)
+        logprobs = sampler.logprobs(logits, batch.sample_rows, batch.sample_drafts, sampled)
         if g.is_leader:
             tokens.update(zip(batch.sample_ids, sampled, strict=True))
+            self.logprobs.update((batch.sample_ids[i], v) for i, v in logprobs.items())
             return []
         width = batch.max_sample_tokens
         out = torch.tensor([t + [-1] * (width - len(t)) for t in sampled], dtype=torch.int64)
-        return [(dist.isend(out, dst=0, group=g.cpu_group), out)]
+        sends = [(dist.isend(out, dst=0, group=g.cpu_group), out)]
+        if _logprob_width(batch):  # every rank knows from the plan whether any row asked
+            table = _logprob_table(batch, logprobs)
+            sends.append((dist.isend(table, dst=0, group=g.cpu_group), table))
+        return sends
+
+
+# -- logprobs from a sampler rank that is not the leader ------------------------------------
+# A float64 table [rows, tokens, 1 + 2k]: per new token its logprob, then k (id, logprob)
+# pairs (ids are exact in float64); unused cells are NaN.
+
+
+def _logprob_width(batch: PreparedBatch) -> int:
+    """1 + 2k for the batch's largest ``logprobs`` k; 0 when no row asks."""
+    asked = [r.logprobs for r in batch.sample_rows if r.logprobs >= 0]
+    return 1 + 2 * max(asked) if asked else 0
+
+
+def _logprob_shape(batch: PreparedBatch) -> tuple[int, int, int]:
+    return (len(batch.sample_ids), batch.max_sample_tokens, _logprob_width(batch))
+
+
+def _logprob_table(batch: PreparedBatch, logprobs: dict[int, list[TokenLogprobs]]) -> torch.Tensor:
+    table = torch.full(_logprob_shape(batch), float("nan"), dtype=torch.float64)
+    for i, entries in logprobs.items():
+        for j, (value, top) in enumerate(entries):
+            table[i, j, 0] = value
+            for m, (token, lp) in enumerate(top):
+                table[i, j, 1 + 2 * m], table[i, j, 2 + 2 * m] = token, lp
+    return table
+
+
+def _logprobs_from_table(
+    batch: PreparedBatch, rows: list[list[int]], table: torch.Tensor
+) -> dict[str, list[TokenLogprobs]]:
+    out: dict[str, list[TokenLogprobs]] = {}
+    cells = table.tolist()
+    for i, (rid, r) in enumerate(zip(batch.sample_ids, batch.sample_rows, strict=True)):
+        if r.logprobs < 0:
+            continue
+        out[rid] = [
+            (cells[i][j][0], [(int(cells[i][j][1 + 2 * m]), cells[i][j][2 + 2 * m])
+                              for m in range(r.logprobs)])
+            for j in range(len(rows[i]))
+        ]  # fmt: skip
+    return out

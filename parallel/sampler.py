@@ -19,6 +19,11 @@ Leviathan et al. and Chen et al.: draft ``d`` is accepted with probability
 renormalised. So every row keeps the target distribution, greedy rows give
 exactly the tokens of one-token steps, and seeded rows the same tokens for the
 same seed.
+
+:meth:`Sampler.logprobs` gives the rows that ask for them each new token's
+log-probability under the model's own distribution (the raw logits, before
+temperature, top-k/p and bans, as the OpenAI API reports them) and the likeliest
+tokens'.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from pdserve.core.step import RowSampling
+from pdserve.core.step import RowSampling, TokenLogprobs
 
 _MASK = float("-inf")
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -88,6 +93,39 @@ class Sampler:
                 accepted += 1
             out.append(row[: accepted + 1])
             start += len(d) + 1
+        return out
+
+    def logprobs(
+        self,
+        logits: torch.Tensor,
+        rows: list[RowSampling],
+        drafts: list[list[int]],
+        tokens: list[list[int]],
+    ) -> dict[int, list[TokenLogprobs]]:
+        """Row index -> an entry per new token (``tokens``, as :meth:`verify` returned
+        them), for the rows with ``logprobs >= 0``; logits as :meth:`verify` took them."""
+        positions, ids, owners = [], [], []
+        start = 0
+        for i, (r, d, new) in enumerate(zip(rows, drafts, tokens, strict=True)):
+            if r.logprobs >= 0:
+                positions += range(start, start + len(new))
+                ids += new
+                owners += [i] * len(new)
+            start += len(d) + 1
+        if not positions:
+            return {}
+        at = torch.tensor(positions, device=logits.device)
+        lp = logits.index_select(0, at).float().log_softmax(dim=-1)
+        chosen = lp.gather(1, torch.tensor(ids, device=lp.device).unsqueeze(1)).squeeze(1)
+        k = max(rows[i].logprobs for i in owners)
+        top = lp.topk(k, dim=-1) if k else None
+        top_ids = top.indices.tolist() if top is not None else []
+        top_lps = top.values.tolist() if top is not None else []
+        out: dict[int, list[TokenLogprobs]] = {}
+        for n, (i, value) in enumerate(zip(owners, chosen.tolist(), strict=True)):
+            want = rows[i].logprobs
+            best = list(zip(top_ids[n][:want], top_lps[n][:want], strict=True)) if want else []
+            out.setdefault(i, []).append((value, best))
         return out
 
     def _filtered_probs(self, logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
