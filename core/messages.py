@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.step import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class FirstToken:
     finish_reason: str | None = None
     # Seconds spent in "prefill_queue" and "prefill" (see pdserve.core.metrics.PHASES).
     phases: dict[str, float] = field(default_factory=dict)
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class TokenUpdate:
     # On the last update: seconds in each phase this instance saw (transfer,
     # decode_queue, decode; prefill_queue and prefill when it prefilled itself).
     phases: dict[str, float] = field(default_factory=dict)
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
 
 
 @dataclass(frozen=True)

@@ -225,7 +225,7 @@ class DecodeServer:
             return False
         table = engine.kv.block_table(handoff.request_id)
         assert table[: len(handoff.block_ids)] == handoff.block_ids, "hand-off names other pages"
-        out = engine.activate(handoff.request_id, handoff.first_token)
+        out = engine.activate(handoff.request_id, handoff.first_token, handoff.first_logprobs)
         if handoff.prefilled_at:
             self._transfer_s[handoff.request_id] = max(0.0, time.time() - handoff.prefilled_at)
         logger.info(
@@ -363,4 +363,5 @@ def _update(out: RequestOutput) -> TokenUpdate:
         out.finished,
         comp.finish_reason,
         len(comp.token_ids),
+        new_logprobs=out.new_logprobs,
     )

@@ -104,7 +104,9 @@ class Sampler:
     ) -> dict[int, list[TokenLogprobs]]:
         """Row index -> an entry per new token (``tokens``, as :meth:`verify` returned
         them), for the rows with ``logprobs >= 0``; logits as :meth:`verify` took them."""
-        positions, ids, owners = [], [], []
+        positions: list[int] = []
+        ids: list[int] = []
+        owners: list[int] = []
         start = 0
         for i, (r, d, new) in enumerate(zip(rows, drafts, tokens, strict=True)):
             if r.logprobs >= 0:

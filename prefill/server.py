@@ -259,22 +259,9 @@ class PrefillServer:
 
     def _first_token_done(self, transfer: _Transfer, out: RequestOutput) -> None:
         request = transfer.request
-        token = out.outputs[0].token_ids[0]
-        ends = out.outputs[0].finish_reason == "stop" or request.params.max_tokens == 1
-        reason = (
-            out.outputs[0].finish_reason if out.outputs[0].finish_reason == "stop" else "length"
-        )
-        phases = {k: v for k, v in out.metrics.phases().items() if k.startswith("prefill")}
-        logger.info(
-            "prefill %s: first token %d after %.1f ms queued + %.1f ms prefill",
-            request.request_id,
-            token,
-            phases.get("prefill_queue", 0.0) * 1e3,
-            phases.get("prefill", 0.0) * 1e3,
-        )
-        transfer.first_token.set_result(
-            FirstToken(request.request_id, token, ends, reason if ends else None, phases)
-        )
+        first = _first_token(request, out)
+        token, ends, logprobs = first.token_id, first.finished, first.logprobs
+        transfer.first_token.set_result(first)
         res = request.reservation
         if res is None:
             self._transfers.pop(request.request_id)
@@ -303,6 +290,7 @@ class PrefillServer:
             self.instance_id,
             self.layout,
             time.time(),
+            logprobs,
         )
         decode.commit.remote(handoff).future().add_done_callback(
             lambda f, rid=request.request_id: self._acknowledged(rid, f)
@@ -373,3 +361,21 @@ class PrefillServer:
         if aborted or released or pulling:
             self.stats.aborted += 1
         return aborted or released or pulling
+
+
+def _first_token(request: PrefillRequest, out: RequestOutput) -> FirstToken:
+    """The router's message for the prefill's sampled token (logged with its timings)."""
+    completion = out.outputs[0]
+    token = completion.token_ids[0]
+    ends = completion.finish_reason == "stop" or request.params.max_tokens == 1
+    reason = completion.finish_reason if completion.finish_reason == "stop" else "length"
+    phases = {k: v for k, v in out.metrics.phases().items() if k.startswith("prefill")}
+    logger.info(
+        "prefill %s: first token %d after %.1f ms queued + %.1f ms prefill",
+        request.request_id,
+        token,
+        phases.get("prefill_queue", 0.0) * 1e3,
+        phases.get("prefill", 0.0) * 1e3,
+    )
+    logprobs = completion.logprobs[0] if completion.logprobs else None
+    return FirstToken(request.request_id, token, ends, reason if ends else None, phases, logprobs)

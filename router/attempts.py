@@ -125,7 +125,11 @@ class Attempts:
                 self.obs.phases(attempt.region, u.phases)
             start = attempt.offset + u.num_output_tokens - len(u.new_token_ids)
             attempt.stream.add(
-                start, u.new_token_ids, u.finish_reason if u.finished else None, attempt.attempt_id
+                start,
+                u.new_token_ids,
+                u.finish_reason if u.finished else None,
+                attempt.attempt_id,
+                u.new_logprobs,
             )
 
     def instance_lost(self, instance_id: str) -> None:
@@ -204,7 +208,10 @@ class Attempts:
             self.obs.phases(attempt.region, first.phases)
             if not attempt.closed:
                 reason = first.finish_reason if first.finished else None
-                attempt.stream.add(attempt.offset, [first.token_id], reason, attempt.attempt_id)
+                logprobs = None if first.logprobs is None else [first.logprobs]
+                attempt.stream.add(
+                    attempt.offset, [first.token_id], reason, attempt.attempt_id, logprobs
+                )
         except Exception as e:
             cause = cause_of(e)
             if isinstance(cause, InstanceFailedError):

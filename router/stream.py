@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pdserve.core.errors import PdserveError
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.step import TokenLogprobs
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 
@@ -48,6 +49,8 @@ class StreamDelta:
     ready_at: float = 0.0  # time.monotonic() when the router had it ready for the client
     # A delta made of several the consumer had not taken yet: when each was ready.
     parts_ready_at: tuple[float, ...] = ()
+    # One per token when the request asked for them (None: an instance sent none for it).
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 class RequestStream:
@@ -77,6 +80,7 @@ class RequestStream:
         self.cached_prompt_tokens = 0
         self.tokens: list[int] = []
         self._pending: dict[int, int] = {}
+        self._pending_logprobs: dict[int, TokenLogprobs] = {}
         self._ready: deque[StreamDelta | BaseException] = deque()  # for the consumer
         self._waiter: asyncio.Future[None] | None = None  # the consumer, while it waits
         self._wait_since = 0.0  # when the consumer last started waiting
@@ -93,8 +97,10 @@ class RequestStream:
         token_ids: list[int],
         finish_reason: str | None = None,
         source: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
-        """Tokens ``start, start+1, ...``; ``finish_reason`` if the last one ends the request.
+        """Tokens ``start, start+1, ...``; ``finish_reason`` if the last one ends the request;
+        ``logprobs``, one per token, where the request asked for them.
 
         When several attempts feed the stream (a hedge), the one that delivers the
         first token owns it and the others' tokens are ignored.
@@ -108,6 +114,8 @@ class RequestStream:
                 return
         for i, token in enumerate(token_ids):
             self._pending.setdefault(start + i, token)
+        for i, entry in enumerate(logprobs or ()):
+            self._pending_logprobs.setdefault(start + i, entry)
         if finish_reason is not None:
             end = start + len(token_ids)
             if self._finish_at is None or end < self._finish_at:
@@ -123,8 +131,13 @@ class RequestStream:
         if self._finish_at is not None:
             end = max(n, min(end, self._finish_at))
         new = [self._pending.pop(i) for i in range(n, end)]
+        logprobs: list[TokenLogprobs | None] | None = None
+        if self.params.logprobs is not None:
+            logprobs = [self._pending_logprobs.pop(i, None) for i in range(n, end)]
         if new:
             self._take(new)
+            if logprobs is not None:
+                del logprobs[len(new) :]  # cut with the tokens at a stop string
         done = self._done_by_count()
         if not new and not done:
             return
@@ -138,6 +151,7 @@ class RequestStream:
                 self._finish_reason if done else None,
                 self.usage() if done else None,
                 now,
+                logprobs=logprobs,
             )
         )
         if done:
@@ -252,6 +266,7 @@ def _merged(first: StreamDelta, then: StreamDelta) -> StreamDelta:
         then.usage,
         first.ready_at,
         (first.parts_ready_at or (first.ready_at,)) + (then.ready_at,),
+        None if first.logprobs is None else first.logprobs + (then.logprobs or []),
     )
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.layout import Layout
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.step import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class HandOff:
         prefill_id, prefill_layout: who sent it, and how its ranks were laid out.
         prefilled_at: wall-clock time (``time.time()``) the prefill finished; the
             decode instance measures the exposed transfer time from it.
+        first_logprobs: the first token's logprobs, when the request asked for them.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class HandOff:
     prefill_id: str
     prefill_layout: Layout
     prefilled_at: float = 0.0
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when asked for
 
 
 @dataclass

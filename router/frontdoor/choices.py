@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
@@ -52,7 +52,7 @@ def fan_out(inp: CompletionInput, n: int) -> list[CompletionInput]:
 async def merged(
     inputs: list[CompletionInput],
     stream: Callable[[CompletionInput], AsyncGenerator[StreamDelta, None]],
-) -> AsyncIterator[tuple[int, StreamDelta]]:
+) -> AsyncGenerator[tuple[int, StreamDelta], None]:
     """(choice index, delta) of every choice's stream as they come; the first error of
     any choice is raised here once the others are aborted."""
     if len(inputs) == 1:  # no tasks for the common case
@@ -78,13 +78,13 @@ async def merged(
     try:
         running = len(tasks)
         while running:
-            i, delta, error = await queue.get()
+            i, got, error = await queue.get()
             if error is not None:
                 raise error
-            if delta is None:
+            if got is None:
                 running -= 1
             else:
-                yield i, delta
+                yield i, got
     finally:  # done, failed, or the client left: abort what still runs
         for task in tasks:
             task.cancel()

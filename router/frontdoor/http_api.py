@@ -23,7 +23,7 @@ import dataclasses
 import errno
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batches import BatchJobs
 from pdserve.router.frontdoor.choices import choice_count, fan_out, merged, total_usage
 from pdserve.router.frontdoor.dashboard import add_routes
+from pdserve.router.frontdoor.logprobs import ChoiceLogprobs, asked_logprobs, token_text
 from pdserve.router.frontdoor.lora_admin import add_lora_routes
 from pdserve.router.frontdoor.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pdserve.router.frontdoor.request_keys import ADMITTED, BODY_BYTES, KEY_PRIORITY
@@ -52,9 +53,10 @@ from pdserve.router.frontdoor.sse import DONE, ResponseShape, event
 from pdserve.router.frontdoor.tls import ssl_context
 from pdserve.router.models import Served
 from pdserve.router.router import CompletionInput, Router
-from pdserve.router.stream import Usage
+from pdserve.router.stream import StreamDelta, Usage
 
 logger = logging.getLogger(__name__)
+Deltas = AsyncGenerator[tuple[int, StreamDelta], None]  # (choice index, delta)
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -152,6 +154,7 @@ class HttpApi:
                 "priority",
             )
         }
+        values["logprobs"] = asked_logprobs(body, chat)
         if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:
             values["max_tokens"] = body["max_completion_tokens"]
         if values["priority"] is None:
@@ -170,7 +173,7 @@ class HttpApi:
         inp = await off_loop(
             request[BODY_BYTES], self._input, request, body, body.get("prompt"), False, served
         )
-        return await self._respond(request, body, inp, chat=False)
+        return await self._respond(request, body, inp, False, served)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, CHAT_FIELDS)
@@ -181,7 +184,7 @@ class HttpApi:
         if served[0].tokenizer is None:
             raise InvalidArgumentError("messages", "the model has no tokenizer")
         inp = await off_loop(request[BODY_BYTES], self._chat_input, request, body, messages, served)
-        return await self._respond(request, body, inp, chat=True)
+        return await self._respond(request, body, inp, True, served)
 
     def _chat_input(
         self, request: web.Request, body: dict[str, Any], messages: list[Any], served: Served
@@ -207,29 +210,56 @@ class HttpApi:
         return web.json_response({"object": "list", "data": openai_models(self.router)})
 
     async def _respond(
-        self, request: web.Request, body: dict[str, Any], inp: CompletionInput, chat: bool
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        inp: CompletionInput,
+        chat: bool,
+        served: Served,
     ) -> web.StreamResponse:
         n = choice_count(body.get("n"))
         request[ADMITTED] = True  # from here the router counts the outcome
         model = inp.params.lora or inp.served_as.rpartition("@")[0] or self.router.config.model_name
         shape = ResponseShape(inp.request_id, model, chat, inp.served_as)
-        inputs = fan_out(inp, n)
-        usages: list[Usage | None] = [None] * n
+        logprobs = None  # the choices' logprobs objects, when asked for
+        if inp.params.logprobs is not None:
+            logprobs = ChoiceLogprobs(chat, token_text(served[0].tokenizer), n)
+        deltas = merged(fan_out(inp, n), self.router.stream)
         if not body.get("stream"):
-            texts: list[list[str]] = [[] for _ in range(n)]
-            reasons: list[str | None] = [None] * n
-            async with contextlib.aclosing(merged(inputs, self.router.stream)) as deltas:
-                async for i, delta in deltas:
-                    texts[i].append(delta.text)
-                    reasons[i] = delta.finish_reason or reasons[i]
-                    usages[i] = delta.usage or usages[i]
-            usage = total_usage([u or Usage(0, 0) for u in usages])
-            choices = [("".join(t), r) for t, r in zip(texts, reasons, strict=True)]
-            return web.json_response(shape.whole(choices, usage))
+            return await self._whole(deltas, n, shape, logprobs)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return await self._stream(request, deltas, n, shape, logprobs, include_usage)
+
+    async def _whole(
+        self, deltas: Deltas, n: int, shape: ResponseShape, logprobs: ChoiceLogprobs | None
+    ) -> web.Response:
+        texts: list[list[str]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        usages = [Usage(0, 0)] * n
+        async with contextlib.aclosing(deltas):
+            async for i, delta in deltas:
+                texts[i].append(delta.text)
+                reasons[i] = delta.finish_reason or reasons[i]
+                usages[i] = delta.usage or usages[i]
+                if logprobs is not None:
+                    logprobs.add(i, delta.token_ids, delta.logprobs or [])
+        choices = [("".join(t), r, logprobs.whole(i) if logprobs else None)
+                   for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
+        return web.json_response(shape.whole(choices, total_usage(usages)))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        deltas: Deltas,
+        n: int,
+        shape: ResponseShape,
+        logprobs: ChoiceLogprobs | None,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        usages: list[Usage | None] = [None] * n
         response: web.StreamResponse | None = None
         try:
-            async with contextlib.aclosing(merged(inputs, self.router.stream)) as deltas:
+            async with contextlib.aclosing(deltas):
                 async for i, delta in deltas:
                     if response is None:  # errors before the first token are plain HTTP errors
                         response = web.StreamResponse(
@@ -240,7 +270,10 @@ class HttpApi:
                         )
                         await response.prepare(request)
                     usages[i] = delta.usage or usages[i]
-                    data = shape.chunk_event(delta, i)  # one write per delta
+                    lp = None
+                    if logprobs is not None:
+                        lp = logprobs.chunk(i, delta.token_ids, delta.logprobs or [])
+                    data = shape.chunk_event(delta, i, lp)  # one write per delta
                     if include_usage and all(usages) and delta.finish_reason is not None:
                         data += shape.usage_event(total_usage([u for u in usages if u]))
                     await response.write(data)

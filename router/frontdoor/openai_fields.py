@@ -28,8 +28,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: not v,
     "presence_penalty": lambda v: not v,
     "frequency_penalty": lambda v: not v,
-    "logprobs": lambda v: not v,
-    "top_logprobs": lambda v: not v,
     "logit_bias": lambda v: not v,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: not v,

@@ -48,6 +48,7 @@ SAMPLING_FIELDS = {
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "priority": "priority",
+    "logprobs": "logprobs",
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from pdserve.router.stream import StreamDelta, Usage
 
 DONE = b"data: [DONE]\n\n"
+Choice = tuple[str, str | None, dict[str, Any] | None]  # text, finish reason, logprobs
 
 
 class ResponseShape:
@@ -40,23 +41,29 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.version or None}  # fmt: skip
 
-    def whole(self, choices: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
-        """The response of a request that does not stream: (text, finish reason) per choice."""
+    def whole(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        """The response of a request that does not stream: (text, finish reason, logprobs
+        object or None) per choice."""
         if self.chat:
             out = self._base("chat.completion")
             rows = [
                 {"index": i, "message": {"role": "assistant", "content": text},
-                 "finish_reason": reason, "logprobs": None}
-                for i, (text, reason) in enumerate(choices)
+                 "finish_reason": reason, "logprobs": logprobs}
+                for i, (text, reason, logprobs) in enumerate(choices)
             ]  # fmt: skip
         else:
             out = self._base("text_completion")
-            rows = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
-                    for i, (text, reason) in enumerate(choices)]  # fmt: skip
+            rows = [{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}
+                    for i, (text, reason, logprobs) in enumerate(choices)]  # fmt: skip
         return {**out, "choices": rows, "usage": usage_object(usage)}
 
-    def chunk_event(self, delta: StreamDelta, index: int = 0) -> bytes:
-        """The event of one delta of choice ``index``: ``data: {chunk}\\n\\n``."""
+    def chunk_event(
+        self, delta: StreamDelta, index: int = 0, logprobs: dict[str, Any] | None = None
+    ) -> bytes:
+        """The event of one delta of choice ``index``: ``data: {chunk}\\n\\n`` (with its
+        tokens' ``logprobs`` object where the request asked for them)."""
+        if logprobs is not None:
+            return self._chunk_with_logprobs(delta, index, logprobs)
         text = encode_basestring_ascii(delta.text)
         if self.chat:
             text += "}" if index in self.started else ', "role": "assistant"}'
@@ -66,6 +73,20 @@ class ResponseShape:
         return (
             f'{self._head}{index}{self._opening}{text}, "finish_reason": {finish}{self._tail}'
         ).encode()
+
+    def _chunk_with_logprobs(
+        self, delta: StreamDelta, index: int, logprobs: dict[str, Any]
+    ) -> bytes:
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            content = {"content": delta.text}
+            choice["delta"] = content if index in self.started else {**content, "role": "assistant"}
+            self.started.add(index)
+        else:
+            choice["text"] = delta.text
+        choice.update(finish_reason=delta.finish_reason, logprobs=logprobs)
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return event({**self._base(obj), "choices": [choice]})
 
     def usage_event(self, usage: Usage) -> bytes:
         """The last chunk of a stream that asked for usage (no choices)."""

@@ -34,7 +34,7 @@ def test_every_switch_takes_the_same_words(monkeypatch, name: str) -> None:
     for word in OFF + tuple(w.upper() for w in OFF) + (" off ",):
         monkeypatch.setenv(name, word)
         assert read() is False, word  # type: ignore[operator]
-    for word in ON + ("On", ""):
+    for word in (*ON, "On", ""):
         monkeypatch.setenv(name, word)
         assert read() is default, word  # type: ignore[operator]
     seen = _Records()

@@ -211,6 +211,34 @@ def test_openai_n_choices_are_the_seeded_requests_one_by_one(cluster, doors, ref
     cluster.assert_idle()
 
 
+def test_openai_logprobs_through_prefill_and_decode_match_the_engine(cluster, doors) -> None:
+    """The first token's logprobs come from the prefill instance, the rest from decode;
+    both equal the offline engine's (checked against transformers in tests/engine)."""
+    want = LLM("builtin:tiny").generate(
+        PROMPT, SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+    )
+    ref = want[0].outputs[0]
+    client = openai_client(doors)
+    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    lp = client.completions.create(**ask).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([v for v, _ in ref.logprobs], abs=1e-5)
+    tok = LLM_TOKENIZER()
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    tops = [v for d in lp.top_logprobs for v in d.values()]
+    assert tops == pytest.approx([v for _, top in ref.logprobs for _, v in top], abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert [v for c in chunks for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert all(c.top_logprobs[0].logprob == c.logprob and len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    cluster.assert_idle()
+
+
 def post(doors, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(

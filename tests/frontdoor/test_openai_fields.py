@@ -19,10 +19,10 @@ TAKEN_CHAT = {"n": None, "logit_bias": None, "top_logprobs": None,
               "modalities": ["text"], "service_tier": "auto", "store": False,
               "metadata": {"team": "a"}}  # fmt: skip
 REFUSED = [("best_of", 3), ("echo", True), ("suffix", "x"),
-           ("presence_penalty", 0.5), ("logprobs", 2), ("logit_bias", {"5": 100})]  # fmt: skip
+           ("presence_penalty", 0.5), ("logit_bias", {"5": 100})]  # fmt: skip
 REFUSED_CHAT = [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
                 ("tool_choice", {"type": "function"}), ("service_tier", "flex"), ("store", True),
-                ("modalities", ["text", "audio"]), ("top_logprobs", 3), ("parallel_tool_calls", 1)]  # fmt: skip
+                ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1)]  # fmt: skip
 
 
 def test_do_nothing_values_pass_and_others_are_refused_by_name() -> None:
