@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from pdserve.router.stream import StreamDelta, Usage
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Completion"
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens")
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs")
 
 
 class CompletionService(pb_grpc.CompletionServicer):
@@ -66,10 +67,12 @@ class CompletionService(pb_grpc.CompletionServicer):
         try:
             inp = await self._admit(request, context)
             text, ids, reason, usage = [], [], "", Usage(0, 0)
+            logprobs: list[pb.TokenLogprob] = []
             async with contextlib.aclosing(self.router.stream(inp)) as deltas:
                 async for delta in deltas:
                     text.append(delta.text)
                     ids.extend(delta.token_ids)
+                    logprobs += _logprobs(delta)
                     if delta.finish_reason is not None:
                         reason, usage = delta.finish_reason, delta.usage or usage
             return pb.CompletionResponse(
@@ -79,6 +82,7 @@ class CompletionService(pb_grpc.CompletionServicer):
                 finish_reason=reason,
                 usage=_usage(usage),
                 model=inp.served_as,
+                logprobs=logprobs,
             )
         except Exception as e:
             await _abort(context, e)
@@ -167,13 +171,34 @@ def _usage(u: Usage) -> pb.Usage:
 
 def _chunk(inp: CompletionInput, delta: StreamDelta) -> pb.CompletionChunk:
     chunk = pb.CompletionChunk(
-        request_id=inp.request_id, text=delta.text, token_ids=delta.token_ids, model=inp.served_as
+        request_id=inp.request_id,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        model=inp.served_as,
+        logprobs=_logprobs(delta),
     )
     if delta.finish_reason is not None:
         chunk.finish_reason = delta.finish_reason
         if delta.usage is not None:
             chunk.usage.CopyFrom(_usage(delta.usage))
     return chunk
+
+
+def _logprobs(delta: StreamDelta) -> list[pb.TokenLogprob]:
+    """The delta's tokens' logprobs (none unless the request asked; NaN where an
+    instance sent none for a token)."""
+    if delta.logprobs is None:
+        return []
+    return [
+        pb.TokenLogprob(token_id=token, logprob=math.nan)
+        if entry is None
+        else pb.TokenLogprob(
+            token_id=token,
+            logprob=entry[0],
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry[1]],
+        )
+        for token, entry in zip(delta.token_ids, delta.logprobs, strict=True)
+    ]
 
 
 async def _abort(context: Any, error: BaseException) -> None:

@@ -1,0 +1,122 @@
+"""What a request can ask of sampling beyond one completion, on a real cluster (a
+prefill and a decode instance): ``n`` choices and logprobs, over HTTP (the official
+openai client) and gRPC."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve import LLM, SamplingParams
+from tests.e2e.test_router import LLM_TOKENIZER, PROMPT, openai_client, request
+from tests.e2e.tiny_cluster import AUTH, Cluster, stub
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    c = Cluster({"local": (1, 1)})
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def doors(cluster):
+    return cluster._bootstrap[1]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The offline engine's greedy tokens and logprobs (tests/engine checks these
+    against transformers)."""
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+    return LLM("builtin:tiny").generate(PROMPT, params)[0].outputs[0]
+
+
+def test_openai_n_choices_are_the_seeded_requests_one_by_one(cluster, doors, reference) -> None:
+    """``n`` choices of a seeded request are the requests of seeds seed, seed + 1, ...;
+    streamed, each choice's chunks carry its index and make the same text."""
+    client = openai_client(doors)
+    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+    many = client.completions.create(n=3, seed=7, **ask)
+    one = [client.completions.create(seed=7 + i, **ask) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [o.choices[0].text for o in one]
+    assert len({c.text for c in many.choices}) > 1  # different seeds, different samples
+    assert (
+        many.usage.completion_tokens == 24
+        and many.usage.prompt_tokens == one[0].usage.prompt_tokens
+    )
+    greedy = client.completions.create(**{**ask, "temperature": 0, "max_tokens": 12}, n=2)
+    assert [c.text for c in greedy.choices] == [reference.text] * 2
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+            "temperature": 1.0, "seed": 3, "n": 3}  # fmt: skip
+    whole = client.chat.completions.create(**chat)
+    chunks = list(
+        client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True})
+    )
+    texts, roles = ["", "", ""], [None, None, None]
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        roles[choice.index] = roles[choice.index] or choice.delta.role
+        texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in whole.choices] and roles == ["assistant"] * 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+    stream = client.completions.create(**{**ask, "max_tokens": 3000}, n=4, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    for _, _chunk in zip(range(6), stream, strict=False):
+        pass
+    stream.close()  # the client leaves: every choice is aborted
+    cluster.assert_idle()
+
+
+def test_openai_logprobs_through_prefill_and_decode_match_the_engine(
+    cluster, doors, reference
+) -> None:
+    """The first token's logprobs come from the prefill instance, the rest from decode;
+    both equal the offline engine's (checked against transformers in tests/engine)."""
+    want = LLM("builtin:tiny").generate(
+        PROMPT, SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+    )
+    ref = want[0].outputs[0]
+    client = openai_client(doors)
+    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    lp = client.completions.create(**ask).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([v for v, _ in ref.logprobs], abs=1e-5)
+    tok = LLM_TOKENIZER()
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    tops = [v for d in lp.top_logprobs for v in d.values()]
+    assert tops == pytest.approx([v for _, top in ref.logprobs for _, v in top], abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert [v for c in chunks for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert all(c.top_logprobs[0].logprob == c.logprob and len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    cluster.assert_idle()
+
+
+def test_grpc_logprobs_match_the_engine(cluster, doors, reference) -> None:
+    options = dict(max_tokens=12, temperature=0.0, logprobs=2)
+    whole = stub(doors).Complete(request(**options), metadata=AUTH)
+    assert list(whole.token_ids) == reference.token_ids
+    got = [
+        (e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in whole.logprobs
+    ]
+    want = [
+        (t, v, top) for t, (v, top) in zip(reference.token_ids, reference.logprobs, strict=True)
+    ]
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert [g[1] for g in got] == pytest.approx([w[1] for w in want], abs=1e-5)
+    assert [t for g in got for t, _ in g[2]] == [t for w in want for t, _ in w[2]]
+    chunks = list(stub(doors).Generate(request(**options), metadata=AUTH))
+    assert [e.logprob for c in chunks for e in c.logprobs] == [g[1] for g in got]
+    plain = stub(doors).Complete(request(max_tokens=3), metadata=AUTH)
+    assert len(plain.logprobs) == 0  # not asked for
+    with pytest.raises(grpc.RpcError) as e:
+        stub(doors).Complete(request(logprobs=21), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in e.value.details()
+    cluster.assert_idle()
