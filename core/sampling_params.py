@@ -22,6 +22,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PRIORITY = 1_000_000
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class SamplingParams:
         logprobs: return each generated token's log-probability under the model
             (its raw distribution, before temperature, top-k/p and bans) and the
             ``logprobs`` most likely tokens' (0 to 20); None: none.
+        logit_bias: (token id, bias) pairs added to the logits before sampling, each
+            bias in [-100, 100] (a dict is accepted; stored sorted by token id).
     """
 
     max_tokens: int = 16
@@ -62,6 +65,7 @@ class SamplingParams:
     priority: int = 0
     lora: str | None = None
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string from callers; store tuples so the
@@ -72,6 +76,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -141,10 +146,11 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids this request names must exist in a model of ``vocab_size`` tokens."""
-        for t in self.stop_token_ids:
+        named = [("stop_token_ids", t) for t in self.stop_token_ids]
+        for name, t in named + [("logit_bias", t) for t, _ in self.logit_bias]:
             if t >= vocab_size:
                 raise InvalidArgumentError(
-                    "stop_token_ids", f"{t} is not a token of this model (vocabulary {vocab_size})"
+                    name, f"{t} is not a token of this model (vocabulary {vocab_size})"
                 )
 
     @property
@@ -162,6 +168,33 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs, checked."""
+    if isinstance(value, dict):
+        items: Any = list(value.items())
+    elif isinstance(value, tuple | list):
+        items = value
+    else:
+        raise InvalidArgumentError("logit_bias", "must map token ids to biases")
+    pairs = []
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise InvalidArgumentError("logit_bias", "must map token ids to biases")
+        token, bias = item
+        _check_int("logit_bias", token)
+        _check_number("logit_bias", bias)
+        if not 0 <= token <= MAX_INT:
+            raise InvalidArgumentError(
+                "logit_bias", f"token ids must be in [0, {MAX_INT}], got {token}"
+            )
+        if not -100 <= bias <= 100:
+            raise InvalidArgumentError("logit_bias", f"biases must be in [-100, 100], got {bias}")
+        pairs.append((token, float(bias)))
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidArgumentError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
+    return tuple(sorted(pairs))
 
 
 def _check_int(name: str, value: object) -> None:

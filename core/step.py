@@ -34,6 +34,7 @@ class RowSampling:
     output_index: int = 0
     banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int = -1  # -1: none; k >= 0: the new token's and the k likeliest tokens'
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
 
     @property
     def greedy(self) -> bool:
@@ -242,12 +243,13 @@ class StepPlan:
 
 def _sampling_to_list(s: RowSampling) -> list[Any]:
     return [s.temperature, s.top_k, s.top_p, s.seed, s.output_index, list(s.banned_token_ids),
-            s.logprobs]  # fmt: skip
+            s.logprobs, [list(p) for p in s.logit_bias]]  # fmt: skip
 
 
 def _sampling_from_list(v: list[Any]) -> RowSampling:
-    temperature, top_k, top_p, seed, output_index, banned, logprobs = v
-    return RowSampling(temperature, top_k, top_p, seed, output_index, tuple(banned), logprobs)
+    temperature, top_k, top_p, seed, output_index, banned, logprobs, bias = v
+    return RowSampling(temperature, top_k, top_p, seed, output_index, tuple(banned), logprobs,
+                       tuple((t, b) for t, b in bias))  # fmt: skip
 
 
 @dataclass(frozen=True)

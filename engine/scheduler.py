@@ -265,7 +265,7 @@ class Scheduler:
                 banned = request.eos_token_ids + p.stop_token_ids
             sampling = RowSampling(
                 p.temperature, p.top_k, p.top_p, p.seed, request.output_offset + num_output,
-                banned, -1 if p.logprobs is None else p.logprobs,
+                banned, -1 if p.logprobs is None else p.logprobs, p.logit_bias,
             )  # fmt: skip
         tokens = ids[start : start + num_known]
         if drafts:

@@ -1,7 +1,8 @@
 """Turn the last-position logits of a batch into one token per sequence.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k
-and top-p, and sampled by the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
+A row's ``logit_bias`` is added to its logits first and its banned tokens (EOS
+before ``min_tokens``) masked. Greedy rows take the argmax. Other rows are scaled
+by temperature, cut by top-k and top-p, and sampled by the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
 which picks token ``i`` with probability ``p_i`` and never picks a token whose
 probability was cut to zero.
 
@@ -54,9 +55,12 @@ class Sampler:
         # logits: [B, V] for the B rows, any float dtype.
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
-        if any(r.banned_token_ids for r in rows):
+        if any(r.banned_token_ids or r.logit_bias for r in rows):
             logits = logits.clone()
             for i, r in enumerate(rows):
+                if r.logit_bias:
+                    ids, bias = zip(*r.logit_bias, strict=True)
+                    logits[i, list(ids)] += torch.tensor(bias, device=logits.device)
                 if r.banned_token_ids:
                     logits[i, list(r.banned_token_ids)] = _MASK
         if all(r.greedy for r in rows):

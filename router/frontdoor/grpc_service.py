@@ -154,6 +154,8 @@ def _sampling(s: pb.SamplingOptions | None, vocab_size: int) -> SamplingParams:
     if s.stop_token_ids:
         values["stop_token_ids"] = list(s.stop_token_ids)
     values["ignore_eos"] = s.ignore_eos
+    if s.logit_bias:
+        values["logit_bias"] = dict(s.logit_bias)
     return sampling_params(values, vocab_size)
 
 

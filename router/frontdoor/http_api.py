@@ -152,6 +152,7 @@ class HttpApi:
                 "ignore_eos",
                 "stop_token_ids",
                 "priority",
+                "logit_bias",
             )
         }
         values["logprobs"] = asked_logprobs(body, chat)

@@ -2,7 +2,7 @@
 
 A field not listed is refused by name (a typo must not be ignored silently).
 Clients and SDK wrappers also send fields whose value asks for nothing
-(``"tools": null``, ``"logit_bias": {}``, ``"best_of": 1``): those are taken, and any
+(``"tools": null``, ``"best_of": 1``, ``"echo": false``): those are taken, and any
 other value of them is refused naming the field, as pdserve does not do it.
 """
 
@@ -28,7 +28,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: not v,
     "presence_penalty": lambda v: not v,
     "frequency_penalty": lambda v: not v,
-    "logit_bias": lambda v: not v,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: not v,
     "functions": lambda v: not v,

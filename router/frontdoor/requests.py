@@ -49,6 +49,7 @@ SAMPLING_FIELDS = {
     "ignore_eos": "ignore_eos",
     "priority": "priority",
     "logprobs": "logprobs",
+    "logit_bias": "logit_bias",
 }
 
 
@@ -70,10 +71,29 @@ def sampling_params(values: dict[str, Any], vocab_size: int | None = None) -> Sa
         raise InvalidArgumentError("stop_token_ids", "must be a list of integers")
     if "ignore_eos" in given and not isinstance(given["ignore_eos"], bool):
         raise InvalidArgumentError("ignore_eos", "must be a boolean")
+    if "logit_bias" in given:
+        given["logit_bias"] = _bias_by_id(given["logit_bias"])
     params = SamplingParams(**given)
     if vocab_size is not None:
         params.check_vocab(vocab_size)
     return params
+
+
+def _bias_by_id(value: Any) -> list[tuple[int, Any]]:
+    """OpenAI's ``logit_bias`` (JSON keys are strings: ``{"50256": -100}``) as id pairs."""
+    if not isinstance(value, dict):
+        raise InvalidArgumentError("logit_bias", "must be an object of token id -> bias")
+    pairs = []
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            pairs.append((int(key), bias))
+        elif isinstance(key, int) and not isinstance(key, bool):
+            pairs.append((key, bias))
+        else:
+            raise InvalidArgumentError(
+                "logit_bias", f"keys must be token ids, got {str(key)[:32]!r}"
+            )
+    return pairs
 
 
 def with_priority(params: SamplingParams, value: str) -> SamplingParams:

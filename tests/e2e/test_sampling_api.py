@@ -120,3 +120,15 @@ def test_grpc_logprobs_match_the_engine(cluster, doors, reference) -> None:
         stub(doors).Complete(request(logprobs=21), metadata=AUTH)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in e.value.details()
     cluster.assert_idle()
+
+
+def test_logit_bias_over_http_and_grpc(cluster, doors) -> None:
+    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    out = openai_client(doors).completions.create(**ask, logit_bias={"7": 100})
+    assert out.choices[0].text == LLM_TOKENIZER().decode([7, 7, 7])
+    whole = stub(doors).Complete(request(max_tokens=3, logit_bias={7: 100.0}), metadata=AUTH)
+    assert list(whole.token_ids) == [7, 7, 7]
+    with pytest.raises(grpc.RpcError) as e:
+        stub(doors).Complete(request(logit_bias={7: 500.0}), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()
+    cluster.assert_idle()
