@@ -45,7 +45,7 @@ class SamplingParams:
             eviction policy its KV blocks are kept longer than lower ones'.
         lora: name of the LoRA adapter to run the request under (None: the base model).
         logprobs: return each generated token's log-probability under the model
-            (its raw distribution, before temperature, top-k/p and bans) and the
+            (its raw distribution, before logit_bias, temperature and top-k/p) and the
             ``logprobs`` most likely tokens' (0 to 20); None: none.
         logit_bias: (token id, bias) pairs added to the logits before sampling, each
             bias in [-100, 100] (a dict is accepted; stored sorted by token id).

@@ -2,9 +2,9 @@
 
 A row's ``logit_bias`` is added to its logits first and its banned tokens (EOS
 before ``min_tokens``) masked. Greedy rows take the argmax. Other rows are scaled
-by temperature, cut by top-k and top-p, and sampled by the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``),
-which picks token ``i`` with probability ``p_i`` and never picks a token whose
-probability was cut to zero.
+by temperature, cut by top-k and top-p, and sampled by the exponential race
+(``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with probability
+``p_i`` and never picks a token whose probability was cut to zero.
 
 A row with a seed draws its noise from a generator seeded by ``(seed, index of
 the token being sampled)``, so its output depends on nothing but its own seed
@@ -23,8 +23,7 @@ same seed.
 
 :meth:`Sampler.logprobs` gives the rows that ask for them each new token's
 log-probability under the model's own distribution (the raw logits, before
-temperature, top-k/p and bans, as the OpenAI API reports them) and the likeliest
-tokens'.
+logit_bias, bans, temperature and top-k/p) and the likeliest tokens'.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ k likeliest) and ``text_offset``. Chat asks with ``logprobs: true`` and
 "top_logprobs": [...]}]}``. A token's text is its own decoding (special tokens
 included), so a token that is part of a character shows a replacement character
 there; its ``bytes`` are that text's UTF-8 bytes. The values are the model's raw
-distribution (before temperature and top-k/p), as :mod:`pdserve.parallel.sampler`
+distribution (before logit_bias, temperature and top-k/p), as :mod:`pdserve.parallel.sampler`
 computes them.
 """
 
