@@ -13,6 +13,7 @@ from pdserve.core.env import OFF, ON
 from pdserve.parallel import shm_comm
 from pdserve.parallel.kernels import cpu_gemv
 from pdserve.parallel.shared_weights import shareable
+from tests.core.log_records import Records
 
 
 def _readers() -> dict[str, object]:
@@ -37,7 +38,7 @@ def test_every_switch_takes_the_same_words(monkeypatch, name: str) -> None:
     for word in (*ON, "On", ""):
         monkeypatch.setenv(name, word)
         assert read() is default, word  # type: ignore[operator]
-    seen = _Records()
+    seen = Records()
     logging.getLogger("pdserve.core.env").addHandler(seen)  # "pdserve" may not propagate
     try:
         monkeypatch.setenv(name, "of")
@@ -45,12 +46,3 @@ def test_every_switch_takes_the_same_words(monkeypatch, name: str) -> None:
     finally:
         logging.getLogger("pdserve.core.env").removeHandler(seen)
     assert f"${name}='of' is not one of 1/true/yes/on/0/false/no/off: on" in seen.messages
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())

@@ -10,19 +10,11 @@ import pytest
 
 from pdserve.core.logs import setup_logging
 from pdserve.deploy.cli import main
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+from tests.core.log_records import Records
 
 
 def test_an_unknown_level_in_the_environment_is_info_with_a_warning(monkeypatch) -> None:
-    log, seen = logging.getLogger("pdserve"), _Records()
+    log, seen = logging.getLogger("pdserve"), Records()
     before = log.level
     log.addHandler(seen)
     try:
