@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.flags import count, file_stem
-
+# A child runs this file against a baseline tree (PYTHONPATH), so nothing of pdserve
+# is imported at module level: an older tree may lack what this one has.
 CHILD_FLAG = "--child"
 
 
@@ -151,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.bench.flags import count, file_stem
+
     p.add_argument("--batch", type=count, nargs="+", default=[21, 64, 256])
     p.add_argument("--steps", type=count, default=2000, help="steps per round")
     p.add_argument("--repeat", type=count, default=3, help="rounds per batch size (best kept)")

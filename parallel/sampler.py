@@ -107,6 +107,8 @@ class Sampler:
     ) -> dict[int, list[TokenLogprobs]]:
         """Row index -> an entry per new token (``tokens``, as :meth:`verify` returned
         them), for the rows with ``logprobs >= 0``; logits as :meth:`verify` took them."""
+        if not any(r.logprobs >= 0 for r in rows):  # the common case, once per step
+            return {}
         positions: list[int] = []
         ids: list[int] = []
         owners: list[int] = []
