@@ -194,6 +194,8 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
         pairs.append((token, float(bias)))
     if len(pairs) > MAX_LOGIT_BIAS:
         raise InvalidArgumentError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
+    if len({token for token, _ in pairs}) < len(pairs):  # e.g. JSON keys "7" and "07"
+        raise InvalidArgumentError("logit_bias", "names a token more than once")
     return tuple(sorted(pairs))
 
 

@@ -209,6 +209,7 @@ GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         ({**GOOD, "logit_bias": {"x": 1}}, KEY, 400, "logit_bias"),
         ({**GOOD, "logit_bias": {"5": 101}}, KEY, 400, "logit_bias"),
         ({**GOOD, "logit_bias": {"99999": 1}}, KEY, 400, "logit_bias"),
+        ({**GOOD, "logit_bias": {"7": 1, "07": 2}}, KEY, 400, "logit_bias"),
         (b"{not json", KEY, 400, "body"),
         ({**GOOD, "prompt": "x" * (2 << 20)}, KEY, 400, "body"),
         (GOOD, None, 401, None),
