@@ -1,9 +1,10 @@
 """``n`` choices of one completion request: ``n`` requests through the router, one stream.
 
 OpenAI's ``n`` asks for several completions of one prompt. Each choice is a
-request of its own to the router (admitted, placed and counted like any other;
-the prompt's KV is computed once where prefix caching and the cost-model router
-send the choices to the same prefill instance). A request with a ``seed`` gives
+request of its own to the router (admitted, placed and counted like any other).
+They arrive together, so they are prefilled side by side rather than from one
+another's cached prefix: ``n`` choices cost ``n`` prefills (forking one prefill's
+KV into ``n`` decodes is not done). A request with a ``seed`` gives
 choice ``i`` the seed ``seed + i``, so every choice is reproducible and they
 differ; without one each choice draws its own noise. Greedy choices are equal.
 
