@@ -2,9 +2,9 @@
 
 OpenAI's ``n`` asks for several completions of one prompt. Each choice is a
 request of its own to the router (admitted, placed and counted like any other).
-They arrive together, so they are prefilled side by side rather than from one
-another's cached prefix: ``n`` choices cost ``n`` prefills (forking one prefill's
-KV into ``n`` decodes is not done). A request with a ``seed`` gives
+They arrive together, so most are prefilled before another's blocks are in the
+prefix cache: ``n`` choices cost up to ``n`` prefills (forking one prefill's KV
+into ``n`` decodes is not done). A request with a ``seed`` gives
 choice ``i`` the seed ``seed + i``, so every choice is reproducible and they
 differ; without one each choice draws its own noise. Greedy choices are equal.
 
