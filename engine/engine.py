@@ -287,8 +287,10 @@ class EngineCore:
         for request in self.scheduler.update(plan, result.sampled, result.extra):
             new = request.token_ids[before[request.request_id] :]
             kept = self._detokenize(request, new)
-            logprobs = result.logprobs.get(request.request_id, [])[: len(kept)]
-            request.logprobs += logprobs
+            logprobs: list[TokenLogprobs] = []  # most steps: no row asked for them
+            if result.logprobs and (got := result.logprobs.get(request.request_id)):
+                logprobs = got[: len(kept)]
+                request.logprobs += logprobs
             outputs.append(self._output(request, kept, logprobs))
         return outputs
 
