@@ -29,6 +29,7 @@ KINDS: dict[str, Kind] = {
     "ttft": Kind("disagg_ttft", "TTFT of disaggregated vs colocated serving at low load"),
     "router": Kind("router", "router decision time and front-door latency"),
     "scheduler": Kind("scheduler", "the engine scheduler's host time per step"),
+    "sampler": Kind("sampler", "the sampler's time per step with penalties vs without"),
     "kernels": Kind("kernels", "Triton kernels vs torch and the bandwidth floor (GPU)"),
     "serve": Kind("serve", "load a running cluster over gRPC or HTTP; goodput under SLOs"),
     "disagg-vs-colocated": Kind(

@@ -83,6 +83,8 @@ class Request:
         # Tokens this request generated elsewhere before it moved here (they end
         # its prompt): seeded sampling continues at this index.
         self.output_offset = 0
+        # Penalties: tokens of it the sampling rank has been sent (parallel/penalties.py).
+        self.penalty_seen_sent = 0
         # Each output token's logprobs, when its params ask for them (else empty).
         self.logprobs: list[TokenLogprobs] = []
 

@@ -23,6 +23,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_PRIORITY = 1_000_000
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,13 @@ class SamplingParams:
             ``logprobs`` most likely tokens' (0 to 20); None: none.
         logit_bias: (token id, bias) pairs added to the logits before sampling, each
             bias in [-100, 100] (a dict is accepted; stored sorted by token id).
+        presence_penalty: subtracted from the logit of every token generated so far
+            (OpenAI's definition; -2 to 2, 0: off).
+        frequency_penalty: subtracted from a token's logit once per time it was
+            generated so far (-2 to 2, 0: off).
+        repetition_penalty: divides the positive logits and multiplies the negative
+            ones of every token in the prompt or generated so far (as transformers'
+            ``repetition_penalty``; above 1 discourages repeats; 1: off).
     """
 
     max_tokens: int = 16
@@ -66,6 +74,9 @@ class SamplingParams:
     lora: str | None = None
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string from callers; store tuples so the
@@ -122,9 +133,30 @@ class SamplingParams:
                 raise InvalidArgumentError(
                     "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
                 )
+        self._validate_penalties()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "must be a boolean")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2 <= value <= 2:
+                raise InvalidArgumentError(name, f"must be in [-2, 2], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidArgumentError(
+                "repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
+            )
+
+    @property
+    def penalties(self) -> tuple[float, float, float] | tuple[()]:
+        """(presence, frequency, repetition) when any is on; () otherwise."""
+        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1:
+            return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        return ()
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

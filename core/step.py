@@ -8,7 +8,7 @@ a process boundary as one small message per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +35,15 @@ class RowSampling:
     banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int = -1  # -1: none; k >= 0: the new token's and the k likeliest tokens'
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    # (presence, frequency, repetition) when the request asks for any; () otherwise.
+    penalties: tuple[float, ...] = ()
+    # With penalties, the tokens they look at: the request's generated tokens,
+    # preceded by its ``num_seen_prompt`` prompt tokens when repetition != 1. A row
+    # carries those from index ``seen_from`` on; the sampling rank keeps the rest
+    # (parallel/penalties.py).
+    seen: Sequence[int] = ()
+    seen_from: int = 0
+    num_seen_prompt: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -243,13 +252,15 @@ class StepPlan:
 
 def _sampling_to_list(s: RowSampling) -> list[Any]:
     return [s.temperature, s.top_k, s.top_p, s.seed, s.output_index, list(s.banned_token_ids),
-            s.logprobs, [list(p) for p in s.logit_bias]]  # fmt: skip
+            s.logprobs, [list(p) for p in s.logit_bias], list(s.penalties), list(s.seen),
+            s.seen_from, s.num_seen_prompt]  # fmt: skip
 
 
 def _sampling_from_list(v: list[Any]) -> RowSampling:
-    temperature, top_k, top_p, seed, output_index, banned, logprobs, bias = v
+    temperature, top_k, top_p, seed, output_index, banned, logprobs, bias, *penalised = v
+    pen, seen, seen_from, prompt = penalised
     return RowSampling(temperature, top_k, top_p, seed, output_index, tuple(banned), logprobs,
-                       tuple((t, b) for t, b in bias))  # fmt: skip
+                       tuple((t, b) for t, b in bias), tuple(pen), seen, seen_from, prompt)  # fmt: skip
 
 
 @dataclass(frozen=True)

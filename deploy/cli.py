@@ -111,6 +111,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2 (OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2 (OpenAI's)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="(0, 10]; 1: off")
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -124,6 +127,9 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
 
 

@@ -194,7 +194,7 @@ class Scheduler:
         """Send a running request back to wait; returns the step's tokens it gives back."""
         self.running.remove(request)
         self.kv.free(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.penalty_seen_sent = 0  # ranks forget it
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -267,6 +267,12 @@ class Scheduler:
                 p.temperature, p.top_k, p.top_p, p.seed, request.output_offset + num_output,
                 banned, -1 if p.logprobs is None else p.logprobs, p.logit_bias,
             )  # fmt: skip
+            if pen := p.penalties:  # the generated tokens (and the prompt: repetition) not yet sent
+                done = request.output_offset + num_output
+                lead = len(ids) - done if pen[2] != 1 else 0
+                sent, request.penalty_seen_sent = request.penalty_seen_sent, done + lead
+                sampling.penalties, sampling.num_seen_prompt, sampling.seen_from = pen, lead, sent
+                sampling.seen = ids[len(ids) - done - lead + sent :]
         tokens = ids[start : start + num_known]
         if drafts:
             tokens += drafts

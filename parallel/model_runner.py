@@ -239,6 +239,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the whole model (one stage, one rank) on a plan and sample."""
         loads_ok = self.start_tier_ops(plan)
+        self.sampler.forget(plan.finished_request_ids)
         try:
             if not plan.seqs:
                 return StepResult(plan.step_id, {}, loads_ok=loads_ok)
@@ -257,7 +258,9 @@ class ModelRunner:
         # Distinct rising indices, as many as there are rows: every row, in order.
         every_row = batch.sample_indices.shape[0] == hidden.shape[0]
         logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_indices])
-        tokens = self.sampler.verify(logits, batch.sample_rows, batch.sample_drafts)
+        tokens = self.sampler.verify(
+            logits, batch.sample_rows, batch.sample_drafts, batch.sample_ids
+        )
         logprobs = self.sampler.logprobs(logits, batch.sample_rows, batch.sample_drafts, tokens)
         return StepResult.from_tokens(
             plan.step_id,

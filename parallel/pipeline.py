@@ -97,6 +97,7 @@ class StageExecutor:
         """
         start = time.perf_counter()
         self.logprobs = {}
+        self.runner.sampler.forget(plan.finished_request_ids)
         loads_ok = self._tier_loads(plan)
         try:
             if not plan.seqs:  # tier work or exports; ranks still hear of finished requests
@@ -214,7 +215,7 @@ class StageExecutor:
         if g.rank != g.sampler_rank:
             return []
         sampler = self.runner.sampler
-        sampled = sampler.verify(logits, batch.sample_rows, batch.sample_drafts)
+        sampled = sampler.verify(logits, batch.sample_rows, batch.sample_drafts, batch.sample_ids)
         logprobs = sampler.logprobs(logits, batch.sample_rows, batch.sample_drafts, sampled)
         if g.is_leader:
             tokens.update(zip(batch.sample_ids, sampled, strict=True))

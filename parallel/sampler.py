@@ -1,7 +1,8 @@
 """Turn the last-position logits of a batch into one token per sequence.
 
-A row's ``logit_bias`` is added to its logits first and its banned tokens (EOS
-before ``min_tokens``) masked. Greedy rows take the argmax. Other rows are scaled
+A row's ``logit_bias`` is added to its logits first, then its penalties applied
+(``parallel/penalties.py``, which keeps each penalised request's seen tokens) and
+its banned tokens (EOS before ``min_tokens``) masked. Greedy rows take the argmax. Other rows are scaled
 by temperature, cut by top-k and top-p, and sampled by the exponential race
 (``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with probability
 ``p_i`` and never picks a token whose probability was cut to zero.
@@ -28,13 +29,17 @@ logit_bias, bans, temperature and top-k/p) and the likeliest tokens'.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
 from pdserve.core.step import RowSampling, TokenLogprobs
+from pdserve.parallel.penalties import PenaltyState, penalize
 
 _MASK = float("-inf")
+# Penalised rows: their indices, and each (row, token, times generated) they have seen.
+Penalised = tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -43,23 +48,64 @@ def _row_seed(seed: int, output_index: int) -> int:
 
 
 class Sampler:
-    """Stateless but for the generator used by rows without a seed."""
+    """Holds the generator used by rows without a seed and the penalised requests'
+    seen tokens (:meth:`forget` them when their requests finish)."""
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
+        self.penalties = PenaltyState(self.device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> list[int]:
+    def forget(self, request_ids: Sequence[str]) -> None:
+        self.penalties.forget(request_ids)
+
+    def __call__(
+        self, logits: torch.Tensor, rows: list[RowSampling], ids: Sequence[str] = ()
+    ) -> list[int]:
+        """``ids``: the rows' request ids (needed when a row has penalties)."""
+        return self._sample(logits, rows, self._penalised(logits, rows, ids))
+
+    def _penalised(
+        self,
+        logits: torch.Tensor,
+        rows: list[RowSampling],
+        ids: Sequence[str],
+        drafts: list[list[int]] | None = None,
+    ) -> Penalised | None:
+        """The penalised rows' indices, counts and masks; with ``drafts``, of the rows
+        :meth:`verify` expands them to (at a draft, the drafts before it count)."""
+        if not any(r.penalties for r in rows):
+            return None
+        slots = self.penalties.advance(rows, ids, logits.shape[1])
+        which: list[int] = []  # indices of the (expanded) rows
+        taken: list[int] = []  # their slots
+        before: list[list[int]] = []  # their drafts before them
+        row = 0
+        for slot, d in zip(slots, drafts or [[]] * len(rows), strict=True):
+            for i in range(len(d) + 1):
+                if slot >= 0:
+                    which.append(row)
+                    taken.append(slot)
+                    before.append(d[:i])
+                row += 1
+        return which, self.penalties.seen(taken, before)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[RowSampling], penalised: Penalised | None
+    ) -> list[int]:
         # logits: [B, V] for the B rows, any float dtype.
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
-        if any(r.banned_token_ids or r.logit_bias for r in rows):
+        if penalised is not None or any(r.banned_token_ids or r.logit_bias for r in rows):
             logits = logits.clone()
             for i, r in enumerate(rows):
                 if r.logit_bias:
                     ids, bias = zip(*r.logit_bias, strict=True)
                     logits[i, list(ids)] += torch.tensor(bias, device=logits.device)
+            if penalised is not None:
+                penalize(logits, rows, *penalised)
+            for i, r in enumerate(rows):
                 if r.banned_token_ids:
                     logits[i, list(r.banned_token_ids)] = _MASK
         if all(r.greedy for r in rows):
@@ -72,21 +118,26 @@ class Sampler:
         return torch.where(is_greedy, greedy_tokens, sampled).tolist()
 
     def verify(
-        self, logits: torch.Tensor, rows: list[RowSampling], drafts: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        rows: list[RowSampling],
+        drafts: list[list[int]],
+        ids: Sequence[str] = (),
     ) -> list[list[int]]:
         """Each row's new tokens: the accepted drafts' targets and one more.
 
         logits: [sum(1 + len(d) for d in drafts), V], row by row, a row's
-        positions in order (its last known token, then each draft).
+        positions in order (its last known token, then each draft). ``ids``: the
+        rows' request ids (needed when a row has penalties).
         """
         if not any(drafts):
-            return [[t] for t in self(logits, rows)]
+            return [[t] for t in self(logits, rows, ids)]
         expanded = [
             replace(r, output_index=r.output_index + i) if i else r
             for r, d in zip(rows, drafts, strict=True)
             for i in range(len(d) + 1)
         ]
-        targets = self(logits, expanded)
+        targets = self._sample(logits, expanded, self._penalised(logits, rows, ids, drafts))
         out: list[list[int]] = []
         start = 0
         for d in drafts:

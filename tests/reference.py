@@ -102,8 +102,9 @@ def hf_greedy(
     prompts: list[list[int]],
     max_new_tokens: int = MAX_NEW_TOKENS,
     dtype: torch.dtype = torch.float32,
+    **options: Any,
 ) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt."""
+    """transformers' greedy continuation of each prompt (``options``: more of generate's)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
@@ -119,6 +120,7 @@ def hf_greedy(
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens,
                 do_sample=False,
+                **options,
             )
             out.append(gen[0, len(ids) :].tolist())
     return out

@@ -41,6 +41,7 @@ from pdserve.router.frontdoor.lora_admin import add_lora_routes
 from pdserve.router.frontdoor.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pdserve.router.frontdoor.request_keys import ADMITTED, BODY_BYTES, KEY_PRIORITY
 from pdserve.router.frontdoor.requests import (
+    SAMPLING_FIELDS,
     capped_priority,
     completion_input,
     fit_context,
@@ -139,22 +140,7 @@ class HttpApi:
             field,
             add_special_tokens=not chat,
         )
-        values = {
-            k: body.get(k)
-            for k in (
-                "max_tokens",
-                "temperature",
-                "top_p",
-                "top_k",
-                "seed",
-                "stop",
-                "min_tokens",
-                "ignore_eos",
-                "stop_token_ids",
-                "priority",
-                "logit_bias",
-            )
-        }
+        values = {k: body.get(k) for k in SAMPLING_FIELDS if k != "logprobs"}
         values["logprobs"] = asked_logprobs(body, chat)
         if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:
             values["max_tokens"] = body["max_completion_tokens"]

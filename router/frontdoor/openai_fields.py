@@ -15,7 +15,8 @@ from pdserve.core.errors import InvalidArgumentError
 
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
           "stop", "seed", "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "region", "request_id",
-          "priority", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}  # fmt: skip
+          "priority", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+          "logit_bias"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "response_format", "tools", "functions",
                         "tool_choice", "function_call", "parallel_tool_calls", "modalities",
@@ -26,8 +27,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
-    "presence_penalty": lambda v: not v,
-    "frequency_penalty": lambda v: not v,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: not v,
     "functions": lambda v: not v,

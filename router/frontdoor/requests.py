@@ -50,6 +50,9 @@ SAMPLING_FIELDS = {
     "priority": "priority",
     "logprobs": "logprobs",
     "logit_bias": "logit_bias",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
 }
 
 

@@ -32,6 +32,9 @@ def test_bad_flag_value_names_the_field() -> None:
     proc = run("generate", "--prompt", "Hello", "--top-p", "1.5")
     assert proc.returncode == 2
     assert "top_p" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run("generate", "--prompt", "Hello", "--repetition-penalty", "0")
+    assert proc.returncode == 2
+    assert "repetition_penalty" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_missing_model_is_one_clear_line(tmp_path) -> None:

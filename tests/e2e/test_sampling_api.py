@@ -1,6 +1,6 @@
 """What a request can ask of sampling beyond one completion, on a real cluster (a
-prefill and a decode instance): ``n`` choices and logprobs, over HTTP (the official
-openai client) and gRPC."""
+prefill and a decode instance): ``n`` choices, logprobs, logit_bias and penalties, over
+HTTP (the official openai client) and gRPC."""
 
 from __future__ import annotations
 
@@ -131,4 +131,27 @@ def test_logit_bias_over_http_and_grpc(cluster, doors) -> None:
     with pytest.raises(grpc.RpcError) as e:
         stub(doors).Complete(request(logit_bias={7: 500.0}), metadata=AUTH)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()
+    cluster.assert_idle()
+
+
+def test_penalties_through_prefill_and_decode_match_the_engine(cluster, doors, reference) -> None:
+    """The prefill instance samples the first token under the penalties, decode the
+    rest (seeing the first): the tokens equal the offline engine's."""
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.25}
+    params = SamplingParams(max_tokens=12, temperature=0, **penalties)
+    want = LLM("builtin:tiny").generate(PROMPT, params)[0].outputs[0]
+    assert want.token_ids != reference.token_ids  # the penalties change the greedy tokens
+    whole = stub(doors).Complete(
+        request(max_tokens=12, temperature=0.0, **penalties), metadata=AUTH
+    )
+    assert list(whole.token_ids) == want.token_ids
+    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    out = openai_client(doors).completions.create(
+        **ask, presence_penalty=0.5, frequency_penalty=1.5, extra_body={"repetition_penalty": 1.25}
+    )
+    assert out.choices[0].text == want.text
+    with pytest.raises(grpc.RpcError) as e:
+        stub(doors).Complete(request(presence_penalty=3.0), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "presence_penalty" in e.value.details()
     cluster.assert_idle()
