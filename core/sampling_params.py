@@ -7,6 +7,7 @@ checks guard the offline API, the command line and the network front doors.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ MAX_PRIORITY = 1_000_000
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_REPETITION_PENALTY = 10.0
+MAX_SCHEMA_CHARS = 65536
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class SamplingParams:
         repetition_penalty: divides the positive logits and multiplies the negative
             ones of every token in the prompt or generated so far (as transformers'
             ``repetition_penalty``; above 1 discourages repeats; 1: off).
+        json_schema: a JSON schema (as JSON text) the output must follow; decoding is
+            constrained to it (``{"type": "object"}``: any JSON object). None: free text.
     """
 
     max_tokens: int = 16
@@ -77,6 +81,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string from callers; store tuples so the
@@ -134,6 +139,10 @@ class SamplingParams:
                     "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
                 )
         self._validate_penalties()
+        if self.json_schema is not None:
+            _check_schema(self.json_schema)
+            if self.min_tokens:  # past the schema's value only EOS is allowed
+                raise InvalidArgumentError("min_tokens", "cannot be combined with a json_schema")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, "must be a boolean")
@@ -229,6 +238,24 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     if len({token for token, _ in pairs}) < len(pairs):  # e.g. JSON keys "7" and "07"
         raise InvalidArgumentError("logit_bias", "names a token more than once")
     return tuple(sorted(pairs))
+
+
+def _check_schema(schema: object) -> None:
+    if not isinstance(schema, str) or len(schema) > MAX_SCHEMA_CHARS:
+        raise InvalidArgumentError(
+            "json_schema", f"must be JSON text of at most {MAX_SCHEMA_CHARS} characters"
+        )
+    try:
+        parsed = json.loads(schema)
+    except ValueError as e:
+        raise InvalidArgumentError("json_schema", f"is not JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidArgumentError("json_schema", "must be a JSON object (a schema)")
+    from pdserve.core.structured import check_schema
+
+    error = check_schema(schema)
+    if error is not None:
+        raise InvalidArgumentError("json_schema", f"cannot guide decoding: {error[:300]}")
 
 
 def _check_int(name: str, value: object) -> None:

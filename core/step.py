@@ -37,13 +37,15 @@ class RowSampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
     # (presence, frequency, repetition) when the request asks for any; () otherwise.
     penalties: tuple[float, ...] = ()
-    # With penalties, the tokens they look at: the request's generated tokens,
+    # With penalties or a schema, the tokens they look at: the request's generated tokens,
     # preceded by its ``num_seen_prompt`` prompt tokens when repetition != 1. A row
     # carries those from index ``seen_from`` on; the sampling rank keeps the rest
     # (parallel/penalties.py).
     seen: Sequence[int] = ()
     seen_from: int = 0
     num_seen_prompt: int = 0
+    # A JSON schema the output follows (parallel/grammar.py); it sees ``seen`` too.
+    json_schema: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -253,14 +255,15 @@ class StepPlan:
 def _sampling_to_list(s: RowSampling) -> list[Any]:
     return [s.temperature, s.top_k, s.top_p, s.seed, s.output_index, list(s.banned_token_ids),
             s.logprobs, [list(p) for p in s.logit_bias], list(s.penalties), list(s.seen),
-            s.seen_from, s.num_seen_prompt]  # fmt: skip
+            s.seen_from, s.num_seen_prompt, s.json_schema]  # fmt: skip
 
 
 def _sampling_from_list(v: list[Any]) -> RowSampling:
     temperature, top_k, top_p, seed, output_index, banned, logprobs, bias, *penalised = v
-    pen, seen, seen_from, prompt = penalised
+    pen, seen, seen_from, prompt, schema = penalised
     return RowSampling(temperature, top_k, top_p, seed, output_index, tuple(banned), logprobs,
-                       tuple((t, b) for t, b in bias), tuple(pen), seen, seen_from, prompt)  # fmt: skip
+                       tuple((t, b) for t, b in bias), tuple(pen), seen, seen_from, prompt,
+                       schema)  # fmt: skip
 
 
 @dataclass(frozen=True)

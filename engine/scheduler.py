@@ -41,6 +41,7 @@ from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.draft import DraftProposer
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.priority import WaitingQueue, by_priority, victim, victims_for
+from pdserve.engine.seen import send_seen
 from pdserve.engine.speculative import Speculator
 from pdserve.engine.stopping import token_stop
 
@@ -184,6 +185,8 @@ class Scheduler:
 
     def _draft(self, request: Request, budget: int) -> int:
         """Propose drafts that fit the budget, the context limit and the free blocks."""
+        if request.sampling_params.json_schema is not None:
+            return 0  # a grammar row is sampled at one position (parallel/grammar.py)
         drafts = self.spec.propose(request, budget, self.max_model_len)
         if not drafts or not self.kv.can_allocate(request, 1 + len(drafts)):
             return 0
@@ -267,12 +270,8 @@ class Scheduler:
                 p.temperature, p.top_k, p.top_p, p.seed, request.output_offset + num_output,
                 banned, -1 if p.logprobs is None else p.logprobs, p.logit_bias,
             )  # fmt: skip
-            if pen := p.penalties:  # the generated tokens (and the prompt: repetition) not yet sent
-                done = request.output_offset + num_output
-                lead = len(ids) - done if pen[2] != 1 else 0
-                sent, request.penalty_seen_sent = request.penalty_seen_sent, done + lead
-                sampling.penalties, sampling.num_seen_prompt, sampling.seen_from = pen, lead, sent
-                sampling.seen = ids[len(ids) - done - lead + sent :]
+            if p.penalties or p.json_schema is not None:
+                send_seen(request, sampling, num_output)
         tokens = ids[start : start + num_known]
         if drafts:
             tokens += drafts

@@ -113,7 +113,7 @@ class ModelRunner:
             pack_linears(self.model)
         self.weights_bytes = weights_bytes(self.model)
         logger.info("weights: %d bytes (quantization %s)", self.weights_bytes, config.quantization)
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, model_config.path, model_config.eos_token_ids)  # fmt: skip
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []

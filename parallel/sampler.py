@@ -31,15 +31,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import accumulate
 
 import torch
 
 from pdserve.core.step import RowSampling, TokenLogprobs
+from pdserve.parallel.grammar import GrammarState
 from pdserve.parallel.penalties import PenaltyState, penalize
 
 _MASK = float("-inf")
 # Penalised rows: their indices, and each (row, token, times generated) they have seen.
 Penalised = tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# Structured rows: their indices, and the tokens their grammars allow ([n, V] bool).
+Allowed = tuple[list[int], torch.Tensor]
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -48,23 +52,53 @@ def _row_seed(seed: int, output_index: int) -> int:
 
 
 class Sampler:
-    """Holds the generator used by rows without a seed and the penalised requests'
-    seen tokens (:meth:`forget` them when their requests finish)."""
+    """Holds the generator used by rows without a seed, the penalised requests' seen
+    tokens and the structured requests' matchers (:meth:`forget` them when their
+    requests finish)."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        tokenizer_dir: str | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """``tokenizer_dir``: the model's folder (its tokenizer.json), for schemas."""
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self.penalties = PenaltyState(self.device)
+        self.grammars = GrammarState(tokenizer_dir, eos_token_ids)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         self.penalties.forget(request_ids)
+        self.grammars.forget(request_ids)
 
     def __call__(
         self, logits: torch.Tensor, rows: list[RowSampling], ids: Sequence[str] = ()
     ) -> list[int]:
-        """``ids``: the rows' request ids (needed when a row has penalties)."""
-        return self._sample(logits, rows, self._penalised(logits, rows, ids))
+        """``ids``: the rows' request ids (needed when a row has penalties or a schema)."""
+        penalised = self._penalised(logits, rows, ids)
+        return self._sample(logits, rows, penalised, self._allowed(logits, rows, ids))
+
+    def _allowed(
+        self,
+        logits: torch.Tensor,
+        rows: list[RowSampling],
+        ids: Sequence[str],
+        drafts: list[list[int]] | None = None,
+    ) -> Allowed | None:
+        """The structured rows' indices (in :meth:`verify`'s expansion with ``drafts``:
+        they have none) and the tokens their grammars allow next."""
+        if all(r.json_schema is None for r in rows):
+            return None
+        vocab = logits.shape[1]
+        which = self.grammars.allowed(rows, ids, vocab)
+        masks = self.grammars.masks([ids[i] for i in which], vocab, logits.device)
+        if drafts is not None:
+            starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))
+            which = [starts[i] for i in which]
+        return which, masks
 
     def _penalised(
         self,
@@ -92,12 +126,17 @@ class Sampler:
         return which, self.penalties.seen(taken, before)
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[RowSampling], penalised: Penalised | None
+        self,
+        logits: torch.Tensor,
+        rows: list[RowSampling],
+        penalised: Penalised | None,
+        allowed: Allowed | None = None,
     ) -> list[int]:
         # logits: [B, V] for the B rows, any float dtype.
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
-        if penalised is not None or any(r.banned_token_ids or r.logit_bias for r in rows):
+        adjusted = penalised is not None or allowed is not None
+        if adjusted or any(r.banned_token_ids or r.logit_bias for r in rows):
             logits = logits.clone()
             for i, r in enumerate(rows):
                 if r.logit_bias:
@@ -105,6 +144,10 @@ class Sampler:
                     logits[i, list(ids)] += torch.tensor(bias, device=logits.device)
             if penalised is not None:
                 penalize(logits, rows, *penalised)
+            if allowed is not None:
+                at = torch.tensor(allowed[0], device=logits.device)
+                kept = logits.index_select(0, at).masked_fill(~allowed[1], _MASK)
+                logits.index_copy_(0, at, kept)
             for i, r in enumerate(rows):
                 if r.banned_token_ids:
                     logits[i, list(r.banned_token_ids)] = _MASK
@@ -137,7 +180,10 @@ class Sampler:
             for r, d in zip(rows, drafts, strict=True)
             for i in range(len(d) + 1)
         ]
-        targets = self._sample(logits, expanded, self._penalised(logits, rows, ids, drafts))
+        penalised = self._penalised(logits, rows, ids, drafts)
+        targets = self._sample(
+            logits, expanded, penalised, self._allowed(logits, rows, ids, drafts)
+        )
         out: list[list[int]] = []
         start = 0
         for d in drafts:

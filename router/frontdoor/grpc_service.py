@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Completion"
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
-             "presence_penalty", "frequency_penalty", "repetition_penalty")  # fmt: skip
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema")  # fmt: skip
 
 
 class CompletionService(pb_grpc.CompletionServicer):

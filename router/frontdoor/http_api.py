@@ -38,7 +38,12 @@ from pdserve.router.frontdoor.choices import choice_count, fan_out, merged, tota
 from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.logprobs import ChoiceLogprobs, asked_logprobs, token_text
 from pdserve.router.frontdoor.lora_admin import add_lora_routes
-from pdserve.router.frontdoor.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from pdserve.router.frontdoor.openai_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    check_fields,
+    response_schema,
+)
 from pdserve.router.frontdoor.request_keys import ADMITTED, BODY_BYTES, KEY_PRIORITY
 from pdserve.router.frontdoor.requests import (
     SAMPLING_FIELDS,
@@ -142,6 +147,7 @@ class HttpApi:
         )
         values = {k: body.get(k) for k in SAMPLING_FIELDS if k != "logprobs"}
         values["logprobs"] = asked_logprobs(body, chat)
+        values["json_schema"] = response_schema(body.get("response_format"))
         if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:
             values["max_tokens"] = body["max_completion_tokens"]
         if values["priority"] is None:

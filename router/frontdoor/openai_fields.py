@@ -8,6 +8,7 @@ other value of them is refused naming the field, as pdserve does not do it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -16,9 +17,9 @@ from pdserve.core.errors import InvalidArgumentError
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
           "stop", "seed", "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "region", "request_id",
           "priority", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-          "logit_bias"}  # fmt: skip
+          "logit_bias", "response_format"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "response_format", "tools", "functions",
+CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "tools", "functions",
                         "tool_choice", "function_call", "parallel_tool_calls", "modalities",
                         "service_tier", "store", "metadata"}  # fmt: skip
 
@@ -27,7 +28,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: not v,
     "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none", "auto"),
@@ -59,3 +59,26 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
             )
         if not isinstance(options.get("include_usage", False), bool):
             raise InvalidArgumentError("stream_options.include_usage", "must be a boolean")
+
+
+def response_schema(value: Any) -> str | None:
+    """The JSON schema (as JSON text) an OpenAI ``response_format`` asks the output to
+    follow: ``{"type": "json_object"}`` any JSON object, ``{"type": "json_schema",
+    "json_schema": {"schema": {...}}}`` that schema; None for text."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and len(value) == 1:
+        return None
+    if kind == "json_object" and len(value) == 1:
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise InvalidArgumentError(
+                "response_format.json_schema", "must be an object with a 'schema' object"
+            )
+        return json.dumps(spec["schema"])
+    raise InvalidArgumentError(
+        "response_format", "must be {'type': 'text'}, {'type': 'json_object'} or a json_schema"
+    )

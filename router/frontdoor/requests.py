@@ -53,6 +53,7 @@ SAMPLING_FIELDS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",
+    "json_schema": "json_schema",
 }
 
 

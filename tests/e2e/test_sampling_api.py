@@ -1,10 +1,14 @@
 """What a request can ask of sampling beyond one completion, on a real cluster (a
-prefill and a decode instance): ``n`` choices, logprobs, logit_bias and penalties, over
-HTTP (the official openai client) and gRPC."""
+prefill and a decode instance): ``n`` choices, logprobs, logit_bias, penalties and JSON
+schemas, over HTTP (the official openai client) and gRPC."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
+import jsonschema
+import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -154,4 +158,37 @@ def test_penalties_through_prefill_and_decode_match_the_engine(cluster, doors, r
         stub(doors).Complete(request(presence_penalty=3.0), metadata=AUTH)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "presence_penalty" in e.value.details()
+    cluster.assert_idle()
+
+
+def test_response_format_json_schema_through_prefill_and_decode(cluster, doors) -> None:
+    """The prefill instance samples the first token under the schema's grammar, decode
+    the rest (its matcher fed the first): valid JSON, the offline engine's tokens."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+              "colour": {"enum": ["red", "blue"]}}, "required": ["ok", "colour"],
+              "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(max_tokens=40, temperature=0, json_schema=json.dumps(schema))
+    want = LLM("builtin:tiny").generate(PROMPT, params)[0].outputs[0]
+    assert want.finish_reason == "stop"
+    jsonschema.validate(json.loads(want.text), schema)
+    client = openai_client(doors)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=40, temperature=0, response_format=fmt)  # fmt: skip
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    assert chat.choices[0].finish_reason == "stop"
+    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+    out = client.completions.create(**ask, extra_body={"response_format": fmt})
+    assert out.choices[0].text == want.text
+    whole = stub(doors).Complete(
+        request(max_tokens=40, json_schema=json.dumps(schema)), metadata=AUTH
+    )
+    assert list(whole.token_ids) == want.token_ids
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**ask, extra_body={"response_format": {"type": "xml"}})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(grpc.RpcError) as g:
+        stub(doors).Complete(request(json_schema='{"type": "nonsense"}'), metadata=AUTH)
+    assert g.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "json_schema" in g.value.details()
     cluster.assert_idle()

@@ -15,6 +15,7 @@ from pdserve.parallel.penalties import PenaltyState
 from tests.reference import hf_greedy
 
 STEPS = 12
+SCHEMA = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
 
 
 def _greedy(**penalties: float) -> SamplingParams:
@@ -102,10 +103,12 @@ def test_two_pipeline_stages_keep_the_seen_tokens_on_the_sampler_rank(
     ray_session, references
 ) -> None:
     """With two stages the last one samples: the plans carry each row's new tokens
-    to it, and it gives the one-rank engine's tokens."""
+    to it (for penalties and for a JSON schema's matcher), and it gives the one-rank
+    engine's tokens."""
     folder, prompts, _ = references("llama")
-    params = [_greedy(repetition_penalty=1.5), _greedy(presence_penalty=1.0, frequency_penalty=0.5)]
-    params = [params[i % 2] for i in range(4)]
+    params = [_greedy(repetition_penalty=1.5), _greedy(presence_penalty=1.0, frequency_penalty=0.5),
+              SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMA)]  # fmt: skip
+    params = [params[i % 3] for i in range(4)]
     one = LLM(str(folder), max_num_batched_tokens=64, block_size=16)
     want = [o.outputs[0].token_ids for o in one.generate(prompts[:4], params)]
     llm = LLM(

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.router.frontdoor.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from pdserve.router.frontdoor.openai_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    check_fields,
+    response_schema,
+)
 from tests.frontdoor.test_lora_http import _run
 
 TAKEN = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
@@ -19,7 +24,7 @@ TAKEN_CHAT = {"n": None, "logit_bias": None, "top_logprobs": None,
               "modalities": ["text"], "service_tier": "auto", "store": False,
               "metadata": {"team": "a"}}  # fmt: skip
 REFUSED = [("best_of", 3), ("echo", True), ("suffix", "x")]
-REFUSED_CHAT = [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+REFUSED_CHAT = [("tools", [{"type": "function"}]),
                 ("tool_choice", {"type": "function"}), ("service_tier", "flex"), ("store", True),
                 ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1)]  # fmt: skip
 
@@ -45,3 +50,18 @@ def test_over_http_a_request_with_do_nothing_fields_reaches_the_router() -> None
     (taken, refused), seen = _run(requests)
     assert taken[0] == 429 and len(seen) == 1  # no instance: refused by admission, not the door
     assert refused[0] == 400 and refused[1]["error"]["param"] == "best_of"
+
+
+def test_response_formats_become_a_schema_or_are_refused_by_name() -> None:
+    assert response_schema(None) is None and response_schema({"type": "text"}) is None
+    assert response_schema({"type": "json_object"}) == '{"type": "object"}'
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert response_schema(spec) == '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    bad = [({"type": "grammar"}, "response_format"), ("json", "response_format"),
+           ({"type": "json_schema"}, "response_format.json_schema"),
+           ({"type": "json_schema", "json_schema": {"schema": "{}"}}, "response_format.json_schema")]  # fmt: skip
+    for value, field in bad:
+        with pytest.raises(InvalidArgumentError) as e:
+            response_schema(value)
+        assert e.value.field == field
