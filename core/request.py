@@ -87,6 +87,8 @@ class Request:
         self.penalty_seen_sent = 0
         # Each output token's logprobs, when its params ask for them (else empty).
         self.logprobs: list[TokenLogprobs] = []
+        # Each prompt token's but the first (prompt_logprobs; else empty).
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -188,3 +190,5 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[TokenLogprobs] | None = None
+    # With prompt_logprobs: an entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -59,6 +59,9 @@ class SamplingParams:
         repetition_penalty: divides the positive logits and multiplies the negative
             ones of every token in the prompt or generated so far (as transformers'
             ``repetition_penalty``; above 1 discourages repeats; 1: off).
+        prompt_logprobs: return each prompt token's log-probability given the tokens
+            before it (the first has none) and the ``prompt_logprobs`` likeliest tokens'
+            (0 to 20); the prompt is then computed in full, without prefix-cache hits.
         json_schema: a JSON schema (as JSON text) the output must follow; decoding is
             constrained to it (``{"type": "object"}``: any JSON object). None: free text.
     """
@@ -82,6 +85,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     json_schema: str | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string from callers; store tuples so the
@@ -132,12 +136,8 @@ class SamplingParams:
             not isinstance(self.lora, str) or not self.lora or len(self.lora) > 128
         ):
             raise InvalidArgumentError("lora", "must be an adapter name of 1 to 128 characters")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidArgumentError(
-                    "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            _check_logprobs(name, getattr(self, name))
         self._validate_penalties()
         if self.json_schema is not None:
             _check_schema(self.json_schema)
@@ -238,6 +238,14 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     if len({token for token, _ in pairs}) < len(pairs):  # e.g. JSON keys "7" and "07"
         raise InvalidArgumentError("logit_bias", "names a token more than once")
     return tuple(sorted(pairs))
+
+
+def _check_logprobs(name: str, value: object) -> None:
+    if value is not None:
+        _check_int(name, value)
+        assert isinstance(value, int)
+        if not 0 <= value <= MAX_LOGPROBS:
+            raise InvalidArgumentError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
 def _check_schema(schema: object) -> None:

@@ -70,6 +70,9 @@ class ScheduledSeq:
             the target's token at each draft's position while the drafts agree
             with it, then one more (``StepResult.extra``).
         lora: the LoRA adapter every token of this chunk runs under (None: base).
+        prompt_logprobs: with ``prompt_targets``, the step returns the log-probability of
+            ``prompt_targets[i]`` at this chunk's token ``i`` (the next prompt token) and
+            the ``prompt_logprobs`` likeliest tokens' (``StepResult.prompt_logprobs``).
     """
 
     request_id: str
@@ -79,6 +82,8 @@ class ScheduledSeq:
     sampling: RowSampling | None = None
     num_draft_tokens: int = 0
     lora: str | None = None
+    prompt_logprobs: int = -1
+    prompt_targets: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -210,6 +215,8 @@ class StepPlan:
                 None if s.sampling is None else _sampling_to_list(s.sampling),
                 s.num_draft_tokens,
                 s.lora,
+                s.prompt_logprobs,
+                list(s.prompt_targets),
             ]
             for s in self.seqs
         ]
@@ -242,8 +249,10 @@ class StepPlan:
                     None if s is None else _sampling_from_list(s),
                     drafts,
                     lora,
+                    k,
+                    targets or (),
                 )
-                for rid, toks, start, table, s, drafts, lora in seqs
+                for rid, toks, start, table, s, drafts, lora, k, targets in seqs
             ],
             finished_request_ids=finished,
             kv_sends=[KVSend(*k) for k in sends],
@@ -262,7 +271,7 @@ def _sampling_from_list(v: list[Any]) -> RowSampling:
     temperature, top_k, top_p, seed, output_index, banned, logprobs, bias, *penalised = v
     pen, seen, seen_from, prompt, schema = penalised
     return RowSampling(temperature, top_k, top_p, seed, output_index, tuple(banned), logprobs,
-                       tuple((t, b) for t, b in bias), tuple(pen), seen, seen_from, prompt,
+                       tuple((t, b) for t, b in bias), tuple(pen), seen or (), seen_from, prompt,
                        schema)  # fmt: skip
 
 
@@ -286,6 +295,8 @@ class StepResult:
     extra: dict[str, list[int]] = field(default_factory=dict)
     # Rows that asked for logprobs (RowSampling.logprobs >= 0): one entry per new token.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Chunks with prompt_targets: one entry per target.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
     @classmethod
     def from_tokens(

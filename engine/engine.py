@@ -209,6 +209,11 @@ class EngineCore:
         self.adapters.check(params.lora)
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop", "stop strings need a model with a tokenizer")
+        layout = self.config.parallel
+        if params.prompt_logprobs is not None and (layout.pipeline_parallel_size > 1 or layout.afd):
+            raise InvalidArgumentError(
+                "prompt_logprobs", "not computed by pipeline or afd instances"
+            )
         return Request(request_id, token_ids, params, self.eos_token_ids, arrival)
 
     def _track(self, request: Request, prompt: str | list[int]) -> None:
@@ -284,7 +289,8 @@ class EngineCore:
         before = {
             s.request_id: r.num_tokens for s in plan.seqs if (r := requests.get(s.request_id))
         }
-        for request in self.scheduler.update(plan, result.sampled, result.extra):
+        updated = self.scheduler.update(plan, result.sampled, result.extra, result.prompt_logprobs)
+        for request in updated:
             new = request.token_ids[before[request.request_id] :]
             kept = self._detokenize(request, new)
             logprobs: list[TokenLogprobs] = []  # most steps: no row asked for them

@@ -36,6 +36,7 @@ def execute_isolating(
     sampled: dict[str, int] = {}
     extra: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt: dict[str, list[TokenLogprobs]] = {}
     failed: list[str] = []
     transfer_ok = True
     for i, seq in enumerate(plan.seqs):
@@ -58,5 +59,6 @@ def execute_isolating(
         sampled.update(result.sampled)
         extra.update(result.extra)
         logprobs.update(result.logprobs)
+        prompt.update(result.prompt_logprobs)
         transfer_ok = transfer_ok and result.kv_transfer_ok
-    return StepResult(plan.step_id, sampled, transfer_ok, extra=extra, logprobs=logprobs), failed
+    return StepResult(plan.step_id, sampled, transfer_ok, [], extra, logprobs, prompt), failed

@@ -51,4 +51,20 @@ def request_output(
         new_token_ids=new_token_ids,
         new_text=new_text,
         new_logprobs=list(new_logprobs) if asked else None,
+        prompt_logprobs=_prompt_logprobs(request),
     )
+
+
+def _prompt_logprobs(request: Request) -> list[TokenLogprobs | None] | None:
+    """None for the first prompt token, then each one's; None unless asked."""
+    if request.sampling_params.prompt_logprobs is None:
+        return None
+    return [None, *request.prompt_logprobs]
+
+
+def record_prompt_logprobs(request: Request, start: int, entries: list[TokenLogprobs]) -> None:
+    """Keep a chunk's prompt logprobs (the chunk's tokens from ``start`` on predict the
+    prompt tokens from ``start + 1``); a chunk recomputed after a preemption adds nothing."""
+    have = len(request.prompt_logprobs)
+    if start <= have:
+        request.prompt_logprobs += entries[have - start :]

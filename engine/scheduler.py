@@ -36,10 +36,12 @@ from collections.abc import Callable
 
 from pdserve.core.config import SchedulerConfig, SpeculativeConfig
 from pdserve.core.request import Request, RequestStatus
-from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan, TierOps
+from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan, TierOps, TokenLogprobs
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.draft import DraftProposer
+from pdserve.engine.integrity import check_queues
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.outputs import record_prompt_logprobs
 from pdserve.engine.priority import WaitingQueue, by_priority, victim, victims_for
 from pdserve.engine.seen import send_seen
 from pdserve.engine.speculative import Speculator
@@ -215,8 +217,9 @@ class Scheduler:
         allowed = MAX_PRIORITY_PREEMPTIONS
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.head
-            prefix = self.kv.find_cached_prefix(request)
-            if self._load_offloaded(request, prefix):
+            whole = request.sampling_params.prompt_logprobs is not None  # no cache hits
+            prefix = [] if whole else self.kv.find_cached_prefix(request)
+            if not whole and self._load_offloaded(request, prefix):
                 continue
             computed = len(prefix) * self.kv.block_size
             cap = self.config.max_prefill_chunk or budget
@@ -276,17 +279,22 @@ class Scheduler:
         if drafts:
             tokens += drafts
         kv_ids = self.kv.block_table(rid)
-        return ScheduledSeq(rid, tokens, start, kv_ids, sampling, len(drafts) if drafts else 0)
+        seq = ScheduledSeq(rid, tokens, start, kv_ids, sampling, len(drafts) if drafts else 0)
+        if (k := request.sampling_params.prompt_logprobs) is not None:  # each next prompt token
+            seq.prompt_logprobs, end = k, min(start + num_known + 1, request.num_prompt_tokens)
+            seq.prompt_targets = ids[start + 1 : end]
+        return seq
 
     def update(
         self,
         plan: StepPlan,
         sampled: dict[str, int],
         extra: dict[str, list[int]] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[Request]:
         """Advance counters after a step; return the requests that got tokens.
 
-        ``extra``: ``StepResult.extra``. Requests that hit a token-level stop
+        ``extra``, ``prompt_logprobs``: ``StepResult``'s. Requests that hit a token-level stop
         (EOS, stop token, max_tokens, the context limit) are finished here and
         their blocks freed; a stop cuts a row's tokens where one-token steps would.
         """
@@ -295,6 +303,8 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if prompt_logprobs and seq.prompt_targets:
+                record_prompt_logprobs(request, seq.start_pos, prompt_logprobs[seq.request_id])
             if seq.num_draft_tokens:
                 tokens = [sampled[seq.request_id], *(extra or {}).get(seq.request_id, ())]
                 self._accept(request, seq, tokens)
@@ -374,21 +384,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Queues and block tables agree; raises AssertionError otherwise."""
-        self.kv.check_integrity()
-        assert not self.loading, "tier loads outlive their step"
-        queued = {r.request_id for r in self.waiting} | {r.request_id for r in self.running}
-        assert queued | set(self.reserved) == set(self.requests), "a request is lost or in no queue"
-        assert len(self.waiting) + len(self.running) + len(self.reserved) == len(self.requests), (
-            "a request is queued twice"
-        )
-        assert not set(self.held) & set(self.requests), "a held request is still queued"
-        for rid in list(self.reserved) + list(self.held):
-            assert self.kv.holds(rid), f"{rid} is reserved or held without blocks"
-        for r in self.running:
-            assert r.status is RequestStatus.RUNNING, r
-            assert self.kv.holds(r.request_id) or r.num_computed_tokens == 0
-            assert (
-                len(self.kv.block_table(r.request_id)) * self.kv.block_size >= r.num_computed_tokens
-            )
-        for r in self.waiting:
-            assert not self.kv.holds(r.request_id), f"waiting {r} holds blocks"
+        check_queues(self)

@@ -10,7 +10,7 @@ writes the step's K/V before it attends, so that is the row's causal attention.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,8 @@ class PreparedBatch:
     tokens. sample_ids, sample_rows and sample_drafts give each sampling
     sequence's request id, settings and drafts (empty for none), in the same order.
     lora: which rows run under which LoRA adapter (None: every row on the base model).
+    prompt_rows: per chunk asking for prompt logprobs, its request id, the row of its
+    first token in the flat batch, its targets and how many top tokens it wants.
     """
 
     input_ids: torch.Tensor
@@ -39,6 +41,7 @@ class PreparedBatch:
     sample_rows: list[RowSampling]
     sample_drafts: list[list[int]]
     lora: LoRABatch | None = None
+    prompt_rows: list[tuple[str, int, Sequence[int], int]] = field(default_factory=list)
 
     @property
     def max_sample_tokens(self) -> int:
@@ -124,7 +127,12 @@ def prepare_batch(
     positions: list[int] = []
     slots: list[int] = []
     sample_indices: list[int] = []
+    prompt_rows: list[tuple[str, int, Sequence[int], int]] = []
     for seq in ordered:
+        if seq.prompt_targets:
+            prompt_rows.append(
+                (seq.request_id, len(input_ids), seq.prompt_targets, seq.prompt_logprobs)
+            )
         table = seq.block_table
         for pos in range(seq.start_pos, seq.seq_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
@@ -148,4 +156,5 @@ def prepare_batch(
         sample_rows=[s.sampling for s in sampled if s.sampling is not None],
         sample_drafts=[s.token_ids[s.num_tokens - s.num_draft_tokens :] for s in sampled],
         lora=_lora_rows(ordered, adapters, device),
+        prompt_rows=prompt_rows,
     )

@@ -40,7 +40,7 @@ from pdserve.parallel.lora_loader import (
 )
 from pdserve.parallel.models import CausalLM, build_model
 from pdserve.parallel.quant import quantize_linears, select_path, weights_bytes
-from pdserve.parallel.sampler import Sampler
+from pdserve.parallel.sampler import Sampler, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +253,12 @@ class ModelRunner:
         return replace(result, loads_ok=loads_ok) if loads_ok else result
 
     def sample(self, plan: StepPlan, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
+        if batch.prompt_rows:  # every rank joins the logits' gather
+            prompt = prompt_logprobs(self.model.compute_logits, hidden, batch.prompt_rows)
+            return replace(self._sample(plan, batch, hidden), prompt_logprobs=prompt)
+        return self._sample(plan, batch, hidden)
+
+    def _sample(self, plan: StepPlan, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
         if not batch.sample_ids:
             return StepResult(plan.step_id, {})
         # Distinct rising indices, as many as there are rows: every row, in order.

@@ -29,7 +29,7 @@ logit_bias, bans, temperature and top-k/p) and the likeliest tokens'.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import accumulate
 
@@ -271,3 +271,37 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         # Exp(1) can round to 0; a floor keeps p / q finite and zero for cut tokens.
         return noise.clamp_(min=1e-30)
+
+
+PROMPT_ROWS_AT_ONCE = 256  # bounds the [rows, V] float32 logits of a long chunk
+
+
+def prompt_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    chunks: list[tuple[str, int, Sequence[int], int]],
+) -> dict[str, list[TokenLogprobs]]:
+    """Each chunk's prompt logprobs (``PreparedBatch.prompt_rows``): at its token ``i``,
+    the raw log-probability of its target ``i`` and its ``k`` likeliest tokens'."""
+    index = [first + i for _, first, targets, _ in chunks for i in range(len(targets))]
+    targets = [t for _, _, ts, _ in chunks for t in ts]
+    wants = [k for _, _, ts, k in chunks for _ in ts]
+    entries: list[TokenLogprobs] = []
+    for lo in range(0, len(index), PROMPT_ROWS_AT_ONCE):
+        hi = lo + PROMPT_ROWS_AT_ONCE
+        at = torch.tensor(index[lo:hi], device=hidden.device)
+        lp = compute_logits(hidden.index_select(0, at)).float().log_softmax(dim=-1)
+        want = torch.tensor(targets[lo:hi], device=lp.device).unsqueeze(1)
+        chosen = lp.gather(1, want).squeeze(1).tolist()
+        k = max(wants[lo:hi])
+        top = lp.topk(k, dim=-1) if k else None
+        ids = top.indices.tolist() if top is not None else [[]] * len(chosen)
+        values = top.values.tolist() if top is not None else [[]] * len(chosen)
+        for value, i, v, n in zip(chosen, ids, values, wants[lo:hi], strict=True):
+            entries.append((value, list(zip(i[:n], v[:n], strict=True))))
+    out: dict[str, list[TokenLogprobs]] = {}
+    start = 0
+    for rid, _, ts, _ in chunks:
+        out[rid] = entries[start : start + len(ts)]
+        start += len(ts)
+    return out
