@@ -43,9 +43,8 @@ class GrammarState:
                 self._matchers.pop(rid, None)
 
     def allowed(self, rows: Sequence[RowSampling], ids: Sequence[str], vocab: int) -> list[int]:
-        """Advance the structured rows' matchers; mask the others out of ``allowed``.
-
-        Returns the structured rows' indices; :meth:`masks` gives their masks."""
+        """Feed the structured rows' matchers their new tokens; return those rows'
+        indices in ``rows`` (:meth:`masks` gives what each allows next)."""
         if len(ids) != len(rows):
             raise ValueError("structured rows need their request ids")
         which = []

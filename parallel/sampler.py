@@ -1,9 +1,11 @@
 """Turn the last-position logits of a batch into one token per sequence.
 
 A row's ``logit_bias`` is added to its logits first, then its penalties applied
-(``parallel/penalties.py``, which keeps each penalised request's seen tokens) and
-its banned tokens (EOS before ``min_tokens``) masked. Greedy rows take the argmax. Other rows are scaled
-by temperature, cut by top-k and top-p, and sampled by the exponential race
+(``parallel/penalties.py``), the tokens its JSON schema does not allow next
+masked (``parallel/grammar.py``; both keep per-request state on this rank) and
+its banned tokens (EOS before ``min_tokens``) masked. Greedy rows take the
+argmax. Other rows are scaled by temperature, cut by top-k and top-p, and
+sampled by the exponential race
 (``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with probability
 ``p_i`` and never picks a token whose probability was cut to zero.
 
