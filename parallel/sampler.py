@@ -5,9 +5,9 @@ A row's ``logit_bias`` is added to its logits first, then its penalties applied
 masked (``parallel/grammar.py``; both keep per-request state on this rank) and
 its banned tokens (EOS before ``min_tokens``) masked. Greedy rows take the
 argmax. Other rows are scaled by temperature, cut by top-k and top-p, and
-sampled by the exponential race
-(``argmax(p / q)``, ``q ~ Exp(1)``), which picks token ``i`` with probability
-``p_i`` and never picks a token whose probability was cut to zero.
+sampled by the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks
+token ``i`` with probability ``p_i`` and never picks a token whose probability
+was cut to zero.
 
 A row with a seed draws its noise from a generator seeded by ``(seed, index of
 the token being sampled)``, so its output depends on nothing but its own seed
