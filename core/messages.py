@@ -122,6 +122,8 @@ class FirstToken:
     # Seconds spent in "prefill_queue" and "prefill" (see pdserve.core.metrics.PHASES).
     phases: dict[str, float] = field(default_factory=dict)
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    # Each prompt token's but the first, when the request asked (prompt_logprobs).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,8 @@ class TokenUpdate:
     # decode_queue, decode; prefill_queue and prefill when it prefilled itself).
     phases: dict[str, float] = field(default_factory=dict)
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    # With a request's first tokens, when this instance prefilled it and it asked.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

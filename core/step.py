@@ -306,6 +306,7 @@ class StepResult:
         kv_transfer_ok: bool = True,
         loads_ok: list[bool] | None = None,
         logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> StepResult:
         """A result from each row's new tokens (one, or more after verified drafts)."""
         return cls(
@@ -315,6 +316,7 @@ class StepResult:
             loads_ok if loads_ok is not None else [],
             {rid: t[1:] for rid, t in tokens.items() if len(t) > 1},
             logprobs or {},
+            prompt_logprobs or {},
         )
 
     def tokens(self, request_id: str) -> list[int]:

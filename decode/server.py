@@ -356,6 +356,9 @@ class DecodeServer:
 
 def _update(out: RequestOutput) -> TokenUpdate:
     comp = out.outputs[0]
+    prompt = None  # with the first tokens of a prompt prefilled here, when asked for
+    if out.prompt_logprobs is not None and len(comp.token_ids) == len(out.new_token_ids):
+        prompt = [e for e in out.prompt_logprobs if e]  # (the first token's is None)
     return TokenUpdate(
         out.request_id,
         out.new_token_ids,
@@ -364,4 +367,5 @@ def _update(out: RequestOutput) -> TokenUpdate:
         comp.finish_reason,
         len(comp.token_ids),
         new_logprobs=out.new_logprobs,
+        prompt_logprobs=prompt,
     )

@@ -25,6 +25,7 @@ from pdserve.core.step import StepPlan, TokenLogprobs
 from pdserve.parallel.batch import PreparedBatch
 from pdserve.parallel.groups import InstanceGroups
 from pdserve.parallel.model_runner import ModelRunner
+from pdserve.parallel.sampler import prompt_logprobs
 
 
 def split_micro_batches(plan: StepPlan, parts: int) -> list[StepPlan]:
@@ -87,6 +88,9 @@ class StageExecutor:
         self.run_seconds = 0.0
         # On the leader after :meth:`run`: the step's logprobs of the rows that asked.
         self.logprobs: dict[str, list[TokenLogprobs]] = {}
+        # ... and the prompt logprobs of the chunks that asked (one stage only: the engine
+        # refuses them on pipelines).
+        self.prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> tuple[dict[str, list[int]], bool, list[bool]]:
@@ -96,7 +100,7 @@ class StageExecutor:
         has a flag per KV-tier load, True where every rank loaded that block.
         """
         start = time.perf_counter()
-        self.logprobs = {}
+        self.logprobs, self.prompt_logprobs = {}, {}
         self.runner.sampler.forget(plan.finished_request_ids)
         loads_ok = self._tier_loads(plan)
         try:
@@ -163,7 +167,7 @@ class StageExecutor:
                 with ctx.comm.timed(out.numel() * out.element_size()):
                     work = dist.isend(out, dst=g.peer(ctx.pp_rank + 1))
                 in_flight.append((work, out))
-            elif batch.sample_ids:
+            elif batch.sample_ids or batch.prompt_rows:
                 in_flight.extend(self._sample(batch, hidden, tokens))
         if g.is_leader and g.sampler_rank != 0:
             self._receive_tokens(batches, tokens)
@@ -210,8 +214,13 @@ class StageExecutor:
         self, batch: PreparedBatch, hidden: torch.Tensor, tokens: dict[str, list[int]]
     ) -> list[tuple[dist.Work | None, torch.Tensor]]:
         # Every TP rank joins the logits all-gather; one rank samples.
-        logits = self.runner.model.compute_logits(hidden[batch.sample_indices])
         g = self.groups
+        if batch.prompt_rows:
+            got = prompt_logprobs(self.runner.model.compute_logits, hidden, batch.prompt_rows)
+            self.prompt_logprobs.update(got if g.is_leader else {})
+        if not batch.sample_ids:
+            return []
+        logits = self.runner.model.compute_logits(hidden[batch.sample_indices])
         if g.rank != g.sampler_rank:
             return []
         sampler = self.runner.sampler

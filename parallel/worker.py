@@ -155,8 +155,8 @@ class GroupExecutor(Executor):
             if self.elastic is not None:
                 self.elastic.ran()
         self.step_times.record(plan.num_tokens, time.perf_counter() - start)
-        logprobs = self.stage.logprobs
-        return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok, logprobs)
+        lps = self.stage.logprobs, self.stage.prompt_logprobs
+        return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok, *lps)
 
     def load_adapter(self, slot: int, name: str, folder: str) -> None:
         """Check on the leader, then load on every rank between two steps (lora_control.py)."""

@@ -378,4 +378,13 @@ def _first_token(request: PrefillRequest, out: RequestOutput) -> FirstToken:
         phases.get("prefill", 0.0) * 1e3,
     )
     logprobs = completion.logprobs[0] if completion.logprobs else None
-    return FirstToken(request.request_id, token, ends, reason if ends else None, phases, logprobs)
+    prompt = None if out.prompt_logprobs is None else [e for e in out.prompt_logprobs if e]
+    return FirstToken(
+        request.request_id,
+        token,
+        ends,
+        reason if ends else None,
+        phases,
+        logprobs,
+        prompt,
+    )

@@ -124,6 +124,8 @@ class Attempts:
             if u.finished:
                 self.obs.phases(attempt.region, u.phases)
             start = attempt.offset + u.num_output_tokens - len(u.new_token_ids)
+            if u.prompt_logprobs is not None:
+                attempt.stream.take_prompt_logprobs(u.prompt_logprobs)
             attempt.stream.add(
                 start,
                 u.new_token_ids,
@@ -209,6 +211,8 @@ class Attempts:
             if not attempt.closed:
                 reason = first.finish_reason if first.finished else None
                 logprobs = None if first.logprobs is None else [first.logprobs]
+                if first.prompt_logprobs is not None:
+                    attempt.stream.take_prompt_logprobs(first.prompt_logprobs)
                 attempt.stream.add(
                     attempt.offset, [first.token_id], reason, attempt.attempt_id, logprobs
                 )

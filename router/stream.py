@@ -51,6 +51,9 @@ class StreamDelta:
     parts_ready_at: tuple[float, ...] = ()
     # One per token when the request asked for them (None: an instance sent none for it).
     logprobs: list[TokenLogprobs | None] | None = None
+    # On the first delta, when the request asked for prompt logprobs: each prompt
+    # token's but the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class RequestStream:
@@ -81,6 +84,7 @@ class RequestStream:
         self.tokens: list[int] = []
         self._pending: dict[int, int] = {}
         self._pending_logprobs: dict[int, TokenLogprobs] = {}
+        self._prompt_logprobs: list[TokenLogprobs] | None = None
         self._ready: deque[StreamDelta | BaseException] = deque()  # for the consumer
         self._waiter: asyncio.Future[None] | None = None  # the consumer, while it waits
         self._wait_since = 0.0  # when the consumer last started waiting
@@ -122,6 +126,11 @@ class RequestStream:
                 self._finish_at, self._finish_reason = end, finish_reason
         self._release()
 
+    def take_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        """The prompt's logprobs, from the instance that prefilled it (the first kept)."""
+        if self._prompt_logprobs is None and not self.tokens:
+            self._prompt_logprobs = entries
+
     def _release(self) -> None:
         """Move the tokens now in order (up to the finish) to one delta for the consumer."""
         n = len(self.tokens)
@@ -152,6 +161,7 @@ class RequestStream:
                 self.usage() if done else None,
                 now,
                 logprobs=logprobs,
+                prompt_logprobs=self._prompt_logprobs if n == 0 else None,
             )
         )
         if done:

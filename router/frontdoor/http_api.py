@@ -36,6 +36,7 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batches import BatchJobs
 from pdserve.router.frontdoor.choices import choice_count, fan_out, merged, total_usage
 from pdserve.router.frontdoor.dashboard import add_routes
+from pdserve.router.frontdoor.echo import Echo, echoed
 from pdserve.router.frontdoor.logprobs import ChoiceLogprobs, asked_logprobs, token_text
 from pdserve.router.frontdoor.lora_admin import add_lora_routes
 from pdserve.router.frontdoor.openai_fields import (
@@ -156,6 +157,8 @@ class HttpApi:
         params = capped_priority(params, request.get(KEY_PRIORITY))
         asked = values["max_tokens"] is not None
         params = fit_context(params, len(ids), max_len, asked)
+        if echoed(body, chat) and params.logprobs is not None:  # the prompt's logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         params = dataclasses.replace(params, lora=lora)
         region = body.get("region") or request.headers.get("X-PDServe-Region")
         return completion_input(ids, params, region, body.get("request_id"), version)
@@ -218,24 +221,33 @@ class HttpApi:
         if inp.params.logprobs is not None:
             logprobs = ChoiceLogprobs(chat, token_text(served[0].tokenizer), n)
         deltas = merged(fan_out(inp, n), self.router.stream)
+        echo = None
+        if echoed(body, chat):
+            echo = Echo(body.get("prompt"), inp.prompt_token_ids, served[0].tokenizer)
         if not body.get("stream"):
-            return await self._whole(deltas, n, shape, logprobs)
+            return await self._whole(deltas, n, shape, logprobs, echo)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return await self._stream(request, deltas, n, shape, logprobs, include_usage)
+        return await self._stream(request, deltas, n, shape, (logprobs, echo), include_usage)
 
     async def _whole(
-        self, deltas: Deltas, n: int, shape: ResponseShape, logprobs: ChoiceLogprobs | None
+        self,
+        deltas: Deltas,
+        n: int,
+        shape: ResponseShape,
+        logprobs: ChoiceLogprobs | None,
+        echo: Echo | None,
     ) -> web.Response:
         texts: list[list[str]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
         usages = [Usage(0, 0)] * n
         async with contextlib.aclosing(deltas):
             async for i, delta in deltas:
-                texts[i].append(delta.text)
+                for d in _with_echo(echo, i, delta):
+                    texts[i].append(d.text)
+                    if logprobs is not None:
+                        logprobs.add(i, d.token_ids, d.logprobs or [])
                 reasons[i] = delta.finish_reason or reasons[i]
                 usages[i] = delta.usage or usages[i]
-                if logprobs is not None:
-                    logprobs.add(i, delta.token_ids, delta.logprobs or [])
         choices = [("".join(t), r, logprobs.whole(i) if logprobs else None)
                    for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
         return web.json_response(shape.whole(choices, total_usage(usages)))
@@ -246,9 +258,10 @@ class HttpApi:
         deltas: Deltas,
         n: int,
         shape: ResponseShape,
-        logprobs: ChoiceLogprobs | None,
+        extras: tuple[ChoiceLogprobs | None, Echo | None],
         include_usage: bool,
     ) -> web.StreamResponse:
+        logprobs, echo = extras
         usages: list[Usage | None] = [None] * n
         response: web.StreamResponse | None = None
         try:
@@ -263,10 +276,12 @@ class HttpApi:
                         )
                         await response.prepare(request)
                     usages[i] = delta.usage or usages[i]
-                    lp = None
-                    if logprobs is not None:
-                        lp = logprobs.chunk(i, delta.token_ids, delta.logprobs or [])
-                    data = shape.chunk_event(delta, i, lp)  # one write per delta
+                    data = b""  # one write per delta (with the echoed prompt before the first)
+                    for d in _with_echo(echo, i, delta):
+                        lp = None
+                        if logprobs is not None:
+                            lp = logprobs.chunk(i, d.token_ids, d.logprobs or [])
+                        data += shape.chunk_event(d, i, lp)
                     if include_usage and all(usages) and delta.finish_reason is not None:
                         data += shape.usage_event(total_usage([u for u in usages if u]))
                     await response.write(data)
@@ -282,6 +297,12 @@ class HttpApi:
         assert response is not None
         await response.write_eof(DONE)
         return response
+
+
+def _with_echo(echo: Echo | None, index: int, delta: StreamDelta) -> list[StreamDelta]:
+    """The delta, after choice ``index``'s echoed prompt when it is the choice's first."""
+    first = echo.first(index, delta) if echo is not None else None
+    return [delta] if first is None else [first, delta]
 
 
 def _message(m: Any, i: int) -> dict[str, str]:

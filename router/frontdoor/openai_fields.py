@@ -2,7 +2,7 @@
 
 A field not listed is refused by name (a typo must not be ignored silently).
 Clients and SDK wrappers also send fields whose value asks for nothing
-(``"tools": null``, ``"best_of": 1``, ``"echo": false``): those are taken, and any
+(``"tools": null``, ``"best_of": 1``, ``"suffix": null``): those are taken, and any
 other value of them is refused naming the field, as pdserve does not do it.
 """
 
@@ -26,7 +26,6 @@ CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "tools", "functions",
 # Fields taken only at a value that asks for nothing: name -> that test.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
-    "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "tools": lambda v: not v,
     "functions": lambda v: not v,

@@ -192,3 +192,36 @@ def test_response_format_json_schema_through_prefill_and_decode(cluster, doors) 
     assert g.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "json_schema" in g.value.details()
     cluster.assert_idle()
+
+
+def test_openai_echo_returns_the_prompt_and_its_logprobs(cluster, doors) -> None:
+    """``echo`` with ``logprobs: 1`` and one token (how lm-eval scores a continuation):
+    the prompt's tokens open the choice with the logprobs the offline engine computes
+    for them (checked against transformers in tests/engine), the first one null."""
+    tok = LLM_TOKENIZER()
+    ids = tok.encode(PROMPT)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
+    want = LLM("builtin:tiny").generate([ids], params)[0]
+    assert want.prompt_logprobs is not None
+    client = openai_client(doors)
+    ask = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1}
+    out = client.completions.create(**ask, echo=True).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:-1] == pytest.approx(
+        [e[0] for e in want.prompt_logprobs[1:]], abs=1e-5
+    )
+    assert lp.token_logprobs[-1] == pytest.approx(want.outputs[0].logprobs[0][0], abs=1e-5)
+    assert lp.tokens[: len(ids)] == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert out.text == tok.decode(ids, skip_special_tokens=False) + want.outputs[0].text
+    chunks = list(client.completions.create(**ask, echo=True, stream=True))
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs and "".join(c.choices[0].text for c in chunks) == out.text
+    text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                     echo=True).choices[0].text  # fmt: skip
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**ask, echo="yes")
+    assert e.value.body["param"] == "echo"
+    cluster.assert_idle()

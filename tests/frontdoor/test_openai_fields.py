@@ -23,7 +23,7 @@ TAKEN_CHAT = {"n": None, "logit_bias": None, "top_logprobs": None,
               "tool_choice": "none", "function_call": "auto", "parallel_tool_calls": False,
               "modalities": ["text"], "service_tier": "auto", "store": False,
               "metadata": {"team": "a"}}  # fmt: skip
-REFUSED = [("best_of", 3), ("echo", True), ("suffix", "x")]
+REFUSED = [("best_of", 3), ("suffix", "x")]
 REFUSED_CHAT = [("tools", [{"type": "function"}]),
                 ("tool_choice", {"type": "function"}), ("service_tier", "flex"), ("store", True),
                 ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1)]  # fmt: skip
