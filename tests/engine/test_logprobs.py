@@ -84,8 +84,9 @@ def test_two_pipeline_stages_send_the_logprobs_to_the_leader(ray_session, refere
         llm.shutdown()
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("value", [-1, 21, 1.5, True])
-def test_logprobs_out_of_range_are_refused(value) -> None:  # type: ignore[no-untyped-def]
+def test_logprobs_out_of_range_are_refused(field: str, value: object) -> None:
     with pytest.raises(InvalidArgumentError) as e:
-        SamplingParams(logprobs=value)
-    assert e.value.field == "logprobs"
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+    assert e.value.field == field
