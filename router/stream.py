@@ -277,6 +277,7 @@ def _merged(first: StreamDelta, then: StreamDelta) -> StreamDelta:
         first.ready_at,
         (first.parts_ready_at or (first.ready_at,)) + (then.ready_at,),
         None if first.logprobs is None else first.logprobs + (then.logprobs or []),
+        first.prompt_logprobs,
     )
 
 

@@ -107,6 +107,21 @@ def test_deltas_a_busy_consumer_left_leave_as_one_in_order() -> None:
     assert len(router.door_delay_s) == 3
 
 
+def test_the_prompt_logprobs_stay_on_the_first_of_merged_deltas() -> None:
+    s = RequestStream("r", [1, 2, 3], PARAMS, None)
+    prompt = [(-1.0, [(2, -1.0)]), (-2.0, [(3, -2.0)])]
+    s.take_prompt_logprobs(prompt)
+    s.add(0, [10])
+    s.take_prompt_logprobs([(-9.0, [])])  # another attempt's, later: the first is kept
+    s.add(1, [11], "length")
+
+    async def drain() -> list[StreamDelta]:
+        return [d async for d in s.deltas()]
+
+    (delta,) = asyncio.run(drain())
+    assert delta.token_ids == [10, 11] and delta.prompt_logprobs == prompt
+
+
 def test_a_stop_string_inside_a_batch_ends_the_stream_at_its_token() -> None:
     tokenizer = Tokenizer.from_dir(resolve_model("builtin:tiny"))
     ids = tokenizer.encode("hello world. the end. more text here")
