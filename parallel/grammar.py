@@ -23,6 +23,7 @@ import torch
 
 from pdserve.core.step import RowSampling
 from pdserve.core.structured import grammar
+from pdserve.parallel.penalties import check_kept, unseen
 
 
 class GrammarState:
@@ -68,19 +69,16 @@ class GrammarState:
         got = self._matchers.get(rid)
         if row.seen_from == 0:
             got = (self._matcher(rid, row.json_schema or "{}", vocab), 0)
-        elif got is None:
-            raise RuntimeError(f"request {rid}: its grammar state was lost here")
-        elif row.seen_from > got[1]:
-            raise RuntimeError(f"request {rid}: tokens {got[1]}..{row.seen_from} missing")
+        check_kept(rid, row, None if got is None else got[1])
+        assert got is not None
         matcher, taken = got
-        skip = taken - row.seen_from  # > 0: a plan run again
-        start = row.seen_from + skip
-        new = [t for i, t in enumerate(row.seen[skip:]) if start + i >= row.num_seen_prompt]
+        start, tokens = unseen(row, taken)
+        new = [t for i, t in enumerate(tokens) if start + i >= row.num_seen_prompt]
         if new and not matcher.is_stopped():
             matcher.consume_tokens(new)
         if matcher.is_error():
             raise RuntimeError(f"request {rid}: its output left the schema: {matcher.get_error()}")
-        self._matchers[rid] = (matcher, max(taken, row.seen_from + len(row.seen)))
+        self._matchers[rid] = (matcher, start + len(tokens))
 
     def _matcher(self, rid: str, schema: str, vocab: int) -> Any:
         from llguidance import LLMatcher

@@ -62,13 +62,11 @@ class PenaltyState:
                 slots.append(-1)
                 continue
             slot, taken = self._slot(rid, r, vocab, fresh)
-            skip = taken - r.seen_from  # > 0: a plan run again
-            new = r.seen[skip:]
+            start, new = unseen(r, taken)
             at += [slot] * len(new)
             tokens += new
-            start = r.seen_from + skip
             generated += [start + i >= r.num_seen_prompt for i in range(len(new))]
-            self._slots[rid] = (slot, max(taken, r.seen_from + len(r.seen)))
+            self._slots[rid] = (slot, start + len(new))
             slots.append(slot)
         if fresh:
             self.counts[fresh] = 0
@@ -94,12 +92,10 @@ class PenaltyState:
 
     def _slot(self, rid: str, row: RowSampling, vocab: int, fresh: list[int]) -> tuple[int, int]:
         got = self._slots.get(rid)
-        if got is not None and row.seen_from:
-            if row.seen_from > got[1]:
-                raise RuntimeError(f"request {rid}: seen tokens {got[1]}..{row.seen_from} missing")
-            return got
         if row.seen_from:
-            raise RuntimeError(f"request {rid}: its penalties' seen tokens were lost here")
+            check_kept(rid, row, None if got is None else got[1])
+            assert got is not None
+            return got
         if got is not None:  # sent again from the start
             fresh.append(got[0])
             return got[0], 0
@@ -141,6 +137,21 @@ class PenaltyState:
         row = torch.repeat_interleave(torch.arange(len(slots), device=dev), sizes)
         count = self.counts.view(-1).index_select(0, at.index_select(0, row) * vocab + token)
         return row, token, count
+
+
+def check_kept(rid: str, row: RowSampling, taken: int | None) -> None:
+    """A row that continues a request's seen tokens needs the rank to have them all."""
+    if taken is None:
+        raise RuntimeError(f"request {rid}: its seen tokens were lost here")
+    if row.seen_from > taken:
+        raise RuntimeError(f"request {rid}: seen tokens {taken}..{row.seen_from} missing")
+
+
+def unseen(row: RowSampling, taken: int) -> tuple[int, Sequence[int]]:
+    """The row's tokens the rank has not taken (a plan run again repeats some) and the
+    position of the first of them."""
+    skip = taken - row.seen_from
+    return row.seen_from + skip, row.seen[skip:]
 
 
 def _add(

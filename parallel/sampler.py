@@ -221,17 +221,11 @@ class Sampler:
         if not positions:
             return {}
         at = torch.tensor(positions, device=logits.device)
-        lp = logits.index_select(0, at).float().log_softmax(dim=-1)
-        chosen = lp.gather(1, torch.tensor(ids, device=lp.device).unsqueeze(1)).squeeze(1)
-        k = max(rows[i].logprobs for i in owners)
-        top = lp.topk(k, dim=-1) if k else None
-        top_ids = top.indices.tolist() if top is not None else []
-        top_lps = top.values.tolist() if top is not None else []
+        wants = [rows[i].logprobs for i in owners]
+        entries = _entries(logits.index_select(0, at), ids, wants)
         out: dict[int, list[TokenLogprobs]] = {}
-        for n, (i, value) in enumerate(zip(owners, chosen.tolist(), strict=True)):
-            want = rows[i].logprobs
-            best = list(zip(top_ids[n][:want], top_lps[n][:want], strict=True)) if want else []
-            out.setdefault(i, []).append((value, best))
+        for i, entry in zip(owners, entries, strict=True):
+            out.setdefault(i, []).append(entry)
         return out
 
     def _filtered_probs(self, logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
@@ -292,18 +286,27 @@ def prompt_logprobs(
     for lo in range(0, len(index), PROMPT_ROWS_AT_ONCE):
         hi = lo + PROMPT_ROWS_AT_ONCE
         at = torch.tensor(index[lo:hi], device=hidden.device)
-        lp = compute_logits(hidden.index_select(0, at)).float().log_softmax(dim=-1)
-        want = torch.tensor(targets[lo:hi], device=lp.device).unsqueeze(1)
-        chosen = lp.gather(1, want).squeeze(1).tolist()
-        k = max(wants[lo:hi])
-        top = lp.topk(k, dim=-1) if k else None
-        ids = top.indices.tolist() if top is not None else [[]] * len(chosen)
-        values = top.values.tolist() if top is not None else [[]] * len(chosen)
-        for value, i, v, n in zip(chosen, ids, values, wants[lo:hi], strict=True):
-            entries.append((value, list(zip(i[:n], v[:n], strict=True))))
+        entries += _entries(
+            compute_logits(hidden.index_select(0, at)), targets[lo:hi], wants[lo:hi]
+        )
     out: dict[str, list[TokenLogprobs]] = {}
     start = 0
     for rid, _, ts, _ in chunks:
         out[rid] = entries[start : start + len(ts)]
         start += len(ts)
     return out
+
+
+def _entries(logits: torch.Tensor, ids: Sequence[int], wants: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row of ``logits``: the raw log-probability of ``ids[n]`` and the ``wants[n]``
+    likeliest tokens' (id, log-probability)."""
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = lp.gather(1, torch.tensor(ids, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(wants)
+    top = lp.topk(k, dim=-1) if k else None
+    top_ids = top.indices.tolist() if top is not None else [[]] * len(chosen)
+    top_lps = top.values.tolist() if top is not None else [[]] * len(chosen)
+    return [
+        (value, list(zip(i[:n], v[:n], strict=True)))
+        for value, i, v, n in zip(chosen, top_ids, top_lps, wants, strict=True)
+    ]

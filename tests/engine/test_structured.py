@@ -23,11 +23,11 @@ SCHEMA = {
 TEXT = json.dumps(SCHEMA)
 
 
-def _params(**kw: object) -> list[SamplingParams]:
+def _params() -> list[SamplingParams]:
     return [
-        SamplingParams(max_tokens=64, temperature=0, json_schema=TEXT, **kw),  # type: ignore[arg-type]
-        SamplingParams(max_tokens=64, temperature=1.0, seed=5, json_schema=TEXT, **kw),  # type: ignore[arg-type]
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **kw),  # type: ignore[arg-type]
+        SamplingParams(max_tokens=64, temperature=0, json_schema=TEXT),
+        SamplingParams(max_tokens=64, temperature=1.0, seed=5, json_schema=TEXT),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
     ]
 
 
