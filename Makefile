@@ -35,7 +35,7 @@ typecheck: $(STAMP)
 	$(BIN)/python -m tests.typecheck $(TYPED)
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m tests.lanes -q --durations=25
 
 test: lint typecheck pytest
 

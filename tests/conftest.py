@@ -13,6 +13,17 @@ os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# `make test` runs the tests that start Ray or a whole cluster in one lane, one after
+# another, and the rest beside them (tests/lanes.py).
+def starts_a_cluster(item: pytest.Item) -> bool:
+    return "ray_session" in getattr(item, "fixturenames", ()) or "e2e" in item.path.parts
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if starts_a_cluster(item):
+        item.add_marker(pytest.mark.cluster)
+
+
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     from pdserve.core.builtin_models import resolve_model
