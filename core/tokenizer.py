@@ -9,6 +9,7 @@ plain-text fallback (see :data:`FALLBACK_CHAT_TEMPLATE`).
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -76,22 +77,67 @@ class Tokenizer:
         return template if isinstance(template, str) and template else FALLBACK_CHAT_TEMPLATE
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render chat messages to the prompt text the model was trained on."""
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        """Render chat messages (and the tools the model may call, the template's ``tools``,
+        as transformers passes them) to the prompt text the model was trained on."""
+        from jinja2 import TemplateError
 
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidArgumentError(
                     f"messages[{i}]", "each message needs 'role' and 'content'"
                 )
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         special = {
             k: (v.get("content") if isinstance(v, dict) else v)
             for k, v in self.config.items()
             if k in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                **special,
+            )
+        except TemplateError as e:  # the template's raise_exception, or what it cannot render
+            raise InvalidArgumentError("messages", f"the chat template refused them: {e}") from None
+
+    @cached_property
+    def _template(self) -> Any:
+        """The chat template, compiled once, in a sandbox with the helpers that templates
+        written for transformers call (``raise_exception``, ``strftime_now``, a ``tojson``
+        that does not escape HTML) and its loop controls."""
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        return env.from_string(self.chat_template)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)

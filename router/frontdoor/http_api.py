@@ -30,7 +30,6 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.core.errors import InvalidArgumentError, OverloadedError, UnsupportedError, wire_status
-from pdserve.core.sampling_params import check_text
 from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batches import BatchJobs
@@ -39,6 +38,7 @@ from pdserve.router.frontdoor.dashboard import add_routes
 from pdserve.router.frontdoor.echo import Echo, echoed
 from pdserve.router.frontdoor.logprobs import ChoiceLogprobs, asked_logprobs, token_text
 from pdserve.router.frontdoor.lora_admin import add_lora_routes
+from pdserve.router.frontdoor.messages import template_message
 from pdserve.router.frontdoor.openai_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -58,6 +58,7 @@ from pdserve.router.frontdoor.requests import (
 )
 from pdserve.router.frontdoor.sse import DONE, ResponseShape, event
 from pdserve.router.frontdoor.tls import ssl_context
+from pdserve.router.frontdoor.tools import ToolChoice, tool_choice
 from pdserve.router.models import Served
 from pdserve.router.router import CompletionInput, Router
 from pdserve.router.stream import StreamDelta, Usage
@@ -65,7 +66,6 @@ from pdserve.router.stream import StreamDelta, Usage
 logger = logging.getLogger(__name__)
 Deltas = AsyncGenerator[tuple[int, StreamDelta], None]  # (choice index, delta)
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
 
@@ -133,7 +133,13 @@ class HttpApi:
         return body
 
     def _input(
-        self, request: web.Request, body: dict[str, Any], prompt: Any, chat: bool, served: Served
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        prompt: Any,
+        chat: bool,
+        served: Served,
+        tools: ToolChoice | None = None,
     ) -> CompletionInput:
         field = "messages" if chat else "prompt"
         version, lora = served
@@ -149,6 +155,10 @@ class HttpApi:
         values = {k: body.get(k) for k in SAMPLING_FIELDS if k != "logprobs"}
         values["logprobs"] = asked_logprobs(body, chat)
         values["json_schema"] = response_schema(body.get("response_format"))
+        if tools is not None and (schema := tools.schema()) is not None:
+            if values["json_schema"] is not None:
+                raise InvalidArgumentError("tool_choice", "cannot be combined with response_format")
+            values["json_schema"] = schema
         if values["max_tokens"] is None and body.get("max_completion_tokens") is not None:
             values["max_tokens"] = body["max_completion_tokens"]
         if values["priority"] is None:
@@ -179,16 +189,20 @@ class HttpApi:
             raise InvalidArgumentError("messages", "must be a non-empty list")
         if served[0].tokenizer is None:
             raise InvalidArgumentError("messages", "the model has no tokenizer")
-        inp = await off_loop(request[BODY_BYTES], self._chat_input, request, body, messages, served)
-        return await self._respond(request, body, inp, True, served)
+        inp, tools = await off_loop(
+            request[BODY_BYTES], self._chat_input, request, body, messages, served
+        )
+        return await self._respond(request, body, inp, True, served, tools)
 
     def _chat_input(
         self, request: web.Request, body: dict[str, Any], messages: list[Any], served: Served
-    ) -> CompletionInput:
+    ) -> tuple[CompletionInput, ToolChoice | None]:
         tokenizer = served[0].tokenizer
         assert tokenizer is not None
-        prompt = tokenizer.apply_chat_template([_message(m, i) for i, m in enumerate(messages)])
-        return self._input(request, body, prompt, True, served)
+        tools = tool_choice(body)
+        shaped = [template_message(m, i) for i, m in enumerate(messages)]
+        prompt = tokenizer.apply_chat_template(shaped, tools=list(tools.tools) if tools else None)
+        return self._input(request, body, prompt, True, served, tools), tools
 
     async def health(self, request: web.Request) -> web.Response:
         """Liveness: the front door answers (no key needed; it tells nothing)."""
@@ -212,11 +226,12 @@ class HttpApi:
         inp: CompletionInput,
         chat: bool,
         served: Served,
+        tools: ToolChoice | None = None,
     ) -> web.StreamResponse:
         n = choice_count(body.get("n"))
         request[ADMITTED] = True  # from here the router counts the outcome
         model = inp.params.lora or inp.served_as.rpartition("@")[0] or self.router.config.model_name
-        shape = ResponseShape(inp.request_id, model, chat, inp.served_as)
+        shape = ResponseShape(inp.request_id, model, chat, inp.served_as, tools)
         logprobs = None  # the choices' logprobs objects, when asked for
         if inp.params.logprobs is not None:
             logprobs = ChoiceLogprobs(chat, token_text(served[0].tokenizer), n)
@@ -303,26 +318,6 @@ def _with_echo(echo: Echo | None, index: int, delta: StreamDelta) -> list[Stream
     """The delta, after choice ``index``'s echoed prompt when it is the choice's first."""
     first = echo.first(index, delta) if echo is not None else None
     return [delta] if first is None else [first, delta]
-
-
-def _message(m: Any, i: int) -> dict[str, str]:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise InvalidArgumentError(f"messages[{i}]", "each message needs a 'role' and 'content'")
-    if m["role"] not in ROLES:
-        raise InvalidArgumentError(f"messages[{i}].role", f"must be one of {sorted(ROLES)}")
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        strings = [t for t in texts if isinstance(t, str)]
-        if len(strings) != len(content):
-            raise InvalidArgumentError(f"messages[{i}].content", "only text parts are supported")
-        content = "".join(strings)
-    if not isinstance(content, str):
-        raise InvalidArgumentError(
-            f"messages[{i}].content", "must be a string or a list of text parts"
-        )
-    check_text(f"messages[{i}].content", content)
-    return {"role": m["role"], "content": content}
 
 
 def error_response(error: BaseException) -> web.Response:

@@ -2,8 +2,9 @@
 
 A field not listed is refused by name (a typo must not be ignored silently).
 Clients and SDK wrappers also send fields whose value asks for nothing
-(``"tools": null``, ``"best_of": 1``, ``"suffix": null``): those are taken, and any
-other value of them is refused naming the field, as pdserve does not do it.
+(``"functions": null``, ``"best_of": 1``, ``"suffix": null``): those are taken, and any
+other value of them is refused naming the field, as pdserve does not do it. ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` are checked where they are used (tools.py).
 """
 
 from __future__ import annotations
@@ -27,11 +28,8 @@ CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "tools", "functions",
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: not v,
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
-    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "modalities": lambda v: v is None or v == ["text"],
     "service_tier": lambda v: v in (None, "auto", "default"),
     "store": lambda v: not v,

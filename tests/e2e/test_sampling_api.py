@@ -1,6 +1,6 @@
 """What a request can ask of sampling beyond one completion, on a real cluster (a
-prefill and a decode instance): ``n`` choices, logprobs, logit_bias, penalties and JSON
-schemas, over HTTP (the official openai client) and gRPC."""
+prefill and a decode instance): ``n`` choices, logprobs, logit_bias,
+penalties, JSON schemas and tool calls, over HTTP (the official openai client) and gRPC."""
 
 from __future__ import annotations
 
@@ -224,4 +224,78 @@ def test_openai_echo_returns_the_prompt_and_its_logprobs(cluster, doors) -> None
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**ask, echo="yes")
     assert e.value.body["param"] == "echo"
+    cluster.assert_idle()
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
+           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": {
+             "type": "object", "properties": {}, "additionalProperties": False}}}]  # fmt: skip
+
+
+def test_openai_tool_calls_through_prefill_and_decode(cluster, doors) -> None:
+    """A named tool choice constrains the output to that tool's parameters, ``required``
+    to a list of calls of the tools: the offline engine's tokens under the same schema,
+    whole and streamed (parsed by the official client); ``auto`` with a model that
+    writes no call is its plain reply; a conversation with calls and answers renders."""
+    client = openai_client(doors)
+    messages = [{"role": "user", "content": PROMPT}]
+    ask = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 60,
+        "temperature": 0,
+        "tools": TOOLS,
+    }
+    named = {"type": "function", "function": {"name": "weather"}}
+    ids = LLM_TOKENIZER().encode(
+        LLM_TOKENIZER().apply_chat_template(messages, tools=TOOLS), add_special_tokens=False
+    )
+    params = SamplingParams(max_tokens=60, temperature=0, json_schema=json.dumps(WEATHER))
+    want = LLM("builtin:tiny").generate([ids], params)[0].outputs[0]
+    out = client.chat.completions.create(**ask, tool_choice=named).choices[0]
+    (call,) = out.message.tool_calls
+    assert out.message.content is None and out.finish_reason == want.finish_reason == "stop"
+    assert call.function.name == "weather" and call.function.arguments == want.text
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    calls = [c.choices[0].delta.tool_calls for c in client.chat.completions.create(
+        **ask, tool_choice=named, stream=True)]  # fmt: skip
+    assert calls[0][0].id.startswith("call_") and calls[0][0].function.name == "weather"
+    assert "".join(c[0].function.arguments for c in calls if c) == want.text
+
+    required = client.chat.completions.create(
+        **ask, tool_choice="required", parallel_tool_calls=False
+    )
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    schema = {"weather": WEATHER, "clock": TOOLS[1]["function"]["parameters"]}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    chunks = list(client.chat.completions.create(**ask, tool_choice="required",
+                                                 parallel_tool_calls=False, stream=True))  # fmt: skip
+    streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (call.function.name, call.function.arguments)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    plain = client.chat.completions.create(**{**ask, "tools": None, "max_tokens": 8}).choices[0]
+    auto = client.chat.completions.create(**{**ask, "max_tokens": 8}).choices[0]
+    assert auto.message.content == plain.message.content and auto.message.tool_calls is None
+    history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]  # fmt: skip
+    answer = client.chat.completions.create(**{**ask, "messages": history, "max_tokens": 4})
+    assert answer.choices[0].message.content
+    for bad, field in [({"tool_choice": {"type": "function", "function": {"name": "rain"}}},
+                        "tool_choice.function.name"),
+                       ({"messages": [*history[:2], {"role": "tool", "content": "noon"}]},
+                        "messages[2].tool_call_id"),
+                       ({"tool_choice": named, "response_format": {"type": "json_object"}},
+                        "tool_choice")]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{**ask, **bad})
+        assert e.value.body["param"] == field
     cluster.assert_idle()

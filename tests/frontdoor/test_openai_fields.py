@@ -24,9 +24,9 @@ TAKEN_CHAT = {"n": None, "logit_bias": None, "top_logprobs": None,
               "modalities": ["text"], "service_tier": "auto", "store": False,
               "metadata": {"team": "a"}}  # fmt: skip
 REFUSED = [("best_of", 3), ("suffix", "x")]
-REFUSED_CHAT = [("tools", [{"type": "function"}]),
-                ("tool_choice", {"type": "function"}), ("service_tier", "flex"), ("store", True),
-                ("modalities", ["text", "audio"]), ("parallel_tool_calls", 1)]  # fmt: skip
+REFUSED_CHAT = [("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
+                ("service_tier", "flex"), ("store", True),
+                ("modalities", ["text", "audio"])]  # fmt: skip
 
 
 def test_do_nothing_values_pass_and_others_are_refused_by_name() -> None:
