@@ -12,11 +12,15 @@ passes them); ``tool_choice`` says what the reply may be:
   {...}}`` items, each of a declared tool with its schema; the calls come whole once
   the output is. Finish reason ``tool_calls``.
 - ``"auto"`` (the default when tools are given): the output is free. Calls the model
-  writes as ``<tool_call>{"name": N, "arguments": {...}}</tool_call>`` (the Hermes
-  format, which Qwen2.5, Hermes and other families are trained to write) are taken
-  out of its text; text that does not parse as calls of declared tools stays content.
-  Streamed, the text before the first ``<tool_call>`` streams as content (a piece
-  that may begin one is held back) and the calls come at the end.
+  writes are taken out of its text in the two forms open models are trained on:
+  ``<tool_call>{"name": N, "arguments": {...}}</tool_call>`` blocks after any text
+  (Hermes, Qwen2.5 and others), or an output that is all JSON, one
+  ``{"name": N, "arguments" or "parameters": {...}}`` or a list of them (Llama 3.1
+  and 3.2; Mistral, whose ``[TOOL_CALLS]`` token is dropped from the text). Output
+  that does not parse as calls of declared tools stays content. Streamed, text
+  streams as content until a ``<tool_call>`` begins (a piece that may begin one is
+  held back); an output that opens with ``{`` or ``[`` is held whole; calls come
+  at the end.
 - ``"none"``: the tools are rendered; the reply is text.
 """
 
@@ -34,6 +38,7 @@ from pdserve.core.structured import check_schema
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+JSON_OPENERS = ("{", "[")  # an auto output opening with one may be all calls
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 Call = tuple[str, str]  # function name, arguments (JSON text)
 
@@ -75,13 +80,14 @@ class ToolChoice:
         return content, calls_found, "tool_calls" if reason == "stop" else reason
 
     def _calls(self, text: str) -> tuple[str | None, list[Call]] | None:
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:
-                return None  # cut short (length)
-            return None, [(c["name"], json.dumps(c["parameters"])) for c in items]
-        if self.mode == "auto" and OPEN in text:
+        if self.mode == "required":  # a list of calls, unless cut short (length, a stop)
+            found = json_calls(text, self.schemas) if text.lstrip()[:1] == "[" else None
+            return None if found is None else (None, found)
+        if self.mode != "auto":
+            return None
+        if text.lstrip()[:1] in JSON_OPENERS and (found := json_calls(text, self.schemas)):
+            return None, found
+        if OPEN in text:
             start = text.index(OPEN)
             found = hermes_calls(text[start:], self.schemas)
             if found:
@@ -102,16 +108,36 @@ def hermes_calls(text: str, names: dict[str, Any]) -> list[Call] | None:
             return None
         end = match.end()
         try:
-            call = json.loads(match.group(1))
+            call = _call_of(json.loads(match.group(1)), names)
         except ValueError:
             return None
-        if not isinstance(call, dict) or call.get("name") not in names:
+        if call is None:
             return None
-        arguments = call.get("arguments", {})
-        if not isinstance(arguments, dict):
-            return None
-        calls.append((call["name"], json.dumps(arguments)))
+        calls.append(call)
     return calls if calls and not text[end:].strip() else None
+
+
+def json_calls(text: str, names: dict[str, Any]) -> list[Call] | None:
+    """The calls of an output that is all JSON: one call object or a list of them."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    calls = []
+    for item in value if isinstance(value, list) else [value]:
+        call = _call_of(item, names)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _call_of(value: Any, names: dict[str, Any]) -> Call | None:
+    """``{"name": N, "arguments" (or "parameters"): {...}}`` of a declared tool, else None."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return (value["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
 
 
 class ToolStream:
@@ -120,7 +146,8 @@ class ToolStream:
     def __init__(self, choice: ToolChoice) -> None:
         self.choice = choice
         self.held = ""  # text not sent yet
-        self.calling = False  # auto: a <tool_call> began; the rest waits for the end
+        self.calling = False  # auto: a call may have begun; the rest waits for the end
+        self.opened = False  # auto: the output's first non-space character came
         self.id = call_id()
 
     def feed(self, text: str) -> dict[str, Any] | None:
@@ -138,6 +165,13 @@ class ToolStream:
         if mode != "auto":
             return {"content": text} if text else None
         self.held += text
+        if not self.opened:
+            if not self.held.strip():
+                return None  # only spaces so far: the output may still open a JSON call
+            self.opened = True
+            if self.held.lstrip()[0] in JSON_OPENERS:
+                self.calling = True
+                return None
         if OPEN in self.held:
             self.calling = True
             content, self.held = self.held.split(OPEN, 1)
@@ -160,7 +194,8 @@ class ToolStream:
         if not calls:
             return ({"content": content} if content else None), reason
         deltas = [self._call_delta(i, n, a, True) for i, (n, a) in enumerate(calls)]
-        return {"tool_calls": deltas}, reason
+        fields = {"content": content} if content else {}
+        return {**fields, "tool_calls": deltas}, reason
 
     def _call_delta(self, index: int, name: str, arguments: str, first: bool) -> dict[str, Any]:
         if not first:

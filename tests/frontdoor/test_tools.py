@@ -122,6 +122,27 @@ AUTO_CASES = [
     (CALL.replace("weather", "rain"), (CALL.replace("weather", "rain"), [], "stop")),
     (CALL + " and more", (CALL + " and more", [], "stop")),
     (
+        '\n {"name": "weather", "parameters": {"city": "Oslo"}}',
+        (None, [("weather", '{"city": "Oslo"}')], "tool_calls"),
+    ),
+    (
+        '[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "time", "arguments": {}}]',
+        (None, [("weather", '{"city": "Oslo"}'), ("time", "{}")], "tool_calls"),
+    ),
+    (
+        '{"name": "weather", "arguments": {"city": "Oslo"}} is what I would call',
+        ('{"name": "weather", "arguments": {"city": "Oslo"}} is what I would call', [], "stop"),
+    ),
+    (
+        '[{"name": "weather", "arguments": {}}, {"name": "rain", "arguments": {}}]',
+        ('[{"name": "weather", "arguments": {}}, {"name": "rain", "arguments": {}}]', [], "stop"),
+    ),
+    (
+        '{"answer": 42}\n' + CALL,
+        ('{"answer": 42}\n', [("weather", '{"city": "Oslo"}')], "tool_calls"),
+    ),
+    ("  ", ("  ", [], "stop")),
+    (
         '<tool_call>{"name": "weather", "arguments": 3}</tool_call>',
         ('<tool_call>{"name": "weather", "arguments": 3}</tool_call>', [], "stop"),
     ),
