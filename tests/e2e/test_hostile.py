@@ -194,14 +194,20 @@ JSON = st.recursive(
 )
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stop_token_ids", "stream", "stream_options", "region", "request_id", "n",
-          "min_tokens", "ignore_eos", "user", "logprobs"]  # fmt: skip
+          "min_tokens", "ignore_eos", "user", "logprobs", "tools", "tool_choice",
+          "parallel_tool_calls"]  # fmt: skip
 SMALL = st.integers(min_value=-2, max_value=6)
 VALUES = {
     "model": st.just("tiny") | JSON,
     "prompt": st.just("hi") | ANY_TEXT | st.lists(st.integers(-5, 2000), max_size=6) | JSON,
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "bot"]) | JSON, "content": ANY_TEXT | JSON}), max_size=3) | JSON,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "bot", "assistant", "tool"]) | JSON,
+                                                "content": ANY_TEXT | JSON},
+                                               optional={"tool_calls": JSON, "tool_call_id": ANY_TEXT}), max_size=3) | JSON,
     "max_tokens": SMALL | JSON,
     "stream": st.booleans() | JSON,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g"]) | JSON}, optional={"parameters": JSON})}), max_size=2) | JSON,
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]) | JSON,
 }  # fmt: skip
 FUZZ_BODY = st.fixed_dictionaries(
     {"model": VALUES["model"], "max_tokens": VALUES["max_tokens"]},
