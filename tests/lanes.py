@@ -3,10 +3,9 @@
 Tests that start Ray or a whole cluster (marked ``cluster`` by tests/conftest.py)
 run one after another in one pytest process; every other test runs in a second
 process beside it. Two clusters at once on a two-core machine would slow each
-other past their deadlines; the rest runs at a lower priority (nice 10) and takes
-what the cluster lane leaves of the cores. Both lanes share one cache folder. Each
-lane's lines are printed as they come, prefixed with its name; the exit status is
-the worse lane's.
+other past their deadlines, while a cluster test mostly waits on its actors and
+leaves a core to the unit tests. Both lanes share one cache folder. Each lane's lines are printed as they come,
+prefixed with its name; the exit status is the worse lane's.
 
     python -m tests.lanes [PYTEST ARGS ...]
 """
@@ -21,9 +20,7 @@ import threading
 import time
 from typing import IO
 
-# name -> (marker expression, niceness): the rest yields the cores to the cluster tests,
-# whose deadlines and actor starts slow down most when they share them
-LANES = {"cluster": ("cluster", 0), "rest": ("not cluster", 10)}
+LANES = {"cluster": "cluster", "rest": "not cluster"}  # name -> marker expression
 NO_TESTS = 5  # pytest's exit status when a lane selected nothing
 
 
@@ -38,15 +35,9 @@ def main(args: list[str]) -> int:
     # one cache of built-in models and compiled kernels for both (each is written atomically)
     os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
     procs, relays = {}, []
-    for name, (marker, niceness) in LANES.items():
+    for name, marker in LANES.items():
         cmd = [sys.executable, "-m", "pytest", "-m", marker, *args]
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=lambda n=niceness: os.nice(n),
-        )
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         relay = threading.Thread(target=_relay, args=(name, proc.stdout), daemon=True)
         relay.start()
