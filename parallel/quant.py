@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -249,7 +249,6 @@ def select_path(
     return path
 
 
-@runtime_checkable
 class QuantizableLinear(Protocol):
     """A layer whose float weight ``[out, in]`` can be swapped for a :class:`QuantizedWeight`."""
 
@@ -258,12 +257,23 @@ class QuantizableLinear(Protocol):
     def quantize(self, make: Callable[[torch.Tensor], QuantizedWeight]) -> None: ...
 
 
+def quantizable(module: nn.Module) -> bool:
+    """Whether ``module`` is a :class:`QuantizableLinear`. Not ``isinstance`` on the
+    protocol: from Python 3.12 that looks attributes up statically, and a module's
+    ``weight`` lives in its parameters, so it would find none and quantize nothing."""
+    return callable(getattr(module, "quantize", None)) and isinstance(
+        getattr(module, "weight", None), torch.Tensor
+    )
+
+
 def quantize_linears(model: nn.Module, path: QuantPath) -> int:
     """Quantize every :class:`QuantizableLinear` of ``model``; returns how many.
 
     Checks every layer first: a model the path cannot take is left untouched.
     """
-    layers = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
+    layers: list[QuantizableLinear] = [m for m in model.modules() if quantizable(m)]  # type: ignore[misc]
+    if not layers:
+        raise InvalidArgumentError("quantization", f"{path.scheme}: the model has no linear layer")
     for layer in layers:
         out, inp = layer.weight.shape
         problem = path.check(out, inp)

@@ -7,6 +7,7 @@ checkpoint whose dense linears were quantized and dequantized the same way
 
 from __future__ import annotations
 
+import inspect
 import logging
 import shutil
 from pathlib import Path
@@ -28,6 +29,7 @@ from pdserve.parallel.quant import (
     cpu_int8pack_matmul,
     dequantize,
     dequantize_int4,
+    quantizable,
     quantize_int4,
     quantize_linears,
     quantize_weight,
@@ -145,6 +147,17 @@ def test_quantized_layers_compute_with_the_dequantized_weight(scheme: str) -> No
     assert weights_bytes(model) == stored + bias_bytes < float_bytes
 
 
+def test_linears_are_found_where_a_static_lookup_finds_no_weight() -> None:
+    """From Python 3.12, isinstance on a protocol looks attributes up statically and
+    misses a module's ``weight`` (a parameter): the layers must be found without it."""
+    col, row = _linears()
+    assert inspect.getattr_static(col, "weight", None) is None
+    assert quantizable(col) and quantizable(row)
+    assert not quantizable(torch.nn.Linear(4, 4))  # no quantize()
+    with pytest.raises(InvalidArgumentError, match="no linear layer"):
+        quantize_linears(torch.nn.Sequential(torch.nn.ReLU()), QUANT_PATHS["int8", "torch"])
+
+
 @pytest.mark.parametrize(
     ("scheme", "shape", "problem"),
     [("int8", (16, 40), "input size 40 is not a multiple of 16"),
@@ -205,9 +218,9 @@ def test_cpu_engine_tracks_transformers_on_the_dequantized_checkpoint(
     ).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1]
-    float_llm = LLM(str(folder), dtype="float32")
+    float_llm = LLM(str(folder), device="cpu", dtype="float32")
     with caplog.at_level(logging.INFO, logger="pdserve.parallel.model_runner"):
-        llm = LLM(str(folder), dtype="float32", quantization=scheme)
+        llm = LLM(str(folder), device="cpu", dtype="float32", quantization=scheme)
     runner = llm.engine.executor.runner  # type: ignore[attr-defined]
     float_runner = float_llm.engine.executor.runner  # type: ignore[attr-defined]
     assert runner.weights_bytes < float_runner.weights_bytes

@@ -95,7 +95,7 @@ def test_int4_linear_matches_dequantized_torch(
     packed, scale, x = pack_int4(q).to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
     got = int4_linear(x, packed, scale, INT4_GROUP)
     assert got.dtype == dtype and got.shape == (rows, out)
-    want = F.linear(x.double(), dequantize_int4(q, scale).double())
+    want = F.linear(x.double(), dequantize_int4(q.to(DEVICE), scale).double())
     if rows:
         assert (got.double() - want).abs().max() / want.abs().max() < TOL[dtype]
 
@@ -135,7 +135,9 @@ def test_engine_on_triton_matches_transformers_exactly(
         max_num_batched_tokens=32,
     )
     runner = llm.engine.executor.runner  # type: ignore[attr-defined]
-    assert runner.model.layers[0].attn.qkv.quantized.matmul is QUANT_PATHS[scheme, "triton"].matmul
+    qkv = runner.model.layers[0].attn.qkv
+    assert qkv.quantized is not None, (type(qkv), runner.config.quantization, qkv.weight.shape)
+    assert qkv.quantized.matmul is QUANT_PATHS[scheme, "triton"].matmul
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     outputs = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outputs] == reference
