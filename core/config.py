@@ -18,6 +18,7 @@ from pdserve.core.errors import InvalidArgumentError
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _EVICTION_POLICIES = ("lru", "idle", "priority")
 _QUANTIZATIONS = ("none", "int8", "int4")
+_LOAD_FORMATS = ("safetensors", "dummy")
 _SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
@@ -309,6 +310,11 @@ class EngineConfig:
         max_lora_rank: largest LoRA rank ``r`` an adapter may have.
         max_loras: most LoRA adapters the instance holds at once, start-up and
             runtime loads (``LLM.load_lora_adapter``) together.
+        load_format: "safetensors" reads the folder's weights; "dummy" needs only its
+            ``config.json`` and fills the weights with seeded random values, for timing
+            a model's shape (``pdserve profile``, the GPU benchmarks) without its checkpoint.
+        cuda_graphs: replay decode steps from CUDA graphs on one CUDA rank
+            (``parallel/cuda_graphs.py``); False launches every kernel eagerly.
     """
 
     model: str
@@ -326,6 +332,8 @@ class EngineConfig:
     lora_adapters: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 64
     max_loras: int = 8
+    load_format: str = "safetensors"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _positive("max_lora_rank", self.max_lora_rank)
@@ -345,6 +353,9 @@ class EngineConfig:
         if self.quantization not in _QUANTIZATIONS:
             msg = f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}"
             raise InvalidArgumentError("quantization", msg)
+        if self.load_format not in _LOAD_FORMATS:
+            msg = f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            raise InvalidArgumentError("load_format", msg)
         if not isinstance(self.kernel_backend, str) or not self.kernel_backend:
             msg = f"must be a kernels name (auto, torch, cpu, triton), got {self.kernel_backend!r}"
             raise InvalidArgumentError("kernel_backend", msg)

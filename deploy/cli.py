@@ -44,6 +44,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default="none",
         help="none, int8 (weight-only, per output channel) or int4 (groups of 32)",
     )
+    p.add_argument(
+        "--load-format",
+        default="safetensors",
+        choices=["safetensors", "dummy"],
+        help="dummy: random weights from config.json alone (for timing a model's shape)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: by memory)")
@@ -81,6 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "device": args.device,
         "quantization": args.quantization,
+        "load_format": args.load_format,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "num_blocks": args.num_blocks,

@@ -90,3 +90,15 @@ def _load(model: CausalLM, folder: Path) -> None:
             f"{missing[:3]}",
         )
     logger.debug("loaded %d tensors from %s", loaded, folder)
+
+
+@torch.no_grad()
+def fill_random(model: CausalLM, seed: int) -> None:
+    """``load_format: dummy``: every matrix (projections, embeddings, experts) drawn from
+    N(0, 0.02) with ``seed``; vectors keep what the model was built with (norms at one,
+    biases at zero). Each rank draws its own shards: the values are not one model's
+    split across ranks, which timing does not need."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for param in model.parameters():
+        if param.dim() > 1:
+            param.normal_(0.0, 0.02, generator=generator)

@@ -28,9 +28,10 @@ from pdserve.parallel.batch import PreparedBatch, prepare_batch
 from pdserve.parallel.context import SINGLE_RANK, ParallelContext
 from pdserve.parallel.cpu_features import warn_if_emulated
 from pdserve.parallel.cpu_linear import pack_linears, packing_available
+from pdserve.parallel.cuda_graphs import DecodeGraphs
 from pdserve.parallel.kernels import select_kernels
 from pdserve.parallel.kv_tiers import TierStore, tier_slots
-from pdserve.parallel.loader import load_checkpoint
+from pdserve.parallel.loader import fill_random, load_checkpoint
 from pdserve.parallel.lora_loader import (
     PeftAdapter,
     attach_adapters,
@@ -102,22 +103,33 @@ class ModelRunner:
             raise InvalidArgumentError("afd", "host and disk KV tiers are not supported with afd")
         if afd_role and config.lora_adapters:
             raise InvalidArgumentError("afd", "LoRA adapters are not supported with afd")
-        load_checkpoint(self.model, model_config.path)
-        # The adapter in each LoRA slot (None: free); they ride on any packing or quantizing.
-        self.adapter_slots = attach_adapters(self.model, config)
-        self.model.eval()
-        if config.quantization != "none":
-            path = select_path(config.quantization, kernels.name, self.device, self.dtype)
-            quantize_linears(self.model, path)
-        elif packing_available(self.device, self.dtype):
-            pack_linears(self.model)
-        self.weights_bytes = weights_bytes(self.model)
-        logger.info("weights: %d bytes (quantization %s)", self.weights_bytes, config.quantization)
+        self._load_weights(kernels.name)
         self.sampler = Sampler(config.seed, self.device, model_config.path, model_config.eos_token_ids)  # fmt: skip
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.tiers: TierStore | None = None
+        self.graphs: DecodeGraphs | None = None
+
+    def _load_weights(self, kernels: str) -> None:
+        """The checkpoint's weights (or seeded random ones: ``load_format: dummy``), the
+        LoRA slots, then the linears quantized or packed for ``kernels``."""
+        config = self.config
+        if config.load_format == "dummy":
+            c = self.ctx
+            fill_random(self.model, hash((config.seed, c.tp_rank, c.pp_rank, c.ep_rank)))
+        else:
+            load_checkpoint(self.model, self.model_config.path)
+        # The adapter in each LoRA slot (None: free); they ride on any packing or quantizing.
+        self.adapter_slots = attach_adapters(self.model, config)
+        self.model.eval()
+        if config.quantization != "none":
+            path = select_path(config.quantization, kernels, self.device, self.dtype)
+            quantize_linears(self.model, path)
+        elif packing_available(self.device, self.dtype):
+            pack_linears(self.model)
+        self.weights_bytes = weights_bytes(self.model)
+        logger.info("weights: %d bytes (quantization %s)", self.weights_bytes, config.quantization)
 
     def allocate_kv(self, num_blocks: int, allocator: KVAllocator | None = None) -> None:
         """Allocate the paged KV cache; every rank of an instance gets the same count.
@@ -146,6 +158,7 @@ class ModelRunner:
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(len(self.model.layers))
         ]
         self.num_blocks = num_blocks
+        self.graphs = self._decode_graphs(num_blocks)
         host_slots, disk_slots = self.tier_slots()
         if self.tiers is None and host_slots + disk_slots > 0:
             rank = f"tp{self.ctx.tp_rank}pp{self.ctx.pp_rank}"
@@ -154,6 +167,19 @@ class ModelRunner:
             "rank tp=%d/%d pp=%d/%d: layers %s, %d KV blocks of %d tokens, %s on %s",
             self.ctx.tp_rank, self.ctx.tp_size, self.ctx.pp_rank, self.ctx.pp_size,
             self.layer_range, num_blocks, self.block_size, self.dtype, self.device,
+        )  # fmt: skip
+
+    def _decode_graphs(self, num_blocks: int) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps, where they apply: the whole model on one CUDA rank."""
+        c, config = self.ctx, self.config
+        one_rank = c.tp_size == c.pp_size == c.ep_size == 1 and not self.afd_role
+        dense = self.model_config.num_experts == 0  # MoE reads its hit experts on the host
+        if not (config.cuda_graphs and self.device.type == "cuda" and one_rank and dense):
+            return None
+        longest = config.max_model_len or self.model_config.max_position_embeddings
+        return DecodeGraphs(
+            self.model, self.caches, config.scheduler.max_num_seqs,
+            min(longest, num_blocks * self.block_size), self.block_size, self.device,
         )  # fmt: skip
 
     def bytes_per_block(self) -> int:
@@ -244,10 +270,14 @@ class ModelRunner:
             if not plan.seqs:
                 return StepResult(plan.step_id, {}, loads_ok=loads_ok)
             batch = self.prepare(plan)
-            hidden, _ = self.model(
-                batch.input_ids, batch.positions, self.caches, batch.meta, lora=batch.lora
-            )
-            result = self.sample(plan, batch, hidden)
+            logits = self.graphs.logits(batch) if self.graphs is not None else None
+            if logits is not None:  # a decode step replayed from a CUDA graph
+                result = self._sample_logits(plan, batch, logits)
+            else:
+                hidden, _ = self.model(
+                    batch.input_ids, batch.positions, self.caches, batch.meta, lora=batch.lora
+                )
+                result = self.sample(plan, batch, hidden)
         finally:
             self.finish_tier_ops()
         return replace(result, loads_ok=loads_ok) if loads_ok else result
@@ -264,6 +294,12 @@ class ModelRunner:
         # Distinct rising indices, as many as there are rows: every row, in order.
         every_row = batch.sample_indices.shape[0] == hidden.shape[0]
         logits = self.model.compute_logits(hidden if every_row else hidden[batch.sample_indices])
+        return self._sample_logits(plan, batch, logits)
+
+    def _sample_logits(
+        self, plan: StepPlan, batch: PreparedBatch, logits: torch.Tensor
+    ) -> StepResult:
+        """Sample from the logits of the sampled rows, in ``batch.sample_ids``' order."""
         tokens = self.sampler.verify(
             logits, batch.sample_rows, batch.sample_drafts, batch.sample_ids
         )

@@ -57,6 +57,14 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                         "device's (bfloat16 on a GPU)")  # fmt: skip
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measured step")
+    p.add_argument(
+        "--grid",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="the shapes a measured profile times (gpu: longer prompts, bigger batches)",
+    )
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
+                   help="dummy: random weights from the folder's config.json alone")  # fmt: skip
     p.add_argument("--out", default="profile.json")
     add_device_flags(p)
     p.set_defaults(func=cmd_profile, prog="pdserve profile")
@@ -83,17 +91,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
             assumptions_from(args), command,
         )  # fmt: skip
     else:
+        from dataclasses import replace
+
         from pdserve.core.config import build_engine_config
-        from pdserve.sim.measure import MeasureGrid, measured_profile
+        from pdserve.sim.measure import GRIDS, measured_profile
 
         config = build_engine_config(
             args.model, dtype=args.dtype or "float32", block_size=args.block_size,
             tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size, load_format=args.load_format,
+            max_num_seqs=max(GRIDS[args.grid].decode_batch),
         )  # fmt: skip
-        profile = measured_profile(
-            config, MeasureGrid(repeats=args.repeats), command, machine_info()
-        )
+        grid = replace(GRIDS[args.grid], repeats=args.repeats)
+        profile = measured_profile(config, grid, command, machine_info())
     path = save_profile(profile, args.out)
     print(describe_profile(profile))
     print(f"wrote {path}")

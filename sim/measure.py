@@ -73,6 +73,16 @@ class MeasureGrid:
             raise InvalidArgumentError("repeats", f"must be at least 1, got {self.repeats}")
 
 
+# ``pdserve profile --grid gpu``: the shapes a GPU instance serves (long prompts, big batches).
+GPU_GRID = MeasureGrid(
+    prefill_tokens=(128, 512, 1024, 2048, 4096),
+    prefill_cached=(0, 2048, 8192),
+    decode_batch=(1, 16, 64, 128, 256),
+    decode_context=(256, 1024, 4096),
+)
+GRIDS = {"cpu": MeasureGrid(), "gpu": GPU_GRID}
+
+
 def scattered_pages(num_blocks: int, seed: int = 0) -> list[int]:
     """Every page of a pool of ``num_blocks``, in a random order."""
     return random.Random(seed).sample(range(num_blocks), num_blocks)
