@@ -31,6 +31,8 @@ KINDS: dict[str, Kind] = {
     "scheduler": Kind("scheduler", "the engine scheduler's host time per step"),
     "sampler": Kind("sampler", "the sampler's time per step with penalties vs without"),
     "kernels": Kind("kernels", "Triton kernels vs torch and the bandwidth floor (GPU)"),
+    "gpu": Kind("gpu", "an 8B-shaped model's decode and prefill vs the GPU's ceilings (GPU)"),
+    "cuda-ipc": Kind("cuda_ipc", "KV pages into another process's pool over CUDA IPC (GPU)"),
     "serve": Kind("serve", "load a running cluster over gRPC or HTTP; goodput under SLOs"),
     "disagg-vs-colocated": Kind(
         "headline", "goodput of disaggregated vs colocated serving on the same cores, over rates"

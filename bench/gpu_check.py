@@ -6,17 +6,23 @@ Needs torch (CUDA build), triton, msgpack, grpcio, safetensors, tokenizers,
 numpy, pyyaml, jinja2 and pytest; not Ray, not a network, not an install of
 pdserve: it imports pdserve from this source tree through a tree of links
 that follows pyproject.toml's package map. ``transformers`` is needed for the
-parity tests (they are reported as skipped without it). Steps, each writing
-into ``--out``:
+parity tests and the peer (reported as skipped or as an error without it).
+Steps, in this order, each under a time limit, all output in ``gpu-check.log``:
 
-1. the CUDA tests and the Triton kernel tests, natively (TRITON_INTERPRET
-   unset): ``pytest.log`` and ``junit.xml``;
-2. ``pdserve bench kernels``: the kernels against the torch reference and the
-   HBM floor, and an 8B-shaped decode: ``kernels.json``;
-3. ``summary.json``: the device, the versions, each step's exit status.
+1. ``gpu``: ``pdserve bench gpu``, an 8B-shaped model's decode (eager and CUDA
+   graph) against the HBM floor, prefill MFU, transformers as the peer: ``gpu.json``;
+2. ``pytest``: the CUDA tests and the Triton kernel tests, natively
+   (TRITON_INTERPRET unset); the bf16 agreement figures: ``bf16_agreement.jsonl``;
+3. ``profile``: ``pdserve profile --grid gpu`` of that model with dummy weights,
+   the simulator's measured GPU profile: ``profile-gpu.json``;
+4. ``cuda-ipc``: ``pdserve bench cuda-ipc``, KV pages into another process's pool
+   over CUDA IPC against a copy inside one process: ``cuda_ipc.json``;
+5. ``kernels``: ``pdserve bench kernels``, each Triton kernel against torch and
+   the bandwidth floor: ``kernels.json``;
 
-Run with ``--dry-run`` on any machine to check the import tree and the
-dependency report without a GPU (the test suite does).
+then ``summary.json``: the device, the versions, each step's exit status and time.
+``--steps`` runs some of them. Run with ``--dry-run`` on any machine to check the
+import tree and the dependency report without a GPU (the test suite does).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,19 +43,22 @@ REQUIRED = {"torch": "torch", "triton": "triton", "msgpack": "msgpack", "grpc": 
             "safetensors": "safetensors", "tokenizers": "tokenizers", "numpy": "numpy",
             "yaml": "pyyaml", "jinja2": "jinja2", "pytest": "pytest"}  # fmt: skip
 OPTIONAL = {"transformers": "transformers (the parity tests' reference)"}
-TESTS = ["tests/parallel/test_cuda.py", "tests/parallel/test_kernels.py"]
+TESTS = [
+    "tests/parallel/test_cuda.py", "tests/parallel/test_kernels.py",
+    "tests/parallel/test_quant_kernels.py",
+]  # fmt: skip
 # Modules the GPU steps import: none of them may need Ray.
-GPU_MODULES = ["pdserve", "pdserve.bench.kernels", "pdserve.parallel.model_runner"]
+GPU_MODULES = [
+    "pdserve", "pdserve.deploy.cli", "pdserve.bench.kernels", "pdserve.bench.gpu",
+    "pdserve.bench.cuda_ipc", "pdserve.sim.measure", "pdserve.parallel.model_runner",
+]  # fmt: skip
 
 
-# `pdserve bench kernels` without the command line (which would import the cluster, and Ray).
-KERNELS = """import argparse, sys
-from pdserve.bench.cli import add_kind
-parser = argparse.ArgumentParser()
-add_kind(parser.add_subparsers(), "kernels")
-args = parser.parse_args(["kernels", *sys.argv[1:]])
-sys.exit(args.func(args))
-"""
+# The command line without Ray: `pdserve bench <kind>` and `pdserve profile` import
+# only their own modules.
+PDSERVE = "import sys; from pdserve.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
+STEPS = ("gpu", "pytest", "profile", "cuda-ipc", "kernels")
+LIMITS = {"gpu": 200, "pytest": 240, "profile": 150, "cuda-ipc": 60, "kernels": 120}  # seconds
 
 
 def missing(modules: dict[str, str]) -> list[str]:
@@ -76,11 +86,21 @@ def import_tree(where: Path) -> Path:
     return where
 
 
-def run_step(name: str, command: list[str], env: dict[str, str], out: Path) -> int:
+def run_step(name: str, command: list[str], env: dict[str, str], out: Path, limit: float) -> int:
+    """Run one step, its output appended to ``gpu-check.log``; 124 when it ran past ``limit``."""
     print(f"== {name}: {' '.join(command)}", flush=True)
-    with open(out / f"{name}.log", "w") as log:
-        code = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    print(f"   exit {code}; log: {out / f'{name}.log'}", flush=True)
+    start = time.perf_counter()
+    with open(out / "gpu-check.log", "a") as log:
+        log.write(f"\n== {name}: {' '.join(command)}\n")
+        log.flush()
+        try:
+            code = subprocess.run(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+        log.write(f"== {name}: exit {code} after {time.perf_counter() - start:.0f} s\n")
+    print(f"   exit {code} after {time.perf_counter() - start:.0f} s", flush=True)
     return code
 
 
@@ -96,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--dry-run", action="store_true", help="check imports and packages only")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
+    parser.add_argument("--time-scale", type=float, default=1.0, help="multiplies each limit")
+    parser.add_argument("--tests", nargs="+", default=TESTS, help="the pytest step's files")
     args = parser.parse_args(argv)
     lacking = missing(REQUIRED)
     if lacking:
@@ -106,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pdserve-gpu-") as tmp:
-        env = {**os.environ, "PYTHONPATH": f"{import_tree(Path(tmp))}{os.pathsep}{ROOT}"}
+        tree = import_tree(Path(tmp))
+        sys.path.insert(0, str(tree))  # this process writes the 8B config with pdserve's help
+        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
         env.pop("TRITON_INTERPRET", None)
         if check_imports(env) != 0:
             print("pdserve's GPU modules do not import without Ray: see the error above")
@@ -114,48 +139,53 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print("dry run: the import tree works and no required package is missing")
             return 0
-        return _run_all(out, env)
+        return _run_all(out, env, args)
 
 
-def _run_all(out: Path, env: dict[str, str]) -> int:
+def step_commands(out: Path, config: Path, tests: list[str]) -> dict[str, list[str]]:
+    py = sys.executable
+    return {
+        "pytest": [
+            py, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--timeout", "120",
+            *tests,
+        ],
+        "gpu": [py, "-c", PDSERVE, "bench", "gpu", "--out", str(out / "gpu.json")],
+        "profile": [
+            py, "-c", PDSERVE, "profile", "--model", str(config), "--load-format", "dummy",
+            "--dtype", "bfloat16", "--grid", "gpu", "--repeats", "2",
+            "--out", str(out / "profile-gpu.json"),
+        ],
+        "cuda-ipc": [py, "-c", PDSERVE, "bench", "cuda-ipc", "--out", str(out / "cuda_ipc.json")],
+        "kernels": [py, "-c", PDSERVE, "bench", "kernels", "--out", str(out / "kernels.json")],
+    }  # fmt: skip
+
+
+def _run_all(out: Path, env: dict[str, str], args: argparse.Namespace) -> int:
     import torch
+
+    from pdserve.bench.gpu import write_config
 
     if not torch.cuda.is_available():
         print("no CUDA device: torch.cuda.is_available() is False")
         return 2
-    steps = {
-        "pytest": run_step(
-            "pytest",
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                *TESTS,
-                f"--junitxml={out / 'junit.xml'}",
-            ],
-            env,
-            out,
-        ),
-        "kernels": run_step(
-            "kernels",
-            [sys.executable, "-c", KERNELS, "--out", str(out / "kernels.json")],
-            env,
-            out,
-        ),
-    }
+    env = {**env, "PDSERVE_GPU_OUT": str(out)}
+    with tempfile.TemporaryDirectory(prefix="pdserve-8b-") as folder:
+        commands = step_commands(out, write_config(Path(folder) / "llama3-8b"), args.tests)
+        codes = {
+            name: run_step(name, commands[name], env, out, LIMITS[name] * args.time_scale)
+            for name in STEPS
+            if name in args.steps
+        }
     summary = {
         "device": torch.cuda.get_device_name(0),
         "devices": torch.cuda.device_count(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "steps": steps,
+        "steps": codes,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
-    return 0 if not any(steps.values()) else 1
+    return 0 if not any(codes.values()) else 1
 
 
 if __name__ == "__main__":

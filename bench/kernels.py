@@ -275,16 +275,11 @@ def random_model(kernels: str, attention: str, dtype: torch.dtype, device: torch
     return model.eval()
 
 
-@torch.no_grad()
-def decode_throughput(
-    args: argparse.Namespace,
-    kernels: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    bandwidth: float,
-) -> dict[str, Any]:
-    model = random_model(kernels, kernels, dtype, device)
-    batch, context = args.model_batch, args.model_context
+def decode_step(
+    model: Any, batch: int, context: int, dtype: torch.dtype, device: torch.device
+) -> Callable[[], torch.Tensor]:
+    """One decode step of ``batch`` sequences of ``context`` cached tokens on scattered
+    pages (forward, logits, argmax), its inputs made once."""
     meta, pages = paged_meta([1] * batch, [context] * batch, device)
     kv = torch.zeros(LAYERS, 2, pages, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     caches = [(kv[i, 0], kv[i, 1]) for i in range(LAYERS)]
@@ -295,7 +290,20 @@ def decode_throughput(
         hidden, _ = model(input_ids, positions, caches, meta)
         return model.compute_logits(hidden).argmax(-1)
 
-    step_ms = median_ms(step)
+    return step
+
+
+@torch.no_grad()
+def decode_throughput(
+    args: argparse.Namespace,
+    kernels: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    bandwidth: float,
+) -> dict[str, Any]:
+    model = random_model(kernels, kernels, dtype, device)
+    batch, context = args.model_batch, args.model_context
+    step_ms = median_ms(decode_step(model, batch, context, dtype, device))
     elem = torch.tensor([], dtype=dtype).element_size()
     # Every weight once, except the embedding table, of which a step reads one row per token.
     weight_bytes = sum(
