@@ -8,6 +8,7 @@ before it reaches an engine.
 
 from __future__ import annotations
 
+import functools
 import json
 
 
@@ -20,8 +21,11 @@ def grammar(schema: str) -> str:
     return str(LLMatcher.grammar_from_json_schema(json.loads(schema), defaults=compact))  # type: ignore[arg-type]
 
 
+@functools.lru_cache(maxsize=128)
 def check_schema(schema: str) -> str | None:
-    """Why a JSON schema cannot guide decoding (None: it can)."""
+    """Why a JSON schema cannot guide decoding (None: it can). Remembered for the last
+    128 schemas: a named tool's parameters are checked by the chat front door and again
+    as the request's schema, and clients send the same tools with every request."""
     from llguidance import LLMatcher
 
     try:

@@ -147,7 +147,7 @@ class ToolStream:
         self.choice = choice
         self.held = ""  # text not sent yet
         self.calling = False  # auto: a call may have begun; the rest waits for the end
-        self.opened = False  # auto: the output's first non-space character came
+        self.opened = False  # auto: the first non-space character came; named: any text
         self.id = call_id()
 
     def feed(self, text: str) -> dict[str, Any] | None:
@@ -156,8 +156,7 @@ class ToolStream:
         if mode == "named":
             if not text:
                 return None
-            first = not self.held
-            self.held += text
+            first, self.opened = not self.opened, True  # the arguments go out as they come
             return {"tool_calls": [self._call_delta(0, self.choice.name or "", text, first)]}
         if mode == "required" or (mode == "auto" and self.calling):
             self.held += text
