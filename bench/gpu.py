@@ -12,6 +12,9 @@ Random weights built on the GPU (no checkpoint, no download). In one run:
   batch's KV once, over the copy bandwidth;
 - prefill: one ``--prompt``-token sequence, its FLOPs (matrix products and causal
   attention) over the measured peak (MFU);
+- the engine: ``--requests`` prompts of ``--prompt`` random tokens, ``--output``
+  tokens each, through ``LLM.generate`` on that model (``load_format: dummy``), with
+  decode steps replayed from CUDA graphs and launched eagerly: tokens/s and TTFT;
 - the peer: the same model in ``transformers`` (bf16, sdpa): prefill of the same
   prompt, and a decode step from ``generate`` with a static cache ((time of
   ``1 + n`` new tokens - time of 1) / n at each batch), eager: ``generate`` would
@@ -23,6 +26,7 @@ Each part that fails is reported with its error and the rest still runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 import traceback
@@ -114,6 +118,7 @@ def guarded(name: str, part: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         row = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
     row = {"part": name, **row, "seconds": round(time.perf_counter() - start, 1)}
     print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    gc.collect()  # an engine's KV pool goes with its last reference, cycles included
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -224,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps({k: report[k] for k in ("copy_bandwidth_gb_s", "bf16_matmul_tflops")}))
     report.update(ours_rows(args, bandwidth, peak))
+    report["engine"] = [
+        guarded(f"engine graphs={g}", partial(engine_row, args, g)) for g in (True, False)
+    ]
     report["peer"] = guarded("peer", lambda: peer_rows(args, peak))
     out = write_json(Path(args.out), report)
     print(f"wrote {out}")
@@ -239,6 +247,42 @@ def ours_rows(args: argparse.Namespace, bandwidth: float, peak: float) -> dict[s
         ],
         "prefill": guarded("prefill", lambda: ours_prefill(model, args.prompt, peak)),
     }
+
+
+def engine_row(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
+    """Offline throughput of the whole engine on the 8B shape (random weights)."""
+    import tempfile
+
+    from pdserve import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, VOCAB, (args.requests, args.prompt), generator=gen).tolist()
+    params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as folder:
+        llm = LLM(
+            str(write_config(Path(folder) / "llama3-8b")), load_format="dummy",
+            dtype="bfloat16", device=DEVICE.type, cuda_graphs=graphs,
+            max_num_seqs=args.requests, max_num_batched_tokens=8192,
+        )  # fmt: skip
+        try:
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+            sync()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            sync()
+            seconds = time.perf_counter() - start
+        finally:
+            llm.shutdown()
+    ttft = sorted((o.metrics.first_token_time or 0.0) - o.metrics.arrival_time for o in outs)
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "graphs": graphs, "requests": args.requests, "prompt": args.prompt,
+        "output": args.output, "seconds": round(seconds, 2),
+        "output_tokens_per_s": round(out_tokens / seconds),
+        "total_tokens_per_s": round((out_tokens + args.requests * args.prompt) / seconds),
+        "ttft_p50_ms": round(ttft[len(ttft) // 2] * 1e3, 1),
+        "ttft_max_ms": round(ttft[-1] * 1e3, 1),
+    }  # fmt: skip
 
 
 def sync() -> None:
@@ -257,7 +301,7 @@ def peer_rows(args: argparse.Namespace, peak: float) -> dict[str, Any]:
     return rows
 
 
-_FLAGS = ("batches", "context", "prompt", "steps", "seed")
+_FLAGS = ("batches", "context", "prompt", "steps", "requests", "output", "seed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -265,6 +309,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=count, default=1024, help="decode: cached tokens each")
     p.add_argument("--prompt", type=count, default=2048, help="prefill: prompt tokens")
     p.add_argument("--steps", type=count, default=16, help="peer decode: steps timed")
+    p.add_argument("--requests", type=count, default=128, help="engine: requests at once")
+    p.add_argument("--output", type=count, default=128, help="engine: tokens per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/gpu.json")
     p.set_defaults(func=run)

@@ -32,3 +32,15 @@ def test_without_cuda_it_says_so(tmp_path) -> None:
         timeout=300,
     )
     assert done.returncode == 2 and "no CUDA device" in done.stdout
+
+
+def test_gpu_benchmarks_refuse_a_machine_without_cuda(capsys) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    from pdserve.deploy.cli import main
+
+    if torch.cuda.is_available():
+        return  # there they run: `make gpu-check`
+    for kind in ("gpu", "cuda-ipc", "kernels"):
+        with pytest.raises(SystemExit, match="CUDA GPU"):
+            main(["bench", kind, "--out", "/nonexistent/x.json"])
