@@ -50,8 +50,8 @@ class LLM:
     ``disaggregated=True`` runs a prefill instance and a decode instance paired
     for KV transfer: ``prefill`` and ``decode`` are dicts of per-role options
     (layouts, scheduler, cache) over the shared ones; ``connector`` picks the
-    transfer ("shm", "object_store" or "p2p"); ``disaggregation`` sets when the
-    decode instance prefills a request itself.
+    transfer ("auto": "cuda_ipc" on GPUs, "shm" on the CPU; or "object_store", "p2p");
+    ``disaggregation`` sets when the decode instance prefills a request itself.
     """
 
     def __init__(
@@ -63,7 +63,7 @@ class LLM:
         disaggregated: bool = False,
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
-        connector: str = "shm",
+        connector: str = "auto",
         disaggregation: DisaggregationConfig | None = None,
         **kwargs: Any,
     ) -> None:

@@ -11,7 +11,7 @@ Steps, in this order, each under a time limit, all output in ``gpu-check.log``:
 
 1. ``gpu``: ``pdserve bench gpu``, an 8B-shaped model's decode (eager and CUDA
    graph) against the HBM floor, prefill MFU, transformers as the peer: ``gpu.json``;
-2. ``pytest``: the CUDA tests and the Triton kernel tests, natively
+2. ``pytest``: the CUDA tests (the CUDA IPC connector's among them) and the Triton kernel tests, natively
    (TRITON_INTERPRET unset); the bf16 agreement figures: ``bf16_agreement.jsonl``;
 3. ``profile``: ``pdserve profile --grid gpu`` of that model with dummy weights,
    the simulator's measured GPU profile: ``profile-gpu.json``;
@@ -45,12 +45,13 @@ REQUIRED = {"torch": "torch", "triton": "triton", "msgpack": "msgpack", "grpc": 
 OPTIONAL = {"transformers": "transformers (the parity tests' reference)"}
 TESTS = [
     "tests/parallel/test_cuda.py", "tests/parallel/test_kernels.py",
-    "tests/parallel/test_quant_kernels.py",
+    "tests/parallel/test_quant_kernels.py", "tests/transfer/test_cuda_ipc.py",
 ]  # fmt: skip
 # Modules the GPU steps import: none of them may need Ray.
 GPU_MODULES = [
     "pdserve", "pdserve.deploy.cli", "pdserve.bench.kernels", "pdserve.bench.gpu",
     "pdserve.bench.cuda_ipc", "pdserve.sim.measure", "pdserve.parallel.model_runner",
+    "pdserve.transfer.cuda_ipc", "pdserve.transfer.rank",
 ]  # fmt: skip
 
 

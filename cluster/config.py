@@ -42,6 +42,7 @@ from pdserve.cluster.config_yaml import Lines, get_list, get_map, to_python, typ
 from pdserve.core.config import DisaggregationConfig, EngineConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RouterConfig
+from pdserve.transfer import check_connector
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class ClusterConfig:
     model: str
     engine: dict[str, Any]
     regions: tuple[RegionConfig, ...]
-    connector: str = "shm"
+    connector: str = "auto"
     router: RouterConfig = field(default_factory=RouterConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -284,7 +285,7 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
         model=raw["model"],
         engine=get_map(raw, "engine", lines),
         regions=regions,
-        connector=typed(raw.get("connector", "shm"), str, "connector", lines),
+        connector=_connector(typed(raw.get("connector", "auto"), str, "connector", lines), lines),
         router=router,
         planner=PlannerConfig(
             **typed_fields(
@@ -309,6 +310,14 @@ def _build(raw: dict[str, Any], lines: Lines) -> ClusterConfig:
     for i, spec in enumerate(config.models):
         _check_engines(config.deployment(spec), lines, f"models[{i}].")
     return config
+
+
+def _connector(name: str, lines: Lines) -> str:
+    try:
+        check_connector(name)
+    except InvalidArgumentError as e:
+        raise lines.error("connector", e.message) from None
+    return name
 
 
 def _check_engines(config: ClusterConfig, lines: Lines, prefix: str = "") -> None:

@@ -50,7 +50,7 @@ def start_instance(
     role: Role,
     model: ModelConfig,
     engine: EngineConfig,
-    connector: str = "shm",
+    connector: str = "auto",
     resources: RankResources | None = None,
     disaggregation: DisaggregationConfig | None = None,
     instance_id: str | None = None,

@@ -43,8 +43,10 @@ from pdserve.core.request import RequestOutput
 from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
 from pdserve.decode.elastic import republish
 from pdserve.decode.server import DecodeServer
+from pdserve.parallel.model_runner import resolve_device
 from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
 from pdserve.prefill.server import PrefillServer
+from pdserve.transfer import resolve_connector
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.handshake import KVSpec, adapter_fingerprints, model_fingerprint
@@ -62,7 +64,7 @@ class InstanceSpec:
 
     instance_id: str
     role: Role
-    connector: str = "shm"
+    connector: str = "auto"  # pdserve.transfer.resolve_connector
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
 
@@ -95,7 +97,7 @@ class InstanceWorker(RankWorker):
             spec.rank,
             spec.layout,
             spec.model.num_kv_heads,
-            instance.connector,
+            resolve_connector(instance.connector, resolve_device(spec.engine.device)),
         )
         self.step_hooks = self.transfer
         # Both roles receive pages (decode: prompts; prefill: a peer's prefix), so

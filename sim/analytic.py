@@ -156,12 +156,12 @@ def analytic_profile(
             f"on {devices} x {device}: use more devices per instance",
         )
     link = TransferModel(a.transfer_latency_s, d.network_bw * devices)
+    node = TransferModel(a.transfer_latency_s, d.interconnect_bw)  # same node
     return Profile(
         model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, device=device,
         source="analytic", step=step, kv_bytes_per_token=kv_bytes,
         kv_capacity_tokens=int(free // kv_bytes), dtype=d.dtype,
-        connectors={"default": link, "p2p": link, "object_store": link,
-                    "shm": TransferModel(a.transfer_latency_s, d.interconnect_bw)},
+        connectors={"default": link, "p2p": link, "object_store": link, "shm": node, "cuda_ipc": node},
         efficiency={"mfu": a.mfu, "mbu": a.mbu}, command=command,
     )  # fmt: skip
 

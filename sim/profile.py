@@ -298,10 +298,10 @@ class Profile:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def transfer(self, connector: str) -> TransferModel:
-        if connector in self.connectors:
-            return self.connectors[connector]
-        if "default" in self.connectors:
-            return self.connectors["default"]
+        if connector == "auto":  # as a rank resolves it (pdserve.transfer.resolve_connector)
+            connector = "shm" if self.device == "cpu" else "cuda_ipc"
+        if found := self.connectors.get(connector, self.connectors.get("default")):
+            return found
         raise InvalidArgumentError(
             "connector",
             f"the profile has no transfer model for {connector!r} "

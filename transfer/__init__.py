@@ -1,25 +1,51 @@
 """Moving KV pages between instances: wire format, connectors, re-sharding.
 
 The connector interface and its registry are in :mod:`~pdserve.transfer.connector`;
-:func:`connector_classes` imports the implementations (so they register) and
-picks one by name.
+:func:`connector_classes` imports the implementation asked for (so it registers)
+and returns it.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.transfer.connector import CONNECTORS, KVReceiver, KVSender
+
+if TYPE_CHECKING:  # the names below are checked where torch is not imported (configs)
+    import torch
+
+    from pdserve.transfer.connector import KVReceiver, KVSender
+
+# Each connector's module registers it when imported; only the one asked for is
+# imported (object_store and p2p need Ray, cuda_ipc and shm do not).
+KNOWN = ("cuda_ipc", "object_store", "p2p", "shm")
+AUTO = "auto"  # a rank's own node: cuda_ipc for a KV cache on a GPU, shm for one in host memory
+
+
+def check_connector(name: str) -> None:
+    if name != AUTO and name not in KNOWN:
+        known = ", ".join([AUTO, *KNOWN])
+        raise InvalidArgumentError("connector", f"unknown connector {name!r}; known: {known}")
+
+
+def resolve_connector(name: str, device: torch.device) -> str:
+    """``name``, or for ``auto`` the same-node connector for a KV cache on ``device``."""
+    check_connector(name)
+    if name != AUTO:
+        return name
+    return "cuda_ipc" if device.type == "cuda" else "shm"
 
 
 def connector_classes(name: str) -> tuple[type[KVSender], type[KVReceiver]]:
     """The (sender, receiver) classes of the connector called ``name``."""
-    from pdserve.transfer import object_store, p2p, shm  # noqa: F401
+    check_connector(name)
+    if name == AUTO:
+        raise InvalidArgumentError("connector", "auto names no connector until a device is known")
+    from pdserve.transfer.connector import CONNECTORS
 
-    if name not in CONNECTORS:
-        raise InvalidArgumentError(
-            "connector", f"unknown connector {name!r}; known: {sorted(CONNECTORS)}"
-        )
+    importlib.import_module(f"pdserve.transfer.{name}")
     return CONNECTORS[name]
 
 
-__all__ = ["connector_classes"]
+__all__ = ["check_connector", "connector_classes", "resolve_connector"]

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pdserve.core.errors import TransferError
 from pdserve.transfer.stats import TransferStats
 from pdserve.transfer.wire import PageHeader, PageRun, block_runs
 
@@ -118,6 +119,12 @@ class KVSender(abc.ABC):
         self.endpoints: dict[tuple[str, int], PeerEndpoint] = {}
 
     def connect(self, endpoint: PeerEndpoint) -> None:
+        if endpoint.connector != self.name:
+            raise TransferError(
+                f"decode rank {endpoint.instance_id}/{endpoint.rank} takes pages over "
+                f"{endpoint.connector}, this prefill rank sends over {self.name}: "
+                "give both instances one connector"
+            )
         self.endpoints[(endpoint.instance_id, endpoint.rank)] = endpoint
 
     @abc.abstractmethod

@@ -81,7 +81,8 @@ class ShmReceiver(KVReceiver):
     ) -> torch.Tensor:
         if device.type != "cpu":
             raise TransferError(
-                f"the shm connector needs the KV cache in host memory, not {device}"
+                f"the shm connector needs the KV cache in host memory, not {device}: "
+                "use the cuda_ipc connector"
             )
         numel = 1
         for d in shape:

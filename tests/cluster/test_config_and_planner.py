@@ -135,6 +135,10 @@ def test_shipped_configs_load() -> None:
             ("latency_ms: {west: 20}", "latency_ms: {west: -.inf}"),
             "regions[0].latency_ms.west: must be a finite number, got -inf",
         ),
+        (
+            ("model: builtin:tiny", "model: builtin:tiny\nconnector: nvlink"),
+            "cfg.yaml:2: connector: unknown connector 'nvlink'; known: auto, cuda_ipc,",
+        ),
     ],
 )
 def test_errors_name_the_field_and_the_line(edit, where) -> None:

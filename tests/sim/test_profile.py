@@ -199,3 +199,11 @@ def test_a_tensor_parallel_instance_is_profiled_through_its_ranks(ray_session) -
         ("decode", n, n) for n in (1, 8, 16)
     }
     assert all(0 < s < 5 for s in secs.values())
+
+
+def test_auto_connector_is_priced_as_a_rank_resolves_it() -> None:
+    gpu = analytic_profile(model_shape("llama-7b"), "h100", tp=2)
+    assert gpu.transfer("auto") == gpu.transfer("cuda_ipc") == gpu.transfer("shm")
+    assert gpu.transfer("auto") != gpu.transfer("p2p")  # the node's links, not the network
+    cpu = replace(gpu, device="cpu")
+    assert cpu.transfer("auto") == cpu.transfer("shm")

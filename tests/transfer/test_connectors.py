@@ -7,6 +7,7 @@ connector builds a real two-rank gloo pair inside this process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,8 +22,16 @@ import torch
 from ray.exceptions import RayActorError
 
 from pdserve.core.errors import InvalidArgumentError, TransferError
-from pdserve.transfer import connector_classes, host_memory, object_store, p2p, shm
+from pdserve.transfer import (
+    connector_classes,
+    host_memory,
+    object_store,
+    p2p,
+    resolve_connector,
+    shm,
+)
 from pdserve.transfer.connector import PeerEndpoint
+from pdserve.transfer.shm import ShmReceiver, ShmSender
 from pdserve.transfer.wire import PageHeader, PageSource
 from tests.fakes import FAKE_RAY, FakeActor
 
@@ -75,7 +84,7 @@ def assert_landed(received: torch.Tensor, cache: torch.Tensor) -> None:
 
 
 def test_connectors_are_chosen_by_name() -> None:
-    for name in ("shm", "object_store", "p2p"):
+    for name in ("shm", "object_store", "p2p", "cuda_ipc"):
         sender_cls, receiver_cls = connector_classes(name)
         assert sender_cls.name == receiver_cls.name == name
     assert connector_classes("p2p")[1].needs_arrival_marks
@@ -385,3 +394,22 @@ def test_p2p_splits_a_header_longer_than_the_slot(monkeypatch, prefill_cache) ->
         many = [PageHeader("r", 0, list(range(BLOCKS)) * 20, "float32", [2, 120, 4, 3, 8], 0, 3)]
         with pytest.raises(TransferError, match="exceeds the p2p header slot"):
             sender._post(("d0", 0), many, [], [], [])
+
+
+def test_auto_is_the_same_node_connector_for_where_the_cache_lives() -> None:
+    assert resolve_connector("auto", torch.device("cpu")) == "shm"
+    assert resolve_connector("auto", torch.device("cuda", 1)) == "cuda_ipc"
+    assert resolve_connector("p2p", torch.device("cuda")) == "p2p"
+    with pytest.raises(InvalidArgumentError, match="auto names no connector until a device"):
+        connector_classes("auto")
+    with pytest.raises(InvalidArgumentError, match="unknown connector 'nvlink'; known: auto,"):
+        resolve_connector("nvlink", torch.device("cpu"))
+
+
+def test_a_sender_refuses_the_endpoint_of_another_connector(shm_dir: Path) -> None:
+    receiver = ShmReceiver("d0", 0)
+    receiver.allocate((1, 2, 4, 4, 2, 8), torch.float32, torch.device("cpu"))
+    endpoint = dataclasses.replace(receiver.endpoint(None), connector="cuda_ipc")
+    with pytest.raises(TransferError, match="d0/0 takes pages over cuda_ipc, this prefill rank"):
+        ShmSender().connect(endpoint)
+    receiver.close()
