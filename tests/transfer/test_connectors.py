@@ -7,7 +7,6 @@ connector builds a real two-rank gloo pair inside this process.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -21,17 +20,14 @@ import pytest
 import torch
 from ray.exceptions import RayActorError
 
-from pdserve.core.errors import InvalidArgumentError, TransferError
+from pdserve.core.errors import TransferError
 from pdserve.transfer import (
-    connector_classes,
     host_memory,
     object_store,
     p2p,
-    resolve_connector,
     shm,
 )
 from pdserve.transfer.connector import PeerEndpoint
-from pdserve.transfer.shm import ShmReceiver, ShmSender
 from pdserve.transfer.wire import PageHeader, PageSource
 from tests.fakes import FAKE_RAY, FakeActor
 
@@ -81,15 +77,6 @@ def assert_landed(received: torch.Tensor, cache: torch.Tensor) -> None:
         for s, d in zip(src, dst, strict=True):
             expected[layer, :, d, :, d0:d1] = cache[layer, :, s, :, s0:s1]
     assert torch.equal(received, expected)
-
-
-def test_connectors_are_chosen_by_name() -> None:
-    for name in ("shm", "object_store", "p2p", "cuda_ipc"):
-        sender_cls, receiver_cls = connector_classes(name)
-        assert sender_cls.name == receiver_cls.name == name
-    assert connector_classes("p2p")[1].needs_arrival_marks
-    with pytest.raises(InvalidArgumentError, match="unknown connector 'carrier-pigeon'"):
-        connector_classes("carrier-pigeon")
 
 
 def test_receiver_write_places_pages_by_header() -> None:
@@ -394,22 +381,3 @@ def test_p2p_splits_a_header_longer_than_the_slot(monkeypatch, prefill_cache) ->
         many = [PageHeader("r", 0, list(range(BLOCKS)) * 20, "float32", [2, 120, 4, 3, 8], 0, 3)]
         with pytest.raises(TransferError, match="exceeds the p2p header slot"):
             sender._post(("d0", 0), many, [], [], [])
-
-
-def test_auto_is_the_same_node_connector_for_where_the_cache_lives() -> None:
-    assert resolve_connector("auto", torch.device("cpu")) == "shm"
-    assert resolve_connector("auto", torch.device("cuda", 1)) == "cuda_ipc"
-    assert resolve_connector("p2p", torch.device("cuda")) == "p2p"
-    with pytest.raises(InvalidArgumentError, match="auto names no connector until a device"):
-        connector_classes("auto")
-    with pytest.raises(InvalidArgumentError, match="unknown connector 'nvlink'; known: auto,"):
-        resolve_connector("nvlink", torch.device("cpu"))
-
-
-def test_a_sender_refuses_the_endpoint_of_another_connector(shm_dir: Path) -> None:
-    receiver = ShmReceiver("d0", 0)
-    receiver.allocate((1, 2, 4, 4, 2, 8), torch.float32, torch.device("cpu"))
-    endpoint = dataclasses.replace(receiver.endpoint(None), connector="cuda_ipc")
-    with pytest.raises(TransferError, match="d0/0 takes pages over cuda_ipc, this prefill rank"):
-        ShmSender().connect(endpoint)
-    receiver.close()
