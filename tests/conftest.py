@@ -8,17 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.lanes import CLUSTER_LANE
-
-TESTS = Path(__file__).parent
-
 # Built-in models are generated into a cache private to this test session.
 os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# `make test` runs two lanes at once (tests/lanes.py): the modules of CLUSTER_LANE in
-# one, every other test in the other, its tests that start Ray after the rest.
+# `make test` runs the tests that start Ray or a whole cluster in one lane, one after
+# another, and the rest beside them (tests/lanes.py).
 def starts_a_cluster(item: pytest.Item) -> bool:
     return "ray_session" in getattr(item, "fixturenames", ()) or "e2e" in item.path.parts
 
@@ -26,13 +22,6 @@ def starts_a_cluster(item: pytest.Item) -> bool:
 def pytest_itemcollected(item: pytest.Item) -> None:
     if starts_a_cluster(item):
         item.add_marker(pytest.mark.cluster)
-    if item.path.relative_to(TESTS).as_posix() in CLUSTER_LANE:
-        item.add_marker(pytest.mark.cluster_lane)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # stable: modules and their fixtures keep their order within each group
-    items.sort(key=starts_a_cluster)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,13 @@
 """Run the pytest suite in two lanes at once (``make pytest``; ``make test`` adds mypy).
 
-The **cluster lane** runs the modules of :data:`CLUSTER_LANE` one after another in
-one pytest process: tests that kill instances, wait on deadlines or compare
-timings, plus enough others to even the lanes. The **rest lane** runs every
-other test in a second process beside it: first the unit tests, then (ordered
-last by tests/conftest.py) the remaining tests that start Ray, on a Ray session
-of their own. Those mostly wait on their actors, so the rest lane's clusters cost
-the cluster lane's deadlines little, while a lane of all the clusters left the
-second core half idle for most of the run. ``--typecheck PREFIX`` runs
-``tests.typecheck PREFIX`` at the head of the rest lane.
+Tests that start Ray or a whole cluster (marked ``cluster`` by tests/conftest.py)
+run one after another in one pytest process; every other test runs in a second
+process beside it. Two clusters at once on a two-core machine slow each other
+past their deadlines (a run that gave the second lane the Ray tests without
+deadlines, after its unit tests, took as long in all and failed a start
+deadline), while a cluster test mostly waits on its actors and leaves a core
+to the unit tests. ``--typecheck PREFIX`` runs ``tests.typecheck PREFIX`` at the
+head of the second lane, which ends long before the cluster lane.
 
 Both lanes share one cache folder. Each lane's lines are printed as they come,
 prefixed with its name; the exit status is the worst step's.
@@ -25,23 +24,7 @@ import tempfile
 import threading
 import time
 
-# Test modules (under tests/) whose tests run in the cluster lane; conftest.py marks
-# them `cluster_lane`. Alone, the cluster lane took ~1,030 s of a 1,570 s lane of
-# every Ray test (2 vCPUs, --durations, 2026-11-30).
-CLUSTER_LANE = (
-    "e2e/test_cluster.py",
-    "e2e/test_cluster_scaling.py",
-    "e2e/test_cold_start.py",
-    "e2e/test_commands.py",
-    "e2e/test_disaggregated.py",
-    "e2e/test_models.py",
-    "e2e/test_peer_prefill.py",
-    "parallel/test_elastic_ep.py",
-    "parallel/test_multirank.py",
-    "sim/test_replay_live.py",
-    "sim/test_validation.py",
-)
-LANES = {"cluster": "cluster_lane", "rest": "not cluster_lane"}  # name -> marker expression
+LANES = {"cluster": "cluster", "rest": "not cluster"}  # name -> marker expression
 NO_TESTS = 5  # pytest's exit status when a lane selected nothing
 
 
