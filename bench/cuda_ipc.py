@@ -9,8 +9,10 @@ which shares a CUDA tensor as a CUDA IPC handle of its memory. The prefill side 
 writes a prompt's pages into pages scattered over that pool, layer by layer (one
 ``index_copy_`` per layer, as a layer-wise connector sends), timed against the same
 copies into a pool of its own (a device-to-device copy inside one process) and
-against the plain copy bandwidth. The decode side checks every page it received
-(an exact integer sum of the bits).
+against the plain copy bandwidth; then the same pages through the shipped
+``cuda_ipc`` connector (``CudaIpcSender``: a message a layer, then ``flush``),
+into the pool its receiver allocated and published. The decode side checks every
+page the connector delivered (an exact integer sum of the bits).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ import torch
 from pdserve.bench.flags import count
 from pdserve.bench.kernels import HEAD_DIM, KV_HEADS, LAYERS, copy_bandwidth, median_ms
 from pdserve.bench.report import machine_info, write_json
+from pdserve.transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from pdserve.transfer.wire import PageHeader, PageSource
 
 BLOCK = 16
+PEER = ("decode", 0)
 
 
 def bits_sum(pages: torch.Tensor) -> int:
@@ -35,9 +40,11 @@ def bits_sum(pages: torch.Tensor) -> int:
 
 
 def decode_side(shape: tuple[int, ...], to_prefill: Any, from_prefill: Any) -> None:
-    """The decode instance: its pool, shared; then, per prompt sent, its pages' checksum."""
-    pool = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
-    to_prefill.put(pool)
+    """The decode instance: its pool, shared, and the cuda_ipc connector's endpoint of it;
+    then, per prompt sent, its pages' checksum."""
+    receiver = CudaIpcReceiver("decode", 0)
+    pool = receiver.allocate(shape, torch.bfloat16, torch.device("cuda"))
+    to_prefill.put((pool, receiver.endpoint(None)))
     while (pages := from_prefill.get()) is not None:
         to_prefill.put(bits_sum(pool[:, :, pages.cuda()]))
 
@@ -47,8 +54,23 @@ def write_layers(pool: torch.Tensor, src: torch.Tensor, pages: torch.Tensor) -> 
         pool[layer].index_copy_(1, pages, src[layer])
 
 
+def send_layers(sender: CudaIpcSender, src: torch.Tensor, pages: list[int]) -> None:
+    """One prompt's pages through the connector, a message a layer, as a prefill rank sends."""
+    n = len(pages)
+    for layer in range(src.shape[0]):
+        header = PageHeader(
+            "r", layer, pages, "bfloat16", [2, n, BLOCK, KV_HEADS, HEAD_DIM], 0, KV_HEADS
+        )
+        sender.send(PEER, [(header, PageSource(src[layer], list(range(n)), 0, KV_HEADS))])
+    sender.flush()
+
+
 def one_prompt(
-    remote: torch.Tensor, local: torch.Tensor, tokens: int, channel: tuple[Any, Any]
+    remote: torch.Tensor,
+    local: torch.Tensor,
+    tokens: int,
+    channel: tuple[Any, Any],
+    sender: CudaIpcSender,
 ) -> dict[str, Any]:
     to_prefill, from_prefill = channel
     n = -(-tokens // BLOCK)
@@ -56,7 +78,10 @@ def one_prompt(
     pages = torch.randperm(remote.shape[2], device="cuda")[:n]
     ipc_ms = median_ms(lambda: write_layers(remote, src, pages))
     local_ms = median_ms(lambda: write_layers(local, src, pages))
-    write_layers(remote, src, pages)
+    ids = pages.tolist()
+    connector_ms = median_ms(lambda: send_layers(sender, src, ids))
+    remote.zero_()
+    send_layers(sender, src, ids)  # what the decode side checks: the connector's pages
     torch.cuda.synchronize()
     from_prefill.put(pages.cpu())
     received = to_prefill.get(timeout=60)
@@ -69,6 +94,9 @@ def one_prompt(
         "local_ms": round(local_ms, 3),
         "local_gb_s": round(nbytes / local_ms / 1e6, 1),
         "ipc_over_local": round(ipc_ms / local_ms, 2),
+        # the shipped connector (transfer/cuda_ipc.py), flush included
+        "connector_ms": round(connector_ms, 3),
+        "connector_gb_s": round(nbytes / connector_ms / 1e6, 1),
         "pages_match": received == bits_sum(src),
     }
 
@@ -85,13 +113,16 @@ def run(args: argparse.Namespace) -> int:
     decode = ctx.Process(target=decode_side, args=(shape, to_prefill, from_prefill))
     decode.start()
     try:
-        remote = to_prefill.get(timeout=120)
+        remote, endpoint = to_prefill.get(timeout=120)
+        sender = CudaIpcSender()
+        sender.connect(endpoint)
         local = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
         bandwidth = copy_bandwidth(torch.device("cuda"))
         rows = []
         for tokens in args.tokens:
-            rows.append(one_prompt(remote, local, tokens, (to_prefill, from_prefill)))
+            rows.append(one_prompt(remote, local, tokens, (to_prefill, from_prefill), sender))
             print(json.dumps(rows[-1]), flush=True)
+        sender.close()
         del remote
         from_prefill.put(None)
         decode.join(timeout=60)
