@@ -97,7 +97,7 @@ class InstanceWorker(RankWorker):
             spec.rank,
             spec.layout,
             spec.model.num_kv_heads,
-            resolve_connector(instance.connector, resolve_device(spec.engine.device)),
+            resolve_connector(instance.connector, resolve_device(spec.engine.device).type),
         )
         self.step_hooks = self.transfer
         # Both roles receive pages (decode: prompts; prefill: a peer's prefix), so

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.transfer import resolve_connector
 
 COMBINES = ("sum", "max")
 SOURCES = ("measured", "analytic")
@@ -298,8 +299,7 @@ class Profile:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def transfer(self, connector: str) -> TransferModel:
-        if connector == "auto":  # as a rank resolves it (pdserve.transfer.resolve_connector)
-            connector = "shm" if self.device == "cpu" else "cuda_ipc"
+        connector = resolve_connector(connector, "cpu" if self.device == "cpu" else "cuda")
         if found := self.connectors.get(connector, self.connectors.get("default")):
             return found
         raise InvalidArgumentError(

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 from pdserve.core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # the names below are checked where torch is not imported (configs)
-    import torch
-
     from pdserve.transfer.connector import KVReceiver, KVSender
 
 # Each connector's module registers it when imported; only the one asked for is
@@ -29,12 +27,13 @@ def check_connector(name: str) -> None:
         raise InvalidArgumentError("connector", f"unknown connector {name!r}; known: {known}")
 
 
-def resolve_connector(name: str, device: torch.device) -> str:
-    """``name``, or for ``auto`` the same-node connector for a KV cache on ``device``."""
+def resolve_connector(name: str, device_type: str) -> str:
+    """``name``, or for ``auto`` the same-node connector for a KV cache on a
+    ``device_type`` device ("cuda", "cpu")."""
     check_connector(name)
     if name != AUTO:
         return name
-    return "cuda_ipc" if device.type == "cuda" else "shm"
+    return "cuda_ipc" if device_type == "cuda" else "shm"
 
 
 def connector_classes(name: str) -> tuple[type[KVSender], type[KVReceiver]]:

@@ -31,7 +31,7 @@ import torch
 
 from pdserve.core.errors import TransferError
 from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
-from pdserve.transfer.wire import PageRun, dtype_name, torch_dtype
+from pdserve.transfer.wire import PageHeader, PageRun, PageSource, dtype_name, torch_dtype
 
 # Where the device index sits in the arguments of torch's rebuild_cuda_tensor
 # (torch.multiprocessing.reductions.reduce_tensor); checked by _device_at.
@@ -99,34 +99,41 @@ def block_index(ids: list[int], device: torch.device) -> torch.Tensor:
 def place_runs(layers: list[torch.Tensor], runs: list[PageRun]) -> int:
     """Copy one message's runs into ``layers`` (page-major, ``[blocks, 2, bs, heads, D]``).
 
-    Returns the bytes copied; raises TransferError when a run does not fit.
+    Returns the bytes copied. Every run is checked before any is copied: a message
+    with a run that does not fit raises TransferError and moves nothing.
     """
-    total = 0
-    for header, source in runs:
-        if len(header.block_ids) != len(source.block_ids):
-            raise TransferError(
-                f"{len(source.block_ids)} source pages for {len(header.block_ids)} "
-                f"destination pages of {header.request_id}"
-            )
-        if not 0 <= header.layer < len(layers):
-            raise TransferError(f"layer {header.layer} of {len(layers)} for {header.request_id}")
-        dst = layers[header.layer]
-        h0, h1 = header.head_start, header.head_end
-        if (h0, h1) != (0, dst.shape[3]):
-            dst = dst[:, :, :, h0:h1]
-        src = source.pages
-        if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-            raise TransferError(
-                f"pages of {header.request_id} are {list(src.shape[1:])} {src.dtype}, "
-                f"the decode rank's {list(dst.shape[1:])} {dst.dtype}"
-            )
-        _check_ids(header.request_id, source.block_ids, src.shape[0], "prefill")
-        _check_ids(header.request_id, header.block_ids, dst.shape[0], "decode")
+    placed = [_fitted(layers, header, source) for header, source in runs]
+    for (header, source), (src, dst) in zip(runs, placed, strict=True):
         src_ids = block_index(source.block_ids, src.device)
         dst_ids = block_index(header.block_ids, dst.device)
         dst.index_copy_(0, dst_ids, src.index_select(0, src_ids).to(dst.device))
-        total += source.nbytes
-    return total
+    return sum(source.nbytes for _, source in runs)
+
+
+def _fitted(
+    layers: list[torch.Tensor], header: PageHeader, source: PageSource
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run's source and destination pages, page-major; TransferError if they do not fit."""
+    if len(header.block_ids) != len(source.block_ids):
+        raise TransferError(
+            f"{len(source.block_ids)} source pages for {len(header.block_ids)} "
+            f"destination pages of {header.request_id}"
+        )
+    if not 0 <= header.layer < len(layers):
+        raise TransferError(f"layer {header.layer} of {len(layers)} for {header.request_id}")
+    dst = layers[header.layer]
+    h0, h1 = header.head_start, header.head_end
+    if (h0, h1) != (0, dst.shape[3]):
+        dst = dst[:, :, :, h0:h1]
+    src = source.pages
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise TransferError(
+            f"pages of {header.request_id} are {list(src.shape[1:])} {src.dtype}, "
+            f"the decode rank's {list(dst.shape[1:])} {dst.dtype}"
+        )
+    _check_ids(header.request_id, source.block_ids, src.shape[0], "prefill")
+    _check_ids(header.request_id, header.block_ids, dst.shape[0], "decode")
+    return src, dst
 
 
 def _check_ids(request_id: str, ids: list[int], blocks: int, side: str) -> None:

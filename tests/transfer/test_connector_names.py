@@ -23,13 +23,13 @@ def test_connectors_are_chosen_by_name() -> None:
 
 
 def test_auto_is_the_same_node_connector_for_where_the_cache_lives() -> None:
-    assert resolve_connector("auto", torch.device("cpu")) == "shm"
-    assert resolve_connector("auto", torch.device("cuda", 1)) == "cuda_ipc"
-    assert resolve_connector("p2p", torch.device("cuda")) == "p2p"
+    assert resolve_connector("auto", "cpu") == "shm"
+    assert resolve_connector("auto", "cuda") == "cuda_ipc"
+    assert resolve_connector("p2p", "cuda") == "p2p"
     with pytest.raises(InvalidArgumentError, match="auto names no connector until a device"):
         connector_classes("auto")
     with pytest.raises(InvalidArgumentError, match="unknown connector 'nvlink'; known: auto,"):
-        resolve_connector("nvlink", torch.device("cpu"))
+        resolve_connector("nvlink", "cpu")
 
 
 def test_a_sender_refuses_the_endpoint_of_another_connector(
