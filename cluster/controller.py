@@ -1,6 +1,7 @@
 """The controller: one Ray actor that owns the cluster's state.
 
 It starts the router and every region's instances from a :class:`ClusterConfig`,
+all at once (an instance registers with the router once the router listens),
 then keeps the cluster at its targets:
 
 - ``scale(region, prefill, decode)`` sets a region's targets and reconciles:
@@ -36,6 +37,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import ray
@@ -44,7 +48,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.cluster.config import ClusterConfig, check_fits
 from pdserve.cluster.fleet import Fleet
 from pdserve.cluster.health import HealthChecks
-from pdserve.cluster.instances import Instance, best_effort, pair_in_region
+from pdserve.cluster.instances import Instance, best_effort
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.planning import Planning
 from pdserve.cluster.pool import WarmPool
@@ -58,7 +62,7 @@ from pdserve.cluster.status import (
     cluster_status,
     region_status,
 )
-from pdserve.cluster.topology import RegionInstances, register, start_router
+from pdserve.cluster.topology import RegionInstances, launch_router
 from pdserve.cluster.worker import Role
 from pdserve.core.builtin_models import resolve_model
 from pdserve.core.errors import InvalidArgumentError
@@ -102,6 +106,10 @@ class Controller:
         )  # fmt: skip
         self.router: Any = router
         self.owns_router = router is None  # the root: it runs the router and the fleet
+        # Set once the router listens: instances start beside it and register after.
+        self._router_up: Future[None] = Future()
+        if not self.owns_router:
+            self._router_up.set_result(None)
         self.retired = False  # its version takes no traffic any more: all targets 0
         self.endpoints: Endpoints | None = None
         self.draining: set[str] = set()
@@ -123,14 +131,15 @@ class Controller:
     # -- start ------------------------------------------------------------------------
 
     def start(self) -> Endpoints | None:
+        also: list[Callable[[], None]] = []  # beside the regions' instances
         if self.owns_router:
             node = ray.get_runtime_context().get_node_id()
             here = NodeAffinitySchedulingStrategy(node, soft=False)
-            self.router, self.endpoints = start_router(
+            self.router, started = launch_router(
                 self.config.router, self.model_path, {"scheduling_strategy": here}
             )
-            ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
-        self.membership.start_all([] if self.fleet is None else [self.fleet.start])
+            also.append(partial(self._router_started, started))
+        self.membership.start_all(also)
         for name in self.regions:
             self.pool.fill(name)  # in the background
         threading.Thread(
@@ -141,6 +150,19 @@ class Controller:
             threading.Thread(target=self._loop, args=plan, daemon=True).start()
         self._event("cluster started" if self.owns_router else f"{self.key} started")
         return self.endpoints
+
+    def _router_started(self, started: ray.ObjectRef) -> None:
+        """Wait for the router's servers (a started instance waits for this before it
+        registers), then start the config's further models, which register with it."""
+        try:
+            self.endpoints = ray.get(started)
+            ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
+        except BaseException as e:
+            self._router_up.set_exception(e)
+            raise
+        self._router_up.set_result(None)
+        if self.fleet is not None:
+            self.fleet.start()
 
     def router_handle(self) -> Any:
         return self.router
@@ -320,42 +342,6 @@ class Controller:
                 threading.Thread(
                     target=self.membership.drain, args=(region, leaving), daemon=True
                 ).start()
-
-    def _join(self, region: str, instance: Instance) -> None:
-        """Pair a started instance with the region's other role, register it, list it."""
-        with self._topology:
-            with self._lock:
-                r = self.regions[region]
-                prefills, decodes = (
-                    [p for p in role if p.instance_id not in self.unhealthy]
-                    for role in (r.prefill, r.decode)
-                )
-            pair_in_region(instance, prefills, decodes)
-            register(self.router, instance, region, self.key)
-            with self._lock:
-                r.of(instance.role).append(instance)
-
-    def _detach(self, region: str, instance: Instance) -> bool:
-        """Take an instance out of the region and the router; False if it was out already."""
-        with self._topology:
-            with self._lock:
-                r = self.regions[region]
-                if instance not in r.of(instance.role):
-                    return False
-                r.of(instance.role).remove(instance)
-                peers = list(r.decode if instance.role == "prefill" else r.prefill)
-                senders = list(r.prefill)  # the instances with routes to it
-                if instance.role == "prefill":
-                    peers += senders  # its prefill peers forget it too
-            ray.get(self.router.unregister.remote(instance.instance_id))
-            calls = [p.leader.forget_peer.remote(instance.instance_id) for p in peers]
-            calls += [
-                w.unpair_ranks.remote(instance.instance_id)
-                for p in senders
-                for w in p.group.workers
-            ]
-            best_effort(calls)
-            return True
 
     @staticmethod
     def _pages_used(instances: list[Instance]) -> dict[str, int]:

@@ -111,7 +111,7 @@ class HealthChecks:
         try:
             instance.kill()  # nothing it does from now on reaches a client twice
             ray.get(self.c.router.instance_lost.remote(instance.instance_id))
-            self.c._detach(region, instance)
+            self.c.membership.detach(region, instance)
         except Exception:
             logger.exception("taking out %s failed", instance.instance_id)
         with self.c._lock:

@@ -6,7 +6,7 @@ the lock not held:
 
 - each claimed role gets a new instance, started, paired with the region's
   instances of the other role and registered with the router
-  (``Controller._join``); the claimed roles start at once, each loading its
+  (:meth:`Membership.join`); the claimed roles start at once, each loading its
   weights while the others load theirs, and join one at a time (the join holds
   the controller's topology lock); a start that fails is recorded in the region's
   :class:`~pdserve.cluster.status.RetryState`, and the health loop retries it
@@ -16,7 +16,7 @@ the lock not held:
   join remains;
 - each draining instance is taken off the router's choices, waited for until it
   holds no work (at most ``DRAIN_TIMEOUT_S``), then taken out of the region and
-  the router (``Controller._detach``) and shut down.
+  the router (:meth:`Membership.detach`) and shut down.
 """
 
 from __future__ import annotations
@@ -31,8 +31,16 @@ from typing import TYPE_CHECKING, TypeVar
 import ray
 
 from pdserve.cluster.config import RegionConfig
-from pdserve.cluster.instances import CALL_TIMEOUT_S, Instance, first_line, start_instance
+from pdserve.cluster.instances import (
+    CALL_TIMEOUT_S,
+    Instance,
+    best_effort,
+    first_line,
+    pair_in_region,
+    start_instance,
+)
 from pdserve.cluster.status import RetryState
+from pdserve.cluster.topology import register
 from pdserve.cluster.worker import Role
 from pdserve.parallel.instance import RankResources
 
@@ -127,7 +135,7 @@ class Membership:
             instance = self.start_new(spec, role, instance_id)
             phases, how = instance.group.start_phases, ""
         try:
-            self.c._join(spec.name, instance)
+            self.join(spec.name, instance)
         except BaseException:
             instance.kill()
             raise
@@ -139,6 +147,43 @@ class Membership:
         )
         self.c.pool.fill(spec.name)  # after the join: a refill's start competes for CPUs
         return instance
+
+    def join(self, region: str, instance: Instance) -> None:
+        """Pair a started instance with the region's other role, register it, list it."""
+        self.c._router_up.result()  # raises the router's start error
+        with self.c._topology:
+            with self.c._lock:
+                r = self.c.regions[region]
+                prefills, decodes = (
+                    [p for p in role if p.instance_id not in self.c.unhealthy]
+                    for role in (r.prefill, r.decode)
+                )
+            pair_in_region(instance, prefills, decodes)
+            register(self.c.router, instance, region, self.c.key)
+            with self.c._lock:
+                r.of(instance.role).append(instance)
+
+    def detach(self, region: str, instance: Instance) -> bool:
+        """Take an instance out of the region and the router; False if it was out already."""
+        with self.c._topology:
+            with self.c._lock:
+                r = self.c.regions[region]
+                if instance not in r.of(instance.role):
+                    return False
+                r.of(instance.role).remove(instance)
+                peers = list(r.decode if instance.role == "prefill" else r.prefill)
+                senders = list(r.prefill)  # the instances with routes to it
+                if instance.role == "prefill":
+                    peers += senders  # its prefill peers forget it too
+            ray.get(self.c.router.unregister.remote(instance.instance_id))
+            calls = [p.leader.forget_peer.remote(instance.instance_id) for p in peers]
+            calls += [
+                w.unpair_ranks.remote(instance.instance_id)
+                for p in senders
+                for w in p.group.workers
+            ]
+            best_effort(calls)
+            return True
 
     def new_id(self, stem: str) -> str:
         """A new instance id, unique in the cluster: a further model version's instances
@@ -178,7 +223,7 @@ class Membership:
                     instance.instance_id,
                     DRAIN_TIMEOUT_S,
                 )
-            if self.c._detach(region, instance):
+            if self.detach(region, instance):
                 instance.shutdown()
                 self.c._event(f"removed {instance.instance_id} after draining")
             with self.c._lock:

@@ -139,14 +139,14 @@ class Planning:
                 ray.get(self.c.router.set_draining.remote(instance.instance_id, False))
                 return False
             with self.c._topology:
-                self.c._detach(region, instance)
+                self.c.membership.detach(region, instance)
                 ray.get([w.flip_role.remote(dst) for w in instance.group.workers])
                 instance.role = dst
-                self.c._join(region, instance)
+                self.c.membership.join(region, instance)
             flipped = True
         except Exception:
             logger.exception("flipping %s failed; stopping it", instance.instance_id)
-            self.c._detach(region, instance)  # if it is still listed
+            self.c.membership.detach(region, instance)  # if it is still listed
             instance.kill()  # the region, one short, is refilled by the health loop
             return False
         finally:

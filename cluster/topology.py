@@ -34,9 +34,12 @@ class RegionInstances:
         return self.prefill if role == "prefill" else self.decode
 
 
-def start_router(
+def launch_router(
     config: RouterConfig, model_path: str, resources: dict[str, Any] | None = None
-) -> tuple[Any, Endpoints]:
+) -> tuple[Any, ray.ObjectRef]:
+    """Create the router actor and ask it to start its servers, without waiting:
+    the reference resolves to its :class:`Endpoints` once they listen (a controller
+    starts its instances meanwhile)."""
     # Ray types ``.remote()`` as a handle or the class itself (whose methods have
     # no ``remote``), so actor handles are held as Any.
     actor: Any = (
@@ -44,8 +47,14 @@ def start_router(
         .options(num_cpus=0, max_concurrency=1000, **(resources or {}))
         .remote(config, model_path)
     )
-    endpoints = ray.get(actor.start.remote())
-    return actor, endpoints
+    return actor, actor.start.remote()
+
+
+def start_router(
+    config: RouterConfig, model_path: str, resources: dict[str, Any] | None = None
+) -> tuple[Any, Endpoints]:
+    actor, started = launch_router(config, model_path, resources)
+    return actor, ray.get(started)
 
 
 def add_instance(

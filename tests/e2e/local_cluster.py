@@ -30,7 +30,7 @@ regions:
     decode: {{count: {d}, min: {d_min}, max: {d_max}, num_cpus_per_rank: 0.25}}
     warm_pool: {warm_pool}
 slo: {{ttft_ms: {ttft}, tpot_ms: 200}}
-server: {{host: 127.0.0.1, grpc_port: 0, http_port: 0}}
+server: {{host: 127.0.0.1, {server}}}
 auth: {{disabled: true}}
 planner: {{mode: "{planner}", interval_s: 0.5, cooldown_s: 1, idle_s: 2}}
 disaggregation: {{local_prefill_max_tokens: 4, local_prefill_cached_fraction: 1.0}}
@@ -54,6 +54,7 @@ class Running:
         engine: str = "",  # more engine keys, e.g. ", lora_adapters: {a: /path}"
         bounds: tuple[int, int, int, int] = (1, 3, 1, 3),  # prefill min, max, decode min, max
         warm_pool: int = 0,
+        server: str = "grpc_port: 0, http_port: 0",
     ) -> None:
         text = BASE.format(
             p=p,
@@ -71,6 +72,7 @@ class Running:
             d_min=bounds[2],
             d_max=bounds[3],
             warm_pool=warm_pool,
+            server=server,
         )
         self.config = parse_config(text, "test.yaml")
         self.controller, self.endpoints = start_controller(self.config)
