@@ -127,6 +127,9 @@ def serve(
     """Start the cluster and block until ``stop`` is set or a signal arrives."""
     if (warning := auth_warning(config)) is not None:
         logger.warning(warning)
+    if address == "local" and config.ray_num_cpus is not None:
+        # the embedded Ray instance gets the config's CPUs: refuse before it starts
+        check_fits({"CPU": config.needs()["CPU"]}, {"CPU": config.ray_num_cpus})
     connect(address, config.ray_num_cpus)
     controller, endpoints = start_controller(config, capacity)
     print(f"pdserve: serving {config.model} from {config.source}")
