@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, Protocol
 
 from pdserve.core.config import DisaggregationConfig, EngineConfig
 from pdserve.core.model_config import ModelConfig
@@ -105,16 +106,23 @@ class DisaggregatedBackend:
         from pdserve.router.pair_client import PairClient
 
         self.tokenizer = tokenizer
-        self.prefill = start_instance(
-            "prefill", model, prefill, connector, resources, disaggregation
-        )
-        try:
-            self.decode = start_instance(
-                "decode", model, decode, connector, resources, disaggregation
-            )
-        except BaseException:
-            self.prefill.shutdown()
-            raise
+        roles: list[tuple[Literal["prefill", "decode"], EngineConfig]] = [
+            ("prefill", prefill),
+            ("decode", decode),
+        ]
+        with ThreadPoolExecutor(2, thread_name_prefix="start") as pool:  # both load at once
+            starts = [
+                pool.submit(start_instance, role, model, engine, connector, resources,
+                            disaggregation)
+                for role, engine in roles
+            ]  # fmt: skip
+        errors = [e for e in (f.exception() for f in starts) if e is not None]
+        if errors:
+            for f in starts:
+                if f.exception() is None:
+                    f.result().shutdown()
+            raise errors[0]
+        self.prefill, self.decode = (f.result() for f in starts)
         try:
             pair(self.prefill, self.decode)
         except BaseException:
