@@ -1,4 +1,5 @@
-"""A region's instances started one after another against all at once.
+"""A region's instances started one after another against all at once, and a whole
+cluster's start.
 
     pdserve bench startup --instances 3 --repeats 3
 
@@ -7,8 +8,11 @@ One embedded Ray instance; each repeat starts ``--instances`` instances of
 then starts them at once as the controller starts a region's missing instances
 (``pdserve.cluster.membership.in_parallel``), and shuts them down again. A time
 runs from the first start call to the last instance up (placement groups, rank
-processes, weights, KV cache, engine loop), not paired or registered. Written:
-each repeat's two times and their ratio.
+processes, weights, KV cache, engine loop), not paired or registered. Then it
+starts a cluster of the same instances as ``pdserve serve`` does
+(``start_controller``: the controller, the router, the instances, paired and
+registered) and stops it; that time runs until the cluster answers with its
+endpoints. Written: each repeat's three times, and the first two's ratio.
 """
 
 from __future__ import annotations
@@ -40,6 +44,34 @@ def _timed(start: Any, roles: list[Role], at_once: bool) -> float:
     return took
 
 
+CLUSTER = """\
+model: {model}
+connector: shm
+engine: {{max_num_batched_tokens: 256}}
+regions:
+  - name: east
+    prefill: {{count: 1, num_cpus_per_rank: 0.25}}
+    decode: {{count: {decode}, num_cpus_per_rank: 0.25}}
+server: {{host: 127.0.0.1, grpc_port: 0, http_port: 0}}
+auth: {{disabled: true}}
+"""
+
+
+def _cluster(args: argparse.Namespace) -> float:
+    """Seconds from ``start_controller`` to the cluster's endpoints (then stopped)."""
+    from pdserve.cluster.config import parse_config
+    from pdserve.cluster.serve import start_controller
+
+    config = parse_config(CLUSTER.format(model=args.model, decode=args.instances - 1), "bench")
+    began = time.monotonic()
+    controller, _ = start_controller(config)
+    took = time.monotonic() - began
+    ray.get(controller.stop.remote())
+    ray.kill(controller)
+    time.sleep(2.0)
+    return took
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.cluster.instances import start_instance
     from pdserve.core.builtin_models import resolve_model
@@ -58,15 +90,17 @@ def run(args: argparse.Namespace) -> int:
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         rows = [{"one_after_another_s": _timed(start, roles, False),
-                 "at_once_s": _timed(start, roles, True)} for _ in range(args.repeats)]  # fmt: skip
+                 "at_once_s": _timed(start, roles, True),
+                 "cluster_s": _cluster(args)} for _ in range(args.repeats)]  # fmt: skip
     finally:
         ray.shutdown()
     for i, row in enumerate(rows):
         row["ratio"] = row["at_once_s"] / row["one_after_another_s"]
         print(f"repeat {i}: {args.instances} instances one after another "
               f"{row['one_after_another_s']:.2f} s, at once {row['at_once_s']:.2f} s "
-              f"({row['ratio']:.2f}x)")  # fmt: skip
-    print(f"median ratio {statistics.median(r['ratio'] for r in rows):.2f}x")
+              f"({row['ratio']:.2f}x); a cluster of them {row['cluster_s']:.2f} s")  # fmt: skip
+    print(f"median ratio {statistics.median(r['ratio'] for r in rows):.2f}x; median cluster "
+          f"start {statistics.median(r['cluster_s'] for r in rows):.2f} s")  # fmt: skip
     path = write_json(Path(args.out), {"args": vars(args) | {"func": None}, "repeats": rows})
     print(f"wrote {path}")
     return 0
