@@ -49,7 +49,7 @@ KINDS: dict[str, Kind] = {
     "afd": Kind("afd", "attention-FFN disaggregation against colocated EP"),
     "coldstart": Kind("coldstart", "time to first token from zero, warm pool, running"),
     "weights": Kind("weights", "memory and load time of weights shared per node"),
-    "startup": Kind("startup", "a region's instances started one after another vs at once"),
+    "startup": Kind("startup", "instances one after another vs at once; a whole cluster"),
 }
 
 
