@@ -38,14 +38,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # this request's step failed; the others went on
 
-    @property
-    def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-            RequestStatus.FINISHED_ERROR,
-        )
+    def __init__(self, value: str) -> None:
+        # An attribute of each member, not a property: every step reads it for every row.
+        self.finished: bool = value in ("stop", "length", "abort", "error")
 
 
 class Request:
@@ -83,8 +78,12 @@ class Request:
         # Tokens this request generated elsewhere before it moved here (they end
         # its prompt): seeded sampling continues at this index.
         self.output_offset = 0
-        # Penalties: tokens of it the sampling rank has been sent (parallel/penalties.py).
+        # Penalties: tokens of it the sampling rank has been sent (parallel/penalties.py),
+        # and whether that rank needs them at all (penalties or a schema look at them).
         self.penalty_seen_sent = 0
+        self.tracks_seen = (
+            bool(sampling_params.penalties) or sampling_params.json_schema is not None
+        )
         # Each output token's logprobs, when its params ask for them (else empty).
         self.logprobs: list[TokenLogprobs] = []
         # Each prompt token's but the first (prompt_logprobs; else empty).

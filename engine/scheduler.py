@@ -141,9 +141,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         preempted = False
-        running = by_priority(self.running)
-        decoding = [r for r in running if len(r.token_ids) - r.num_computed_tokens == 1]
-        prefilling = [r for r in running if len(r.token_ids) - r.num_computed_tokens > 1]
+        decoding: list[Request] = []  # one known token each, before those mid-prompt
+        prefilling: list[Request] = []
+        for r in by_priority(self.running):
+            (decoding if len(r.token_ids) - r.num_computed_tokens == 1 else prefilling).append(r)
         self._drafts = {}
         drafting = self.spec.batch_allowed(len(decoding))
         cap, allocate = self.config.max_prefill_chunk, self.kv.allocate_slots
@@ -172,7 +173,8 @@ class Scheduler:
         tier_ops = self.kv.tiers.take_ops() if self.kv.tiers is not None else TierOps()
         if chosen or tier_ops:  # an empty plan is not executed: its ranks would never hear
             self._finished_since_last_step = []
-        self._drafts = self.spec.fill(self._drafts, [r for r, _ in chosen], self.kv.block_table)
+        if self._drafts:
+            self._drafts = self.spec.fill(self._drafts, [r for r, _ in chosen], self.kv.block_table)
         seqs = [self._scheduled(r, n) for r, n in chosen]
         return StepPlan(self._step_id, seqs, list(finished), tier_ops=tier_ops)
 
@@ -261,11 +263,11 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         start, ids, rid = request.num_computed_tokens, request.token_ids, request.request_id
-        drafts = self._drafts.get(rid)
-        num_known = num_new - len(drafts) if drafts else num_new
-        sampling = None
-        if start + num_known == len(ids):
-            p, num_output = request.sampling_params, len(ids) - request.num_prompt_tokens
+        drafts = self._drafts.get(rid) if self._drafts else None
+        end = start + (num_new - len(drafts) if drafts else num_new)  # past the known tokens
+        p, sampling = request.sampling_params, None
+        if end == len(ids):
+            num_output = end - request.num_prompt_tokens
             banned: tuple[int, ...] = ()
             if num_output < p.min_tokens:
                 banned = request.eos_token_ids + p.stop_token_ids
@@ -273,16 +275,16 @@ class Scheduler:
                 p.temperature, p.top_k, p.top_p, p.seed, request.output_offset + num_output,
                 banned, -1 if p.logprobs is None else p.logprobs, p.logit_bias,
             )  # fmt: skip
-            if p.penalties or p.json_schema is not None:
+            if request.tracks_seen:
                 send_seen(request, sampling, num_output)
-        tokens = ids[start : start + num_known]
+        tokens = ids[start:end]
         if drafts:
             tokens += drafts
         kv_ids = self.kv.block_table(rid)
         seq = ScheduledSeq(rid, tokens, start, kv_ids, sampling, len(drafts) if drafts else 0)
-        if (k := request.sampling_params.prompt_logprobs) is not None:  # each next prompt token
-            seq.prompt_logprobs, end = k, min(start + num_known + 1, request.num_prompt_tokens)
-            seq.prompt_targets = ids[start + 1 : end]
+        if (k := p.prompt_logprobs) is not None:  # each next prompt token
+            seq.prompt_logprobs = k
+            seq.prompt_targets = ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
         return seq
 
     def update(
@@ -299,28 +301,31 @@ class Scheduler:
         their blocks freed; a stop cuts a row's tokens where one-token steps would.
         """
         out = []
+        requests, now, limit = self.requests, self.clock(), self.max_model_len
+        cache = self.kv.cache_computed_blocks if self.kv.pool.enable_caching else None
         for seq in plan.seqs:
-            request = self.requests.get(seq.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            rid = seq.request_id
+            request = requests.get(rid)
+            if request is None or request.status is not RUNNING:
                 continue  # aborted while the step ran
             if prompt_logprobs and seq.prompt_targets:
-                record_prompt_logprobs(request, seq.start_pos, prompt_logprobs[seq.request_id])
+                record_prompt_logprobs(request, seq.start_pos, prompt_logprobs[rid])
             if seq.num_draft_tokens:
-                tokens = [sampled[seq.request_id], *(extra or {}).get(seq.request_id, ())]
+                tokens = [sampled[rid], *(extra or {}).get(rid, ())]
                 self._accept(request, seq, tokens)
                 out.append(request)
                 continue
             request.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_computed_blocks(request)
+            if cache is not None:
+                cache(request)
             if seq.sampling is None:
                 continue
-            token = sampled[seq.request_id]
-            request.append_token(token, self.clock())
+            token = sampled[rid]
+            request.append_token(token, now)
             out.append(request)
-            reason = token_stop(request, token, self.max_model_len)
+            reason = token_stop(request, token, limit)
             if reason is not None:
-                status, stop_reason = reason
-                self.finish(request.request_id, status, stop_reason)
+                self.finish(rid, *reason)
         return out
 
     def _accept(self, request: Request, seq: ScheduledSeq, tokens: list[int]) -> None:

@@ -49,6 +49,16 @@ TOKEN = 7  # every simulated sampled token (never an EOS: requests set ignore_eo
 EMA = 0.2  # weight of the newest step in the reported mean step time
 
 
+class _Sampled(dict[str, int]):
+    """What a simulated step sampled: :data:`TOKEN` for every row (no dict to build)."""
+
+    def __missing__(self, request_id: str) -> int:
+        return TOKEN
+
+
+SAMPLED = _Sampled()
+
+
 @dataclass
 class InstanceStats:
     steps: int = 0
@@ -186,25 +196,33 @@ class SimInstance:
         requests, limit = self.scheduler.requests, self.scheduler.max_model_len
         if not plan.seqs or len(plan.seqs) != len(self.scheduler.running):
             return 1
-        remaining = []  # (computed tokens, blocks held) per request
-        k = limit  # steps until the first request finishes
+        k, longest = limit, 0  # steps until the first request finishes; the longest row
         for seq in plan.seqs:
             if len(seq.token_ids) != 1 or seq.sampling is None:
                 return 1
+            start = seq.start_pos  # the row's one token is its last: start + 1 tokens
+            if start > longest:
+                longest = start
             r = requests[seq.request_id]
-            n = len(r.token_ids)
-            k = min(k, r.sampling_params.max_tokens - n + r.num_prompt_tokens, limit - n)
-            remaining.append((r.num_computed_tokens, len(seq.block_table)))
+            left = r.sampling_params.max_tokens + r.num_prompt_tokens - start - 1
+            if left < k:
+                k = left
+        k = min(k, limit - longest - 1)  # and none reaches the context limit
         if k <= 1:
             return 1
         # Blocks the later steps need must be free now: nothing else frees any
         # (no request finishes before step k) and a shortfall would preempt.
         bs, free = self.kv.block_size, self.kv.num_free_blocks
+        # Each row's table covers its token now, so k steps add at most this many blocks
+        # to it: where all rows' worst case is free, so is the run (the common case).
+        if len(plan.seqs) * ((k - 2) // bs + 1) <= free:
+            return k
+        remaining = [(s.start_pos, len(s.block_table)) for s in plan.seqs]
 
         def need(steps: int) -> int:
             return sum(max(0, -(-(c + steps) // bs) - held) for c, held in remaining)
 
-        if need(k) <= free:  # the common case: the blocks of the whole run are free
+        if need(k) <= free:
             return k
         lo, hi = 1, k - 1
         while lo < hi:
@@ -256,9 +274,8 @@ class SimInstance:
         assert plan is not None
         self._plan, self._idle_since = None, self._end
         done = StepDone(self._end, steps)
-        sampled = {s.request_id: TOKEN for s in plan.seqs if s.sampling is not None}
         tokens, finished = done.tokens, done.finished
-        for request in self.scheduler.update(plan, sampled):
+        for request in self.scheduler.update(plan, SAMPLED):
             if want_step_ends or len(request.token_ids) - request.num_prompt_tokens == 1:
                 tokens[request.request_id] = 1
             if request.status.finished:

@@ -9,6 +9,7 @@ observed length mix): for each allowed (prefill TP, decode TP) layout it
 2. simulates the region at the forecast rate grown by the headroom and
    searches the fewest decode instances meeting the TPOT percentile (prefill
    ample), then the fewest prefill instances meeting the TTFT percentile,
+   each search starting at the textbook's count (:mod:`pdserve.sim.search`),
    then bumps whichever role still misses when both are at their minimum;
 3. adds the spares (N+1) and simulates the result at the forecast rate for
    its goodput per device.
@@ -21,7 +22,9 @@ by how much, and at which limit.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +35,7 @@ from pdserve.cluster.config import ClusterConfig, parse_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.build import ProfileBook
 from pdserve.sim.cluster import SimCluster, SimOptions
+from pdserve.sim.search import smallest_near
 from pdserve.sim.textbook import SingleInstance, TextbookPlan, single_instance, textbook_plan
 from pdserve.sim.workload import SimWorkload
 
@@ -167,56 +171,97 @@ def cluster_yaml(model: str, region: str, prefill: int, decode: int, tp_p: int, 
     )
 
 
+@dataclass(frozen=True)
+class Pool:
+    """Worker processes that simulate candidates side by side."""
+
+    executor: Executor
+    workers: int
+
+
+@contextmanager
+def open_pool(jobs: int) -> Iterator[Pool | None]:
+    """A pool of ``jobs`` worker processes (None for one job: simulate in this process).
+
+    Workers are spawned (not forked), so they start from a clean interpreter."""
+    if jobs < 1:
+        raise InvalidArgumentError("jobs", f"must be >= 1, got {jobs}")
+    if jobs == 1:
+        yield None
+        return
+    import multiprocessing
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as executor:
+        yield Pool(executor, jobs)
+
+
 class _Search:
-    """Simulations of one region and layout at one rate (memoised by counts)."""
+    """Simulations of one region and layout at one rate (memoised by counts).
+
+    With a ``pool`` (a process pool), :meth:`prefetch` simulates several candidates
+    at once, one per worker; :meth:`run` then finds them done.
+    """
 
     def __init__(self, book: ProfileBook, region: str, rate: float, mix: LengthMix,
-                 tp: tuple[int, int], limits: PlanLimits, slo: PlanSlo, n: int) -> None:  # fmt: skip
+                 tp: tuple[int, int], limits: PlanLimits, slo: PlanSlo, n: int,
+                 pool: Pool | None = None) -> None:  # fmt: skip
         self.book, self.region, self.rate, self.mix = book, region, rate, mix
-        self.tp, self.limits, self.slo = tp, limits, slo
+        self.tp, self.limits, self.slo, self.pool = tp, limits, slo, pool
         self.cache: dict[tuple[int, int], Outcome] = {}
         arrival = wl.arrival_times("poisson", rate, n, None, seed=limits.seed)
         prompt, output = mix.draw(n, limits.seed + 1)
         self.work = SimWorkload(arrival, prompt, output, np.zeros(n, dtype=np.int16))
 
-    def config(self, p: int, d: int) -> ClusterConfig:
-        text = cluster_yaml(
+    @property
+    def width(self) -> int:
+        """Candidates worth simulating at once: the pool's workers (1 without one)."""
+        return self.pool.workers if self.pool is not None else 1
+
+    def yaml(self, p: int, d: int) -> str:
+        return cluster_yaml(
             self.book.model.name, self.region, p, d, *self.tp, self.limits, self.slo
         )
-        return parse_config(text, "<plan>")
+
+    def config(self, p: int, d: int) -> ClusterConfig:
+        return parse_config(self.yaml(p, d), "<plan>")
 
     def run(self, p: int, d: int) -> Outcome:
         if (p, d) not in self.cache:
-            sim = SimCluster(self.config(p, d), self.book, self.work,
-                             SimOptions(fast=True, keep_itl=False, planner=False))  # fmt: skip
-            rec = sim.run().recorder
-            ok = rec.error == 0
-            ttft = rec.first[ok] - rec.arrival[ok]
-            n = rec.tokens[ok].astype(np.float64)
-            multi = n > 1
-            tpot = (rec.end[ok][multi] - rec.first[ok][multi]) / (n[multi] - 1)
-            q = self.slo.percentile
-            meets = rec.slo_met(Slo(self.slo.ttft_s, self.slo.tpot_s))
-            window = float(np.nanmax(rec.end) - rec.arrival.min())
-            self.cache[(p, d)] = Outcome(
-                p, d, float(np.percentile(ttft, q)) if len(ttft) else math.inf,
-                float(np.percentile(tpot, q)) if len(tpot) else 0.0, int((~ok).sum()),
-                float(meets.sum()) / window if window > 0 else 0.0,
-            )  # fmt: skip
+            self.cache[(p, d)] = simulate_candidate(self.yaml(p, d), self.book, self.work, self.slo)
         return self.cache[(p, d)]
 
-    def smallest(self, lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
-        """Fewest count in [lo, hi] for which ``fits(count)`` holds (monotone), or None."""
-        lo = min(lo, hi)
-        if not fits(hi):
-            return None
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+    def prefetch(self, counts: Sequence[tuple[int, int]]) -> None:
+        """Simulate the candidates not yet simulated, at once on the pool."""
+        todo = [c for c in dict.fromkeys(counts) if c not in self.cache]
+        if self.pool is None or len(todo) < 2:
+            return
+        submit = self.pool.executor.submit
+        jobs = [submit(simulate_candidate, self.yaml(*c), self.book, self.work, self.slo)
+                for c in todo]  # fmt: skip
+        for c, job in zip(todo, jobs, strict=True):
+            self.cache[c] = job.result()
+
+
+def simulate_candidate(text: str, book: ProfileBook, work: SimWorkload, slo: PlanSlo) -> Outcome:
+    """One candidate's percentiles, failures and goodput (a pool worker runs it too)."""
+    config = parse_config(text, "<plan>")
+    sim = SimCluster(config, book, work, SimOptions(fast=True, keep_itl=False, planner=False))
+    rec = sim.run().recorder
+    ok = rec.error == 0
+    ttft = rec.first[ok] - rec.arrival[ok]
+    n = rec.tokens[ok].astype(np.float64)
+    multi = n > 1
+    tpot = (rec.end[ok][multi] - rec.first[ok][multi]) / (n[multi] - 1)
+    q = slo.percentile
+    meets = rec.slo_met(Slo(slo.ttft_s, slo.tpot_s))
+    window = float(np.nanmax(rec.end) - rec.arrival.min())
+    region = config.regions[0]
+    return Outcome(
+        region.prefill.count, region.decode.count,
+        float(np.percentile(ttft, q)) if len(ttft) else math.inf,
+        float(np.percentile(tpot, q)) if len(tpot) else 0.0, int((~ok).sum()),
+        float(meets.sum()) / window if window > 0 else 0.0,
+    )  # fmt: skip
 
 
 class Infeasible(InvalidArgumentError):
@@ -244,8 +289,10 @@ def _alone(one: SingleInstance, slo: PlanSlo, tp: tuple[int, int], mix: LengthMi
 
 
 def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp: tuple[int, int],
-                limits: PlanLimits, slo: PlanSlo, peak_bw: float) -> RegionPlan:  # fmt: skip
-    """The cheapest counts for one layout; Infeasible names the SLO and the gap."""
+                limits: PlanLimits, slo: PlanSlo, peak_bw: float,
+                pool: Pool | None = None) -> RegionPlan:  # fmt: skip
+    """The cheapest counts for one layout; Infeasible names the SLO and the gap. With a
+    process ``pool``, candidates the search may try next are simulated together."""
     prefill, decode = book.get(tp[0], 1), book.get(tp[1], 1)
     prompt, output = float(np.mean(mix.prompt)), float(np.mean(mix.output))
     one = single_instance(prefill, decode, prompt, output, slo.tpot_s, limits.max_num_seqs, peak_bw)
@@ -259,16 +306,20 @@ def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp:
         raise Infeasible("max_devices", f"{limits.max_devices} devices cannot hold one prefill and "
                          f"one decode instance plus spares at tp={tp[0]}/{tp[1]}")  # fmt: skip
     n = simulated_requests(region, rate * (1 + limits.headroom), one, output, slo, limits)
-    search = _Search(book, region, rate * (1 + limits.headroom), mix, tp, limits, slo, n)
+    search = _Search(book, region, rate * (1 + limits.headroom), mix, tp, limits, slo, n, pool)
     ample_p = min(cap_p, max(1, 2 * book_plan.prefill_bare + 1))
-    d = search.smallest(max(1, book_plan.decode_bare // 2), cap_d,
-                        lambda n: search.run(ample_p, n).meets(slo)[1])  # fmt: skip
+    # The textbook's counts at the searched rate (headroom in, spares out) start each search.
+    hint_p, hint_d = book_plan.prefill - limits.spares, book_plan.decode - limits.spares
+    d = smallest_near(max(1, book_plan.decode_bare // 2), hint_d, cap_d,
+                      lambda n: search.run(ample_p, n).meets(slo)[1],
+                      lambda ns: search.prefetch([(ample_p, n) for n in ns]), search.width)  # fmt: skip
     if d is None:
         _missed(search.run(ample_p, cap_d), slo, "decode", cap_d, tp, limits)
     assert d is not None
     decodes: int = d
-    p = search.smallest(max(1, book_plan.prefill_bare // 2), cap_p,
-                        lambda n: search.run(n, decodes).meets(slo)[0])  # fmt: skip
+    p = smallest_near(max(1, book_plan.prefill_bare // 2), hint_p, cap_p,
+                      lambda n: search.run(n, decodes).meets(slo)[0],
+                      lambda ns: search.prefetch([(n, decodes) for n in ns]), search.width)  # fmt: skip
     if p is None:
         _missed(search.run(cap_p, d), slo, "prefill", cap_p, tp, limits)
     assert p is not None
@@ -281,7 +332,7 @@ def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp:
         if p > cap_p or d > cap_d:
             _missed(search.run(min(p, cap_p), min(d, cap_d)), slo, "both", cap_p, tp, limits)
     p, d = p + limits.spares, d + limits.spares
-    final = _Search(book, region, rate, mix, tp, limits, slo, n).run(p, d)
+    final = _Search(book, region, rate, mix, tp, limits, slo, n, pool).run(p, d)
     tb_devices = book_plan.prefill * tp[0] + book_plan.decode * tp[1]
     return RegionPlan(region, rate, tp[0], tp[1], p, d, p * tp[0] + d * tp[1], final, one,
                       book_plan, tb_devices, len(search.cache) + 1)  # fmt: skip
@@ -334,7 +385,7 @@ def _missed(o: Outcome, slo: PlanSlo, role: str, cap: int, tp: tuple[int, int],
 
 
 def plan_region(book: ProfileBook, region: str, rate: float, mix: LengthMix, limits: PlanLimits,
-                slo: PlanSlo, peak_bw: float) -> RegionPlan:  # fmt: skip
+                slo: PlanSlo, peak_bw: float, pool: Pool | None = None) -> RegionPlan:  # fmt: skip
     """The cheapest feasible layout and counts for ``rate`` requests/s of ``mix``."""
     if not rate > 0:
         raise InvalidArgumentError("rate", f"region {region}: forecast rate must be > 0")
@@ -343,7 +394,9 @@ def plan_region(book: ProfileBook, region: str, rate: float, mix: LengthMix, lim
     for tp_p in limits.prefill_tp:
         for tp_d in limits.decode_tp:
             try:
-                plan = plan_layout(book, region, rate, mix, (tp_p, tp_d), limits, slo, peak_bw)
+                plan = plan_layout(
+                    book, region, rate, mix, (tp_p, tp_d), limits, slo, peak_bw, pool
+                )
             except Infeasible as e:
                 errors.append(f"tp={tp_p}/{tp_d}: {e.message}")
                 continue

@@ -20,7 +20,15 @@ import numpy as np
 
 from pdserve.bench import workload as wl
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.sim.plan import LengthMix, PlanLimits, PlanSlo, RegionPlan, cluster_yaml, plan_region
+from pdserve.sim.plan import (
+    LengthMix,
+    PlanLimits,
+    PlanSlo,
+    RegionPlan,
+    cluster_yaml,
+    open_pool,
+    plan_region,
+)
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,8 +72,24 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     s.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the plan (JSON, with each region's YAML)")
+    p.add_argument(
+        "--jobs", type=int, default=default_jobs(),
+        help="candidates simulated side by side, one worker process each (default: this "
+        "machine's cores, at most 8); the plan is the same for any count",
+    )  # fmt: skip
     add_device_flags(p)
     p.set_defaults(func=cmd_plan, prog="pdserve plan")
+
+
+MAX_DEFAULT_JOBS = 8
+
+
+def default_jobs() -> int:
+    """This machine's cores (as this process may use them), at most 8."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_DEFAULT_JOBS, cores or 1))
 
 
 def forecast_from(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -136,9 +160,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     peak_bw = DEVICES[device].mem_bw if device in DEVICES else float("nan")
     mix = mix_from(args)
     mix.check_context(shape.max_position_embeddings)
-    plans = []
-    for region, rates in forecast_from(args).items():
-        plans.append(plan_region(book, region, max(rates), mix, limits, slo, peak_bw))
+    forecast = forecast_from(args)
+    with open_pool(args.jobs) as pool:
+        plans = [plan_region(book, region, max(rates), mix, limits, slo, peak_bw, pool)
+                 for region, rates in forecast.items()]  # fmt: skip
     for plan in plans:
         print(describe_plan(plan, slo, mix))
     if args.out:

@@ -198,6 +198,7 @@ def test_plan_refuses_a_mix_past_the_models_context(capsys) -> None:  # type: ig
         (["--forecast", "FILE"], "forecast: FILE: 'east': rates must be numbers"),
         (["--rate", "east=5", "--ttft-slo-ms", "inf"], "slo: TTFT and TPOT SLOs must be > 0 and"),
         (["--rate", "east=5", "--seed", "-1"], "seed: must be >= 0"),
+        (["--rate", "east=5", "--jobs", "0"], "jobs: must be >= 1, got 0"),
         # 200 requests at 1e9 req/s are a burst: 124 devices "met" the SLOs at that rate
         (["--rate", "east=1e9", "--num-requests", "200"],
          "num_requests: 200 requests at 1.3e+09 req/s (with headroom) arrive within"),
