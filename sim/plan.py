@@ -16,28 +16,33 @@ observed length mix): for each allowed (prefill TP, decode TP) layout it
 
 The cheapest feasible layout (fewest devices, then most goodput per device)
 wins. With none, :class:`InvalidArgumentError` says which SLO cannot be met,
-by how much, and at which limit.
+by how much, and at which limit. :func:`plan_regions` plans every region of a
+forecast. Given a :class:`~pdserve.sim.candidates.Pool` of worker processes,
+regions and layouts are searched at once, each on its share of the workers,
+and a search simulates the candidates it may try next together; the plan is
+the one a single process finds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-from pdserve.bench import workload as wl
-from pdserve.bench.report import Slo
-from pdserve.cluster.config import ClusterConfig, parse_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.build import ProfileBook
-from pdserve.sim.cluster import SimCluster, SimOptions
+from pdserve.sim.candidates import Candidates, Outcome, Pool, cluster_yaml, open_pool
 from pdserve.sim.search import smallest_near
 from pdserve.sim.textbook import SingleInstance, TextbookPlan, single_instance, textbook_plan
-from pdserve.sim.workload import SimWorkload
+
+__all__ = [
+    "Infeasible", "LengthMix", "Outcome", "PlanLimits", "PlanSlo", "Pool", "RegionPlan",
+    "cluster_yaml", "open_pool", "plan_layout", "plan_region", "plan_regions",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -119,23 +124,6 @@ class PlanLimits:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """One simulated candidate: its percentiles (s), failures and goodput."""
-
-    prefill: int
-    decode: int
-    ttft_s: float
-    tpot_s: float
-    failed: int
-    goodput_rps: float
-
-    def meets(self, slo: PlanSlo) -> tuple[bool, bool]:
-        """(TTFT met, TPOT met); a refused request (no decode instance had room for its
-        KV) counts against decode."""
-        return (self.ttft_s <= slo.ttft_s, self.failed == 0 and self.tpot_s <= slo.tpot_s)
-
-
-@dataclass(frozen=True)
 class RegionPlan:
     region: str
     rate: float
@@ -150,118 +138,6 @@ class RegionPlan:
     textbook_devices: int
     simulations: int
     tried: list[str] = field(default_factory=list)  # why other layouts lost
-
-
-def cluster_yaml(model: str, region: str, prefill: int, decode: int, tp_p: int, tp_d: int,
-                 limits: PlanLimits, slo: PlanSlo) -> str:  # fmt: skip
-    """The cluster YAML of a plan: what `pdserve serve` and `pdserve sim` take."""
-    return (
-        f"model: {model}\n"
-        f"engine: {{max_num_seqs: {limits.max_num_seqs}, "
-        f"max_num_batched_tokens: {limits.max_num_batched_tokens}, "
-        f"block_size: {limits.block_size}, enable_prefix_caching: false}}\n"
-        f"regions:\n  - name: {region}\n"
-        f"    prefill: {{count: {prefill}, min: {min(prefill, 1)}, max: {max(prefill, 1)}, "
-        f"tensor_parallel_size: {tp_p}}}\n"
-        f"    decode: {{count: {decode}, min: 1, max: {max(decode, 1)}, "
-        f"tensor_parallel_size: {tp_d}}}\n"
-        f"slo: {{ttft_ms: {slo.ttft_s * 1e3:g}, tpot_ms: {slo.tpot_s * 1e3:g}}}\n"
-        f"router: {{max_inflight_per_region: 1000000}}\n"
-        f'planner: {{mode: "off"}}\n'
-    )
-
-
-@dataclass(frozen=True)
-class Pool:
-    """Worker processes that simulate candidates side by side."""
-
-    executor: Executor
-    workers: int
-
-
-@contextmanager
-def open_pool(jobs: int) -> Iterator[Pool | None]:
-    """A pool of ``jobs`` worker processes (None for one job: simulate in this process).
-
-    Workers are spawned (not forked), so they start from a clean interpreter."""
-    if jobs < 1:
-        raise InvalidArgumentError("jobs", f"must be >= 1, got {jobs}")
-    if jobs == 1:
-        yield None
-        return
-    import multiprocessing
-
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as executor:
-        yield Pool(executor, jobs)
-
-
-class _Search:
-    """Simulations of one region and layout at one rate (memoised by counts).
-
-    With a ``pool`` (a process pool), :meth:`prefetch` simulates several candidates
-    at once, one per worker; :meth:`run` then finds them done.
-    """
-
-    def __init__(self, book: ProfileBook, region: str, rate: float, mix: LengthMix,
-                 tp: tuple[int, int], limits: PlanLimits, slo: PlanSlo, n: int,
-                 pool: Pool | None = None) -> None:  # fmt: skip
-        self.book, self.region, self.rate, self.mix = book, region, rate, mix
-        self.tp, self.limits, self.slo, self.pool = tp, limits, slo, pool
-        self.cache: dict[tuple[int, int], Outcome] = {}
-        arrival = wl.arrival_times("poisson", rate, n, None, seed=limits.seed)
-        prompt, output = mix.draw(n, limits.seed + 1)
-        self.work = SimWorkload(arrival, prompt, output, np.zeros(n, dtype=np.int16))
-
-    @property
-    def width(self) -> int:
-        """Candidates worth simulating at once: the pool's workers (1 without one)."""
-        return self.pool.workers if self.pool is not None else 1
-
-    def yaml(self, p: int, d: int) -> str:
-        return cluster_yaml(
-            self.book.model.name, self.region, p, d, *self.tp, self.limits, self.slo
-        )
-
-    def config(self, p: int, d: int) -> ClusterConfig:
-        return parse_config(self.yaml(p, d), "<plan>")
-
-    def run(self, p: int, d: int) -> Outcome:
-        if (p, d) not in self.cache:
-            self.cache[(p, d)] = simulate_candidate(self.yaml(p, d), self.book, self.work, self.slo)
-        return self.cache[(p, d)]
-
-    def prefetch(self, counts: Sequence[tuple[int, int]]) -> None:
-        """Simulate the candidates not yet simulated, at once on the pool."""
-        todo = [c for c in dict.fromkeys(counts) if c not in self.cache]
-        if self.pool is None or len(todo) < 2:
-            return
-        submit = self.pool.executor.submit
-        jobs = [submit(simulate_candidate, self.yaml(*c), self.book, self.work, self.slo)
-                for c in todo]  # fmt: skip
-        for c, job in zip(todo, jobs, strict=True):
-            self.cache[c] = job.result()
-
-
-def simulate_candidate(text: str, book: ProfileBook, work: SimWorkload, slo: PlanSlo) -> Outcome:
-    """One candidate's percentiles, failures and goodput (a pool worker runs it too)."""
-    config = parse_config(text, "<plan>")
-    sim = SimCluster(config, book, work, SimOptions(fast=True, keep_itl=False, planner=False))
-    rec = sim.run().recorder
-    ok = rec.error == 0
-    ttft = rec.first[ok] - rec.arrival[ok]
-    n = rec.tokens[ok].astype(np.float64)
-    multi = n > 1
-    tpot = (rec.end[ok][multi] - rec.first[ok][multi]) / (n[multi] - 1)
-    q = slo.percentile
-    meets = rec.slo_met(Slo(slo.ttft_s, slo.tpot_s))
-    window = float(np.nanmax(rec.end) - rec.arrival.min())
-    region = config.regions[0]
-    return Outcome(
-        region.prefill.count, region.decode.count,
-        float(np.percentile(ttft, q)) if len(ttft) else math.inf,
-        float(np.percentile(tpot, q)) if len(tpot) else 0.0, int((~ok).sum()),
-        float(meets.sum()) / window if window > 0 else 0.0,
-    )  # fmt: skip
 
 
 class Infeasible(InvalidArgumentError):
@@ -306,7 +182,22 @@ def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp:
         raise Infeasible("max_devices", f"{limits.max_devices} devices cannot hold one prefill and "
                          f"one decode instance plus spares at tp={tp[0]}/{tp[1]}")  # fmt: skip
     n = simulated_requests(region, rate * (1 + limits.headroom), one, output, slo, limits)
-    search = _Search(book, region, rate * (1 + limits.headroom), mix, tp, limits, slo, n, pool)
+    search = Candidates(book, region, rate * (1 + limits.headroom), mix, tp, limits, slo, n, pool)
+    try:
+        p, d = _fewest(search, book_plan, cap_p, cap_d)
+    finally:
+        search.close()  # a candidate started for a search that ended is not needed
+    p, d = p + limits.spares, d + limits.spares
+    final = Candidates(book, region, rate, mix, tp, limits, slo, n, pool).run(p, d)
+    tb_devices = book_plan.prefill * tp[0] + book_plan.decode * tp[1]
+    return RegionPlan(region, rate, tp[0], tp[1], p, d, p * tp[0] + d * tp[1], final, one,
+                      book_plan, tb_devices, search.simulations + 1)  # fmt: skip
+
+
+def _fewest(search: Candidates, book_plan: TextbookPlan, cap_p: int, cap_d: int) -> tuple[int, int]:
+    """The fewest decode instances meeting TPOT with prefill ample, then the fewest
+    prefill meeting TTFT there, then a bump of whichever role still misses."""
+    slo, tp, limits = search.slo, search.tp, search.limits
     ample_p = min(cap_p, max(1, 2 * book_plan.prefill_bare + 1))
     # The textbook's counts at the searched rate (headroom in, spares out) start each search.
     hint_p, hint_d = book_plan.prefill - limits.spares, book_plan.decode - limits.spares
@@ -331,11 +222,7 @@ def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp:
             p += 1
         if p > cap_p or d > cap_d:
             _missed(search.run(min(p, cap_p), min(d, cap_d)), slo, "both", cap_p, tp, limits)
-    p, d = p + limits.spares, d + limits.spares
-    final = _Search(book, region, rate, mix, tp, limits, slo, n, pool).run(p, d)
-    tb_devices = book_plan.prefill * tp[0] + book_plan.decode * tp[1]
-    return RegionPlan(region, rate, tp[0], tp[1], p, d, p * tp[0] + d * tp[1], final, one,
-                      book_plan, tb_devices, len(search.cache) + 1)  # fmt: skip
+    return p, d
 
 
 MIN_REQUESTS = 1500  # simulated per candidate at least, when the planner chooses
@@ -386,28 +273,77 @@ def _missed(o: Outcome, slo: PlanSlo, role: str, cap: int, tp: tuple[int, int],
 
 def plan_region(book: ProfileBook, region: str, rate: float, mix: LengthMix, limits: PlanLimits,
                 slo: PlanSlo, peak_bw: float, pool: Pool | None = None) -> RegionPlan:  # fmt: skip
-    """The cheapest feasible layout and counts for ``rate`` requests/s of ``mix``."""
+    """The cheapest feasible layout and counts for ``rate`` requests/s of ``mix``; with a
+    ``pool``, the layouts are searched at once, each on its share of the workers."""
     if not rate > 0:
         raise InvalidArgumentError("rate", f"region {region}: forecast rate must be > 0")
+    layouts = [(tp_p, tp_d) for tp_p in limits.prefill_tp for tp_d in limits.decode_tp]
+    _profiles(book, limits)
+
+    def attempt(tp: tuple[int, int], share: Pool | None) -> RegionPlan | Infeasible:
+        try:
+            return plan_layout(book, region, rate, mix, tp, limits, slo, peak_bw, share)
+        except Infeasible as e:
+            return e
+
     best: RegionPlan | None = None
     errors: list[str] = []
-    for tp_p in limits.prefill_tp:
-        for tp_d in limits.decode_tp:
-            try:
-                plan = plan_layout(
-                    book, region, rate, mix, (tp_p, tp_d), limits, slo, peak_bw, pool
-                )
-            except Infeasible as e:
-                errors.append(f"tp={tp_p}/{tp_d}: {e.message}")
-                continue
-            key = (plan.devices, -plan.at_forecast.goodput_rps)
-            if best is None or key < (best.devices, -best.at_forecast.goodput_rps):
-                if best is not None:
-                    errors.append(f"tp={best.prefill_tp}/{best.decode_tp}: {best.devices} devices")
-                best = plan
-            else:
-                errors.append(f"tp={tp_p}/{tp_d}: {plan.devices} devices")
+    for (tp_p, tp_d), plan in zip(layouts, side_by_side(attempt, layouts, pool), strict=True):
+        if isinstance(plan, Infeasible):
+            errors.append(f"tp={tp_p}/{tp_d}: {plan.message}")
+            continue
+        key = (plan.devices, -plan.at_forecast.goodput_rps)
+        if best is None or key < (best.devices, -best.at_forecast.goodput_rps):
+            if best is not None:
+                errors.append(f"tp={best.prefill_tp}/{best.decode_tp}: {best.devices} devices")
+            best = plan
+        else:
+            errors.append(f"tp={tp_p}/{tp_d}: {plan.devices} devices")
     if best is None:
         raise Infeasible("slo", f"region {region} at {rate:g} req/s: " + "; ".join(errors))
     best.tried.extend(errors)
     return best
+
+
+def plan_regions(book: ProfileBook, forecast: dict[str, float], mix: LengthMix,
+                 limits: PlanLimits, slo: PlanSlo, peak_bw: float,
+                 pool: Pool | None = None) -> list[RegionPlan]:  # fmt: skip
+    """:func:`plan_region` for each region's peak rate (at once, with a ``pool``); the
+    first infeasible region, in the forecast's order, raises."""
+
+    def attempt(region: str, share: Pool | None) -> RegionPlan | InvalidArgumentError:
+        try:
+            return plan_region(book, region, forecast[region], mix, limits, slo, peak_bw, share)
+        except InvalidArgumentError as e:
+            return e
+
+    _profiles(book, limits)
+    plans = []
+    for plan in side_by_side(attempt, list(forecast), pool):
+        if isinstance(plan, InvalidArgumentError):
+            raise plan
+        plans.append(plan)
+    return plans
+
+
+def _profiles(book: ProfileBook, limits: PlanLimits) -> None:
+    """Build every allowed layout's profile now: searches running at once then only read
+    the book (each candidate sent to a worker carries it)."""
+    for tp in {*limits.prefill_tp, *limits.decode_tp}:
+        book.get(tp, 1)
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def side_by_side(fn: Callable[[T, Pool | None], R], items: Sequence[T],
+                 pool: Pool | None) -> list[R]:  # fmt: skip
+    """``fn(item, share)`` for each item, in order. With a pool, the items run at once,
+    each in a thread that waits on its share of the pool's workers (the simulations
+    run there); without one, one after another in this process."""
+    if pool is None or len(items) < 2:
+        return [fn(item, pool) for item in items]
+    share = pool.share(len(items))
+    with ThreadPoolExecutor(len(items)) as threads:
+        return list(threads.map(lambda item: fn(item, share), items))

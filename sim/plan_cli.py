@@ -27,7 +27,7 @@ from pdserve.sim.plan import (
     RegionPlan,
     cluster_yaml,
     open_pool,
-    plan_region,
+    plan_regions,
 )
 
 
@@ -160,10 +160,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     peak_bw = DEVICES[device].mem_bw if device in DEVICES else float("nan")
     mix = mix_from(args)
     mix.check_context(shape.max_position_embeddings)
-    forecast = forecast_from(args)
+    peaks = {region: max(rates) for region, rates in forecast_from(args).items()}
     with open_pool(args.jobs) as pool:
-        plans = [plan_region(book, region, max(rates), mix, limits, slo, peak_bw, pool)
-                 for region, rates in forecast.items()]  # fmt: skip
+        plans = plan_regions(book, peaks, mix, limits, slo, peak_bw, pool)
     for plan in plans:
         print(describe_plan(plan, slo, mix))
     if args.out:

@@ -7,16 +7,18 @@ import math
 import numpy as np
 import pytest
 
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.analytic import DEVICES, model_shape
 from pdserve.sim.build import ProfileBook
+from pdserve.sim.candidates import Candidates
 from pdserve.sim.flags import Assumptions
 from pdserve.sim.plan import (
     LengthMix,
     PlanLimits,
     PlanSlo,
-    _Search,
     open_pool,
     plan_layout,
+    plan_regions,
 )
 from pdserve.sim.search import smallest_near
 
@@ -84,7 +86,7 @@ def test_the_plan_is_the_fewest_counts_an_exhaustive_search_finds() -> None:
     slo, rate = PlanSlo(ttft_s=0.1, tpot_s=0.012), 150.0
     limits = PlanLimits(max_devices=40, num_requests=1000)
     plan = plan_layout(book, "east", rate, mix, (1, 1), limits, slo, DEVICES["h100"].mem_bw)
-    search = _Search(book, "east", rate * 1.3, mix, (1, 1), limits, slo, 1000)
+    search = Candidates(book, "east", rate * 1.3, mix, (1, 1), limits, slo, 1000)
     cap = limits.max_devices - 2 - limits.spares  # one instance of the other role, two spares
     ample = min(cap, 2 * plan.textbook.prefill_bare + 1)
     d = next(n for n in range(1, cap + 1) if search.run(ample, n).meets(slo)[1])
@@ -94,10 +96,23 @@ def test_the_plan_is_the_fewest_counts_an_exhaustive_search_finds() -> None:
     assert (plan.prefill, plan.decode) == (p + limits.spares, d + limits.spares)
     assert p >= 4 and d >= 3, "too easy a case to tell the searches apart"
     assert plan.simulations < len(search.cache)  # the final run at the forecast included
-    # two worker processes simulating the next candidates together: the same plan
+
+
+def test_regions_and_layouts_searched_at_once_plan_what_one_process_plans() -> None:
+    book = ProfileBook(model_shape("llama-7b"), [], "h100", Assumptions())
+    mix = LengthMix(np.full(64, 1000), np.full(64, 64))
+    slo = PlanSlo(ttft_s=0.1, tpot_s=0.012)
+    limits = PlanLimits(max_devices=40, decode_tp=(1, 2), num_requests=600)
+    forecast, bw = {"east": 60.0, "west": 15.0}, DEVICES["h100"].mem_bw
+    alone = plan_regions(book, forecast, mix, limits, slo, bw)
     with open_pool(2) as pool:
-        side = plan_layout(book, "east", rate, mix, (1, 1), limits, slo, DEVICES["h100"].mem_bw,
-                           pool)  # fmt: skip
-    assert (side.prefill, side.decode, side.at_forecast) == (
-        plan.prefill, plan.decode, plan.at_forecast,
-    )  # fmt: skip
+        together = plan_regions(book, forecast, mix, limits, slo, bw, pool)
+    for a, b in zip(alone, together, strict=True):
+        assert (a.region, a.prefill_tp, a.decode_tp, a.prefill, a.decode, a.at_forecast) == (
+            b.region, b.prefill_tp, b.decode_tp, b.prefill, b.decode, b.at_forecast,
+        )  # fmt: skip
+        assert a.tried == b.tried and len(a.tried) == 1  # the other decode layout, priced
+    # with every region infeasible, the first in the forecast's order raises, as alone
+    with open_pool(2) as pool, pytest.raises(InvalidArgumentError, match="region west"):
+        plan_regions(book, {"west": 15.0, "east": 60.0}, mix, limits,
+                     PlanSlo(ttft_s=0.1, tpot_s=0.004), bw, pool)  # fmt: skip
