@@ -94,8 +94,11 @@ def open_pool(jobs: int) -> Iterator[Pool | None]:
         return
     import multiprocessing
 
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as executor:
+    executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
         yield Pool(executor, jobs)
+    finally:  # on an error too: what no search waits for is not started
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 class Candidates:
