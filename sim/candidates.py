@@ -23,7 +23,7 @@ import numpy as np
 
 from pdserve.bench import workload as wl
 from pdserve.bench.report import Slo
-from pdserve.cluster.config import ClusterConfig, parse_config
+from pdserve.cluster.config import parse_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.build import ProfileBook
 from pdserve.sim.cluster import SimCluster, SimOptions
@@ -113,7 +113,7 @@ class Candidates:
     def __init__(self, book: ProfileBook, region: str, rate: float, mix: LengthMix,
                  tp: tuple[int, int], limits: PlanLimits, slo: PlanSlo, n: int,
                  pool: Pool | None = None) -> None:  # fmt: skip
-        self.book, self.region, self.rate, self.mix = book, region, rate, mix
+        self.book, self.region = book, region
         self.tp, self.limits, self.slo, self.pool = tp, limits, slo, pool
         self.cache: dict[tuple[int, int], Outcome] = {}
         self.pending: dict[tuple[int, int], Future[Outcome]] = {}
@@ -131,9 +131,6 @@ class Candidates:
         return cluster_yaml(
             self.book.model.name, self.region, p, d, *self.tp, self.limits, self.slo
         )
-
-    def config(self, p: int, d: int) -> ClusterConfig:
-        return parse_config(self.yaml(p, d), "<plan>")
 
     def run(self, p: int, d: int) -> Outcome:
         c = (p, d)

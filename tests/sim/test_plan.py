@@ -11,6 +11,7 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.analytic import DEVICES, model_shape
 from pdserve.sim.build import ProfileBook
 from pdserve.sim.candidates import Candidates
+from pdserve.sim.cluster import SimCluster
 from pdserve.sim.flags import Assumptions
 from pdserve.sim.plan import (
     LengthMix,
@@ -98,13 +99,18 @@ def test_the_plan_is_the_fewest_counts_an_exhaustive_search_finds() -> None:
     assert plan.simulations < len(search.cache)  # the final run at the forecast included
 
 
-def test_regions_and_layouts_searched_at_once_plan_what_one_process_plans() -> None:
+def test_regions_and_layouts_searched_at_once_plan_what_one_process_plans(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     book = ProfileBook(model_shape("llama-7b"), [], "h100", Assumptions())
     mix = LengthMix(np.full(64, 1000), np.full(64, 64))
     slo = PlanSlo(ttft_s=0.1, tpot_s=0.012)
     limits = PlanLimits(max_devices=40, decode_tp=(1, 2), num_requests=600)
     forecast, bw = {"east": 60.0, "west": 15.0}, DEVICES["h100"].mem_bw
     alone = plan_regions(book, forecast, mix, limits, slo, bw)
+
+    def here(*_: object) -> None:
+        raise AssertionError("a candidate was simulated in this process, not in a worker")
+
+    monkeypatch.setattr(SimCluster, "run", here)  # spawned workers import their own
     with open_pool(2) as pool:
         together = plan_regions(book, forecast, mix, limits, slo, bw, pool)
     for a, b in zip(alone, together, strict=True):
