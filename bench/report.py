@@ -86,7 +86,10 @@ def spread_counts(total: int, num_chunks: int) -> list[int]:
 
 
 def inter_token_latencies(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
-    """Per-token gaps: a chunk of k tokens after a gap g gives k samples of g/k."""
+    """Per-token gaps, one for each token after the first: a chunk of k tokens after a
+    gap g gives k samples of g/k; tokens that came in the first token's chunk (the
+    router holds a decode instance's tokens until the prefill's first one is in) came
+    with no wait, 0 each. The samples sum to the last chunk's time less the first's."""
     out: list[float] = []
     previous: float | None = None
     for at, k in zip(chunk_times, chunk_tokens, strict=True):
@@ -94,6 +97,8 @@ def inter_token_latencies(chunk_times: Sequence[float], chunk_tokens: Sequence[i
             continue
         if previous is not None:
             out.extend([(at - previous) / k] * k)
+        else:
+            out.extend([0.0] * (k - 1))
         previous = at
     return out
 

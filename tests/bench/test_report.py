@@ -38,10 +38,13 @@ def test_record_from_chunks_one_token_each():
 
 
 def test_chunk_of_several_tokens_splits_its_gap():
-    # first chunk 2 tokens at 1.0; then 3 tokens after a 0.3 s gap; an empty final chunk
-    assert inter_token_latencies([1.0, 1.3, 1.4], [2, 3, 0]) == pytest.approx([0.1, 0.1, 0.1])
+    # first chunk 2 tokens at 1.0 (the second came with the first: no wait); then 3
+    # tokens after a 0.3 s gap; an empty final chunk
+    itl = inter_token_latencies([1.0, 1.3, 1.4], [2, 3, 0])
+    assert itl == pytest.approx([0.0, 0.1, 0.1, 0.1])
     r = make_record(0, 0.0, 0.0, 8, 5, [1.0, 1.3, 1.4], [2, 3, 0], e2e_s=1.4)
     assert r.output_len == 5 and r.ttft_s == 1.0
+    assert len(r.itl_s) == r.output_len - 1 and sum(r.itl_s) == pytest.approx(0.3)
     assert r.tpot_s == pytest.approx(0.4 / 4)
 
 
