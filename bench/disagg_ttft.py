@@ -12,6 +12,10 @@ Both setups run on Ray actors the same way, one request at a time:
 TTFT is measured by this client, from sending the request to receiving its
 first token (for colocated, the first token reaches a small subscriber actor
 that records when it arrived).
+
+On a GPU the three instances share it (``--gpus-per-instance 0.3``), each with
+its own KV pool (``--kv-cache-mib``), and pair over ``cuda_ipc``; ``bench/gpu_check.py``
+runs it so on an 8B-shaped model with dummy weights when Ray is importable.
 """
 
 from __future__ import annotations
@@ -75,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.core.builtin_models import resolve_model
     from pdserve.core.model_config import ModelConfig
 
+    device = _device(args.gpus_per_instance)
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        gpus = 1 if args.gpus_per_instance else None  # None: as many as Ray detects
+        ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     model = ModelConfig.from_dir(resolve_model(args.model))
     colocated, prefill, decode = _start_instances(args, model)
     # Ray types ``.remote()`` as a handle or the class itself (whose methods have
@@ -85,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
     ttft = _measure(args, model.vocab_size, colocated, prefill, decode, clock)
     rows = {mode: round(statistics.median(v) * 1e3, 1) for mode, v in ttft.items()}
     report = {
-        "command": f"pdserve bench ttft --model {args.model} --prompt-len {args.prompt_len} "
-        f"--requests {args.requests} --connector {args.connector}",
+        "command": " ".join(["pdserve bench ttft", *_flags(args)]),
+        "device": device,
+        "dtype": args.dtype,
         "median_ttft_ms": rows,
         "overhead": round(rows["disaggregated"] / rows["colocated"] - 1, 3),
     }
@@ -107,10 +114,12 @@ def _start_instances(
     from pdserve.llm import build_engine_config
     from pdserve.parallel.instance import RankResources
 
+    memory = {"kv_cache_memory_bytes": args.kv_cache_mib << 20} if args.kv_cache_mib else {}
     engine = build_engine_config(
-        args.model, dtype="float32", max_num_batched_tokens=args.prompt_len
-    )
-    res = RankResources(num_cpus=1)
+        args.model, dtype=args.dtype, load_format=args.load_format,
+        max_num_batched_tokens=args.prompt_len, **memory,
+    )  # fmt: skip
+    res = RankResources(num_cpus=1, num_gpus=args.gpus_per_instance)
     remote = DisaggregationConfig(local_prefill_max_tokens=0, local_prefill_cached_fraction=1.0)
     local = DisaggregationConfig(local_prefill_max_tokens=10**9)
     colocated = start_instance("decode", model, engine, args.connector, res, local)
@@ -173,11 +182,49 @@ def _first_token_disaggregated(
     return time.monotonic()
 
 
+def _device(gpus_per_instance: float) -> str:
+    """The device the instances run on: "cpu", or the GPU's name."""
+    if not gpus_per_instance:
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpus-per-instance: needs a CUDA GPU; this machine has none")
+    return torch.cuda.get_device_name(0)
+
+
+def _flags(args: argparse.Namespace) -> list[str]:
+    """The command line that repeats this run (defaults included)."""
+    flags = [f"--model {args.model}", f"--prompt-len {args.prompt_len}",
+             f"--output-len {args.output_len}", f"--requests {args.requests}",
+             f"--connector {args.connector}", f"--dtype {args.dtype}",
+             f"--load-format {args.load_format}"]  # fmt: skip
+    if args.gpus_per_instance:
+        flags.append(f"--gpus-per-instance {args.gpus_per_instance:g}")
+    if args.kv_cache_mib:
+        flags.append(f"--kv-cache-mib {args.kv_cache_mib}")
+    return flags
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
     p.add_argument("--prompt-len", type=count, default=512)
     p.add_argument("--output-len", type=count, default=4)
     p.add_argument("--requests", type=count, default=10)
-    p.add_argument("--connector", default="shm")
+    p.add_argument("--connector", default="shm", help="auto: cuda_ipc on a GPU, shm on a CPU")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"))
+    p.add_argument("--gpus-per-instance", type=_share, default=0.0,
+                   help="each instance's share of the one GPU (0: on the CPU)")  # fmt: skip
+    p.add_argument("--kv-cache-mib", type=count, default=None,
+                   help="each instance's KV pool (default: 256 MiB on a CPU, 85%% of "
+                   "a GPU's free memory, which leaves none for the next instance)")  # fmt: skip
     p.add_argument("--out", default="bench/out/ttft.json")
     p.set_defaults(func=run)
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1 / 3:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1/3 (three instances), got {text}")
+    return value

@@ -17,10 +17,16 @@ Steps, in this order, each under a time limit, all output in ``gpu-check.log``:
    the simulator's measured GPU profile: ``profile-gpu.json``;
 4. ``cuda-ipc``: ``pdserve bench cuda-ipc``, KV pages into another process's pool
    over CUDA IPC against a copy inside one process: ``cuda_ipc.json``;
-5. ``kernels``: ``pdserve bench kernels``, each Triton kernel against torch and
+5. ``ttft``: ``pdserve bench ttft``, the 8B-shaped model's TTFT disaggregated
+   (a prefill and a decode instance on Ray actors sharing the GPU, paired over
+   cuda_ipc) against colocated, at low load: ``ttft.json``. The one step that
+   needs Ray: skipped without it (``bench/gpu_wheels.py`` makes wheels of it
+   small enough to carry to a machine with no network);
+6. ``kernels``: ``pdserve bench kernels``, each Triton kernel against torch and
    the bandwidth floor: ``kernels.json``;
 
-then ``summary.json``: the device, the versions, each step's exit status and time.
+then ``summary.json``: the device, the versions, each step's exit status (and
+the steps skipped, with why).
 ``--steps`` runs some of them. Run with ``--dry-run`` on any machine to check the
 import tree and the dependency report without a GPU (the test suite does).
 """
@@ -47,7 +53,7 @@ TESTS = [
     "tests/parallel/test_cuda.py", "tests/parallel/test_kernels.py",
     "tests/parallel/test_quant_kernels.py", "tests/transfer/test_cuda_ipc.py",
 ]  # fmt: skip
-# Modules the GPU steps import: none of them may need Ray.
+# Modules the GPU steps but ttft import: none of them may need Ray.
 GPU_MODULES = [
     "pdserve", "pdserve.deploy.cli", "pdserve.bench.kernels", "pdserve.bench.gpu",
     "pdserve.bench.cuda_ipc", "pdserve.sim.measure", "pdserve.parallel.model_runner",
@@ -58,8 +64,11 @@ GPU_MODULES = [
 # The command line without Ray: `pdserve bench <kind>` and `pdserve profile` import
 # only their own modules.
 PDSERVE = "import sys; from pdserve.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
-STEPS = ("gpu", "pytest", "profile", "cuda-ipc", "kernels")
-LIMITS = {"gpu": 200, "pytest": 240, "profile": 150, "cuda-ipc": 60, "kernels": 120}  # seconds
+STEPS = ("gpu", "pytest", "profile", "cuda-ipc", "ttft", "kernels")
+# Each step's time limit, seconds.
+LIMITS = {"gpu": 200, "pytest": 240, "profile": 150, "cuda-ipc": 60, "ttft": 300,
+          "kernels": 120}  # fmt: skip
+NEEDS_RAY = {"ttft"}
 
 
 def missing(modules: dict[str, str]) -> list[str]:
@@ -132,12 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-gpu-") as tmp:
         tree = import_tree(Path(tmp))
         sys.path.insert(0, str(tree))  # this process writes the 8B config with pdserve's help
-        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
+        paths = [str(tree), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # Ray's actors too
         env.pop("TRITON_INTERPRET", None)
         if check_imports(env) != 0:
             print("pdserve's GPU modules do not import without Ray: see the error above")
             return 1
         if args.dry_run:
+            for name, why in skipped(args.steps).items():
+                print(f"{name} would be skipped: {why}")
             print("dry run: the import tree works and no required package is missing")
             return 0
         return _run_all(out, env, args)
@@ -157,8 +169,22 @@ def step_commands(out: Path, config: Path, tests: list[str]) -> dict[str, list[s
             "--out", str(out / "profile-gpu.json"),
         ],
         "cuda-ipc": [py, "-c", PDSERVE, "bench", "cuda-ipc", "--out", str(out / "cuda_ipc.json")],
+        "ttft": [
+            py, "-c", PDSERVE, "bench", "ttft", "--model", str(config), "--load-format", "dummy",
+            "--dtype", "bfloat16", "--gpus-per-instance", "0.3", "--kv-cache-mib", "4096",
+            "--prompt-len", "1024", "--requests", "10", "--connector", "cuda_ipc",
+            "--out", str(out / "ttft.json"),
+        ],
         "kernels": [py, "-c", PDSERVE, "bench", "kernels", "--out", str(out / "kernels.json")],
     }  # fmt: skip
+
+
+def skipped(steps: list[str]) -> dict[str, str]:
+    """The steps of ``steps`` this machine cannot run, with why."""
+    if importlib.util.find_spec("ray") is not None:
+        return {}
+    why = "Ray is not installed (python3 bench/gpu_wheels.py makes wheels to carry here)"
+    return {name: why for name in steps if name in NEEDS_RAY}
 
 
 def _run_all(out: Path, env: dict[str, str], args: argparse.Namespace) -> int:
@@ -170,12 +196,15 @@ def _run_all(out: Path, env: dict[str, str], args: argparse.Namespace) -> int:
         print("no CUDA device: torch.cuda.is_available() is False")
         return 2
     env = {**env, "PDSERVE_GPU_OUT": str(out)}
+    skips = skipped(args.steps)
+    for name, why in skips.items():
+        print(f"== {name}: skipped: {why}", flush=True)
     with tempfile.TemporaryDirectory(prefix="pdserve-8b-") as folder:
         commands = step_commands(out, write_config(Path(folder) / "llama3-8b"), args.tests)
         codes = {
             name: run_step(name, commands[name], env, out, LIMITS[name] * args.time_scale)
             for name in STEPS
-            if name in args.steps
+            if name in args.steps and name not in skips
         }
     summary = {
         "device": torch.cuda.get_device_name(0),
@@ -183,6 +212,7 @@ def _run_all(out: Path, env: dict[str, str], args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "steps": codes,
+        "skipped": skips,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

@@ -44,3 +44,13 @@ def test_gpu_benchmarks_refuse_a_machine_without_cuda(capsys) -> None:  # type: 
     for kind in ("gpu", "cuda-ipc", "kernels"):
         with pytest.raises(SystemExit, match="CUDA GPU"):
             main(["bench", kind, "--out", "/nonexistent/x.json"])
+
+
+def test_the_ttft_step_is_skipped_by_name_where_ray_is_missing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.bench.gpu_check import STEPS, skipped
+
+    assert skipped(list(STEPS)) == {}  # Ray is installed here
+    monkeypatch.setitem(sys.modules, "ray", None)  # as on a bare GPU machine
+    why = skipped(list(STEPS))
+    assert list(why) == ["ttft"] and "bench/gpu_wheels.py" in why["ttft"]
+    assert skipped(["gpu", "kernels"]) == {}
