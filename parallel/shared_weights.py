@@ -22,8 +22,12 @@ The file's name is a hash of the checkpoint files (paths, sizes, modification
 times), the rank's coordinates and layer range, and every parameter's name,
 dtype and shape: a changed checkpoint or layout gets a file of its own, and a
 manifest that does not match is rewritten. Writing a file removes those of
-checkpoints that were deleted or changed since (each file records its sources). Writers hold a file lock, so
-instances starting together write it once. ``PDSERVE_SHARE_WEIGHTS=0`` turns
+checkpoints that were deleted or changed since (each file records its sources).
+Writers hold a file lock, so instances starting together write it once; the
+lock is per file, so the ranks of one instance write theirs at once, and each
+file's parts are published whole (written aside, then renamed) for a rank pruning
+meanwhile to read: a record it cannot read is left alone, never taken for a
+checkpoint that is gone. ``PDSERVE_SHARE_WEIGHTS=0`` turns
 it off; parameters on a GPU are never shared (each device holds its own).
 """
 
@@ -77,7 +81,7 @@ def load_shared(model: nn.Module, files: list[Path], rank: str, load: Callable[[
         if not _matches(path, manifest):
             load()
             _write(model, path, manifest)
-            (path.with_suffix(".src")).write_text(json.dumps(_stats(files)))
+            _publish(path.with_suffix(".src"), json.dumps(_stats(files)))
             _prune(path.parent)
     _map(model, path, manifest)
     return True
@@ -111,9 +115,12 @@ def _prune(folder: Path) -> None:
     for src in folder.glob("*.src"):
         try:
             recorded = json.loads(src.read_text())
-            current = _stats([Path(f) for f in recorded])
         except (OSError, ValueError):
-            current, recorded = {}, {"gone": []}
+            continue  # pruned meanwhile by another rank, or not a record of ours
+        try:
+            current = _stats([Path(f) for f in recorded])
+        except OSError:
+            current = {}  # a source file is gone
         if current != recorded:
             for suffix in (".bin", ".json", ".src"):
                 src.with_suffix(suffix).unlink(missing_ok=True)
@@ -139,9 +146,14 @@ def _write(model: nn.Module, path: Path, manifest: list[dict[str, Any]]) -> None
             data.numpy().tofile(f)
         f.truncate(_total(manifest))
     tmp.replace(path)
-    meta = path.with_suffix(".json.tmp")
-    meta.write_text(json.dumps(manifest))
-    meta.replace(path.with_suffix(".json"))
+    _publish(path.with_suffix(".json"), json.dumps(manifest))
+
+
+def _publish(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or not at all, for a reader at any moment."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 @torch.no_grad()

@@ -69,3 +69,21 @@ def test_files_of_deleted_checkpoints_are_removed(tmp_path, monkeypatch) -> None
     shutil.rmtree(copy)
     _model(ModelConfig.from_dir(source))  # writing another file prunes the gone one's
     assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
+
+
+def test_a_record_being_written_is_not_taken_for_a_gone_checkpoint(tmp_path, monkeypatch) -> None:
+    # The lock is per file: one rank may prune while another (its own lock held)
+    # writes its record. Read half-written, the record once read as "checkpoint
+    # gone" and the other rank's weights file was removed before it mapped it.
+    import shutil
+
+    monkeypatch.setenv("PDSERVE_WEIGHTS_CACHE", str(tmp_path / "cache"))
+    source = resolve_model("builtin:tiny")
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    _model(ModelConfig.from_dir(copy))
+    (src,) = (tmp_path / "cache").glob("*.src")
+    src.write_text("")  # as the other rank's record looks while it is written
+    _model(ModelConfig.from_dir(source))  # writes a second file and prunes
+    assert src.with_suffix(".bin").is_file() and src.with_suffix(".json").is_file()
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 2
