@@ -5,7 +5,10 @@ checkpoint or the layout changes."""
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
+import pytest
 import torch
 
 from pdserve.core.builtin_models import resolve_model
@@ -57,33 +60,32 @@ def test_a_damaged_manifest_is_rewritten(tmp_path, monkeypatch) -> None:
         assert torch.equal(a, b)
 
 
-def test_files_of_deleted_checkpoints_are_removed(tmp_path, monkeypatch) -> None:
-    import shutil
-
-    monkeypatch.setenv("PDSERVE_WEIGHTS_CACHE", str(tmp_path / "cache"))
+def _cached_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Path]:
+    """(the tiny model, a copy of it whose weights are now in the cache, the cache)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PDSERVE_WEIGHTS_CACHE", str(cache))
     source = resolve_model("builtin:tiny")
     copy = tmp_path / "copy"
     shutil.copytree(source, copy)
     _model(ModelConfig.from_dir(copy))
-    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
+    return source, copy, cache
+
+
+def test_files_of_deleted_checkpoints_are_removed(tmp_path, monkeypatch) -> None:
+    source, copy, cache = _cached_copy(tmp_path, monkeypatch)
+    assert len(list(cache.glob("*.bin"))) == 1
     shutil.rmtree(copy)
     _model(ModelConfig.from_dir(source))  # writing another file prunes the gone one's
-    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
+    assert len(list(cache.glob("*.bin"))) == 1
 
 
 def test_a_record_being_written_is_not_taken_for_a_gone_checkpoint(tmp_path, monkeypatch) -> None:
     # The lock is per file: one rank may prune while another (its own lock held)
     # writes its record. Read half-written, the record once read as "checkpoint
     # gone" and the other rank's weights file was removed before it mapped it.
-    import shutil
-
-    monkeypatch.setenv("PDSERVE_WEIGHTS_CACHE", str(tmp_path / "cache"))
-    source = resolve_model("builtin:tiny")
-    copy = tmp_path / "copy"
-    shutil.copytree(source, copy)
-    _model(ModelConfig.from_dir(copy))
-    (src,) = (tmp_path / "cache").glob("*.src")
+    source, _, cache = _cached_copy(tmp_path, monkeypatch)
+    (src,) = cache.glob("*.src")
     src.write_text("")  # as the other rank's record looks while it is written
     _model(ModelConfig.from_dir(source))  # writes a second file and prunes
     assert src.with_suffix(".bin").is_file() and src.with_suffix(".json").is_file()
-    assert len(list((tmp_path / "cache").glob("*.bin"))) == 2
+    assert len(list(cache.glob("*.bin"))) == 2
