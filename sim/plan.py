@@ -280,15 +280,13 @@ def plan_region(book: ProfileBook, region: str, rate: float, mix: LengthMix, lim
     layouts = [(tp_p, tp_d) for tp_p in limits.prefill_tp for tp_d in limits.decode_tp]
     _profiles(book, limits)
 
-    def attempt(tp: tuple[int, int], share: Pool | None) -> RegionPlan | Infeasible:
-        try:
-            return plan_layout(book, region, rate, mix, tp, limits, slo, peak_bw, share)
-        except Infeasible as e:
-            return e
+    def attempt(tp: tuple[int, int], share: Pool | None) -> RegionPlan:
+        return plan_layout(book, region, rate, mix, tp, limits, slo, peak_bw, share)
 
     best: RegionPlan | None = None
     errors: list[str] = []
-    for (tp_p, tp_d), plan in zip(layouts, side_by_side(attempt, layouts, pool), strict=True):
+    plans = side_by_side(attempt, layouts, pool, Infeasible)
+    for (tp_p, tp_d), plan in zip(layouts, plans, strict=True):
         if isinstance(plan, Infeasible):
             errors.append(f"tp={tp_p}/{tp_d}: {plan.message}")
             continue
@@ -311,15 +309,12 @@ def plan_regions(book: ProfileBook, forecast: dict[str, float], mix: LengthMix,
     """:func:`plan_region` for each region's peak rate (at once, with a ``pool``); the
     first infeasible region, in the forecast's order, raises."""
 
-    def attempt(region: str, share: Pool | None) -> RegionPlan | InvalidArgumentError:
-        try:
-            return plan_region(book, region, forecast[region], mix, limits, slo, peak_bw, share)
-        except InvalidArgumentError as e:
-            return e
+    def attempt(region: str, share: Pool | None) -> RegionPlan:
+        return plan_region(book, region, forecast[region], mix, limits, slo, peak_bw, share)
 
     _profiles(book, limits)
     plans = []
-    for plan in side_by_side(attempt, list(forecast), pool):
+    for plan in side_by_side(attempt, list(forecast), pool, InvalidArgumentError):
         if isinstance(plan, InvalidArgumentError):
             raise plan
         plans.append(plan)
@@ -335,15 +330,24 @@ def _profiles(book: ProfileBook, limits: PlanLimits) -> None:
 
 T = TypeVar("T")
 R = TypeVar("R")
+E = TypeVar("E", bound=Exception)
 
 
-def side_by_side(fn: Callable[[T, Pool | None], R], items: Sequence[T],
-                 pool: Pool | None) -> list[R]:  # fmt: skip
-    """``fn(item, share)`` for each item, in order. With a pool, the items run at once,
-    each in a thread that waits on its share of the pool's workers (the simulations
-    run there); without one, one after another in this process."""
+def side_by_side(fn: Callable[[T, Pool | None], R], items: Sequence[T], pool: Pool | None,
+                 caught: type[E]) -> list[R | E]:  # fmt: skip
+    """``fn(item, share)`` for each item, in order, or the ``caught`` error it raised.
+    With a pool, the items run at once, each in a thread that waits on its share of
+    the pool's workers (the simulations run there); without one, one after another
+    in this process."""
+
+    def one(item: T, share: Pool | None) -> R | E:
+        try:
+            return fn(item, share)
+        except caught as e:
+            return e
+
     if pool is None or len(items) < 2:
-        return [fn(item, pool) for item in items]
+        return [one(item, pool) for item in items]
     share = pool.share(len(items))
     with ThreadPoolExecutor(len(items)) as threads:
-        return list(threads.map(lambda item: fn(item, share), items))
+        return list(threads.map(lambda item: one(item, share), items))
