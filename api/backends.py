@@ -103,6 +103,8 @@ class DisaggregatedBackend:
         disaggregation: DisaggregationConfig,
     ) -> None:
         from pdserve.cluster.instances import pair, start_instance
+        from pdserve.core.layout import plan_layout
+        from pdserve.parallel.instance import ensure_ray, rank_needs
         from pdserve.router.pair_client import PairClient
 
         self.tokenizer = tokenizer
@@ -110,6 +112,9 @@ class DisaggregatedBackend:
             ("prefill", prefill),
             ("decode", decode),
         ]
+        # One Ray instance sized for both roles' ranks, started before they start at once.
+        needs = [rank_needs(plan_layout(model, e.parallel).world_size, resources) for _, e in roles]
+        ensure_ray({k: sum(n.get(k, 0.0) for n in needs) for k in ("CPU", "GPU")}, "prefill")
         with ThreadPoolExecutor(2, thread_name_prefix="start") as pool:  # both load at once
             starts = [
                 pool.submit(start_instance, role, model, engine, connector, resources,

@@ -112,6 +112,10 @@ class HealthConfig:
     start_timeout_s: how long starting an instance (room for its ranks, loading
         the model, allocating the KV cache) may take before the start counts as
         failed and is retried.
+    drain_timeout_s: how long an instance leaving its region (scale-down, scale to
+        zero, a version retired by a rollout) may take to finish the requests it
+        holds; past it the router moves them to other instances, as it moves a lost
+        instance's (no token missing or repeated), and the instance stops.
     """
 
     interval_s: float = 1.0
@@ -120,10 +124,11 @@ class HealthConfig:
     retry_backoff_s: float = 1.0
     retry_backoff_max_s: float = 60.0
     start_timeout_s: float = 300.0
+    drain_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         positive = ("interval_s", "ping_timeout_s", "stall_timeout_s", "retry_backoff_s")
-        for name in (*positive, "start_timeout_s"):
+        for name in (*positive, "start_timeout_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"health.{name}", "must be > 0")
         if self.retry_backoff_max_s < self.retry_backoff_s:
@@ -195,22 +200,6 @@ class ClusterConfig:
             for key, amount in self.deployment(spec).needs().items():
                 total[key] += amount
         return total
-
-
-def check_fits(needs: dict[str, float], cluster: dict[str, float]) -> None:
-    """Refuse a layout the cluster's CPUs or GPUs cannot hold (``cluster``: Ray's totals)."""
-    hints = {
-        "CPU": "lower the instance counts or parallel sizes, or num_cpus_per_rank "
-        "(fractional values such as 0.5 share a CPU between ranks)",
-        "GPU": "lower the instance counts, parallel sizes or num_gpus_per_rank, or add GPU nodes",
-    }
-    for key, hint in hints.items():
-        need, have = needs.get(key, 0.0), cluster.get(key, 0.0)
-        if need > have + 1e-9:
-            word = key if need == 1 else f"{key}s"
-            raise InvalidArgumentError(
-                "regions", f"this layout needs {need:g} {word}, the cluster has {have:g}: {hint}"
-            )
 
 
 def load_config(path: str | Path) -> ClusterConfig:

@@ -45,7 +45,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pdserve.cluster.config import ClusterConfig, check_fits
+from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.fleet import Fleet
 from pdserve.cluster.health import HealthChecks
 from pdserve.cluster.instances import Instance, best_effort
@@ -66,6 +66,7 @@ from pdserve.cluster.topology import RegionInstances, launch_router
 from pdserve.cluster.worker import Role
 from pdserve.core.builtin_models import resolve_model
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.layout import check_fits
 from pdserve.core.logs import setup_logging
 from pdserve.core.model_config import ModelConfig
 from pdserve.router.actor import Endpoints

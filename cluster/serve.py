@@ -26,11 +26,12 @@ import ray
 from ray.exceptions import ActorAlreadyExistsError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pdserve.cluster.config import ClusterConfig, check_fits
+from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.connect import CONTROLLER, NAMESPACE, connect
 from pdserve.cluster.controller import Controller
 from pdserve.cluster.proactive import CapacityModel
 from pdserve.core.errors import InstanceFailedError, PdserveError, first_line
+from pdserve.core.layout import check_fits
 from pdserve.router.actor import Endpoints
 
 logger = logging.getLogger(__name__)

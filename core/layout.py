@@ -245,3 +245,20 @@ def slots_per_rank(num_experts: int, redundant: int, ep: int) -> int:
             f"do not split evenly over expert_parallel_size={ep}",
         )
     return (num_experts + redundant) // ep
+
+
+def check_fits(needs: dict[str, float], cluster: dict[str, float], field: str = "regions") -> None:
+    """Refuse a layout the cluster's CPUs or GPUs cannot hold (``cluster``: Ray's totals);
+    the error names ``field``, the option that sized the layout."""
+    hints = {
+        "CPU": "lower the instance counts or parallel sizes, or num_cpus_per_rank "
+        "(fractional values such as 0.5 share a CPU between ranks)",
+        "GPU": "lower the instance counts, parallel sizes or num_gpus_per_rank, or add GPU nodes",
+    }
+    for key, hint in hints.items():
+        need, have = needs.get(key, 0.0), cluster.get(key, 0.0)
+        if need > have + 1e-9:
+            word = key if need == 1 else f"{key}s"
+            raise InvalidArgumentError(
+                field, f"this layout needs {need:g} {word}, the cluster has {have:g}: {hint}"
+            )

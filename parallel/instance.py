@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InstanceFailedError, PdserveError
-from pdserve.core.layout import Layout, plan_layout
+from pdserve.core.layout import Layout, check_fits, plan_layout
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
 from pdserve.parallel.worker import EngineInfo, GenerateItem, RankSpec, RankWorker
@@ -192,20 +193,8 @@ class PhaseClock:
 
 
 def _reserve_ranks(world_size: int, res: RankResources) -> Any:
-    """The ranks' placement group, once placed. Ray starts here if this process has none
-    and no cluster runs to join, with this host's cores or as many CPUs as the ranks
-    ask (they then share the cores: a layout larger than the host still runs, slower)."""
-    need = world_size * res.num_cpus
-    if not ray.is_initialized():
-        cores = os.cpu_count() or 1
-        if need > cores:
-            logger.warning(
-                "%d ranks ask for %g CPUs on %d cores: they share them", world_size, need, cores
-            )
-        try:
-            ray.init(log_to_driver=False, num_cpus=max(cores, math.ceil(need)))
-        except ValueError:  # it joins a running cluster (RAY_ADDRESS, `ray start`): its CPUs
-            ray.init(log_to_driver=False)
+    """The ranks' placement group, once placed (Ray started by :func:`ensure_ray`)."""
+    ensure_ray(rank_needs(world_size, res))
     bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
     pg = _placement_group([bundle] * world_size, res.labels)
     try:
@@ -217,6 +206,40 @@ def _reserve_ranks(world_size: int, res: RankResources) -> Any:
             f"(the Ray cluster has {ray.cluster_resources()})"
         ) from None
     return pg
+
+
+_ray_start = threading.Lock()
+
+
+def rank_needs(world_size: int, res: RankResources) -> dict[str, float]:
+    """The Ray resources ``world_size`` ranks of ``res`` hold together."""
+    needs = {"CPU": world_size * res.num_cpus}
+    if res.num_gpus:
+        needs["GPU"] = world_size * res.num_gpus
+    return needs
+
+
+def ensure_ray(needs: dict[str, float], field: str = "tensor_parallel_size") -> None:
+    """Start Ray for this process if it has none, then refuse ``needs`` its cluster cannot
+    hold (naming ``field``) rather than wait out the placement timeout.
+
+    Ray starts once per process, whichever thread asks first: with this host's cores,
+    or as many CPUs as ``needs`` asks (ranks then share the cores: a layout larger than
+    the host still runs, slower); a process that finds a running cluster (RAY_ADDRESS,
+    ``ray start``) joins it. A caller that starts several instances at once asks first
+    for all of them, so one Ray instance is sized for the lot.
+    """
+    with _ray_start:
+        if not ray.is_initialized():
+            cores = os.cpu_count() or 1
+            need = needs.get("CPU", 0.0)
+            if need > cores:
+                logger.warning("ranks ask for %g CPUs on %d cores: they share them", need, cores)
+            try:
+                ray.init(log_to_driver=False, num_cpus=max(cores, math.ceil(need)))
+            except ValueError:  # it joins a running cluster: its CPUs
+                ray.init(log_to_driver=False)
+    check_fits(needs, ray.cluster_resources(), field)
 
 
 def _placement_group(bundles: list[dict[str, float]], labels: dict[str, str] | None) -> Any:

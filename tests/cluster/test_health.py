@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from pdserve.cluster.config import HealthConfig, check_fits, parse_config
+from pdserve.cluster.config import HealthConfig, parse_config
 from pdserve.core.config import build_engine_config
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.layout import check_fits
 from pdserve.core.model_config import ModelConfig
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.loop import EngineLoop
