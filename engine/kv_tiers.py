@@ -12,7 +12,7 @@ Each tier is a :class:`BlockPool` of slots with its own eviction policy; a slot
 holds one block hash. Writes run on the ranks beside the step's forward (those
 that read a device block the step itself reuses run just before it) and are
 done when the step returns, so between steps the index and the bytes agree. A
-load that fails (a disk file missing or failing its checksum) is a cache miss:
+load that fails (a disk file missing or failing its MAC) is a cache miss:
 the block is recomputed, never used.
 """
 

@@ -5,22 +5,31 @@ rank keeps its own shard of every offloaded block::
 
     host tier   one tensor [slots, layers, 2, block_size, kv_heads, head_dim]
                 (pinned on CUDA), a slot per block
-    disk tier   one file per block hash in a folder of this rank:
-                [4-byte header length][msgpack header][raw bytes]; the header
-                carries the hash, dtype, shape and a blake2b checksum of the bytes
+    disk tier   one file per block hash in a folder of this rank (0600 files in a
+                0700 folder): [4-byte header length][msgpack header][raw bytes];
+                the header carries the hash, dtype, shape and a MAC of them and
+                the bytes (keyed blake2b)
+
+The MAC's key is drawn at random by each rank's store and never leaves its
+process: the folder is this rank's alone (named after its process, removed when
+it closes, and a dead process's folder is removed, never read), so no other
+process needs it. A file that someone with access to the disk writes (planted,
+or a block of another rank or run) fails the MAC like a corrupt one.
 
 Each step the rank first runs the writes that read device blocks the step
 reuses, then the plan's loads (a disk file that is missing, for another hash,
-or fails its checksum is a failed load, reported to the engine as a cache
-miss), then starts the other writes on a background thread while the forward
+or fails its MAC is a failed load, reported to the engine as a cache miss and
+counted in ``failed_loads``), then starts the other writes on a background thread while the forward
 runs, and waits for them before the step returns.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
+import secrets
 import shutil
 import struct
 import threading
@@ -34,6 +43,7 @@ import torch
 
 from pdserve.core.config import CacheConfig
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.private_files import open_private, private_dir
 from pdserve.core.step import TierLoad, TierOps, TierWrite
 
 logger = logging.getLogger(__name__)
@@ -84,6 +94,8 @@ class TierStore:
             _check_host_memory(cache.host_tier_bytes)
         self.io = TierIO()
         self.failed_writes = 0
+        self.failed_checks = 0  # disk files that were unreadable or failed their MAC
+        self._mac_key = secrets.token_bytes(32)  # this process's alone (module docstring)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-tier")
         self._writing: Future[None] | None = None
 
@@ -164,17 +176,15 @@ class TierStore:
 
     def _save(self, block_hash: bytes, block: torch.Tensor) -> None:
         payload = block.contiguous().view(torch.uint8).numpy().tobytes()
-        header = msgpack.packb(
-            {
-                "hash": block_hash,
-                "dtype": str(block.dtype).removeprefix("torch."),
-                "shape": list(block.shape),
-                "blake2b": hashlib.blake2b(payload, digest_size=16).digest(),
-            }
-        )
+        fields = {
+            "hash": block_hash,
+            "dtype": str(block.dtype).removeprefix("torch."),
+            "shape": list(block.shape),
+        }
+        header = msgpack.packb({**fields, "mac": self._mac(fields, payload)})
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
+        with open_private(tmp, "wb") as f:
             f.write(_HEADER.pack(len(header)) + header + payload)
         os.replace(tmp, path)
 
@@ -187,21 +197,32 @@ class TierStore:
             header = msgpack.unpackb(data[_HEADER.size : _HEADER.size + size])
             payload = data[_HEADER.size + size :]
             shape = [kv_cache.shape[0], 2, *kv_cache.shape[3:]]
-            intact = (
-                header["hash"] == block_hash
-                and header["dtype"] == str(kv_cache.dtype).removeprefix("torch.")
-                and header["shape"] == shape
-                and hashlib.blake2b(payload, digest_size=16).digest() == header["blake2b"]
+            fields = {
+                "hash": block_hash,
+                "dtype": str(kv_cache.dtype).removeprefix("torch."),
+                "shape": shape,
+            }
+            intact = all(header[k] == v for k, v in fields.items()) and hmac.compare_digest(
+                header["mac"], self._mac(fields, payload)
             )
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            if not isinstance(e, FileNotFoundError):
+                self.failed_checks += 1
             logger.warning("KV disk block %s unreadable: %s", block_hash.hex(), e)
             return None
         if not intact:
-            logger.warning("KV disk block %s failed its check; recomputing", block_hash.hex())
+            self.failed_checks += 1
+            logger.warning("KV disk block %s failed its MAC; recomputing", block_hash.hex())
             path.unlink(missing_ok=True)
             return None
         flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return flat.view(kv_cache.dtype).view(shape)
+
+    def _mac(self, fields: dict[str, object], payload: bytes) -> bytes:
+        """The keyed hash of a block's header fields and bytes."""
+        mac = hashlib.blake2b(msgpack.packb(fields), key=self._mac_key, digest_size=32)
+        mac.update(payload)
+        return mac.digest()
 
     def num_files(self) -> int:
         return 0 if self.folder is None else sum(1 for _ in self.folder.glob("*.kv"))
@@ -230,8 +251,8 @@ def _rank_folder(root: Path, budget: int, rank: str) -> Path:
         )
     _remove_stale(root)
     folder = root / f"{_DIR_PREFIX}{os.getpid()}-{rank}-{uuid.uuid4().hex[:8]}"
-    folder.mkdir()
-    return folder
+    folder.mkdir(mode=0o700)
+    return private_dir(folder)  # 0700 whatever the umask
 
 
 def _remove_stale(root: Path) -> None:
