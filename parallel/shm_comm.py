@@ -35,7 +35,8 @@ patient, once a rank gave the group up (:meth:`ShmCommunicator.abort`).
 
 Set-up (:func:`open_group_shm`, collective over the group's gloo channel):
 every rank gathers a host key (hostname, boot id, pid namespace); if all keys
-match, the group's first rank creates the segment file and broadcasts its path,
+match, the group's first rank creates the segment file (0600: only the user the
+ranks run as may map it) and broadcasts its path,
 the others map it, and all agree (a gloo MIN) that every rank attached. Then the
 creator unlinks the file: the memory lives exactly as long as some rank maps
 it, so nothing is left behind when a rank is killed.
@@ -135,10 +136,17 @@ class ShmCommunicator:
 
     @classmethod
     def create(cls, path: str, world: int, slot_bytes: int, timeout_s: float) -> ShmCommunicator:
-        """Create the segment file (zeroed, sparse) and map it as rank 0."""
+        """Create the segment file (zeroed, sparse; 0600 from its first moment, so no
+        process of another user opens it before its name is published) and map it as
+        rank 0."""
         slot_bytes -= slot_bytes % LINE
-        with open(path, "xb") as f:
-            f.truncate(segment_bytes(world, slot_bytes))
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            os.ftruncate(fd, segment_bytes(world, slot_bytes))
+        finally:
+            os.close(fd)
         return cls(path, 0, world, slot_bytes, timeout_s)
 
     # -- collectives -------------------------------------------------------------

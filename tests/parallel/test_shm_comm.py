@@ -165,3 +165,28 @@ def test_the_switch_is_read_where_the_spec_is_built(monkeypatch) -> None:
     assert RankSpec(**fields).shm_collectives is False  # type: ignore[arg-type]
     monkeypatch.delenv("PDSERVE_SHM_COLLECTIVES")
     assert RankSpec(**fields).shm_collectives is True  # type: ignore[arg-type]
+
+
+def test_segment_is_private_from_its_creation(monkeypatch) -> None:
+    """0600 before any peer attaches, whatever the umask: a process of another user that
+    opened it during set-up would read every later all-reduce."""
+    seen: list[int] = []
+    mapped = ShmCommunicator.__init__
+
+    def watch(self, path, *args, **kwargs):  # the mode when the creator first maps it
+        seen.append(os.stat(path).st_mode & 0o777)
+        mapped(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(ShmCommunicator, "__init__", watch)
+    path = shm_comm.SHM_DIR / f"pdserve-coll-{os.getpid()}-{os.urandom(6).hex()}"
+    old = os.umask(0o022)
+    try:
+        comm = ShmCommunicator.create(str(path), 2, SLOT_BYTES, timeout_s=1.0)
+    finally:
+        os.umask(old)
+    try:
+        assert seen == [0o600]
+        assert os.stat(path).st_mode & 0o777 == 0o600
+    finally:
+        comm.close()
+        path.unlink(missing_ok=True)
