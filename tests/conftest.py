@@ -22,6 +22,8 @@ def starts_a_cluster(item: pytest.Item) -> bool:
 def pytest_itemcollected(item: pytest.Item) -> None:
     if starts_a_cluster(item):
         item.add_marker(pytest.mark.cluster)
+    if item.path.name == "test_readme.py":
+        item.add_marker(pytest.mark.readme)
 
 
 @pytest.fixture(scope="session")
