@@ -20,7 +20,9 @@ ROUTER_KEYS: dict[str, type] = {
     "stream_idle_timeout_s": float, "max_body_bytes": int, "on_transfer_failure": str,
     "peer_prefill": bool, "peer_prefill_min_tokens": int, "peer_kv_s_per_token": float,
     "cold_start_queue": int, "cold_start_timeout_s": float, "batch_dir": str,
-    "batch_quota_mb": int,
+    "batch_quota_mb": int, "batch_max_file_lines": int, "batch_max_file_mb": int,
+    "batch_max_line_kb": int, "batch_max_files": int, "batch_max_running": int,
+    "max_restarts": int,
 }  # fmt: skip
 SERVER_KEYS = {"host", "grpc_port", "http_port", "metrics_port", "tls"}
 AUTH_KEYS = {"api_keys", "disabled"}

@@ -44,7 +44,12 @@ def launch_router(
     # no ``remote``), so actor handles are held as Any.
     actor: Any = (
         ray.remote(RouterActor)
-        .options(num_cpus=0, max_concurrency=1000, **(resources or {}))
+        .options(
+            num_cpus=0,
+            max_concurrency=1000,
+            max_restarts=config.max_restarts,  # it starts its servers again (RouterActor)
+            **(resources or {}),
+        )
         .remote(config, model_path)
     )
     return actor, actor.start.remote()

@@ -21,6 +21,7 @@ from pdserve.core.snapshot import ClusterSnapshot
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontdoor.auth import ApiKeys
+from pdserve.router.frontdoor.batches import front_door_url
 from pdserve.router.frontdoor.grpc_service import start_grpc
 from pdserve.router.frontdoor.http_api import HttpApi, start_http
 from pdserve.router.models import ServedVersion, VersionHealth
@@ -71,6 +72,11 @@ class RouterActor:
         self.router: Router | None = None
         self._servers: list[Any] = []
         self._sampler: asyncio.Future[None] | None = None
+        self._resuming: asyncio.Future[None] | None = None  # batches resumed at start-up
+        self._restarted: asyncio.Future[Endpoints] | None = None
+        if _reconstructed():  # Ray restarted this actor after it died: serve again
+            logger.warning("the router restarted: listening again, resuming its batches")
+            self._restarted = asyncio.ensure_future(self.start())
 
     async def start(self) -> Endpoints:
         import ray
@@ -85,10 +91,9 @@ class RouterActor:
         api = HttpApi(self.router, self.keys, self.config.max_body_bytes, batch_folder(self.config))
         http_runner, http_port = await start_http(api, self.config.host, self.config.http_port, tls)
         if api.batches is not None:
-            host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
-            scheme = "http" if tls is None else "https"
+            url = front_door_url("http" if tls is None else "https", self.config.host, http_port)
             client_certs = tls is not None and bool(tls.client_ca)
-            api.batches.listening(f"{scheme}://{host}:{http_port}", tls is not None, client_certs)
+            self._resuming = api.batches.listening(url, tls is not None, client_certs)
         self._servers = [grpc_server, http_runner]
         self._sampler = asyncio.ensure_future(self._sample_every(1.0))
         logger.info(
@@ -262,6 +267,13 @@ def _percentiles(values: Any) -> dict[str, float]:
         q: round(data[min(len(data) - 1, int(p * len(data)))] * 1e6, 1)
         for q, p in (("p50", 0.5), ("p99", 0.99))
     }
+
+
+def _reconstructed() -> bool:
+    """Whether Ray restarted this actor (``max_restarts``) rather than created it."""
+    import ray
+
+    return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def _self_handle() -> Any:

@@ -94,6 +94,14 @@ class RouterConfig:
     batch_dir: where ``POST /v1/files`` and ``/v1/batches`` keep files and batch
         records (default ``~/.cache/pdserve/batches``).
     batch_quota_mb: most MiB one API key's batch files (uploads and outputs) may hold.
+    batch_max_file_lines: most request lines one uploaded batch file may have
+        (OpenAI's limit: 50,000).
+    batch_max_file_mb: most MiB one uploaded batch file may hold (OpenAI's: 200).
+    batch_max_line_kb: most KiB one line of an uploaded batch file may hold.
+    batch_max_files: most files (uploads and batch outputs) one API key may keep.
+    batch_max_running: most batches one API key may have running at once.
+    max_restarts: times Ray restarts the router actor after it dies (a restarted
+        router listens again and resumes its batches; -1: always).
     """
 
     model_name: str = "pdserve"
@@ -132,6 +140,12 @@ class RouterConfig:
     cold_start_timeout_s: float = 60.0
     batch_dir: str | None = None
     batch_quota_mb: int = 4096
+    batch_max_file_lines: int = 50_000
+    batch_max_file_mb: int = 200
+    batch_max_line_kb: int = 8192
+    batch_max_files: int = 1000
+    batch_max_running: int = 8
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -179,6 +193,17 @@ class RouterConfig:
             raise InvalidArgumentError("router.max_body_bytes", "must be >= 1024")
         if self.batch_quota_mb < 0:
             raise InvalidArgumentError("router.batch_quota_mb", "must be >= 0")
+        for name in (
+            "batch_max_file_lines",
+            "batch_max_file_mb",
+            "batch_max_line_kb",
+            "batch_max_files",
+            "batch_max_running",
+        ):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"router.{name}", "must be >= 1")
+        if self.max_restarts < -1:
+            raise InvalidArgumentError("router.max_restarts", "must be >= -1 (-1: always)")
 
     @property
     def home_region(self) -> str:

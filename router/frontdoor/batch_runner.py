@@ -31,15 +31,18 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from tqdm import tqdm
 
 from pdserve.core.errors import ConflictError
+
+if TYPE_CHECKING:
+    from pdserve.router.frontdoor.batch_store import OutputBudget
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 RETRY_STATUSES = (429, 503)
@@ -68,28 +71,65 @@ class BatchSummary:
 
 
 def parse_input(path: Path) -> tuple[list[BatchLine], list[dict[str, Any]]]:
-    """The valid lines to send, and an output record for every line that is not."""
+    """The valid lines to send, and an output record for every line that is not
+    (the whole file in memory: the runner itself reads it with :class:`LineSource`)."""
     good: list[BatchLine] = []
     bad: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            parsed = _parse_line(n, text, seen)
-            if isinstance(parsed, BatchLine):
-                seen.add(parsed.custom_id)
-                good.append(parsed)
-            else:
-                bad.append(parsed)
+    with LineSource(path) as source:
+        while chunk := source.take(1024):
+            for item in chunk:
+                (good if isinstance(item, BatchLine) else bad).append(item)  # type: ignore[arg-type]
     return good, bad
 
 
-def _parse_line(n: int, text: str, seen: set[str]) -> BatchLine | dict[str, Any]:
+class LineSource:
+    """An input file read a chunk of lines at a time (call :meth:`take` off the event
+    loop): a :class:`BatchLine` or an error record for each line that is not blank."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
+        self._number = 0
+        self._seen: set[str] = set()
+
+    def take(self, count: int) -> list[BatchLine | dict[str, Any]]:
+        out: list[BatchLine | dict[str, Any]] = []
+        while len(out) < count and (text := self._file.readline()):
+            self._number += 1
+            if not text.strip():
+                continue
+            parsed = parse_line(self._number, text, self._seen)
+            if isinstance(parsed, BatchLine):
+                self._seen.add(parsed.custom_id)
+            out.append(parsed)
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> LineSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def count_lines(path: Path) -> int:
+    """Lines that are not blank (run off the event loop)."""
+    with open(path, "rb") as f:
+        return sum(1 for text in f if text.strip())
+
+
+def parse_line(
+    n: int, text: str, seen: set[str], require_method: bool = False
+) -> BatchLine | dict[str, Any]:
+    """Line ``n`` as a request, or an error record saying what is wrong with it
+    (``require_method``: a line without ``method`` is wrong too, as in an upload)."""
     try:
         item = json.loads(text)
     except ValueError as e:
         return error_record(n, None, "invalid_json", f"line {n} is not JSON: {e}")
+    except RecursionError:
+        return error_record(n, None, "invalid_json", f"line {n} is JSON nested too deeply")
     if not isinstance(item, dict):
         return error_record(n, None, "invalid_request", f"line {n} is not a JSON object")
     cid = item.get("custom_id")
@@ -97,8 +137,12 @@ def _parse_line(n: int, text: str, seen: set[str]) -> BatchLine | dict[str, Any]
         return error_record(n, None, "invalid_request", "custom_id: must be a non-empty string")
     if cid in seen:
         return error_record(n, cid, "duplicate_custom_id", f"custom_id {cid!r} repeats a line")
-    if item.get("method", "POST") != "POST" or item.get("url") not in URLS:
-        message = f"url: must be POST to one of {URLS}, got {item.get('url')!r}"
+    method = item.get("method", None if require_method else "POST")
+    if method != "POST" or item.get("url") not in URLS:
+        message = (
+            f"method and url: must be POST to one of {URLS}, "
+            f"got {str(method)[:16]!r} {str(item.get('url'))[:64]!r}"
+        )
         return error_record(n, cid, "invalid_url", message)
     if not isinstance(item.get("body"), dict):
         return error_record(n, cid, "invalid_request", "body: must be a JSON object")
@@ -120,41 +164,51 @@ def finished_lines(output: Path) -> set[int]:
     return {line for line, _, final in _records(output) if final}
 
 
-def settle_output(output: Path) -> tuple[set[int], int]:
-    """(finished lines, records dropped): the records of lines the server never ran
-    (unreachable, or refused for load past the retry window) leave the file, which is
-    rewritten whole (a crash leaves the old file or the new, never half of one)."""
-    records = _records(output)
-    stale = sum(1 for _, _, final in records if not final)
+def settle_output(output: Path) -> tuple[set[int], int, int]:
+    """(finished lines, records dropped, bytes dropped): the records of lines the server
+    never ran (unreachable, or refused for load past the retry window) leave the file,
+    which is then rewritten whole (a crash leaves the old file or the new, never half of
+    one). Reads the file as a stream; run it off the event loop."""
+    done: set[int] = set()
+    stale = stale_bytes = 0
+    for line, text, final in _records(output):
+        if final:
+            done.add(line)
+        else:
+            stale += 1
+            stale_bytes += len(text.encode())
     if stale:
         tmp = output.with_name(output.name + ".settling")
-        tmp.write_text("".join(text for _, text, final in records if final), encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(text for _, text, final in _records(output) if final)
         os.replace(tmp, output)
-    return {line for line, _, final in records if final}, stale
+    return done, stale, stale_bytes
 
 
-def _records(output: Path) -> list[tuple[int, str, bool]]:
-    """(input line, text, final) of each whole record in the output file."""
+def _records(output: Path) -> Iterator[tuple[int, str, bool]]:
+    """(input line, text, final) of each whole record in the output file, as read."""
     if not output.exists():
-        return []
-    out = []
-    with open(output, encoding="utf-8") as f:
+        return
+    with open(output, encoding="utf-8", errors="replace") as f:
         for text in f:
             try:
                 record = json.loads(text)
                 line = int(record["line"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 continue  # a line cut short by an interruption: run it again
             error = record.get("error")
             code = error.get("code") if isinstance(error, dict) else None
-            out.append(
-                (line, text if text.endswith("\n") else text + "\n", code not in RETRY_CODES)
-            )
-    return out
+            yield line, text if text.endswith("\n") else text + "\n", code not in RETRY_CODES
 
 
 class BatchRunner:
-    """Sends the lines with bounded concurrency and appends each result as it ends."""
+    """Sends the lines with bounded concurrency and appends each result as it ends.
+
+    The input is read a chunk of lines at a time and every file operation runs in a
+    worker thread, so neither a large input nor a slow disk holds the event loop;
+    memory is the chunk, the requests in flight and the set of finished line numbers."""
+
+    CHUNK_LINES = 256  # input lines read per trip to a worker thread
 
     def __init__(
         self,
@@ -165,12 +219,12 @@ class BatchRunner:
         retry_for_s: float = 600.0,
         timeout_s: float = 600.0,
         verify_tls: bool = True,
-        room: Callable[[int], bool] | None = None,
+        budget: OutputBudget | None = None,
     ) -> None:
-        """``room``, where the output's size is limited (the front door's batches): called
-        with each record's bytes as it is written, False once the limit is reached; no
-        further line is then sent, and :meth:`run` raises ConflictError after the
-        requests in flight are written (the lines not sent have no record)."""
+        """``budget``, where the output's size is limited (the front door's batches): each
+        record's bytes are reserved there before it is written; once one does not fit,
+        nothing more is written nor sent, and :meth:`run` raises ConflictError after the
+        requests in flight end (the lines not written have no record)."""
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = concurrency
@@ -179,39 +233,86 @@ class BatchRunner:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.verify_tls = verify_tls  # False: a front door running its own batch over TLS
         self.summary = BatchSummary()
-        self.room = room
+        self.budget = budget
         self.full = False  # the output reached its limit
+        self._writing = asyncio.Lock()  # one write at a time, in a worker thread
 
     async def run(self, input_path: Path, output: Path, progress: bool = True) -> BatchSummary:
-        good, bad = parse_input(input_path)
-        done, self.summary.resent = settle_output(output)
-        todo_bad = [r for r in bad if r["line"] not in done]
-        todo = [line for line in good if line.line not in done]
-        self.summary.lines = len(good) + len(bad)
-        self.summary.skipped = self.summary.lines - len(todo) - len(todo_bad)
-        bar = tqdm(total=self.summary.lines, initial=self.summary.skipped, disable=not progress)
-        _end_last_line(output)
-        with open(output, "a", encoding="utf-8") as out:
-            for record in todo_bad:
-                self._write(out, record, bar)
-            gate = asyncio.Semaphore(self.concurrency)
-            connector = aiohttp.TCPConnector(ssl=self.verify_tls)
-            async with aiohttp.ClientSession(timeout=self.timeout, connector=connector) as session:
-
-                async def one(line: BatchLine) -> None:
-                    async with gate:
-                        if not self.full:
-                            self._write(out, await self._send(session, line), bar)
-
-                await asyncio.gather(*(one(line) for line in todo))
-        bar.close()
+        done, self.summary.resent, dropped = await asyncio.to_thread(settle_output, output)
+        if self.budget is not None and dropped:
+            self.budget.release(dropped)
+        self.summary.lines = await asyncio.to_thread(count_lines, input_path)
+        bar = tqdm(total=self.summary.lines, disable=not progress)
+        await asyncio.to_thread(_end_last_line, output)
+        source = await asyncio.to_thread(LineSource, input_path)
+        out = await asyncio.to_thread(open, output, "ab")
+        try:
+            await self._send_all(source, done, out, bar)
+        finally:
+            await asyncio.to_thread(out.close)
+            await asyncio.to_thread(source.close)
+            bar.close()
         if self.full:
             unsent = self.summary.lines - self.summary.skipped
             unsent -= self.summary.succeeded + self.summary.failed
             raise ConflictError("output", f"reached its size limit; {unsent} lines not sent")
         return self.summary
 
-    def _write(self, out: Any, record: dict[str, Any], bar: tqdm) -> None:
+    async def _send_all(self, source: LineSource, done: set[int], out: Any, bar: tqdm) -> None:
+        gate = asyncio.Semaphore(self.concurrency)
+        flying: set[asyncio.Task[None]] = set()
+        connector = aiohttp.TCPConnector(ssl=self.verify_tls)
+        async with aiohttp.ClientSession(timeout=self.timeout, connector=connector) as session:
+
+            async def one(line: BatchLine) -> None:
+                try:
+                    record = await self._send(session, line)
+                    await self._write(out, [record], bar)
+                finally:
+                    gate.release()
+
+            try:
+                while not self.full and (
+                    chunk := await asyncio.to_thread(source.take, self.CHUNK_LINES)
+                ):
+                    todo = [item for item in chunk if _line_of(item) not in done]
+                    self.summary.skipped += len(chunk) - len(todo)
+                    bar.update(len(chunk) - len(todo))
+                    await self._write(out, [r for r in todo if isinstance(r, dict)], bar)
+                    for line in todo:
+                        if not isinstance(line, BatchLine):
+                            continue
+                        await gate.acquire()
+                        if self.full:
+                            gate.release()
+                            break
+                        task = asyncio.ensure_future(one(line))
+                        flying.add(task)
+                        task.add_done_callback(flying.discard)
+                if flying:
+                    await asyncio.gather(*flying)
+            finally:
+                for task in flying:
+                    task.cancel()
+
+    async def _write(self, out: Any, records: list[dict[str, Any]], bar: tqdm) -> None:
+        """Append ``records`` whose bytes the budget has room for; at the first that does
+        not fit, stop (``full``): it and those after it are not written nor counted."""
+        data = []
+        for record in records:
+            text = (json.dumps(record) + "\n").encode()
+            if self.full or (self.budget is not None and not self.budget.reserve(len(text))):
+                self.full = True
+                break
+            data.append(text)
+            self._count(record)
+        if not data:
+            return
+        async with self._writing:
+            await asyncio.to_thread(_append, out, b"".join(data))
+        bar.update(len(data))
+
+    def _count(self, record: dict[str, Any]) -> None:
         response = record["response"]
         ok = record["error"] is None and response is not None and response["status_code"] < 300
         if ok:
@@ -220,12 +321,6 @@ class BatchRunner:
             self.summary.failed += 1
             code = record["error"]["code"] if record["error"] else "unknown"
             self.summary.errors[code] = self.summary.errors.get(code, 0) + 1
-        text = json.dumps(record) + "\n"
-        out.write(text)
-        out.flush()
-        bar.update(1)
-        if self.room is not None and not self.room(len(text.encode())):
-            self.full = True
 
     async def _send(self, session: aiohttp.ClientSession, line: BatchLine) -> dict[str, Any]:
         body = {**line.body, "stream": False}
@@ -247,6 +342,15 @@ class BatchRunner:
                 await asyncio.sleep(retry_after)
                 continue
             return _record(line, status, payload)
+
+
+def _line_of(item: BatchLine | dict[str, Any]) -> int:
+    return item.line if isinstance(item, BatchLine) else int(item["line"])
+
+
+def _append(out: Any, data: bytes) -> None:
+    out.write(data)
+    out.flush()
 
 
 def _end_last_line(path: Path) -> None:

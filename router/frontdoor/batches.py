@@ -32,6 +32,7 @@ running batch whose output reaches it sends no more lines and ends ``failed``
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import hashlib
 import json
@@ -39,7 +40,6 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,26 +53,41 @@ from pdserve.core.errors import (
 )
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batch_runner import URLS, BatchRunner
+from pdserve.router.frontdoor.batch_store import BatchLimits, KeyIndex, KeyLedger
+from pdserve.router.frontdoor.batch_upload import UploadCheck
 
 logger = logging.getLogger(__name__)
 
-MAX_FILE_BYTES = 256 << 20
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # file-<hex>, batch_<hex>
+UPLOAD_SLICE = 1 << 20  # bytes of an upload checked and written per trip to a worker thread
+MAX_RESUMES = 3  # start-ups a batch may be resumed at; the next finds it failed instead
+
+
+def front_door_url(scheme: str, host: str, port: int) -> str:
+    """The URL a front door's own batches reach it at (a wildcard host: loopback;
+    an IPv6 address in brackets)."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
 
 
 class BatchJobs:
-    def __init__(self, folder: Path, keys: ApiKeys, quota_bytes: int = 4096 << 20) -> None:
+    def __init__(self, folder: Path, keys: ApiKeys, limits: BatchLimits | None = None) -> None:
         self.folder = folder
         self.keys = keys
-        self.quota_bytes = quota_bytes
-        self.uploading: dict[str, int] = {}  # owner -> bytes of its uploads under way
-        self.stored: dict[str, int] = {}  # owner -> bytes of its files, read from disk once
+        self.limits = limits or BatchLimits()
+        self.ledgers: dict[str, KeyLedger] = {}  # owner -> its bytes, read from disk once
+        self.uploads: dict[str, int] = {}  # owner -> its uploads under way
         self.base_url = ""  # this front door, set once it listens
         self.verify_tls = True
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.runners: dict[str, BatchRunner] = {}
+        self.running: dict[str, dict[str, Any]] = {}  # batch id -> its record, while it runs
         (folder / "files").mkdir(parents=True, exist_ok=True)
         (folder / "batches").mkdir(parents=True, exist_ok=True)
+        if not (folder / "owners").is_dir():  # records written before there were indexes
+            _index_all(folder)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload)
@@ -85,15 +100,40 @@ class BatchJobs:
         app.router.add_get("/v1/batches/{id}", self.get)
         app.router.add_post("/v1/batches/{id}/cancel", self.cancel)
 
-    def listening(self, base_url: str, tls: bool, mutual_tls: bool) -> None:
-        """The front door listens at ``base_url``: batches may run (resumed ones first)."""
+    def listening(self, base_url: str, tls: bool, mutual_tls: bool) -> asyncio.Task[None]:
+        """The front door listens at ``base_url``: batches may run, those that were running
+        when the router stopped first (resumed in a task: a batch that cannot be is marked
+        failed with the reason; nothing here can stop the router starting)."""
         self.base_url = "" if mutual_tls else base_url  # no client certificate of its own
         self.verify_tls = not tls
-        for record in sorted(self.folder.glob("batches/*.json")):
-            batch = json.loads(record.read_text())
-            if batch["status"] in ("validating", "in_progress") and self.base_url:
-                logger.info("resuming batch %s", batch["id"])
-                self._start(batch, self._key_for(batch["owner"]))
+        return asyncio.ensure_future(self._resume_all())
+
+    async def _resume_all(self) -> None:
+        if not self.base_url:
+            return
+        records = await asyncio.to_thread(_running_records, self.folder)
+        for record in records:
+            try:
+                self._resume(record)
+            except Exception as e:  # a record this router cannot run: say so, go on
+                logger.exception("batch record %s could not be resumed", record.name)
+                with contextlib.suppress(Exception):
+                    batch = json.loads(record.read_text())
+                    self._fail(batch, "resume", f"could not be resumed at start-up: {e!r}")
+
+    def _resume(self, record: Path) -> None:
+        batch = json.loads(record.read_text())
+        for field in ("id", "owner", "input_file_id", "output_file_id"):
+            if not isinstance(batch.get(field), str):
+                raise ValueError(f"the record has no {field}")
+        batch["resumes"] = int(batch.get("resumes", 0)) + 1
+        if batch["resumes"] > MAX_RESUMES:  # the router stopped each time it ran: not again
+            why = f"the router stopped {MAX_RESUMES} times while it ran; not resumed again"
+            self._fail(batch, "resume", why)
+            return
+        self._save(batch)  # counted before it runs: a crash while it runs still counts
+        logger.info("resuming batch %s", batch["id"])
+        self._start(batch, self._key_for(batch["owner"]))
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -101,16 +141,18 @@ class BatchJobs:
         owner = self._owner(request)
         if not request.content_type.startswith("multipart/"):
             raise InvalidArgumentError("file", "upload a multipart form with purpose and file")
+        self._check_file_count(owner, 1)
         file_id, purpose, name, size = f"file-{uuid.uuid4().hex}", None, "", 0
         path = self.folder / "files" / f"{file_id}.jsonl"
+        self.uploads[owner] = self.uploads.get(owner, 0) + 1
         try:
             reader = await request.multipart()
             while (part := await reader.next()) is not None:
                 if not isinstance(part, BodyPartReader):
                     continue
                 if part.name == "purpose":
-                    purpose = (await part.text()).strip()
-                elif part.name == "file":
+                    purpose = (await part.read_chunk(1024)).decode(errors="replace").strip()
+                elif part.name == "file" and not size:
                     name, size = (
                         part.filename or "upload.jsonl",
                         await self._receive(part, path, owner),
@@ -120,76 +162,117 @@ class BatchJobs:
             if not size:
                 raise InvalidArgumentError("file", "missing or empty")
         except BaseException:  # refused, or the client went away mid-upload: keep nothing
-            path.unlink(missing_ok=True)
+            await asyncio.to_thread(path.unlink, True)
+            self._ledger(owner).release(size)
             raise
-        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
-                "filename": name, "purpose": "batch", "owner": owner}  # fmt: skip
-        _write(self.folder / "files" / f"{file_id}.json", meta)
-        self.stored[owner] = self._stored(owner) + size
+        finally:
+            self.uploads[owner] -= 1
+        meta = {
+            "id": file_id,
+            "object": "file",
+            "bytes": size,
+            "created_at": int(time.time()),
+            "filename": name[:256],
+            "purpose": "batch",
+            "owner": owner,
+        }
+        await asyncio.to_thread(self._add_file, meta)
         return web.json_response(_public(meta))
 
     async def _receive(self, part: BodyPartReader, path: Path, owner: str) -> int:
-        """Write an upload's bytes; over the file limit or the key's quota: refused."""
-        room = self.quota_bytes - self._stored(owner) - self.uploading.get(owner, 0)
-        size = 0
+        """Check and write an upload's bytes, each reserved in the key's ledger before it is
+        written: over a limit, its quota, or at a bad line: refused (the caller releases)."""
+        check = UploadCheck(self.limits.max_file_lines, self.limits.max_line_bytes)
+        ledger, size, pending = self._ledger(owner), 0, bytearray()
+        out = await asyncio.to_thread(open, path, "wb")
         try:
-            with open(path, "wb") as f:
-                while chunk := await part.read_chunk():
-                    size += len(chunk)
-                    self.uploading[owner] = self.uploading.get(owner, 0) + len(chunk)
-                    if size > MAX_FILE_BYTES:
-                        raise InvalidArgumentError(
-                            "file", f"larger than {MAX_FILE_BYTES >> 20} MiB"
-                        )
-                    if size > room:
-                        raise InvalidArgumentError("file", self._over_quota("would hold"))
-                    f.write(chunk)
+            while chunk := await part.read_chunk(1 << 16):
+                if size + len(chunk) > self.limits.max_file_bytes:
+                    raise InvalidArgumentError("file", self._too_big())
+                if not ledger.reserve(len(chunk)):
+                    raise InvalidArgumentError("file", self._over_quota("would hold"))
+                size += len(chunk)
+                pending += chunk
+                if len(pending) >= UPLOAD_SLICE:
+                    await asyncio.to_thread(_check_and_write, check, out, bytes(pending))
+                    pending.clear()
+            await asyncio.to_thread(_check_and_write, check, out, bytes(pending))
+            await asyncio.to_thread(check.end)
+        except BaseException:
+            ledger.release(size)
+            raise
         finally:
-            left = self.uploading.pop(owner, 0) - size
-            if left > 0:
-                self.uploading[owner] = left
+            await asyncio.to_thread(out.close)
         return size
 
-    def _stored(self, owner: str) -> int:
-        """Bytes of ``owner``'s files (uploads and batch outputs, running ones included):
-        read from disk when first asked, then kept up to date as files are written."""
-        if owner not in self.stored:
+    def _add_file(self, meta: dict[str, Any]) -> None:
+        _write(self.folder / "files" / f"{meta['id']}.json", meta)
+        self._index(meta["owner"]).add(meta["id"])
+
+    def _ledger(self, owner: str) -> KeyLedger:
+        """``owner``'s ledger: the bytes of its files (uploads and batch outputs, running
+        ones included), read from disk when first asked, then kept by reservations."""
+        if owner not in self.ledgers:
             files = self.folder / "files"
-            sizes = ((files / f"{m['id']}.jsonl") for m in self._metas(owner))
-            self.stored[owner] = sum(p.stat().st_size for p in sizes if p.is_file())
-        return self.stored[owner]
+            paths = (files / f"{i}.jsonl" for i in self._index(owner).ids("file-"))
+            used = sum(p.stat().st_size for p in paths if p.is_file())
+            self.ledgers[owner] = KeyLedger(self.limits.quota_bytes, used)
+        return self.ledgers[owner]
+
+    def _index(self, owner: str) -> KeyIndex:
+        return KeyIndex(self.folder / "owners" / owner)
+
+    def _check_file_count(self, owner: str, more: int) -> None:
+        count = len(self._index(owner).ids("file-")) + self.uploads.get(owner, 0)
+        if count + more > self.limits.max_files:
+            raise ConflictError(
+                "router.batch_max_files",
+                f"this key keeps {count} files, at most {self.limits.max_files} "
+                "(router.batch_max_files): delete some with DELETE /v1/files/{id}",
+            )
+
+    def _too_big(self) -> str:
+        return f"larger than {self.limits.max_file_bytes >> 20} MiB (router.batch_max_file_mb)"
 
     def _over_quota(self, verb: str) -> str:
         return (
-            f"this key's files {verb} over {self.quota_bytes >> 20} MiB "
+            f"this key's files {verb} over {self.limits.quota_bytes >> 20} MiB "
             "(router.batch_quota_mb): delete some with DELETE /v1/files/{id}"
         )
 
-    def _metas(self, owner: str) -> Iterator[dict[str, Any]]:
-        """The records of ``owner``'s files."""
-        for path in self.folder.glob("files/*.json"):
-            meta = json.loads(path.read_text())
-            if meta["owner"] == owner:
-                yield meta
+    def _metas(self, owner: str) -> list[dict[str, Any]]:
+        """The records of ``owner``'s files (its index, then those records only)."""
+        files = self.folder / "files"
+        metas = []
+        for file_id in self._index(owner).ids("file-"):
+            with contextlib.suppress(OSError, ValueError):
+                metas.append(json.loads((files / f"{file_id}.json").read_text()))
+        return metas
 
     async def delete(self, request: web.Request) -> web.Response:
         meta = self._file(request.match_info["id"], request)
-        for record in self.folder.glob("batches/*.json"):
-            batch = json.loads(record.read_text())
-            uses = meta["id"] in (batch["input_file_id"], batch["output_file_id"])
-            if uses and batch["status"] in ("validating", "in_progress"):
+        for batch in self.running.values():
+            if meta["id"] in (batch["input_file_id"], batch["output_file_id"]):
                 raise ConflictError(
                     "file_id", f"batch {batch['id']} is running on it: cancel it first"
                 )
-        for suffix in (".jsonl", ".json"):
-            (self.folder / "files" / f"{meta['id']}{suffix}").unlink(missing_ok=True)
-        self.stored.pop(meta["owner"], None)  # read again from disk when next needed
+        freed = await asyncio.to_thread(self._remove_file, meta)
+        self._ledger(meta["owner"]).release(freed)
         return web.json_response({"id": meta["id"], "object": "file", "deleted": True})
+
+    def _remove_file(self, meta: dict[str, Any]) -> int:
+        """Remove a file's bytes, record and index entry; the bytes it held."""
+        data = self.folder / "files" / f"{meta['id']}.jsonl"
+        size = data.stat().st_size if data.is_file() else 0
+        data.unlink(missing_ok=True)
+        (self.folder / "files" / f"{meta['id']}.json").unlink(missing_ok=True)
+        self._index(meta["owner"]).remove(meta["id"])
+        return size
 
     async def files(self, request: web.Request) -> web.Response:
         owner = self._owner(request)
-        data = sorted((_public(m) for m in self._metas(owner)),
-                      key=lambda m: (m["created_at"], m["id"]))  # fmt: skip
+        metas = await asyncio.to_thread(self._metas, owner)
+        data = sorted((_public(m) for m in metas), key=lambda m: (m["created_at"], m["id"]))
         return web.json_response({"object": "list", "data": data})
 
     async def file(self, request: web.Request) -> web.Response:
@@ -216,32 +299,70 @@ class BatchJobs:
         if body.get("endpoint") not in URLS:
             raise InvalidArgumentError("endpoint", f"must be one of {URLS}")
         source = self._file(str(body.get("input_file_id")), request, "input_file_id")
-        if self._stored(owner) >= self.quota_bytes:
+        if source.get("purpose") != "batch":
+            raise InvalidArgumentError("input_file_id", "must be an uploaded file (purpose batch)")
+        running = sum(1 for b in self.running.values() if b["owner"] == owner)
+        if running >= self.limits.max_running:
+            raise ConflictError(
+                "router.batch_max_running",
+                f"this key runs {running} batches, at most {self.limits.max_running} "
+                "(router.batch_max_running): wait for one to end or cancel one",
+            )
+        self._check_file_count(owner, 1)  # its output file
+        if self._ledger(owner).full():
             raise ConflictError("input_file_id", self._over_quota("hold"))
         batch_id, out_id = f"batch_{uuid.uuid4().hex}", f"file-{uuid.uuid4().hex}"
         meta = {**_output_meta(out_id, batch_id), "owner": owner}
-        _write(self.folder / "files" / f"{out_id}.json", meta)
-        (self.folder / "files" / f"{out_id}.jsonl").touch()
-        batch = {"id": batch_id, "object": "batch", "endpoint": body["endpoint"], "errors": None,
-                 "input_file_id": source["id"], "completion_window": str(body.get("completion_window", "24h")),
-                 "status": "in_progress", "output_file_id": out_id, "error_file_id": None,
-                 "created_at": int(time.time()), "in_progress_at": int(time.time()),
-                 "completed_at": None, "cancelled_at": None, "failed_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0},
-                 "metadata": body.get("metadata"), "owner": owner}  # fmt: skip
-        self._save(batch)
+        batch = {
+            "id": batch_id,
+            "object": "batch",
+            "endpoint": body["endpoint"],
+            "errors": None,
+            "input_file_id": source["id"],
+            "completion_window": str(body.get("completion_window", "24h"))[:16],
+            "status": "in_progress",
+            "output_file_id": out_id,
+            "error_file_id": None,
+            "created_at": int(time.time()),
+            "in_progress_at": int(time.time()),
+            "completed_at": None,
+            "cancelled_at": None,
+            "failed_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": _metadata(body.get("metadata")),
+            "owner": owner,
+        }
+        await asyncio.to_thread(self._add_batch, batch, meta)
         self._start(batch, request.headers.get("Authorization"))
         return web.json_response(self._view(batch))
+
+    def _add_batch(self, batch: dict[str, Any], output: dict[str, Any]) -> None:
+        """Write a new batch's record and its (empty) output file's, and index both."""
+        _write(self.folder / "files" / f"{output['id']}.json", output)
+        (self.folder / "files" / f"{output['id']}.jsonl").touch()
+        self._index(batch["owner"]).add(output["id"])
+        self._save(batch)
+        self._index(batch["owner"]).add(batch["id"])
 
     async def get(self, request: web.Request) -> web.Response:
         return web.json_response(self._view(self._batch(request.match_info["id"], request)))
 
     async def list(self, request: web.Request) -> web.Response:
         owner = self._owner(request)
-        records = sorted(self.folder.glob("batches/*.json"), key=lambda p: p.stat().st_mtime)
-        batches = [json.loads(p.read_text()) for p in records]
-        data = [self._view(b) for b in batches if b["owner"] == owner]
-        return web.json_response({"object": "list", "data": data})
+        batches = await asyncio.to_thread(self._batches, owner)
+        batches.sort(key=lambda b: (b["created_at"], b["id"]))
+        return web.json_response({"object": "list", "data": [self._view(b) for b in batches]})
+
+    def _batches(self, owner: str) -> builtins.list[dict[str, Any]]:
+        """The records of ``owner``'s batches (its index, then those records only)."""
+        out = []
+        for batch_id in self._index(owner).ids("batch_"):
+            if batch_id in self.running:
+                out.append(self.running[batch_id])
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                out.append(json.loads((self.folder / "batches" / f"{batch_id}.json").read_text()))
+        return out
 
     async def cancel(self, request: web.Request) -> web.Response:
         batch = self._batch(request.match_info["id"], request)
@@ -257,16 +378,14 @@ class BatchJobs:
     # -- running -------------------------------------------------------------------------------
 
     def _start(self, batch: dict[str, Any], authorization: str | None) -> None:
-        owner = batch["owner"]
-
-        def room(written: int) -> bool:
-            self.stored[owner] = self._stored(owner) + written
-            return self.stored[owner] < self.quota_bytes
-
         runner = BatchRunner(
-            self.base_url, _key(authorization), verify_tls=self.verify_tls, room=room
+            self.base_url,
+            _key(authorization),
+            verify_tls=self.verify_tls,
+            budget=self._ledger(batch["owner"]),
         )
         self.runners[batch["id"]] = runner
+        self.running[batch["id"]] = batch
         self.tasks[batch["id"]] = asyncio.ensure_future(self._run(batch, runner))
 
     async def _run(self, batch: dict[str, Any], runner: BatchRunner) -> None:
@@ -283,27 +402,28 @@ class BatchJobs:
             raise
         except ConflictError as e:  # its output reached the key's quota
             logger.warning("batch %s stopped: %s", batch["id"], e)
-            why = f"{e}: {self._over_quota('hold')}"
-            batch["errors"] = {"object": "list", "data": [{"code": "quota", "message": why}]}
-            self._finish(batch, "failed")
+            self._fail(batch, "quota", f"{e}: {self._over_quota('hold')}")
         except Exception as e:
             logger.exception("batch %s failed", batch["id"])
-            batch["errors"] = {"object": "list", "data": [{"code": "failed", "message": str(e)}]}
-            self._finish(batch, "failed")
+            self._fail(batch, "failed", str(e) or repr(e))
         finally:
             self.tasks.pop(batch["id"], None)
-            self.stored.pop(batch["owner"], None)  # a resumed output may have been trimmed
+            self.running.pop(batch["id"], None)
+
+    def _fail(self, batch: dict[str, Any], code: str, why: str) -> None:
+        batch["errors"] = {"object": "list", "data": [{"code": code, "message": why}]}
+        self._finish(batch, "failed")
 
     def _finish(self, batch: dict[str, Any], status: str) -> None:
         batch.update(self._view(batch), status=status)
         batch[f"{status}_at"] = int(time.time())
         self.runners.pop(batch["id"], None)
         self._save(batch)
-        out = self.folder / "files" / batch["output_file_id"]
-        meta = json.loads(out.with_suffix(".json").read_text())
-        _write(
-            out.with_suffix(".json"), {**meta, "bytes": out.with_suffix(".jsonl").stat().st_size}
-        )
+        out = self.folder / "files" / str(batch.get("output_file_id"))
+        with contextlib.suppress(OSError, ValueError):
+            meta = json.loads(out.with_suffix(".json").read_text())
+            size = out.with_suffix(".jsonl").stat().st_size
+            _write(out.with_suffix(".json"), {**meta, "bytes": size})
 
     def _view(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The batch as clients see it, with live counts while it runs."""
@@ -311,8 +431,11 @@ class BatchJobs:
         runner = self.runners.get(batch["id"])
         if runner is not None:
             s = runner.summary
-            out["request_counts"] = {"total": s.lines, "completed": s.succeeded + s.skipped,
-                                     "failed": s.failed}  # fmt: skip
+            out["request_counts"] = {
+                "total": s.lines,
+                "completed": s.succeeded + s.skipped,
+                "failed": s.failed,
+            }
         return out
 
     # -- records -------------------------------------------------------------------------------
@@ -350,6 +473,51 @@ class BatchJobs:
         _write(self.folder / "batches" / f"{batch['id']}.json", batch)
 
 
+def _check_and_write(check: UploadCheck, out: Any, data: bytes) -> None:
+    """Check an upload's next bytes, then write them (in a worker thread)."""
+    check.feed(data)
+    out.write(data)
+
+
+def _running_records(folder: Path) -> list[Path]:
+    """The records of batches that were running when the router stopped (start-up only)."""
+    found = []
+    for record in sorted(folder.glob("batches/*.json")):
+        try:
+            status = json.loads(record.read_text()).get("status")
+        except (OSError, ValueError, AttributeError):
+            logger.warning("batch record %s is unreadable; left as it is", record)
+            continue
+        if status in ("validating", "in_progress"):
+            found.append(record)
+    return found
+
+
+def _index_all(folder: Path) -> None:
+    """Build every key's index from the records (once: a folder from before indexes)."""
+    for kind in ("files", "batches"):
+        for record in folder.glob(f"{kind}/*.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                KeyIndex(folder / "owners" / json.loads(record.read_text())["owner"]).add(
+                    record.stem
+                )
+    (folder / "owners").mkdir(exist_ok=True)
+
+
+def _metadata(value: Any) -> Any:
+    """A batch's ``metadata`` as OpenAI bounds it: at most 16 short string pairs."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > 16:
+        raise InvalidArgumentError("metadata", "must be an object of at most 16 pairs")
+    for k, v in value.items():
+        if not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            raise InvalidArgumentError(
+                "metadata", "keys of at most 64 characters, string values of at most 512"
+            )
+    return value
+
+
 def _write(path: Path, record: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
@@ -361,8 +529,14 @@ def _public(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _output_meta(file_id: str, batch_id: str) -> dict[str, Any]:
-    return {"id": file_id, "object": "file", "bytes": 0, "created_at": int(time.time()),
-            "filename": f"{batch_id}_output.jsonl", "purpose": "batch_output"}  # fmt: skip
+    return {
+        "id": file_id,
+        "object": "file",
+        "bytes": 0,
+        "created_at": int(time.time()),
+        "filename": f"{batch_id}_output.jsonl",
+        "purpose": "batch_output",
+    }
 
 
 def _key(authorization: str | None) -> str | None:

@@ -32,6 +32,7 @@ from aiohttp import web
 from pdserve.core.errors import InvalidArgumentError, OverloadedError, UnsupportedError, wire_status
 from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
+from pdserve.router.frontdoor.batch_store import BatchLimits
 from pdserve.router.frontdoor.batches import BatchJobs
 from pdserve.router.frontdoor.choices import choice_count, fan_out, merged, total_usage
 from pdserve.router.frontdoor.dashboard import add_routes
@@ -80,8 +81,8 @@ class HttpApi:
     ) -> None:
         self.router = router
         self.keys = keys
-        quota = router.config.batch_quota_mb << 20
-        self.batches = BatchJobs(batch_dir, keys, quota) if batch_dir is not None else None
+        limits = BatchLimits.of(router.config)
+        self.batches = BatchJobs(batch_dir, keys, limits) if batch_dir is not None else None
         self.max_body_bytes = max_body_bytes
 
     def app(self) -> web.Application:

@@ -159,16 +159,28 @@ async def _server_batch(base: str, src, cancel: bool = False) -> tuple[dict, str
     return batch, output, refusals
 
 
+def _valid_input(tmp_path):
+    """The lines of :func:`_input` an upload accepts (the server still refuses the last)."""
+    lines = [_line(f"c{i}", {**COMPLETION, "max_tokens": 2 + i}) for i in range(5)]
+    lines += [
+        _line("chat", CHAT, "/v1/chat/completions"),
+        _line("cold", {**COMPLETION, "temperature": -1}),
+    ]
+    path = tmp_path / "valid.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_post_v1_batches_runs_an_uploaded_file_on_the_server(cluster, tmp_path):
     doors = cluster._bootstrap[1]
     base = f"http://{doors.host}:{doors.http_port}"
-    batch, output, refusals = asyncio.run(_server_batch(base, _input(tmp_path)))
+    batch, output, refusals = asyncio.run(_server_batch(base, _valid_input(tmp_path)))
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": 11, "completed": 6, "failed": 5}
+    assert batch["request_counts"] == {"total": 7, "completed": 6, "failed": 1}
     records = {r["line"]: r for r in map(json.loads, output.splitlines())}
-    assert sorted(records) == list(range(1, 12))
+    assert sorted(records) == list(range(1, 8))
     assert records[3]["response"]["body"]["usage"]["completion_tokens"] == 4
-    assert records[7]["error"]["code"] == "invalid_json"
+    assert records[7]["error"]["code"] == "http_400"
     assert [r["status"] for r in refusals] == [400, 404, 401]
     assert "purpose" in refusals[0]["error"]["message"]
     assert "file-nope" in refusals[1]["error"]["message"]
@@ -177,6 +189,6 @@ def test_post_v1_batches_runs_an_uploaded_file_on_the_server(cluster, tmp_path):
 def test_a_cancelled_batch_stops_and_keeps_what_finished(cluster, tmp_path):
     doors = cluster._bootstrap[1]
     base = f"http://{doors.host}:{doors.http_port}"
-    batch, output, _ = asyncio.run(_server_batch(base, _input(tmp_path), cancel=True))
+    batch, output, _ = asyncio.run(_server_batch(base, _valid_input(tmp_path), cancel=True))
     assert batch["status"] == "cancelled" and batch["cancelled_at"] is not None
-    assert len(output.splitlines()) <= 11
+    assert len(output.splitlines()) <= 7
