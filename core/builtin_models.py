@@ -35,6 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from pdserve.core import registry
 from pdserve.core.errors import ModelNotFoundError
+from pdserve.core.private_files import make_private, private_dir
 
 if TYPE_CHECKING:
     import torch
@@ -115,14 +116,14 @@ def ensure_builtin(name: str) -> Path:
         )
     target = cache_dir() / f"builtin-{name}-v{GENERATOR_VERSION}"
     if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+        return make_private(target)  # one written before its weights were kept private
+    private_dir(target.parent)
     # Build in a private folder and rename, so concurrent first uses never see
-    # a half-written checkpoint.
+    # a half-written checkpoint. Its weights stay this user's alone (0600 in 0700).
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    tmp.chmod(0o755)
     try:
         write_builtin(BUILTIN_MODELS[name], tmp)
+        make_private(tmp)
         try:
             tmp.rename(target)
         except OSError:

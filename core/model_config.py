@@ -10,10 +10,11 @@ Nothing here touches weights; :mod:`pdserve.parallel.loader` does that.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.core import registry
 from pdserve.core.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedError
 
 # Architecture name in config.json -> model family implemented in pdserve.parallel.models.
@@ -69,6 +70,10 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    # A registry version's content hash, as its manifest read here had it ("": not a
+    # registry version); every process that loads the weights checks the files
+    # against it (pdserve.core.registry).
+    sha256: str = ""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -115,7 +120,8 @@ class ModelConfig:
         gen_file = folder / "generation_config.json"
         if gen_file.is_file():
             generation = json.loads(gen_file.read_text())
-        return cls.from_hf_dict(raw, str(folder), generation)
+        config = cls.from_hf_dict(raw, str(folder), generation)
+        return replace(config, sha256=registry.content_hash(folder))
 
     @classmethod
     def from_hf_dict(

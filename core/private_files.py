@@ -9,6 +9,7 @@ another user is left as it is (``is_private_dir`` says whether to trust it).
     private_dir(path)             make path (0700) or narrow it; returns path
     open_private(path, "wb")      a file object on a 0600 file, truncated
     write_private(path, data)     path holds data whole or not at all (aside, then renamed)
+    make_private(folder)          a folder written earlier narrowed: 0700, its files 0600
     is_private_dir(path)          ours and not group- or world-writable
 """
 
@@ -39,6 +40,21 @@ def private_dir(path: str | Path) -> Path:
     if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != DIR_MODE:
         path.chmod(DIR_MODE)
     return path
+
+
+def make_private(folder: str | Path) -> Path:
+    """``folder`` narrowed to 0700 and every file under it to 0600 (those of this user;
+    folders under it to 0700); for a folder written before its files were private."""
+    folder = Path(folder)
+    me = os.geteuid()
+    for path in (folder, *folder.rglob("*")):
+        st = path.lstat()
+        if st.st_uid != me or stat.S_ISLNK(st.st_mode):
+            continue
+        mode = DIR_MODE if stat.S_ISDIR(st.st_mode) else FILE_MODE
+        if stat.S_IMODE(st.st_mode) != mode:
+            path.chmod(mode)
+    return folder
 
 
 def is_private_dir(path: str | Path) -> bool:

@@ -10,9 +10,15 @@ version that exists (versions are immutable: a new checkpoint is a new
 version). A model named ``registry:<name>@<version>`` (the cluster YAML's
 ``model``, ``LLM(...)``, ``--model``) resolves to that folder once every file
 matches its recorded hash: a file changed, missing or added after the push is
-an error naming the version and the file, never a silent load. Verified files
-are remembered in-process by (path, size, mtime), so a controller starting
-instances of one version hashes it once.
+an error naming the version and the file, never a silent load.
+
+Every check hashes the bytes it reads: nothing is remembered by path, size or
+modification time (a file changed with its size and mtime restored is caught).
+The controller resolves a version and hands its content hash (``ModelConfig.sha256``)
+to every rank it starts, scale-ups and replacements included; each rank checks the
+files against that hash again before it loads them (:func:`verify` with
+``expected``), so a version changed after the controller checked it, manifest
+and all, is refused where it would be loaded.
 
 The root is ``$PDSERVE_REGISTRY``, else ``<cache dir>/registry``.
 """
@@ -32,7 +38,6 @@ from pdserve.core.errors import InvalidArgumentError, ModelNotFoundError
 
 PREFIX = "registry:"
 MANIFEST = "manifest.json"
-_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256
 
 
 def registry_root() -> Path:
@@ -59,15 +64,12 @@ def _valid(part: str) -> bool:
 
 
 def file_sha256(path: Path) -> str:
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _verified:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-        _verified[key] = digest.hexdigest()
-    return _verified[key]
+    """The sha256 of the bytes of ``path``, read now."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _content_hash(files: dict[str, str]) -> str:
@@ -160,10 +162,30 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(folder: Path) -> dict[str, Any]:
-    """Check every file of a version against its manifest; returns the manifest."""
+def content_hash(folder: Path) -> str:
+    """The content hash a registry version's manifest records; "" for a folder that is
+    not a version (no manifest, or one that is not a registry manifest)."""
+    if not (folder / MANIFEST).is_file():
+        return ""
+    try:
+        return str(read_manifest(folder)["sha256"])
+    except InvalidArgumentError:
+        return ""
+
+
+def verify(folder: Path, expected: str | None = None) -> dict[str, Any]:
+    """Check every file of a version against its manifest (hashing the bytes read now),
+    and the manifest against ``expected`` (the content hash the version had when it was
+    resolved) when given; returns the manifest."""
     manifest = read_manifest(folder)
     ref = f"{manifest['name']}@{manifest['version']}"
+    if expected is not None and manifest["sha256"] != expected:
+        got = manifest["sha256"][:16]
+        raise InvalidArgumentError(
+            "model",
+            f"{ref}: its manifest changed since it was resolved (content hash {got}, "
+            f"expected {expected[:16]}); refusing to load it",
+        )
     files: dict[str, str] = manifest["files"]
     present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
     extra = sorted(present - set(files) - {MANIFEST})
@@ -175,7 +197,9 @@ def verify(folder: Path) -> dict[str, Any]:
             raise InvalidArgumentError("model", f"{ref}: {rel} is missing")
         if file_sha256(path) != want:
             raise InvalidArgumentError(
-                "model", f"{ref}: {rel} does not match its hash (the version was changed)"
+                "model",
+                f"{ref}: {rel} does not match its hash (the version was changed since it "
+                "was pushed); refusing to load it",
             )
     if _content_hash(files) != manifest["sha256"]:
         raise InvalidArgumentError("model", f"{ref}: the manifest's hash does not match its files")

@@ -89,7 +89,7 @@ class DraftRunner(DraftProposer):
             self.model = build_model(
                 self.model_config, SINGLE_RANK, dtype, layers, backend_cls, kernels
             )
-        load_checkpoint(self.model, self.model_config.path)
+        load_checkpoint(self.model, self.model_config.path, self.model_config.sha256)
         self.model.eval()
         if packing_available(device, dtype):
             pack_linears(self.model)

@@ -7,6 +7,11 @@ materialises a tensor it does not hold.
 
 Every parameter is filled with NaN before loading; one left NaN afterwards was
 never written, and loading fails naming it rather than serving garbage.
+
+A registry version (``sha256``: its content hash, from the config the controller
+resolved) is checked by content in the loading process itself, every file hashed
+as read now, before anything is loaded or mapped; a version changed since is an
+error naming the file. Its shared weights file is keyed by that hash.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from pdserve.core import registry
 from pdserve.core.errors import ModelNotFoundError
 from pdserve.parallel.models.transformer import CausalLM
 from pdserve.parallel.shared_weights import load_shared
@@ -60,16 +66,22 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, SafeSliceSource]]:
                 yield name, SafeSliceSource(handle, name)
 
 
-def load_checkpoint(model: CausalLM, folder: str | Path) -> None:
+def load_checkpoint(model: CausalLM, folder: str | Path, sha256: str = "") -> None:
     """Fill every parameter of ``model`` (one rank's stage and shards) from ``folder``,
-    through the node's shared weights file where it can (:mod:`.shared_weights`)."""
+    through the node's shared weights file where it can (:mod:`.shared_weights`).
+
+    ``sha256``: the content hash of the registry version ``folder`` is ("" for a plain
+    checkpoint folder); its files are checked against it first."""
     folder = Path(folder)
+    if sha256:
+        registry.verify(folder, expected=sha256)
     c = model.ctx
     rank = (
         f"tp {c.tp_rank}/{c.tp_size} pp {c.pp_rank}/{c.pp_size} ep {c.ep_rank}/{c.ep_size} "
         f"layers {model.layer_start}-{model.layer_end}"
     )
-    if load_shared(model, checkpoint_files(folder), rank, lambda: _load(model, folder)):
+    files = checkpoint_files(folder)
+    if load_shared(model, files, rank, lambda: _load(model, folder), content=sha256):
         logger.debug("weights of %s (%s) map the node's shared file", folder, rank)
 
 

@@ -119,7 +119,7 @@ class ModelRunner:
             c = self.ctx
             fill_random(self.model, hash((config.seed, c.tp_rank, c.pp_rank, c.ep_rank)))
         else:
-            load_checkpoint(self.model, self.model_config.path)
+            load_checkpoint(self.model, self.model_config.path, self.model_config.sha256)
         # The adapter in each LoRA slot (None: free); they ride on any packing or quantizing.
         self.adapter_slots = attach_adapters(self.model, config)
         self.model.eval()

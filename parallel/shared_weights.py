@@ -18,10 +18,17 @@ written while serving; LoRA adapters, bf16 packing and quantization build new
 tensors, private to each process (a written page would be copied for its
 process only).
 
-The file's name is a hash of the checkpoint files (paths, sizes, modification
-times), the rank's coordinates and layer range, and every parameter's name,
-dtype and shape: a changed checkpoint or layout gets a file of its own, and a
-manifest that does not match is rewritten. Writing a file removes those of
+The file's name is a hash of the checkpoint's content, the rank's coordinates
+and layer range, and every parameter's name, dtype and shape: a changed
+checkpoint or layout gets a file of its own, and a manifest that does not match
+is rewritten. The content is a registry version's content hash (which the
+loading rank has just checked the files against, :mod:`.loader`); a plain
+checkpoint folder, which has none, stands for its files' paths, sizes and
+modification times.
+
+The folder is made 0700 and every file in it 0600 (they hold weights). A folder
+that is not private (another user's) is not used, nor a file in it that is not
+this user's alone: the rank then loads the checkpoint itself. Writing a file removes those of
 checkpoints that were deleted or changed since (each file records its sources).
 Writers hold a file lock, so instances starting together write it once; the
 lock is per file, so the ranks of one instance write theirs at once, and each
@@ -36,7 +43,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import stat
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +56,9 @@ from torch import nn
 
 from pdserve.core.builtin_models import cache_dir as builtin_cache_dir
 from pdserve.core.env import env_switch
+from pdserve.core.private_files import is_private_dir, open_private, private_dir, write_private
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: every parameter starts on a cache line
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
@@ -65,18 +77,20 @@ def shareable(model: nn.Module) -> bool:
     return bool(params) and all(p.device.type == "cpu" and str(p.dtype) in _DTYPES for p in params)
 
 
-def load_shared(model: nn.Module, files: list[Path], rank: str, load: Callable[[], None]) -> bool:
+def load_shared(
+    model: nn.Module, files: list[Path], rank: str, load: Callable[[], None], content: str = ""
+) -> bool:
     """Fill ``model``'s parameters from the node's weights file, writing it with ``load``
     first when it is missing; True if the parameters now map the shared file.
 
-    ``files``: the checkpoint's files; ``rank``: this rank's coordinates and layer range.
+    ``files``: the checkpoint's files; ``rank``: this rank's coordinates and layer range;
+    ``content``: the checkpoint's verified content hash ("" if it has none).
     """
-    if not shareable(model):
+    if not shareable(model) or not _private_cache():
         load()
         return False
     manifest = _manifest(model)
-    path = cache_dir() / f"{_key(files, rank, manifest)}.bin"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = cache_dir() / f"{_key(files, rank, manifest, content)}.bin"
     with _locked(path.with_suffix(".lock")):
         if not _matches(path, manifest):
             load()
@@ -97,11 +111,27 @@ def _manifest(model: nn.Module) -> list[dict[str, Any]]:
     return out
 
 
-def _key(files: list[Path], rank: str, manifest: list[dict[str, Any]]) -> str:
+def _private_cache() -> bool:
+    folder = cache_dir()
+    try:
+        private_dir(folder)
+    except OSError as e:
+        logger.warning("weights cache %s unusable (%s): loading without it", folder, e)
+        return False
+    if not is_private_dir(folder):
+        logger.warning("weights cache %s is not private to this user: loading without it", folder)
+        return False
+    return True
+
+
+def _key(files: list[Path], rank: str, manifest: list[dict[str, Any]], content: str) -> str:
     h = hashlib.sha256(rank.encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    if content:
+        h.update(f"content:{content}".encode())
+    else:
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(json.dumps(manifest).encode())
     return h.hexdigest()[:32]
 
@@ -128,7 +158,7 @@ def _prune(folder: Path) -> None:
 
 def _matches(path: Path, manifest: list[dict[str, Any]]) -> bool:
     meta = path.with_suffix(".json")
-    if not (path.is_file() and meta.is_file()):
+    if not (_ours(path) and _ours(meta)):
         return False
     try:
         return bool(json.loads(meta.read_text()) == manifest)
@@ -139,7 +169,7 @@ def _matches(path: Path, manifest: list[dict[str, Any]]) -> bool:
 def _write(model: nn.Module, path: Path, manifest: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(".tmp")
     params = dict(model.named_parameters())
-    with open(tmp, "wb") as f:
+    with open_private(tmp, "wb") as f:
         for entry in manifest:
             f.seek(entry["offset"])
             data = params[entry["name"]].detach().contiguous().view(torch.uint8)
@@ -151,9 +181,20 @@ def _write(model: nn.Module, path: Path, manifest: list[dict[str, Any]]) -> None
 
 def _publish(path: Path, text: str) -> None:
     """``path`` holds ``text`` whole or not at all, for a reader at any moment."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_private(path, text)
+
+
+def _ours(path: Path) -> bool:
+    """A regular file of this user that no one else may write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
 
 
 @torch.no_grad()
@@ -172,7 +213,7 @@ def _total(manifest: list[dict[str, Any]]) -> int:
 
 @contextmanager
 def _locked(path: Path) -> Any:
-    with open(path, "a+") as f:
+    with open_private(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -87,3 +88,25 @@ def test_a_broken_manifest_is_named_never_taken_for_a_version(
         out, err = capsys.readouterr()
         assert "tiny@v1" in out and "tiny@v2" not in out
         assert str(manifest) in err and "Traceback" not in err
+
+
+def _tamper_keeping_stats(path: Path) -> None:
+    """One byte of ``path`` changed, its size and modification time as they were."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def test_a_file_changed_with_its_size_and_mtime_restored_is_refused(
+    root: Path, tiny_path: Path
+) -> None:
+    # Resolved once in this process (a controller starting instances), then changed:
+    # the next resolve hashes the bytes again, it does not trust the file's stats.
+    registry.push("tiny", "v1", tiny_path)
+    folder = resolve_model("registry:tiny@v1")
+    _tamper_keeping_stats(folder / "model.safetensors")
+    with pytest.raises(InvalidArgumentError, match=r"model\.safetensors does not match its hash"):
+        resolve_model("registry:tiny@v1")
