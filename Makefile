@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 # Packages `make typecheck` checks (a prefix keeps a package and its subpackages).
 TYPED ?= pdserve
 
-.PHONY: demo test lint typecheck pytest fuzz gpu-check soak venv clean
+.PHONY: demo test test-fast readme lint typecheck pytest fuzz gpu-check soak venv clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,15 @@ pytest: $(STAMP)
 # mypy runs at the head of pytest's second lane (tests/lanes.py), beside the first.
 test: lint
 	$(BIN)/python -m tests.lanes --typecheck $(TYPED) -q --durations=25
+
+# The inner loop between commits: every test that starts no Ray and no cluster (unit,
+# engine, router, transfer, sim), in one process, stopping at the first failure.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not cluster" -q -x --durations=10
+
+# Every README.md example a user can run here, the long ones too (tests/e2e/test_readme.py).
+readme: $(STAMP)
+	PDSERVE_README_LONG=1 $(BIN)/python -m pytest -m readme -q --durations=0
 
 # The front-door fuzzers of `make test`, longer: EXAMPLES generated requests per fuzzer.
 EXAMPLES ?= 2000

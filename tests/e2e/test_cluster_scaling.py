@@ -140,7 +140,8 @@ def test_failed_start_is_retried_with_backoff_until_the_region_is_whole(ray_sess
         c.wait(lambda: c.status().regions[0].starting == 1, timeout_s=10)
         start = time.monotonic()
         c.status()  # while the start waits for room, outside the controller's lock
-        assert time.monotonic() - start < 1.0
+        # held, the lock would keep it the start's 20 s: 5 s is margin for two loaded cores
+        assert time.monotonic() - start < 5.0
         scaler.join(timeout=60)
         # the start fails naming what its ranks asked (it was Ray's GetTimeoutError)
         assert isinstance(outcome[0], Exception)

@@ -77,8 +77,11 @@ def test_impossible_layout_is_refused_before_any_actor(
 
 
 def test_ranks_the_cluster_cannot_place_fail_with_what_they_asked(ray_session) -> None:
-    # 2 ranks of 100 CPUs on a 4-CPU test cluster: a clear error once the start timeout
-    # passes (it used to be Ray's GetTimeoutError), and the placement group is gone
+    # More CPUs than the cluster has: refused at once, naming both counts, before any
+    # placement group; CPUs the cluster has but others hold: a clear error once the start
+    # timeout passes (it used to be Ray's GetTimeoutError), and the placement group is gone
+    from ray.util.placement_group import placement_group, remove_placement_group
+
     from pdserve.core.builtin_models import resolve_model
     from pdserve.core.config import build_engine_config
     from pdserve.core.model_config import ModelConfig
@@ -86,15 +89,25 @@ def test_ranks_the_cluster_cannot_place_fail_with_what_they_asked(ray_session) -
 
     config = build_engine_config("builtin:tiny", tensor_parallel_size=2)
     model = ModelConfig.from_dir(resolve_model("builtin:tiny"))
-    pgs_before = [
-        p for p in ray_session.util.placement_group_table().values() if p["state"] != "REMOVED"
-    ]
-    with pytest.raises(
-        InstanceFailedError, match=r"2 ranks of \{'CPU': 100\} each were not placed within 2 s"
-    ):
+
+    def live() -> int:
+        table = ray_session.util.placement_group_table().values()
+        return sum(p["state"] != "REMOVED" for p in table)
+
+    before = live()
+    with pytest.raises(InvalidArgumentError, match="this layout needs 200 CPUs, the cluster has 4"):
         RankGroup.start(model, config, RankResources(num_cpus=100, start_timeout_s=2))
-    live = [p for p in ray_session.util.placement_group_table().values() if p["state"] != "REMOVED"]
-    assert len(live) == len(pgs_before)
+    assert live() == before
+    hog = placement_group([{"CPU": ray_session.available_resources()["CPU"] - 1}])
+    ray_session.get(hog.ready(), timeout=60)
+    try:
+        with pytest.raises(
+            InstanceFailedError, match=r"2 ranks of \{'CPU': 1.0\} each were not placed within 2 s"
+        ):
+            RankGroup.start(model, config, RankResources(num_cpus=1.0, start_timeout_s=2))
+        assert live() == before + 1  # the hog's alone
+    finally:
+        remove_placement_group(hog)
 
 
 def test_dead_rank_fails_the_instance_quickly(ray_session) -> None:
