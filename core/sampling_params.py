@@ -26,6 +26,7 @@ MAX_LOGPROBS = 20  # alternatives per token a request may ask for
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_REPETITION_PENALTY = 10.0
 MAX_SCHEMA_CHARS = 65536
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class SamplingParams:
             (0 to 20); the prompt is then computed in full, without prefix-cache hits.
         json_schema: a JSON schema (as JSON text) the output must follow; decoding is
             constrained to it (``{"type": "object"}``: any JSON object). None: free text.
+        cache_salt: the request's prefix-cache tenant: it reuses cached KV only of
+            requests with the same salt (None: the shared tenant). The front doors set
+            it from the caller's API key and the request's ``cache_salt`` field.
     """
 
     max_tokens: int = 16
@@ -86,6 +90,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     json_schema: str | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string from callers; store tuples so the
@@ -138,6 +143,7 @@ class SamplingParams:
             raise InvalidArgumentError("lora", "must be an adapter name of 1 to 128 characters")
         for name in ("logprobs", "prompt_logprobs"):
             _check_logprobs(name, getattr(self, name))
+        check_cache_salt("cache_salt", self.cache_salt)
         self._validate_penalties()
         if self.json_schema is not None:
             _check_schema(self.json_schema)
@@ -280,6 +286,17 @@ def _check_number(name: str, value: object) -> None:
         finite = False
     if not finite:
         raise InvalidArgumentError(name, "must be a finite number")
+
+
+def check_cache_salt(name: str, value: object) -> None:
+    """None, or a string of 1 to ``MAX_CACHE_SALT_CHARS`` characters (valid Unicode)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgumentError(
+            name, f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters"
+        )
+    check_text(name, value)
 
 
 def check_text(name: str, value: str) -> None:

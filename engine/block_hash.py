@@ -13,6 +13,12 @@ replaced by another under the same name never reuses the old one's KV. The
 router and the engine salt alike (the router learns fingerprints from the
 instances); the pairing handshake checks that both sides of a pair hold the same
 content under a name.
+
+The first block's parent is salted once more by the request's prefix-cache
+tenant (``SamplingParams.cache_salt``, see :func:`first_parent`): requests
+share blocks only within a tenant, in the device pool and in every tier and
+peer that names blocks by this chain, so no client learns from a hit that
+another tenant sent the same tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +40,14 @@ def adapter_salt(lora: str | None, fingerprint: str = "") -> bytes | None:
         return None
     key = b"pdserve-lora\0" + lora.encode() + b"\0" + fingerprint.encode()
     return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def first_parent(adapter: bytes | None, cache_salt: str | None) -> bytes | None:
+    """The parent of a request's first block: its adapter's salt (:func:`adapter_salt`),
+    chained with its prefix-cache tenant's ``cache_salt`` (None: the shared tenant)."""
+    if cache_salt is None:
+        return adapter
+    return _chain(adapter, b"pdserve-cache-salt\0" + cache_salt.encode())
 
 
 def _chain(parent: bytes | None, block: bytes | memoryview) -> bytes:

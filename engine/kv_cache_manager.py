@@ -27,7 +27,7 @@ from pdserve.core.config import CacheConfig, EngineConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.request import Request
 from pdserve.core.step import TierLoad
-from pdserve.engine.block_hash import adapter_salt, block_hashes
+from pdserve.engine.block_hash import adapter_salt, block_hashes, first_parent
 from pdserve.engine.block_pool import BlockPool, KVBlock
 from pdserve.engine.eviction import DEFAULT_CLOCK, Clock
 from pdserve.engine.kv_tiers import KVTiers, TierHit
@@ -115,8 +115,14 @@ class KVCacheManager:
         """Extend ``request.block_hashes`` over every full block of its known tokens."""
         hashes = request.block_hashes
         if len(hashes) < request.num_tokens // self.block_size:
-            # The first block chains from the request's LoRA adapter (None: base).
-            parent = hashes[-1] if hashes else self.adapter_salt(request.sampling_params.lora)
+            # The first block chains from the request's LoRA adapter (None: base),
+            # salted by its prefix-cache tenant.
+            params = request.sampling_params
+            parent = (
+                hashes[-1]
+                if hashes
+                else first_parent(self.adapter_salt(params.lora), params.cache_salt)
+            )
             hashes.extend(block_hashes(request.token_ids, self.block_size, len(hashes), parent))
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:

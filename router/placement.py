@@ -244,7 +244,9 @@ class RegionChooser:
         bs = decodes.block_tokens
         if bs not in hashes:
             fingerprint = self.cluster.adapter_fingerprints.get(lora or "", "")
-            hashes[bs] = prompt_block_hashes(inp.prompt_token_ids, bs, lora, fingerprint)
+            hashes[bs] = prompt_block_hashes(
+                inp.prompt_token_ids, bs, lora, fingerprint, inp.params.cache_salt
+            )
         cached = np.zeros(len(prefills))
         for instance, blocks in self.prefixes.cached_prefixes(hashes[bs]).items():
             row = prefills.index.get(instance)

@@ -13,16 +13,21 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from pdserve.engine.block_hash import adapter_salt, block_hashes
+from pdserve.engine.block_hash import adapter_salt, block_hashes, first_parent
 
 
 def prompt_block_hashes(
-    token_ids: list[int], block_size: int, lora: str | None = None, fingerprint: str = ""
+    token_ids: list[int],
+    block_size: int,
+    lora: str | None = None,
+    fingerprint: str = "",
+    cache_salt: str | None = None,
 ) -> list[bytes]:
     """Chained hashes of the prompt's full blocks, as an instance would compute them
     for a request under LoRA adapter ``lora`` (None: the base model) whose content
-    has ``fingerprint``."""
-    return block_hashes(token_ids, block_size, parent=adapter_salt(lora, fingerprint))
+    has ``fingerprint``, in prefix-cache tenant ``cache_salt`` (None: the shared one)."""
+    parent = first_parent(adapter_salt(lora, fingerprint), cache_salt)
+    return block_hashes(token_ids, block_size, parent=parent)
 
 
 class PrefixIndex:

@@ -33,7 +33,7 @@ from pdserve.core.layout import Layout
 from pdserve.core.messages import PeerExport
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.step import KVArrival
-from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.block_hash import block_hashes, first_parent
 from pdserve.engine.engine import EngineCore
 from pdserve.transfer.routes import plan_routes, routes_into
 
@@ -102,8 +102,9 @@ class PeerPull:
             return 0
         block_ids, cached = held
         first = cached // bs
-        # Named as the engine names them: a LoRA adapter's blocks chain from its salt.
-        hashes = block_hashes(prompt, bs, parent=engine.adapters.salt(params.lora))[first:blocks]
+        # Named as the engine names them: chained from the adapter's and tenant's salt.
+        parent = first_parent(engine.adapters.salt(params.lora), params.cache_salt)
+        hashes = block_hashes(prompt, bs, parent=parent)[first:blocks]
         export = PeerExport(request_id, self.instance_id, hashes, block_ids[first:blocks])
         self.pending[request_id] = _Pull(export, first, peer[1], then)
         peer[0].export.remote(export).future().add_done_callback(
