@@ -46,7 +46,13 @@ def reserve_file(path: Path, num_bytes: int) -> None:
     Raises :class:`TransferError` naming the directory, the size asked for and the
     room left when its file system cannot hold the file.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    # 0600 from the start, and made so if the file was there: it holds request KV.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
     try:
         os.posix_fallocate(fd, 0, num_bytes)
     except OSError as e:

@@ -189,6 +189,20 @@ def test_a_file_system_without_room_for_the_cache_is_a_clear_error(shm_dir: Path
         pytest.skip("this file system does not allocate files up front")
 
 
+def test_the_kv_cache_file_is_private_whatever_was_there(shm_dir: Path) -> None:
+    path = shm_dir / "pdserve-kv-private"
+    path.write_bytes(b"")
+    path.chmod(0o644)  # a file of an earlier run, or of a wider umask
+    old = os.umask(0o022)
+    try:
+        host_memory.reserve_file(path, 1 << 16)
+    finally:
+        os.umask(old)
+        mode = path.stat().st_mode & 0o777
+        path.unlink()
+    assert mode == 0o600
+
+
 def test_shm_refuses_a_decode_rank_on_another_node(shm_dir: Path) -> None:
     endpoint = PeerEndpoint("shm", "d0", 0, KV_SHAPE, "float32", str(shm_dir / "elsewhere"))
     with pytest.raises(TransferError, match="not on this node"):
