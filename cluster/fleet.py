@@ -23,7 +23,9 @@ A request is pinned to the version picked when it was admitted (see
 :mod:`pdserve.router.models`), so no stream mixes versions. Retiring a version
 waits ``drain_grace_s`` (for requests admitted just before the switch to reach
 its instances), then drains them: they take no new request and finish what
-they hold before they stop. No request is lost.
+they hold before they stop; what they still hold after ``health.drain_timeout_s``
+the router moves to the version that took the traffic (see
+:meth:`~pdserve.router.models.ModelCatalog.heir`). No request is lost.
 """
 
 from __future__ import annotations

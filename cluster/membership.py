@@ -15,8 +15,10 @@ the lock not held:
   (:class:`~pdserve.cluster.pool.WarmPool`: started, not joined), so only the
   join remains;
 - each draining instance is taken off the router's choices, waited for until it
-  holds no work (at most ``DRAIN_TIMEOUT_S``), then taken out of the region and
-  the router (:meth:`Membership.detach`) and shut down.
+  holds no work (at most ``health.drain_timeout_s``), then taken out of the region
+  and the router (:meth:`Membership.detach`) and shut down; what it still holds
+  at the timeout the router moves to other instances first, as it moves a lost
+  instance's requests (:meth:`Membership.move_off`), so a drain loses no request.
 """
 
 from __future__ import annotations
@@ -48,8 +50,6 @@ if TYPE_CHECKING:
     from pdserve.cluster.controller import Controller
 
 logger = logging.getLogger(__name__)
-
-DRAIN_TIMEOUT_S = 300.0
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -208,23 +208,35 @@ class Membership:
         )  # fmt: skip
 
     def drain(self, region: str, leaving: list[Instance]) -> None:
-        """Wait (lock not held) for draining instances to finish their work, then remove them."""
+        """Wait (lock not held) for draining instances to finish their work, then remove
+        them; what one still holds after ``health.drain_timeout_s`` moves elsewhere."""
+        timeout_s = self.c.health.drain_timeout_s
         for instance in leaving:  # the router sends them nothing new
             ray.get(self.c.router.set_draining.remote(instance.instance_id, True))
-        waits = [i.leader.wait_idle.remote(DRAIN_TIMEOUT_S) for i in leaving]
+        waits = [i.leader.wait_idle.remote(timeout_s) for i in leaving]
         for instance, ref in zip(leaving, waits, strict=True):
             try:
-                idle = ray.get(ref, timeout=DRAIN_TIMEOUT_S + CALL_TIMEOUT_S)
-            except Exception:  # it died while draining: the health loop tears it down
+                idle = ray.get(ref, timeout=timeout_s + CALL_TIMEOUT_S)
+            except Exception:  # it died while draining: its requests move all the same
                 idle = False
             if not idle:
-                logger.warning(
-                    "%s still busy after %.0f s of draining; stopping it",
-                    instance.instance_id,
-                    DRAIN_TIMEOUT_S,
-                )
+                self.move_off(instance, timeout_s)
             if self.detach(region, instance):
                 instance.shutdown()
                 self.c._event(f"removed {instance.instance_id} after draining")
             with self.c._lock:
                 self.c.draining.discard(instance.instance_id)
+
+    def move_off(self, instance: Instance, timeout_s: float) -> None:
+        """A drain outlived its timeout: the router moves every request the instance
+        still holds to other instances (aborting each there), then it has a moment
+        to let go of their pages before it stops."""
+        ref = self.c.router.drain_timed_out.remote(instance.instance_id)
+        try:
+            done = f"moved {ray.get(ref, timeout=CALL_TIMEOUT_S)} request(s) to other instances"
+        except Exception as e:
+            done = f"moving its requests failed: {first_line(e)}"
+        self.c._event(
+            f"{instance.instance_id} still busy after {timeout_s:g} s of draining: {done}"
+        )
+        best_effort([instance.leader.wait_idle.remote(CALL_TIMEOUT_S / 2)])

@@ -242,6 +242,10 @@ class RouterActor:
         """The controller saw an instance die: move its requests elsewhere."""
         self._router().instance_lost(instance_id)
 
+    async def drain_timed_out(self, instance_id: str) -> int:
+        """A draining instance outlived its drain timeout: move what it holds elsewhere."""
+        return self._router().drain_timed_out(instance_id)
+
     async def stop(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()

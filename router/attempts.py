@@ -5,8 +5,10 @@
                                           :mod:`~pdserve.router.reservation`)
       prefill into them        (unless decode prefills the prompt itself)
       first token  <- prefill          rest of the tokens <- decode (``on_tokens``)
-    migrate(attempt)   an instance died or ended it early: a new attempt on another
-                       pair, prompt = prompt + tokens streamed, landing at that offset
+    migrate(attempt)   an instance died, ended it early or outlived its drain timeout:
+                       a new attempt on another pair, prompt = prompt + tokens
+                       streamed, landing at that offset (on the version that took
+                       the traffic when a rollout retires the request's own)
     hedge(attempt)     the first token is late: a second attempt; the slower one goes
     close(attempt)     forget it; abort it on its instances unless its stream completed
 
@@ -89,6 +91,7 @@ class Attempts:
         obs: Observer,
         sink: Any,
         unregister: Callable[[str], None],
+        heir: Callable[[CompletionInput], CompletionInput] = lambda inp: inp,
     ) -> None:
         self.config = config
         self.cluster = cluster
@@ -97,6 +100,7 @@ class Attempts:
         self.obs = obs
         self.sink = sink  # the router's actor handle: decode instances push tokens to it
         self.unregister = unregister
+        self.heir = heir  # where a moving request goes once its version is retired
         self.live: dict[str, Attempt] = {}
         self.hedged = 0
         self.migrations = 0
@@ -126,6 +130,8 @@ class Attempts:
             start = attempt.offset + u.num_output_tokens - len(u.new_token_ids)
             if u.prompt_logprobs is not None:
                 attempt.stream.take_prompt_logprobs(u.prompt_logprobs)
+            if u.num_cached_tokens is not None:  # the decode instance prefilled it
+                attempt.stream.cached_prompt_tokens = u.num_cached_tokens
             attempt.stream.add(
                 start,
                 u.new_token_ids,
@@ -136,11 +142,23 @@ class Attempts:
 
     def instance_lost(self, instance_id: str) -> None:
         """Move every attempt the lost instance held (its tokens would never come)."""
+        self.move_off(instance_id, f"{instance_id} was lost", lost=True)
+
+    def move_off(self, instance_id: str, why: str, lost: bool = False) -> int:
+        """Move every attempt ``instance_id`` holds to another pair; how many moved.
+
+        ``lost``: it died (counts toward quarantine). Otherwise it still runs (a
+        drain outlived its timeout): each attempt is aborted there as it moves, and
+        what it still sends for it is ignored (the attempt is no longer live).
+        """
+        moved = 0
         for attempt in list(self.live.values()):
             on_prefill = attempt.prefill is not None and attempt.prefill.instance_id == instance_id
             on_decode = attempt.decode is not None and attempt.decode.instance_id == instance_id
             if on_decode or (on_prefill and not attempt.first_token_seen):
-                self.spawn(self.migrate(attempt, f"{instance_id} was lost", lost=True))
+                self.spawn(self.migrate(attempt, why, lost=lost))
+                moved += 1
+        return moved
 
     # -- launching -------------------------------------------------------------------------------
 
@@ -178,6 +196,7 @@ class Attempts:
             "-" if reservation.local or prefill is None else prefill.instance_id,
             decode.instance_id,
         )
+        # Until the instance that prefills it says how much of the prompt it found cached.
         stream.cached_prompt_tokens = reservation.num_cached_tokens
         if not reservation.local and prefill is not None:
             self._start_prefill(attempt, prefill, reservation)
@@ -213,6 +232,7 @@ class Attempts:
                 logprobs = None if first.logprobs is None else [first.logprobs]
                 if first.prompt_logprobs is not None:
                     attempt.stream.take_prompt_logprobs(first.prompt_logprobs)
+                attempt.stream.cached_prompt_tokens = first.num_cached_tokens
                 attempt.stream.add(
                     attempt.offset, [first.token_id], reason, attempt.attempt_id, logprobs
                 )
@@ -278,8 +298,10 @@ class Attempts:
             max_tokens=stream.params.max_tokens - done,
             min_tokens=max(0, stream.params.min_tokens - done),
         )
-        inp = dataclasses.replace(
-            original, prompt_token_ids=stream.prompt_token_ids + stream.tokens, params=params
+        inp = self.heir(
+            dataclasses.replace(
+                original, prompt_token_ids=stream.prompt_token_ids + stream.tokens, params=params
+            )
         )
         deadline = time.monotonic() + self.config.migration_wait_s
         while not stream.finished:  # a client that left ends the retries

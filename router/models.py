@@ -7,7 +7,11 @@
 
 A request is pinned to the version picked when it is admitted: its
 tokenizer, its instances (the router's tables are per version) and every
-retry or migration stay with that version, so a stream never mixes two.
+retry or migration stay with that version, so a stream never mixes two. The
+one exception keeps a rollout from losing a request: once a version takes no
+traffic and its drain outlives ``health.drain_timeout_s``, its requests move to
+the version that took its traffic, if that has the same tokenizer
+(:meth:`ModelCatalog.heir`); their chunks still name the version they began on.
 
 A model's LoRA adapters are named at start-up and loaded or unloaded at
 runtime (:meth:`ModelCatalog.add_adapter`, from ``router/lora_admin.py``).
@@ -174,11 +178,36 @@ class ModelCatalog:
                     return version
         return None
 
+    def heir(self, key: str) -> ServedVersion | None:
+        """The version that carries on the requests pinned to deployment key ``key``
+        once a rollout took all its traffic away (they move when its drain times
+        out): its model's stable version, when that is another version that takes
+        traffic and has the same tokenizer, so a stream's tokens mean the same; None
+        while ``key`` takes traffic itself, or when no version can carry on."""
+        for model in self.models.values():
+            for version, served in model.versions.items():
+                if served.key != key:
+                    continue
+                stable = model.versions[model.stable]
+                if model.traffic.get(version, 0.0) > 0 or model.traffic[model.stable] <= 0:
+                    return None
+                return stable if _same_tokens(served, stable) else None
+        return None
+
     def _model(self, name: str) -> ServedModel:
         if name not in self.models:
             served = list(self.models)
             raise InvalidArgumentError("model", f"unknown model {name!r}; served: {served}")
         return self.models[name]
+
+
+def _same_tokens(a: ServedVersion, b: ServedVersion) -> bool:
+    """Whether token ids mean the same text in both versions."""
+    if a.vocab_size != b.vocab_size:
+        return False
+    if a.tokenizer is None or b.tokenizer is None:
+        return a.tokenizer is b.tokenizer
+    return bool(a.tokenizer.hf.to_str() == b.tokenizer.hf.to_str())
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,14 @@ class Router:
         )
         self.obs = Observer([r.name for r in config.regions])
         self.attempts = Attempts(
-            config, self.cluster, self.chooser, self.retries, self.obs, sink, self.unregister
+            config,
+            self.cluster,
+            self.chooser,
+            self.retries,
+            self.obs,
+            sink,
+            self.unregister,
+            self._heir,
         )
         self.lora = LoraAdmin(self.cluster, self.catalog, metrics=self.obs.metrics)
         self.finished: dict[str, int] = defaultdict(int)
@@ -161,6 +168,21 @@ class Router:
         """An instance died: forget it, and move every request it held elsewhere."""
         self.unregister(instance_id)
         self.attempts.instance_lost(instance_id)
+
+    def drain_timed_out(self, instance_id: str) -> int:
+        """A draining instance outlived its drain timeout: move every request it still
+        holds elsewhere, as a lost instance's (it still runs; each is aborted there as
+        it moves). How many moved."""
+        return self.attempts.move_off(instance_id, f"{instance_id} outlived its drain timeout")
+
+    def _heir(self, inp: CompletionInput) -> CompletionInput:
+        """A moving request's input: on its own version, or, once a rollout retired
+        that, on the version that took its traffic (:meth:`ModelCatalog.heir`)."""
+        heir = self.catalog.heir(inp.model)
+        if heir is None:
+            return inp
+        logger.info("request %s moves from %r to %s", inp.request_id, inp.model, heir.label)
+        return dataclasses.replace(inp, model=heir.key)
 
     def on_report(self, report: LoadReport) -> None:
         view = self.cluster.instances.get(report.instance_id)

@@ -53,6 +53,20 @@ def test_traffic_splits_by_share_and_a_version_is_immutable() -> None:
     assert {catalog.pick("tiny").version for _ in range(50)} == {"v2"}
 
 
+def test_a_retired_versions_requests_carry_on_on_the_version_that_took_its_traffic() -> None:
+    catalog = ModelCatalog()
+    catalog.add(version("tiny", "v1"))
+    catalog.add(version("tiny", "v2"))
+    catalog.add(ServedVersion("tiny", "v3", "tiny@v3", None, 99))  # another vocabulary
+    catalog.set_traffic("tiny", {"v1": 0.9, "v2": 0.1})  # a canary
+    assert catalog.heir("") is None and catalog.heir("tiny@v2") is None  # both take traffic
+    catalog.set_traffic("tiny", {"v2": 1.0})  # promoted: v1 retires
+    assert catalog.heir("").key == "tiny@v2"
+    assert catalog.heir("tiny@v2") is None
+    catalog.set_traffic("tiny", {"v3": 1.0})  # its tokens would mean other text
+    assert catalog.heir("tiny@v2") is None and catalog.heir("nope@v1") is None
+
+
 def test_outcomes_give_error_rate_and_p90s() -> None:
     outcomes = VersionOutcomes(window=100)
     for i in range(10):
