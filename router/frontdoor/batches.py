@@ -21,12 +21,22 @@ Files and batch records live under ``router.batch_dir``. A batch that was
 running when the router stopped is resumed when it starts again: lines already
 in its output are skipped, and a request that was in flight was cancelled with
 its connection, so none runs twice to completion. A key sees only its own
-files and batches; only a hash of the key is written down. The files a key
-files (its uploads and its batches' outputs) may hold at most
-``router.batch_quota_mb`` together: an upload over it is refused (a partial
-upload is removed), a batch is not started while the key is at its quota, and a
-running batch whose output reaches it sends no more lines and ends ``failed``
-(the lines it ran keep their results). A key cannot fill the router's disk.
+files and batches (listed from its own index, ``owners/<digest>/``); only a hash
+of the key is written down. The files a key files (its uploads and its batches'
+outputs) may hold at most ``router.batch_quota_mb`` together, counted in one
+ledger per key (:mod:`~pdserve.router.frontdoor.batch_store`) where every byte is
+reserved before it is written: an upload over it is refused (a partial upload is
+removed), a batch is not started while the key is at its quota, and a running
+batch whose next record does not fit sends no more lines and ends ``failed`` (the
+lines it ran keep their results). A key cannot fill the router's disk.
+
+An upload is checked line by line as it streams in
+(:mod:`~pdserve.router.frontdoor.batch_upload`) and refused at its first bad
+line; a key keeps at most ``router.batch_max_files`` files and runs at most
+``router.batch_max_running`` batches. Resuming at start-up runs in a task: a
+record that cannot be resumed is marked ``failed`` with the reason, and a batch
+already resumed ``MAX_RESUMES`` times is failed rather than run again, so no
+batch can keep the router from starting.
 """
 
 from __future__ import annotations
