@@ -17,6 +17,7 @@ naming the field and exit with status 2; nothing prints a traceback for them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -146,6 +147,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     prompts = args.prompt or ["Hello"]
     llm = LLM(args.model, **engine_kwargs(args))
+    names = [name for name, _ in llm.config.lora_adapters]
+    adapter = args.adapter if args.adapter is not None else (names[0] if len(names) == 1 else None)
+    if adapter is not None and adapter not in names:
+        raise InvalidArgumentError("--adapter", f"{adapter!r} is not a --lora name ({names})")
+    params = dataclasses.replace(params, lora=adapter)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -183,6 +189,12 @@ def build_parser(
     _add_engine_flags(gen)
     _add_sampling_flags(gen)
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument(
+        "--adapter",
+        default=None,
+        help="the --lora adapter the prompts run under (default: the only --lora given, "
+        "else the base model)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     from pdserve.bench.cli import BENCH_HELP, add_bench_parser

@@ -77,3 +77,26 @@ def test_an_abbreviated_flag_is_refused_not_read_as_another(capsys) -> None:  # 
             main(argv)
         assert stop.value.code == 2
         assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_generate_runs_the_prompts_under_the_lora_adapter_it_loads(
+    reference_models, tmp_path
+) -> None:
+    from tests.lora_adapters import ADAPTERS, make_adapter
+
+    base = reference_models("llama")
+    make_adapter(base, ADAPTERS[1], tmp_path / "all")
+    flags = ["generate", "--model", str(base), "--prompt", "Hello", "--max-tokens", "8"]
+    flags += ["--dtype", "float32"]
+
+    def output(*more: str) -> str:
+        proc = run(*flags, *more)
+        assert proc.returncode == 0, proc.stderr
+        return next(line for line in proc.stdout.splitlines() if "output:" in line)
+
+    plain = output()
+    lora = f"all={tmp_path / 'all'}"
+    assert output("--lora", lora) != plain  # the only adapter loaded is the one used
+    assert output("--lora", lora, "--adapter", "all") == output("--lora", lora)
+    proc = run(*flags, "--lora", lora, "--adapter", "sql")
+    assert proc.returncode == 2 and "--adapter" in proc.stderr and "Traceback" not in proc.stderr
