@@ -7,7 +7,7 @@ folder made 0700. A folder that exists and is ours is narrowed to 0700; one of
 another user is left as it is (``is_private_dir`` says whether to trust it).
 
     private_dir(path)             make path (0700) or narrow it; returns path
-    open_private(path, "wb")      a file object on a 0600 file, truncated
+    open_private(path, "wb")      a file object on a 0600 file, truncated ("a", "x" too)
     write_private(path, data)     path holds data whole or not at all (aside, then renamed)
     make_private(folder)          a folder written earlier narrowed: 0700, its files 0600
     is_private_dir(path)          ours and not group- or world-writable
@@ -73,11 +73,12 @@ def is_private_dir(path: str | Path) -> bool:
 
 def open_private(path: str | Path, mode: str = "wb", **kwargs: Any) -> IO[Any]:
     """``open(path, mode)`` for writing, on a file created 0600 (an existing one is made
-    0600 before anything is written). ``mode``: "w", "wb", "a", "ab"."""
-    if mode.rstrip("b") not in ("w", "a"):
-        raise ValueError(f"open_private writes: mode {mode!r} is not w, wb, a or ab")
+    0600 before anything is written). ``mode``: "w", "a" or "x" (must not exist), each
+    with or without "b"."""
+    if mode.rstrip("b") not in ("w", "a", "x"):
+        raise ValueError(f"open_private writes: mode {mode!r} is not w, a or x (+b)")
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    flags |= os.O_APPEND if mode.startswith("a") else os.O_TRUNC
+    flags |= {"a": os.O_APPEND, "w": os.O_TRUNC, "x": os.O_EXCL}[mode[0]]
     fd = os.open(path, flags, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)

@@ -23,23 +23,21 @@ Ordering relies on x86-64's total store order (the data stores are visible
 before the counter store after them), so the communicator is only offered
 there (:func:`shm_supported`); elsewhere groups stay on gloo.
 
-Waiting spins for a few tens of µs (a follower waiting for the next plan: up
-to 1 ms, the leader's work between two steps), then sleeps on a futex
-(:mod:`pdserve.parallel.futex`) on the lagging
-rank's counter (its low 32 bits), which that rank wakes after each store: a
-waiting rank gives its core back, which matters when ranks share cores with
-other processes, and wakes within microseconds. A peer whose process is gone, or a wait longer than the timeout, raises
-:class:`ShmCollectiveError` (a ``RuntimeError``, as gloo's failures are), and
-the communicator refuses every later call; so does every peer's wait, however
-patient, once a rank gave the group up (:meth:`ShmCommunicator.abort`).
+Waiting spins for a few tens of µs (a follower waiting for the next plan: up to 1 ms, the
+leader's work between two steps), then sleeps on a futex (:mod:`pdserve.parallel.futex`) on
+the lagging rank's counter (its low 32 bits), which that rank wakes after each store: a
+waiting rank gives its core back, which matters when ranks share cores with other processes,
+and wakes within microseconds. A peer whose process is gone, or a wait longer than the
+timeout, raises :class:`ShmCollectiveError` (a ``RuntimeError``, as gloo's failures are),
+and the communicator refuses every later call; so does every peer's wait, however patient,
+once a rank gave the group up (:meth:`ShmCommunicator.abort`).
 
-Set-up (:func:`open_group_shm`, collective over the group's gloo channel):
-every rank gathers a host key (hostname, boot id, pid namespace); if all keys
-match, the group's first rank creates the segment file (0600: only the user the
-ranks run as may map it) and broadcasts its path,
-the others map it, and all agree (a gloo MIN) that every rank attached. Then the
-creator unlinks the file: the memory lives exactly as long as some rank maps
-it, so nothing is left behind when a rank is killed.
+Set-up (:func:`open_group_shm`, collective over the group's gloo channel): every rank
+gathers a host key (hostname, boot id, pid namespace); if all keys match, the group's
+first rank creates the segment file (0600: only this user may map it) and broadcasts its
+path, the others map it, and all agree (a gloo MIN) that every rank attached. Then the
+creator unlinks the file: the memory lives exactly as long as some rank maps it, so
+nothing is left behind when a rank is killed.
 """
 
 from __future__ import annotations
@@ -63,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.core.env import env_switch
+from pdserve.core.private_files import open_private
 from pdserve.parallel.futex import FUTEX_WAIT, FUTEX_WAKE, Timespec, futex, process_alive
 
 logger = logging.getLogger(__name__)
@@ -136,17 +135,10 @@ class ShmCommunicator:
 
     @classmethod
     def create(cls, path: str, world: int, slot_bytes: int, timeout_s: float) -> ShmCommunicator:
-        """Create the segment file (zeroed, sparse; 0600 from its first moment, so no
-        process of another user opens it before its name is published) and map it as
-        rank 0."""
+        """Create the segment file (zeroed, sparse, 0600 from the start); map it as rank 0."""
         slot_bytes -= slot_bytes % LINE
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            os.ftruncate(fd, segment_bytes(world, slot_bytes))
-        finally:
-            os.close(fd)
+        with open_private(path, "xb") as f:
+            f.truncate(segment_bytes(world, slot_bytes))
         return cls(path, 0, world, slot_bytes, timeout_s)
 
     # -- collectives -------------------------------------------------------------
