@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -218,7 +219,7 @@ class TierStore:
         flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return flat.view(kv_cache.dtype).view(shape)
 
-    def _mac(self, fields: dict[str, object], payload: bytes) -> bytes:
+    def _mac(self, fields: Mapping[str, object], payload: bytes) -> bytes:
         """The keyed hash of a block's header fields and bytes."""
         mac = hashlib.blake2b(msgpack.packb(fields), key=self._mac_key, digest_size=32)
         mac.update(payload)
