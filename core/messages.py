@@ -124,6 +124,8 @@ class FirstToken:
     logprobs: TokenLogprobs | None = None  # when the request asked for them
     # Each prompt token's but the first, when the request asked (prompt_logprobs).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Leading prompt tokens the prefill found in its prefix cache (not computed).
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,9 @@ class TokenUpdate:
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     # With a request's first tokens, when this instance prefilled it and it asked.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # With a request's first tokens, when this instance prefilled it: the leading
+    # prompt tokens it found in its prefix cache (None: another instance prefilled it).
+    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

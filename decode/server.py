@@ -357,8 +357,10 @@ class DecodeServer:
 def _update(out: RequestOutput) -> TokenUpdate:
     comp = out.outputs[0]
     prompt = None  # with the first tokens of a prompt prefilled here, when asked for
-    if out.prompt_logprobs is not None and len(comp.token_ids) == len(out.new_token_ids):
+    first = len(comp.token_ids) == len(out.new_token_ids)
+    if out.prompt_logprobs is not None and first:
         prompt = [e for e in out.prompt_logprobs if e]  # (the first token's is None)
+    here = first and out.metrics.activated_time is None  # not a hand-off: prefilled here
     return TokenUpdate(
         out.request_id,
         out.new_token_ids,
@@ -368,4 +370,5 @@ def _update(out: RequestOutput) -> TokenUpdate:
         len(comp.token_ids),
         new_logprobs=out.new_logprobs,
         prompt_logprobs=prompt,
+        num_cached_tokens=out.metrics.num_cached_prompt_tokens if here else None,
     )

@@ -387,4 +387,5 @@ def _first_token(request: PrefillRequest, out: RequestOutput) -> FirstToken:
         phases,
         logprobs,
         prompt,
+        out.metrics.num_cached_prompt_tokens,
     )
