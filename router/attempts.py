@@ -132,8 +132,6 @@ class Attempts:
                 attempt.stream.take_prompt_logprobs(u.prompt_logprobs)
             if u.num_cached_tokens is not None:  # the decode instance prefilled it
                 attempt.stream.cached_prompt_tokens = u.num_cached_tokens
-            if u.num_cached_tokens is not None:  # the decode instance prefilled it
-                attempt.stream.cached_prompt_tokens = u.num_cached_tokens
             attempt.stream.add(
                 start,
                 u.new_token_ids,
@@ -199,7 +197,6 @@ class Attempts:
             decode.instance_id,
         )
         # Until the instance that prefills it says how much of the prompt it found cached.
-        # Until the instance that prefills it says how much of the prompt it found cached.
         stream.cached_prompt_tokens = reservation.num_cached_tokens
         if not reservation.local and prefill is not None:
             self._start_prefill(attempt, prefill, reservation)
@@ -235,7 +232,6 @@ class Attempts:
                 logprobs = None if first.logprobs is None else [first.logprobs]
                 if first.prompt_logprobs is not None:
                     attempt.stream.take_prompt_logprobs(first.prompt_logprobs)
-                attempt.stream.cached_prompt_tokens = first.num_cached_tokens
                 attempt.stream.cached_prompt_tokens = first.num_cached_tokens
                 attempt.stream.add(
                     attempt.offset, [first.token_id], reason, attempt.attempt_id, logprobs
