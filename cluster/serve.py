@@ -121,6 +121,15 @@ def auth_warning(config: ClusterConfig) -> str | None:
     )
 
 
+def wait_for_stop(stop: threading.Event | None = None) -> None:
+    """Block until ``stop`` is set or SIGINT or SIGTERM arrives (then the caller stops the
+    cluster itself, rather than Ray's handlers tearing the process down)."""
+    stop = stop or threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
 def serve(
     config: ClusterConfig, address: str, stop: threading.Event | None = None,
     capacity: CapacityModel | None = None,
@@ -139,10 +148,7 @@ def serve(
         f"ray       {ray.get_runtime_context().gcs_address} (pdserve status --ray-address ...)",
         flush=True,
     )
-    stop = stop or threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_stop(stop)
     print("pdserve: stopping", flush=True)
     ray.get(controller.stop.remote())
     ray.kill(controller)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from importlib import resources
@@ -198,7 +197,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Start the local two-region cluster, stream a few requests over gRPC, keep serving."""
     from pdserve.cluster.config import load_config
     from pdserve.cluster.connect import connect
-    from pdserve.cluster.serve import describe, start_controller
+    from pdserve.cluster.serve import describe, start_controller, wait_for_stop
 
     config = load_config(args.config or example_config(LOCAL_CONFIG))
     print(f"pdserve demo: {config.model} continues four Python prompts, streamed over gRPC;")
@@ -214,8 +213,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _stream_one(endpoints, prompt, regions[i % len(regions)], config.router.api_keys)
     if not args.once:
         print("serving; Ctrl-C to stop", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            threading.Event().wait()
+        wait_for_stop()
+        print("pdserve demo: stopping", flush=True)
     import ray
 
     ray.get(controller.stop.remote())

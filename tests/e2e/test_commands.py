@@ -137,6 +137,35 @@ def test_serve_status_scale_and_stop(tmp_path) -> None:
     assert proc.returncode == 0 and "pdserve: stopping" in out
 
 
+def test_demo_streams_then_serves_until_sigterm_and_stops_cleanly(tmp_path) -> None:
+    config, _ = config_with_ports(tmp_path)
+    proc = subprocess.Popen(
+        [str(BIN / "pdserve"), "demo", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        while not any("serving; Ctrl-C to stop" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "pdserve demo exited: " + "".join(lines)
+            lines.append(line)
+        assert sum("TTFT" in line for line in lines) == 4  # each prompt streamed
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    # pdserve stops its cluster itself: no stack lines from Ray's crash handler
+    assert proc.returncode == 0 and "pdserve demo: stopping" in out, out[-3000:]
+    assert "Traceback" not in out and "SIGTERM received" not in out, out[-3000:]
+
+
 def test_bad_config_names_the_line(tmp_path) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text(
