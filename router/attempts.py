@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +91,7 @@ class Attempts:
         obs: Observer,
         sink: Any,
         unregister: Callable[[str], None],
-        heir: Callable[[CompletionInput], CompletionInput] = lambda inp: inp,
+        place_moved: Callable[[CompletionInput], Awaitable[tuple[CompletionInput, Choice]]],
     ) -> None:
         self.config = config
         self.cluster = cluster
@@ -100,7 +100,9 @@ class Attempts:
         self.obs = obs
         self.sink = sink  # the router's actor handle: decode instances push tokens to it
         self.unregister = unregister
-        self.heir = heir  # where a moving request goes once its version is retired
+        # Where a moving request goes: its version (the one that took its traffic once
+        # a rollout retired its own) and a pair, after a wait for its region to start one.
+        self.place_moved = place_moved
         self.live: dict[str, Attempt] = {}
         self.hedged = 0
         self.migrations = 0
@@ -298,15 +300,14 @@ class Attempts:
             max_tokens=stream.params.max_tokens - done,
             min_tokens=max(0, stream.params.min_tokens - done),
         )
-        inp = self.heir(
-            dataclasses.replace(
-                original, prompt_token_ids=stream.prompt_token_ids + stream.tokens, params=params
-            )
+        inp = dataclasses.replace(
+            original, prompt_token_ids=stream.prompt_token_ids + stream.tokens, params=params
         )
         deadline = time.monotonic() + self.config.migration_wait_s
         while not stream.finished:  # a client that left ends the retries
             try:
-                await self.launch(stream, inp, self.chooser.choose(inp), done)
+                moved, choice = await self.place_moved(inp)
+                await self.launch(stream, moved, choice, done)
                 return
             except (OverloadedError, InstanceFailedError) as e:
                 if time.monotonic() >= deadline:

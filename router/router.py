@@ -110,7 +110,7 @@ class Router:
             self.obs,
             sink,
             self.unregister,
-            self._heir,
+            self._place_moved,
         )
         self.lora = LoraAdmin(self.cluster, self.catalog, metrics=self.obs.metrics)
         self.finished: dict[str, int] = defaultdict(int)
@@ -175,14 +175,16 @@ class Router:
         it moves). How many moved."""
         return self.attempts.move_off(instance_id, f"{instance_id} outlived its drain timeout")
 
-    def _heir(self, inp: CompletionInput) -> CompletionInput:
-        """A moving request's input: on its own version, or, once a rollout retired
-        that, on the version that took its traffic (:meth:`ModelCatalog.heir`)."""
+    async def _place_moved(self, inp: CompletionInput) -> tuple[CompletionInput, Choice]:
+        """Where a moving request goes: its own version, or, once a rollout retired
+        that, the version that took its traffic (:meth:`ModelCatalog.heir`); a region
+        left with no instance (scaled to zero) starts one while it waits, as a new
+        request does (:meth:`_choose`)."""
         heir = self.catalog.heir(inp.model)
-        if heir is None:
-            return inp
-        logger.info("request %s moves from %r to %s", inp.request_id, inp.model, heir.label)
-        return dataclasses.replace(inp, model=heir.key)
+        if heir is not None:
+            logger.info("request %s moves from %r to %s", inp.request_id, inp.model, heir.label)
+            inp = dataclasses.replace(inp, model=heir.key)
+        return inp, await self._choose(inp)
 
     def on_report(self, report: LoadReport) -> None:
         view = self.cluster.instances.get(report.instance_id)

@@ -126,3 +126,49 @@ def test_a_stream_with_no_token_for_its_idle_timeout_fails() -> None:
     s = RequestStream("c.1", [1, 2, 3], SamplingParams(), None, idle_timeout_s=0.05)
     with pytest.raises(StreamFailed, match=r"no token for 0\.05 s"):
         asyncio.run(_drain(s))
+
+
+def test_a_drain_timeout_moves_a_request_and_aborts_it_there_without_counting_a_loss() -> None:
+    d1, d2 = decode("d1"), decode("d2")
+    router = router_with(RouterConfig(auth_disabled=True, max_migrations=3), d1=d1, d2=d2)
+
+    async def run() -> RequestStream:
+        s = stream()
+        await router.attempts.launch(s, INPUT, router.chooser.choose(INPUT), 0)
+        for _ in range(2):  # a lost instance's request is quarantined at the second move
+            (attempt,) = router.attempts.live.values()
+            assert attempt.decode is not None
+            router.set_draining(attempt.decode.instance_id, True)
+            assert router.drain_timed_out(attempt.decode.instance_id) == 1
+            await asyncio.sleep(0.2)
+            router.set_draining(attempt.decode.instance_id, False)
+        return s
+
+    s = asyncio.run(run())
+    (attempt,) = router.attempts.live.values()
+    assert not s.finished and s.instance_losses == 0 and s.migrations == 2
+    assert attempt.attempt_id == "c.1#2" and attempt.decode is not None
+    aborted = [args[0] for args in d1.called("abort") + d2.called("abort")]
+    assert sorted(aborted) == ["c.1", "c.1#1"]  # each attempt aborted where it was left
+
+
+def test_a_request_moved_off_a_region_drained_to_zero_waits_for_its_cold_start() -> None:
+    router = router_with(RouterConfig(auth_disabled=True), d1=decode("d1"))
+    asked: list[tuple[str, tuple[str, ...]]] = []
+    router.cold.demand = lambda region, roles: asked.append((region, roles))
+
+    async def run() -> RequestStream:
+        s = stream()
+        await router.attempts.launch(s, INPUT, router.chooser.choose(INPUT), 0)
+        router.set_draining("d1", True)  # scaled to zero: the last decode drains
+        assert router.drain_timed_out("d1") == 1
+        await asyncio.sleep(0.2)
+        assert asked == [("local", ("decode",))] and not router.attempts.live
+        router.unregister("d1")
+        router.register(InstanceInfo("d2", "decode", "local", decode("d2"), 16, 4096))
+        await asyncio.sleep(0.2)
+        return s
+
+    s = asyncio.run(run())
+    (attempt,) = router.attempts.live.values()
+    assert not s.finished and attempt.decode is not None and attempt.decode.instance_id == "d2"
