@@ -1,8 +1,8 @@
 """Run the pytest suite in two lanes at once (``make pytest``; ``make test`` adds mypy).
 
 Tests that start Ray or a whole cluster (marked ``cluster`` by tests/conftest.py)
-run one after another in one pytest process, then README's examples (marked
-``readme``) in another; every other test runs in a second
+run one after another in one pytest process, then README's serving examples
+(marked ``readme``) in another; every other test runs in a second
 process beside it. Two clusters at once on a two-core machine slow each other
 past their deadlines (a run that gave the second lane the Ray tests without
 deadlines, after its unit tests, took as long in all and failed a start
@@ -26,9 +26,9 @@ import threading
 import time
 
 LANES = {"cluster": "cluster and not readme", "rest": "not cluster"}  # name -> marker expression
-# README's examples run after the cluster lane's tests, when no Ray of its own runs:
-# `pdserve serve` joins any Ray found on the machine, as Ray's "auto" address does.
-README = "readme"
+# README's serving examples run after the cluster lane's tests, when no Ray of its own
+# runs: `pdserve serve` joins any Ray found on the machine, as Ray's "auto" address does.
+README_SERVING = "cluster and readme"
 NO_TESTS = 5  # pytest's exit status when a lane selected nothing
 
 
@@ -51,7 +51,7 @@ def lane_commands(args: list[str]) -> dict[str, list[list[str]]]:
             raise SystemExit("--typecheck needs a module prefix, e.g. pdserve")
         typecheck, args = [[sys.executable, "-m", "tests.typecheck", args[1]]], args[2:]
     pytest = {name: [sys.executable, "-m", "pytest", "-m", m, *args] for name, m in LANES.items()}
-    readme = [sys.executable, "-m", "pytest", "-m", README, *args]
+    readme = [sys.executable, "-m", "pytest", "-m", README_SERVING, *args]
     return {"cluster": [pytest["cluster"], readme], "rest": [*typecheck, pytest["rest"]]}
 
 

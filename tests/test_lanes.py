@@ -11,7 +11,7 @@ def test_typecheck_heads_the_rest_lane_and_pytest_gets_the_other_arguments() -> 
     lanes = lane_commands(["--typecheck", "pdserve", "-q", "-x"])
     assert lanes["cluster"] == [
         [sys.executable, "-m", "pytest", "-m", "cluster and not readme", "-q", "-x"],
-        [sys.executable, "-m", "pytest", "-m", "readme", "-q", "-x"],
+        [sys.executable, "-m", "pytest", "-m", "cluster and readme", "-q", "-x"],
     ]
     typecheck, pytest = lanes["rest"]
     assert typecheck == [sys.executable, "-m", "tests.typecheck", "pdserve"]

@@ -17,6 +17,9 @@ the line before a block says how to take it:
 - ``<!-- readme: server -->``: a shell block whose first line serves until it
   is stopped: it is started, the other lines run once it says it serves, then it
   gets SIGTERM and must stop cleanly (exit 0, no traceback).
+
+`make test` runs the blocks in the lane of the tests that start no cluster (each
+block's Ray is its own), and the serving blocks after the cluster lane's tests.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SHELL = {"", "bash", "sh", "shell"}
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 MARK = re.compile(r"<!-- readme: (skip: .+?|long|continues|server) -->\s*$")
@@ -156,8 +159,12 @@ def serve_and_run(block: Block, cwd: Path) -> None:
     assert "Traceback" not in log, log[-3000:]
 
 
+def ids(block: Block) -> str:
+    return block.name
+
+
 @pytest.mark.timeout(BLOCK_LIMIT_S * 3)
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.mark != "server"], ids=ids)
 def test_readme_block_runs_as_written(block: Block, scratch: Path) -> None:
     if block.mark and block.mark.startswith("skip: "):
         pytest.skip(block.mark.removeprefix("skip: "))
@@ -165,11 +172,18 @@ def test_readme_block_runs_as_written(block: Block, scratch: Path) -> None:
         pytest.skip("runs for minutes: `make readme` runs it")
     if block.lang == "python":
         check(run([sys.executable, "-c", python_source(block)], scratch), block.name)
-    elif block.mark == "server":
-        serve_and_run(block, scratch)
     else:
         for command in commands(block.code):
             check(run(["bash", "-c", command], scratch), command)
+
+
+# `pdserve serve` joins any Ray it finds on the machine (Ray's "auto" address): make
+# test runs these once the cluster lane's own Ray is gone (tests/lanes.py).
+@pytest.mark.cluster
+@pytest.mark.timeout(BLOCK_LIMIT_S * 3)
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.mark == "server"], ids=ids)
+def test_readme_serving_block_runs_as_written(block: Block, scratch: Path) -> None:
+    serve_and_run(block, scratch)
 
 
 def test_every_block_is_found_and_marks_are_known() -> None:
