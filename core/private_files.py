@@ -48,12 +48,15 @@ def make_private(folder: str | Path) -> Path:
     folder = Path(folder)
     me = os.geteuid()
     for path in (folder, *folder.rglob("*")):
-        st = path.lstat()
-        if st.st_uid != me or stat.S_ISLNK(st.st_mode):
-            continue
-        mode = DIR_MODE if stat.S_ISDIR(st.st_mode) else FILE_MODE
-        if stat.S_IMODE(st.st_mode) != mode:
-            path.chmod(mode)
+        try:
+            st = path.lstat()
+            if st.st_uid != me or stat.S_ISLNK(st.st_mode):
+                continue
+            mode = DIR_MODE if stat.S_ISDIR(st.st_mode) else FILE_MODE
+            if stat.S_IMODE(st.st_mode) != mode:
+                path.chmod(mode)
+        except FileNotFoundError:
+            continue  # renamed or removed meanwhile by another process
     return folder
 
 

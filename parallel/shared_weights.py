@@ -56,7 +56,13 @@ from torch import nn
 
 from pdserve.core.builtin_models import cache_dir as builtin_cache_dir
 from pdserve.core.env import env_switch
-from pdserve.core.private_files import is_private_dir, open_private, private_dir, write_private
+from pdserve.core.private_files import (
+    is_private_dir,
+    make_private,
+    open_private,
+    private_dir,
+    write_private,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +120,7 @@ def _manifest(model: nn.Module) -> list[dict[str, Any]]:
 def _private_cache() -> bool:
     folder = cache_dir()
     try:
-        private_dir(folder)
+        make_private(private_dir(folder))  # files an older pdserve wrote 0644 narrowed too
     except OSError as e:
         logger.warning("weights cache %s unusable (%s): loading without it", folder, e)
         return False
