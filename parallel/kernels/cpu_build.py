@@ -122,9 +122,10 @@ def load_trusted(folder: Path, name: str, digest: str | None = None) -> ctypes.C
     # the library it loaded under it, so the number must not name another one later.
     try:
         return ctypes.CDLL(f"/proc/self/fd/{fd}")
-    except OSError:
+    except OSError as e:  # e.g. a folder on a noexec mount: the torch kernels serve
         os.close(fd)
-        raise
+        logger.warning("cannot load kernel library %s: %s", folder / name, e)
+        return None
 
 
 def _sha256(fd: int) -> str:
