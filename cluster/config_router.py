@@ -59,9 +59,10 @@ def router_config(
                 RegionSpec(name, {k: v / 1000 for k, v in latency_ms.items()})
                 for name, latency_ms in regions
             ),
-            api_keys=tuple(key for key, _, _ in keys),
-            api_key_priorities=tuple((k, p) for k, p, _ in keys if p is not None),
-            api_key_admins=tuple(k for k, _, admin in keys if admin),
+            api_keys=tuple(key for key, *_ in keys),
+            api_key_priorities=tuple((k, p) for k, p, *_ in keys if p is not None),
+            api_key_admins=tuple(k for k, _, admin, _ in keys if admin),
+            api_key_tenants=tuple((k, t) for k, *_, t in keys if t is not None),
             # typed: bool("false") is True, and a quoted "false" turned auth off
             auth_disabled=typed(auth.get("disabled", False), bool, "auth.disabled", lines),
             ttft_slo_s=typed(slo.get("ttft_ms", 2000), float, "slo.ttft_ms", lines) / 1000,

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.router.frontdoor.auth import check_keys
 
 
 class Lines:
@@ -139,25 +140,38 @@ def typed_map(
     }
 
 
-def api_key_entries(auth: dict[str, Any], lines: Lines) -> list[tuple[str, int | None, bool]]:
-    """``auth.api_keys``: each a key, or ``{key: ..., priority: N, admin: true}`` (a
-    default priority; whether it may load and unload adapters): (key, priority, admin)."""
-    out: list[tuple[str, int | None, bool]] = []
+def api_key_entries(
+    auth: dict[str, Any], lines: Lines
+) -> list[tuple[str, int | None, bool, str | None]]:
+    """``auth.api_keys``: each a key, or ``{key: ..., priority: N, admin: true, tenant:
+    name}`` (a default priority; whether it may load and unload adapters; the
+    prefix-cache tenant it shares with the keys naming the same one, else its own):
+    (key, priority, admin, tenant). An empty or repeated key is refused."""
+    out: list[tuple[str, int | None, bool, str | None]] = []
+    known = ("key", "priority", "admin", "tenant")
     for i, entry in enumerate(get_list(auth, "api_keys", lines)):
         where = f"auth.api_keys[{i}]"
         if isinstance(entry, str):
-            out.append((entry, None, False))
-            continue
-        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
-            raise lines.error(where, "must be a key, or a mapping with key, priority and admin")
-        unknown = set(entry) - {"key", "priority", "admin"}
-        if unknown:
+            out.append((entry, None, False, None))
+        elif not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
+            raise lines.error(where, f"must be a key, or a mapping with {', '.join(known)}")
+        elif unknown := set(entry) - set(known):
             raise lines.error(
-                where, f"unknown fields {sorted(unknown)} (known: key, priority, admin)"
+                where, f"unknown fields {sorted(unknown)} (known: {', '.join(known)})"
             )
-        priority = entry.get("priority")
-        if priority is not None:
-            priority = typed(priority, int, f"{where}.priority", lines)
-        admin = typed(entry.get("admin", False), bool, f"{where}.admin", lines)
-        out.append((entry["key"], priority, admin))
+        else:
+            priority = entry.get("priority")
+            if priority is not None:
+                priority = typed(priority, int, f"{where}.priority", lines)
+            admin = typed(entry.get("admin", False), bool, f"{where}.admin", lines)
+            tenant = entry.get("tenant")
+            if tenant is not None:
+                tenant = typed(tenant, str, f"{where}.tenant", lines)
+                if not tenant.strip():
+                    raise lines.error(f"{where}.tenant", "must be a non-empty name")
+            out.append((entry["key"], priority, admin, tenant))
+    try:
+        check_keys("auth.api_keys", tuple(key for key, *_ in out))
+    except InvalidArgumentError as e:
+        raise lines.error(e.field, e.message) from None
     return out

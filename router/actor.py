@@ -67,7 +67,11 @@ class RouterActor:
         has_tokenizer = (Path(model_path) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(model_path) if has_tokenizer else None
         self.keys = ApiKeys(
-            config.api_keys, config.auth_disabled, config.api_key_priorities, config.api_key_admins
+            config.api_keys,
+            config.auth_disabled,
+            config.api_key_priorities,
+            config.api_key_admins,
+            config.api_key_tenants,
         )
         self.router: Router | None = None
         self._servers: list[Any] = []

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.router.frontdoor.auth import check_keys
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class RouterConfig:
         that key when the request sets none.
     api_key_admins: keys that may also load and unload LoRA adapters at runtime
         (more come from ``$PDSERVE_ADMIN_API_KEYS``); other keys only send requests.
+    api_key_tenants: (key, tenant name) pairs: keys naming the same tenant share
+        their prefix cache; any other key is a tenant of its own, whose cached
+        prompts no other key's requests hit (nor learn of through ``cached_tokens``).
     auth_disabled: serve without keys (local use only; must be said explicitly).
     ttft_slo_s, tpot_slo_s: the service-level objectives.
     max_inflight_per_region: admission ceiling of requests in flight per region.
@@ -111,6 +115,7 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     api_key_priorities: tuple[tuple[str, int], ...] = ()
     api_key_admins: tuple[str, ...] = ()
+    api_key_tenants: tuple[tuple[str, str], ...] = ()
     auth_disabled: bool = False
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.2
@@ -148,6 +153,8 @@ class RouterConfig:
     max_restarts: int = 3
 
     def __post_init__(self) -> None:
+        check_keys("auth.api_keys", self.api_keys)  # "" is what an unset variable becomes
+        check_keys("auth.api_key_admins", self.api_key_admins)
         if not self.regions:
             raise InvalidArgumentError("regions", "at least one region is needed")
         names = [r.name for r in self.regions]

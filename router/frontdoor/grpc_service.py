@@ -32,6 +32,7 @@ from pdserve.router.frontdoor.requests import (
     off_loop,
     prompt_tokens,
     sampling_params,
+    with_cache_salt,
     with_priority,
 )
 from pdserve.router.frontdoor.tls import grpc_credentials
@@ -118,7 +119,8 @@ class CompletionService(pb_grpc.CompletionServicer):
 
     def _parse(self, request: pb.CompletionRequest | Malformed, context: Any) -> CompletionInput:
         meta = _metadata(context)
-        key_priority = self.keys.check(meta.get("authorization"))
+        caller = self.keys.caller(meta.get("authorization"))
+        key_priority = caller.priority
         if isinstance(request, Malformed):
             raise InvalidArgumentError("request", f"not a valid CompletionRequest: {request.error}")
         version, lora = self.router.resolve(request.model or self.router.config.model_name)
@@ -137,6 +139,8 @@ class CompletionService(pb_grpc.CompletionServicer):
         asked = sampling is not None and sampling.HasField("max_tokens")
         params = fit_context(params, len(ids), max_len, asked)
         params = dataclasses.replace(params, lora=lora)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        params = with_cache_salt(params, caller.tenant, salt)
         if "x-pdserve-priority" in meta:
             params = with_priority(params, meta["x-pdserve-priority"])
         elif key_priority is not None:

@@ -46,7 +46,7 @@ from pdserve.router.frontdoor.openai_fields import (
     check_fields,
     response_schema,
 )
-from pdserve.router.frontdoor.request_keys import ADMITTED, BODY_BYTES, KEY_PRIORITY
+from pdserve.router.frontdoor.request_keys import ADMITTED, BODY_BYTES, KEY_PRIORITY, KEY_TENANT
 from pdserve.router.frontdoor.requests import (
     SAMPLING_FIELDS,
     capped_priority,
@@ -56,6 +56,7 @@ from pdserve.router.frontdoor.requests import (
     openai_models,
     prompt_tokens,
     sampling_params,
+    with_cache_salt,
 )
 from pdserve.router.frontdoor.sse import DONE, ResponseShape, event
 from pdserve.router.frontdoor.tls import ssl_context
@@ -112,7 +113,8 @@ class HttpApi:
             return error_response(e)
 
     async def _body(self, request: web.Request, allowed: set[str]) -> dict[str, Any]:
-        request[KEY_PRIORITY] = self.keys.check(request.headers.get("Authorization"))
+        caller = self.keys.caller(request.headers.get("Authorization"))
+        request[KEY_PRIORITY], request[KEY_TENANT] = caller.priority, caller.tenant
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise InvalidArgumentError("body", f"larger than {self.max_body_bytes} bytes")
         raw = await request.read()
@@ -171,6 +173,7 @@ class HttpApi:
         if echoed(body, chat) and params.logprobs is not None:  # the prompt's logprobs too
             params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         params = dataclasses.replace(params, lora=lora)
+        params = with_cache_salt(params, request.get(KEY_TENANT), body.get("cache_salt"))
         region = body.get("region") or request.headers.get("X-PDServe-Region")
         return completion_input(ids, params, region, body.get("request_id"), version)
 

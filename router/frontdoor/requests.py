@@ -13,8 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.core.sampling_params import SamplingParams, check_text
+from pdserve.core.sampling_params import SamplingParams, check_cache_salt, check_text
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.router.frontdoor.auth import cache_salt
 from pdserve.router.models import ServedVersion
 from pdserve.router.placement import CompletionInput
 
@@ -117,6 +118,13 @@ def capped_priority(params: SamplingParams, key_priority: int | None) -> Samplin
     if key_priority is None or params.priority <= key_priority:
         return params
     return dataclasses.replace(params, priority=key_priority)
+
+
+def with_cache_salt(params: SamplingParams, tenant: str | None, asked: Any) -> SamplingParams:
+    """``params`` in the prefix-cache tenant of the caller's key (None: auth is off),
+    salted again by the ``cache_salt`` the request names (as vLLM's; None: none)."""
+    check_cache_salt("cache_salt", asked)
+    return dataclasses.replace(params, cache_salt=cache_salt(tenant, asked))
 
 
 def prompt_tokens(

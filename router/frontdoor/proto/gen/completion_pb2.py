@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/completion.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xff\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\nmin_tokens\x18\t \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12>\n\nlogit_bias\x18\x0b \x03(\x0b\x32*.pdserve.v1.SamplingOptions.LogitBiasEntry\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12\x18\n\x0bjson_schema\x18\x0f \x01(\tH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_json_schema\"\xc2\x01\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x0e\n\x06region\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xba\x01\n\x0f\x43ompletionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xbd\x01\n\x12\x43ompletionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model2\xee\x01\n\nCompletion\x12H\n\x08Generate\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1b.pdserve.v1.CompletionChunk0\x01\x12I\n\x08\x43omplete\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1e.pdserve.v1.CompletionResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/completion.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xff\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\nmin_tokens\x18\t \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12>\n\nlogit_bias\x18\x0b \x03(\x0b\x32*.pdserve.v1.SamplingOptions.LogitBiasEntry\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12\x18\n\x0bjson_schema\x18\x0f \x01(\tH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_json_schema\"\xea\x01\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x0e\n\x06region\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_cache_salt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xba\x01\n\x0f\x43ompletionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xbd\x01\n\x12\x43ompletionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model2\xee\x01\n\nCompletion\x12H\n\x08Generate\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1b.pdserve.v1.CompletionChunk0\x01\x12I\n\x08\x43omplete\x12\x1d.pdserve.v1.CompletionRequest\x1a\x1e.pdserve.v1.CompletionResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=490
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=538
   _globals['_COMPLETIONREQUEST']._serialized_start=711
-  _globals['_COMPLETIONREQUEST']._serialized_end=905
-  _globals['_TOPLOGPROB']._serialized_start=907
-  _globals['_TOPLOGPROB']._serialized_end=954
-  _globals['_TOKENLOGPROB']._serialized_start=956
-  _globals['_TOKENLOGPROB']._serialized_end=1042
-  _globals['_USAGE']._serialized_start=1044
-  _globals['_USAGE']._serialized_end=1131
-  _globals['_COMPLETIONCHUNK']._serialized_start=1134
-  _globals['_COMPLETIONCHUNK']._serialized_end=1320
-  _globals['_COMPLETIONRESPONSE']._serialized_start=1323
-  _globals['_COMPLETIONRESPONSE']._serialized_end=1512
-  _globals['_LISTMODELSREQUEST']._serialized_start=1514
-  _globals['_LISTMODELSREQUEST']._serialized_end=1533
-  _globals['_MODEL']._serialized_start=1535
-  _globals['_MODEL']._serialized_end=1595
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1597
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1652
-  _globals['_COMPLETION']._serialized_start=1655
-  _globals['_COMPLETION']._serialized_end=1893
+  _globals['_COMPLETIONREQUEST']._serialized_end=945
+  _globals['_TOPLOGPROB']._serialized_start=947
+  _globals['_TOPLOGPROB']._serialized_end=994
+  _globals['_TOKENLOGPROB']._serialized_start=996
+  _globals['_TOKENLOGPROB']._serialized_end=1082
+  _globals['_USAGE']._serialized_start=1084
+  _globals['_USAGE']._serialized_end=1171
+  _globals['_COMPLETIONCHUNK']._serialized_start=1174
+  _globals['_COMPLETIONCHUNK']._serialized_end=1360
+  _globals['_COMPLETIONRESPONSE']._serialized_start=1363
+  _globals['_COMPLETIONRESPONSE']._serialized_end=1552
+  _globals['_LISTMODELSREQUEST']._serialized_start=1554
+  _globals['_LISTMODELSREQUEST']._serialized_end=1573
+  _globals['_MODEL']._serialized_start=1575
+  _globals['_MODEL']._serialized_end=1635
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1637
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1692
+  _globals['_COMPLETION']._serialized_start=1695
+  _globals['_COMPLETION']._serialized_end=1933
 # @@protoc_insertion_point(module_scope)
