@@ -47,7 +47,7 @@ from typing import Any
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.planner import PlannerPolicy
 from pdserve.cluster.proactive import make_planner
-from pdserve.core.errors import OverloadedError
+from pdserve.core.errors import InvalidArgumentError, OverloadedError
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission, RetryBudget
@@ -63,7 +63,7 @@ from pdserve.sim.instance import TOKEN, SimInstance
 from pdserve.sim.jitter import Jitter
 from pdserve.sim.metrics import RegionWindow
 from pdserve.sim.options import SimOptions, SimRun, long_lived_heap
-from pdserve.sim.profile import Profile
+from pdserve.sim.profile import MAX_SECONDS, Profile
 from pdserve.sim.reserve import decode_order, prefills_locally, reserve
 from pdserve.sim.results import Recorder, refusal
 from pdserve.sim.scaling import SimScaling
@@ -357,6 +357,13 @@ class SimCluster:
         profile = self.profiles[prefill.instance_id]
         sent = max(0, track.prompt_len - track.cached_on_decode) * profile.kv_bytes_per_token
         delay = profile.transfer(self.config.connector).time(sent)
+        if delay > MAX_SECONDS:  # a model out of range would run for ever
+            raise InvalidArgumentError(
+                "connectors",
+                f"{prefill.instance_id}: the hand-off of {sent} bytes takes {delay:.3g} s, past "
+                f"the {MAX_SECONDS:g} s a simulated one may take: check the transfer model of "
+                "the profile of its layout",
+            )
         self.queue.push(self.clock.now() + delay, "handoff", f"r{track.index}")
 
     def _on_handoff(self, rid: str) -> None:

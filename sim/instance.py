@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 
 from pdserve.core.config import SchedulerConfig
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import LoadReport
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.step import StepPlan
@@ -43,7 +44,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.scheduler import Scheduler
 from pdserve.router.state import InstanceView
 from pdserve.sim.jitter import Jitter
-from pdserve.sim.profile import StepFeatures, StepModel
+from pdserve.sim.profile import MAX_SECONDS, StepFeatures, StepModel
 
 TOKEN = 7  # every simulated sampled token (never an EOS: requests set ignore_eos)
 EMA = 0.2  # weight of the newest step in the reported mean step time
@@ -165,6 +166,14 @@ class SimInstance:
             duration = model.live_time(StepFeatures.of(rows), cold, shared)
         else:
             duration = model.decode_run_time(self._seqs, self._context, steps)
+        if duration > MAX_SECONDS * steps:  # a model out of range would run for ever
+            raise InvalidArgumentError(
+                "step",
+                f"{self.instance_id}: a step of {sum(len(s.token_ids) for s in plan.seqs)} "
+                f"new tokens over {self._context} cached takes {duration / steps:.3g} s, past "
+                f"the {MAX_SECONDS:g} s a simulated step may take: check the step model of "
+                "the profile of its layout",
+            )
         if self._jitter.sigma:
             elapsed = now - self._idle_since + self._quiet  # the quiet time since the last start
             self._factor, self._quiet = self._jitter.factor(elapsed), duration

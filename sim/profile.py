@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import numbers
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,70 @@ from pdserve.transfer import resolve_connector
 
 COMBINES = ("sum", "max")
 SOURCES = ("measured", "analytic")
+PHASES = ("prefill", "decode")
+DTYPES = ("float32", "bfloat16", "float16")
 PROFILE_VERSION = 1
+# Bounds on a profile's values: past them a file is refused, not simulated. A time
+# (a step's or a hand-off's parts, and one simulated step or hand-off as a whole) is at
+# most an hour, so a simulation's virtual time, and the planner's ticks across it, stay
+# bounded: a coefficient of 1e30 s once ran the event loop for ever.
+MAX_SECONDS = 3600.0
+MAX_FACTOR = 100.0  # a cold or shared step's extra time, in times its own
+MAX_JITTER = 2.0  # sd of a step's log time (fitted ones are 0.05-0.5)
+MAX_COUNT = 1 << 40  # tokens, bytes, features of a sample
+MAX_DIM = 1 << 24  # a model's layers, widths, heads, vocabulary, experts
+MAX_RANKS = 1 << 12  # tensor or pipeline parallel size
+
+
+def check_number(
+    name: str, value: object, hi: float = MAX_SECONDS, lo: float = 0.0, above: bool = False
+) -> None:
+    """Raise InvalidArgumentError naming ``name`` unless ``value`` is a finite real in
+    ``[lo, hi]`` (``(lo, hi]`` where ``above``); a bool is not a number here."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(name, f"must be a number, got {_shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float: out of range either way
+        raise InvalidArgumentError(
+            name, f"must be in [{lo:g}, {hi:g}], got {_shown(value)}"
+        ) from None
+    if not math.isfinite(number):
+        raise InvalidArgumentError(name, f"must be finite, got {_shown(value)}")
+    if number < lo or (above and number == lo):
+        raise InvalidArgumentError(
+            name, f"must be {'>' if above else '>='} {lo:g}, got {_shown(value)}"
+        )
+    if number > hi:
+        raise InvalidArgumentError(name, f"must be at most {hi:g}, got {_shown(value)}")
+
+
+def check_int(name: str, value: object, hi: int, lo: int = 1) -> None:
+    """Raise InvalidArgumentError naming ``name`` unless ``value`` is an integer in ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(name, f"must be an integer, got {_shown(value)}")
+    if not lo <= int(value) <= hi:
+        raise InvalidArgumentError(name, f"must be in [{lo}, {hi}], got {_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to a length an error line can carry."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python will print
+        return "an integer too long to print"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _key(name: str) -> str:
+    """A key of a file as an error's field names it: quoted unless a plain word."""
+    return name if name.isidentifier() and len(name) <= 40 else _shown(name)
+
+
+def check_str(name: str, value: object, choices: tuple[str, ...] = ()) -> None:
+    if not isinstance(value, str) or (choices and value not in choices):
+        want = f"one of {choices}" if choices else "a string"
+        raise InvalidArgumentError(name, f"must be {want}, got {_shown(value)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,18 +153,14 @@ class StepModel:
     jitter_s: float = 0.0  # and how long a deviation lasts (correlation time)
 
     def __post_init__(self) -> None:
-        if self.combine not in COMBINES:
-            raise InvalidArgumentError("step.combine", f"must be one of {COMBINES}")
-        for name in ("overhead_s", "s_per_token", "s_per_attn", "weights_s", "s_per_ctx",
-                     "cold_compute", "cold_factor", "cold_after_s", "shared_compute",
-                     "shared_factor", "jitter", "jitter_s"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise InvalidArgumentError(f"step.{name}", f"must be a number >= 0, got {value!r}")
-        if not isinstance(self.s_per_seq, (int, float)) or not math.isfinite(self.s_per_seq):
-            raise InvalidArgumentError(
-                "step.s_per_seq", f"must be a number, got {self.s_per_seq!r}"
-            )
+        check_str("step.combine", self.combine, COMBINES)
+        for name in ("overhead_s", "weights_s", "cold_after_s", "jitter_s"):  # seconds
+            check_number(f"step.{name}", getattr(self, name))
+        for name in ("s_per_token", "s_per_attn", "s_per_ctx", "s_per_seq"):  # per unit
+            check_number(f"step.{name}", getattr(self, name))
+        for name in ("cold_compute", "cold_factor", "shared_compute", "shared_factor"):
+            check_number(f"step.{name}", getattr(self, name), MAX_FACTOR)
+        check_number("step.jitter", self.jitter, MAX_JITTER)
 
     def time(self, f: StepFeatures) -> float:
         compute = self.s_per_token * f.new_tokens + self.s_per_attn * f.attn
@@ -194,13 +254,22 @@ class TransferModel:
     bytes_per_s: float
 
     def __post_init__(self) -> None:
-        if self.latency_s < 0:
-            raise InvalidArgumentError("connectors.latency_s", "must be >= 0")
-        if not self.bytes_per_s > 0:
-            raise InvalidArgumentError("connectors.bytes_per_s", "must be > 0")
+        check_number("connectors.latency_s", self.latency_s)
+        check_number("connectors.bytes_per_s", self.bytes_per_s, math.inf, 1.0)
 
     def time(self, num_bytes: float) -> float:
         return self.latency_s + num_bytes / self.bytes_per_s
+
+
+_DIMS = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -218,6 +287,16 @@ class ModelShape:
     max_position_embeddings: int = 4096
     num_experts: int = 0
     num_experts_per_tok: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidArgumentError("model.name", f"must be a name, got {_shown(self.name)}")
+        for name in _DIMS:
+            check_int(f"model.{name}", getattr(self, name), MAX_DIM)
+        check_int("model.num_kv_heads", self.num_kv_heads, self.num_heads)
+        check_int("model.num_experts", self.num_experts, MAX_DIM, 0)
+        lo = 1 if self.num_experts else 0
+        check_int("model.num_experts_per_tok", self.num_experts_per_tok, self.num_experts, lo)
 
     @property
     def architecture(self) -> str:  # what a layout check names (core/layout.py)
@@ -280,19 +359,28 @@ class Profile:
     one_host: bool = False
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise InvalidArgumentError("source", f"must be one of {SOURCES}, got {self.source!r}")
-        if set(self.role_steps) - {"prefill", "decode"}:
+        check_str("source", self.source, SOURCES)
+        check_str("device", self.device)
+        check_str("dtype", self.dtype, DTYPES)
+        for name in ("command", "date"):
+            check_str(name, getattr(self, name))
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            check_int(name, getattr(self, name), MAX_RANKS)
+        for name in ("kv_bytes_per_token", "kv_capacity_tokens"):
+            check_int(name, getattr(self, name), MAX_COUNT)
+        check_number("request_overhead_s", self.request_overhead_s)
+        check_number("request_jitter", self.request_jitter, MAX_JITTER)
+        if not isinstance(self.one_host, bool):
+            raise InvalidArgumentError(
+                "one_host", f"must be true or false, got {_shown(self.one_host)}"
+            )
+        if not isinstance(self.machine, dict):
+            raise InvalidArgumentError("machine", f"must be an object, got {_shown(self.machine)}")
+        if set(self.role_steps) - set(PHASES):
             raise InvalidArgumentError("role_steps", "roles are prefill and decode")
-        for name in ("request_overhead_s", "request_jitter"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise InvalidArgumentError(name, f"must be a number >= 0, got {value!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "kv_bytes_per_token"):
-            if getattr(self, name) < 1:
-                raise InvalidArgumentError(name, "must be >= 1")
-        if self.kv_capacity_tokens < 1:
-            raise InvalidArgumentError("kv_capacity_tokens", "must be >= 1")
+        for table in ("fit_error", "efficiency"):
+            for key, value in _as_dict(getattr(self, table), table).items():
+                check_number(f"{table}.{_key(key)}", value, math.inf)
 
     @property
     def devices(self) -> int:
@@ -345,7 +433,7 @@ def load_profile(path: str | Path) -> Profile:
         raise InvalidArgumentError("profile", f"no such file: {file}")
     try:
         raw = json.loads(file.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # undecodable, not JSON, nested past the stack
         raise InvalidArgumentError("profile", f"{file}: not JSON: {e}") from None
     try:
         return profile_from_json(raw)
@@ -353,39 +441,82 @@ def load_profile(path: str | Path) -> Profile:
         raise InvalidArgumentError(f"{file}: {e.field}", e.message) from None
 
 
+_PARTS = ("model", "step", "connectors", "samples", "role_steps")
+
+
 def profile_from_json(raw: Any) -> Profile:
+    """The profile a JSON object describes; InvalidArgumentError names the first bad
+    field (a missing or unknown one, a wrong type, a value out of its range)."""
     if not isinstance(raw, dict):
         raise InvalidArgumentError("profile", "must be a JSON object")
-    if raw.get("version") != PROFILE_VERSION:
-        raise InvalidArgumentError(
-            "version", f"must be {PROFILE_VERSION}, got {raw.get('version')!r}"
-        )
+    version = raw.get("version")
+    if type(version) is not int or version != PROFILE_VERSION:
+        raise InvalidArgumentError("version", f"must be {PROFILE_VERSION}, got {_shown(version)}")
+    known = {f.name for f in fields(Profile)} | {"version"}
+    if unknown := sorted(set(raw) - known):
+        raise InvalidArgumentError(_key(unknown[0]), "is not a field of a profile")
+    model = _build(ModelShape, _obj(raw, "model"), "model", "model")
+    step = _build(StepModel, _obj(raw, "step"), "step", "step")
+    connectors = {
+        k: _build(TransferModel, v, f"connectors.{_key(k)}", "connectors")
+        for k, v in _obj(raw, "connectors").items()
+    }
+    roles = {
+        k: _build(StepModel, v, f"role_steps.{_key(k)}", "step")
+        for k, v in _as_dict(raw.get("role_steps", {}), "role_steps").items()
+    }
+    samples = raw.get("samples", [])
+    if not isinstance(samples, (list, tuple)):  # JSON's, or to_json's
+        raise InvalidArgumentError("samples", f"must be a list, got {_shown(samples)}")
+    rest = {k: raw[k] for k in known - {"version", *_PARTS} if k in raw}
+    missing = sorted(f.name for f in fields(Profile) if f.name not in raw and _required(f))
+    if missing:
+        raise InvalidArgumentError(missing[0], "is missing")
+    return Profile(
+        model=model,
+        step=step,
+        connectors=connectors,
+        role_steps=roles,
+        samples=tuple(_sample(x, f"samples[{i}]") for i, x in enumerate(samples)),
+        **rest,
+    )
+
+
+def _required(f: Any) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def _build(cls: Any, value: Any, where: str, own: str) -> Any:
+    """``cls(**value)`` for the object at ``where``, its errors named there (``cls``
+    names its fields under ``own``)."""
+    value = _as_dict(value, where)
+    names = {f.name for f in fields(cls)}
+    if unknown := sorted(set(value) - names):
+        raise InvalidArgumentError(f"{where}.{_key(unknown[0])}", "is not a field here")
+    if missing := sorted(f.name for f in fields(cls) if _required(f) and f.name not in value):
+        raise InvalidArgumentError(f"{where}.{missing[0]}", "is missing")
     try:
-        model = ModelShape(**_obj(raw, "model"))
-        step = StepModel(**_obj(raw, "step"))
-        connectors = {
-            k: TransferModel(**_as_dict(v, f"connectors.{k}"))
-            for k, v in _obj(raw, "connectors").items()
-        }
-        samples = tuple(
-            Sample(s["phase"], StepFeatures(**s["features"]), float(s["seconds"]))
-            for s in raw.get("samples", ())
-        )
-        roles = {k: StepModel(**_as_dict(v, f"role_steps.{k}"))
-                 for k, v in _as_dict(raw.get("role_steps", {}), "role_steps").items()}  # fmt: skip
-        rest = {
-            k: raw[k]
-            for k in Profile.__dataclass_fields__
-            if k in raw and k not in ("model", "step", "connectors", "samples", "role_steps")
-        }
-        return Profile(model=model, step=step, connectors=connectors, samples=samples,
-                       role_steps=roles, **rest)  # fmt: skip
-    except TypeError as e:
-        raise InvalidArgumentError("profile", f"missing or unknown field: {e}") from None
-    except (KeyError, ValueError) as e:
-        if isinstance(e, InvalidArgumentError):
-            raise
-        raise InvalidArgumentError("samples", f"malformed sample: {e!r}") from None
+        return cls(**value)
+    except InvalidArgumentError as e:
+        if e.field.startswith(own + "."):
+            raise InvalidArgumentError(where + e.field[len(own) :], e.message) from None
+        raise
+
+
+def _sample(raw: Any, where: str) -> Sample:
+    raw = _as_dict(raw, where)
+    if unknown := sorted(set(raw) - {"phase", "features", "seconds"}):
+        raise InvalidArgumentError(f"{where}.{_key(unknown[0])}", "is not a field here")
+    check_str(f"{where}.phase", raw.get("phase"), PHASES)
+    features = _as_dict(raw.get("features"), f"{where}.features")
+    names = [f.name for f in fields(StepFeatures)]
+    if unknown := sorted(set(features) - set(names)):
+        raise InvalidArgumentError(f"{where}.features.{_key(unknown[0])}", "is not a field here")
+    for name in names:
+        check_number(f"{where}.features.{name}", features.get(name), MAX_COUNT)
+    check_number(f"{where}.seconds", raw.get("seconds"), above=True)
+    values = [float(features[n]) for n in names]
+    return Sample(raw["phase"], StepFeatures(*values), float(raw["seconds"]))
 
 
 def _obj(raw: dict[str, Any], key: str) -> dict[str, Any]:
@@ -396,5 +527,5 @@ def _obj(raw: dict[str, Any], key: str) -> dict[str, Any]:
 
 def _as_dict(value: Any, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise InvalidArgumentError(key, "must be an object")
+        raise InvalidArgumentError(key, f"must be an object, got {_shown(value)}")
     return value

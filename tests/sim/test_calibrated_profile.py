@@ -111,7 +111,7 @@ def test_a_calibrated_profile_round_trips_and_its_bad_fields_are_named(tmp_path)
     assert load_profile(path) == again
     for field, value, named in (
         ("role_steps", {"router": raw["step"]}, "role_steps"),
-        ("role_steps", {"decode": {"jitter": -1}}, "step.jitter"),
+        ("role_steps", {"decode": {"jitter": -1}}, "role_steps.decode.jitter"),
         ("request_overhead_s", -0.5, "request_overhead_s"),
         ("request_jitter", "much", "request_jitter"),
     ):

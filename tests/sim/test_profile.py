@@ -119,7 +119,7 @@ def test_profile_for_another_model_or_layout_is_refused(tmp_path) -> None:
         (lambda raw: raw["step"].update(s_per_token=-1), "step.s_per_token"),
         (lambda raw: raw["step"].update(overhead_s=float("nan")), "step.overhead_s"),
         (lambda raw: raw["step"].update(s_per_seq=float("inf")), "step.s_per_seq"),
-        (lambda raw: raw["model"].pop("num_layers"), "missing or unknown field"),
+        (lambda raw: raw["model"].pop("num_layers"), "model.num_layers: is missing"),
     ],
 )
 def test_bad_profile_files_name_the_field(tmp_path, edit, message) -> None:  # type: ignore[no-untyped-def]
