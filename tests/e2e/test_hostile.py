@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from pdserve.core.messages import DecodeRequest, PrefillRequest
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.config import RouterConfig
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from tests.e2e.raw_http import get, raw_post, raw_post_any
-from tests.e2e.tiny_cluster import AUTH, Cluster, stub
+from tests.e2e.tiny_cluster import AUTH, KEY, Cluster, stub
 
 GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -271,6 +272,183 @@ def test_fuzz_grpc_messages(doors, req) -> None:
         stub(doors).Complete(req, metadata=AUTH, timeout=30)
     except grpc.RpcError as e:
         assert e.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), e.details()
+
+
+# The Batch API under fuzzing: a router of its own over the same instances, with a
+# 1-MiB quota in a folder of the test's; every answer a 2xx or 4xx, the key's files
+# never past the quota, /health answering after each example.
+BATCH_QUOTA = 1 << 20
+BATCH_FUZZ = settings(FUZZ, max_examples=max(1, FUZZ_EXAMPLES // 3))  # a few calls each
+
+
+@pytest.fixture(scope="module")
+def batch_doors(cluster, tmp_path_factory):
+    config = RouterConfig(
+        model_name="tiny",
+        api_keys=(KEY,),
+        batch_dir=str(tmp_path_factory.mktemp("batches")),
+        batch_quota_mb=BATCH_QUOTA >> 20,
+        batch_max_files=20,
+    )
+    actor, endpoints = cluster.router(config)
+    yield endpoints
+    ray.kill(actor)
+    cluster.routers.remove(actor)
+
+
+def _multipart(parts: list[tuple[str, str | None, bytes]]) -> bytes:
+    """A multipart/form-data body (boundary ``b``) of (name, filename, data) parts."""
+    out = b""
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out += f"--b\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + data + b"\r\n"
+    return out + b"--b--\r\n"
+
+
+def _batch_call(doors, method: str, path: str, data: bytes | None = None, multipart=False):
+    req = urllib.request.Request(
+        f"http://{doors.host}:{doors.http_port}{path}", data=data, method=method
+    )
+    req.add_header("Authorization", f"Bearer {KEY}")
+    kind = "multipart/form-data; boundary=b" if multipart else "application/json"
+    req.add_header("Content-Type", kind)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _settled(doors) -> None:
+    """/health answers, and this key's files hold no more than its quota."""
+    assert get(doors, "/health")[0] == 200
+    code, files = _batch_call(doors, "GET", "/v1/files")
+    assert code == 200 and sum(f["bytes"] for f in files["data"]) <= BATCH_QUOTA, files
+
+
+REQUEST_LINE = st.fixed_dictionaries(
+    {
+        "custom_id": st.text(min_size=1, max_size=8),
+        "method": st.just("POST"),
+        "url": st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+        "body": st.just(GOOD) | st.just(CHAT) | FUZZ_BODY,
+    },
+    optional={"extra": JSON},
+)  # a line of the right shape, or near it
+BATCH_LINE = (
+    REQUEST_LINE.map(lambda d: json.dumps(d).encode())
+    | JSON.map(lambda v: json.dumps(v).encode())
+    | st.binary(max_size=60).filter(lambda b: b"\n" not in b)
+)
+UPLOAD_PARTS = st.lists(
+    st.tuples(
+        st.sampled_from(["purpose", "file", "other"]),
+        st.none() | st.sampled_from(["in.jsonl", "x"]),
+        st.sampled_from([b"batch", b"fine-tune", b""])
+        | st.lists(BATCH_LINE, max_size=6).map(lambda lines: b"\n".join(lines) + b"\n"),
+    ),
+    max_size=4,
+)
+
+
+@BATCH_FUZZ
+@given(parts=UPLOAD_PARTS, big=st.booleans())
+def test_fuzz_batch_uploads(batch_doors, parts, big) -> None:
+    if big:  # valid lines, enough of them to come near the quota
+        lines = [
+            json.dumps(
+                {
+                    "custom_id": f"c{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {**GOOD, "user": "x" * 400},
+                }
+            )
+            for i in range(1500)
+        ]  # ~700 KB
+        parts = [("purpose", None, b"batch"), ("file", "in.jsonl", "\n".join(lines).encode())]
+    code, answer = _batch_call(batch_doors, "POST", "/v1/files", _multipart(parts), True)
+    assert code == 200 or 400 <= code < 500, (code, answer)
+    _settled(batch_doors)
+    if code == 200:
+        assert _batch_call(batch_doors, "DELETE", f"/v1/files/{answer['id']}")[0] == 200
+
+
+BATCH_BODY = st.fixed_dictionaries(
+    {},
+    optional={
+        "input_file_id": st.just("UPLOADED") | JSON,
+        "endpoint": st.sampled_from(["/v1/completions", "/v1/chat/completions"]) | JSON,
+        "completion_window": st.just("24h") | JSON,
+        "metadata": JSON,
+    },
+)
+
+
+@BATCH_FUZZ
+@given(body=BATCH_BODY | JSON)
+def test_fuzz_batches(batch_doors, body) -> None:
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": GOOD})
+    upload = _multipart([("purpose", None, b"batch"), ("file", "in.jsonl", line.encode())])
+    code, uploaded = _batch_call(batch_doors, "POST", "/v1/files", upload, True)
+    assert code == 200, uploaded
+    if isinstance(body, dict) and body.get("input_file_id") == "UPLOADED":
+        body = {**body, "input_file_id": uploaded["id"]}
+    code, batch = _batch_call(batch_doors, "POST", "/v1/batches", json.dumps(body).encode())
+    assert code == 200 or 400 <= code < 500, (code, batch)
+    if code == 200:
+        code, batch = _batch_call(batch_doors, "POST", f"/v1/batches/{batch['id']}/cancel")
+        assert code == 200 and batch["status"] in ("cancelled", "completed"), batch
+        assert _batch_call(batch_doors, "DELETE", f"/v1/files/{batch['output_file_id']}")[0] == 200
+    _settled(batch_doors)
+    assert _batch_call(batch_doors, "DELETE", f"/v1/files/{uploaded['id']}")[0] == 200
+
+
+def test_a_crashed_router_restarts_and_serves_again(ray_session, tmp_path) -> None:
+    """The router actor is restarted after its process dies and listens again on its
+    port; a batch it could not resume at start-up is failed with the reason."""
+    import socket
+
+    from pdserve.cluster.topology import start_router
+    from pdserve.core.builtin_models import resolve_model
+
+    with socket.socket() as s:  # a free port, the same one after the restart
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    record = {
+        "id": "batch_left",
+        "object": "batch",
+        "endpoint": "/v1/completions",
+        "input_file_id": "file-in",
+        "output_file_id": "file-out",
+        "status": "in_progress",
+        "errors": None,
+        "created_at": 1,
+        "owner": "0" * 64,
+    }
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / "batch_left.json").write_text(json.dumps(record))
+    config = RouterConfig(
+        model_name="tiny", api_keys=(KEY,), http_port=port, batch_dir=str(tmp_path), max_restarts=1
+    )
+    actor, endpoints = start_router(config, str(resolve_model("builtin:tiny")))
+    try:
+        assert get(endpoints, "/health")[0] == 200
+        actor.__ray_call__.remote(lambda self: os._exit(1))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                if get(endpoints, "/health")[0] == 200:
+                    break
+            except OSError:
+                continue
+        assert get(endpoints, "/health")[0] == 200
+        failed = json.loads((tmp_path / "batches" / "batch_left.json").read_text())
+        assert failed["status"] == "failed", failed  # its input is gone: it says so
+        assert "file-in" in failed["errors"]["data"][0]["message"], failed
+    finally:
+        ray.kill(actor)
 
 
 def test_after_fuzzing_the_cluster_answers_with_no_page_held(cluster, doors) -> None:
