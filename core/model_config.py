@@ -115,12 +115,20 @@ class ModelConfig:
         config_file = folder / "config.json"
         if not config_file.is_file():
             raise ModelNotFoundError("model", f"no config.json in {str(folder)!r}")
-        raw = json.loads(config_file.read_text())
-        generation = {}
-        gen_file = folder / "generation_config.json"
-        if gen_file.is_file():
-            generation = json.loads(gen_file.read_text())
-        config = cls.from_hf_dict(raw, str(folder), generation)
+        try:
+            raw = json.loads(config_file.read_text())
+            generation = {}
+            gen_file = folder / "generation_config.json"
+            if gen_file.is_file():
+                generation = json.loads(gen_file.read_text())
+            config = cls.from_hf_dict(raw, str(folder), generation)
+        except InvalidArgumentError:
+            raise
+        except KeyError as e:  # a value every config names
+            raise InvalidArgumentError(f"{config_file}: {e.args[0]}", "is missing") from None
+        except (TypeError, ValueError, OverflowError, AttributeError, RecursionError) as e:
+            # not JSON, or a value of the wrong type (int("x"), int(None), int(nan))
+            raise InvalidArgumentError(str(config_file), f"malformed: {e}") from None
         return replace(config, sha256=registry.content_hash(folder))
 
     @classmethod

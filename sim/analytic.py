@@ -100,8 +100,9 @@ def model_shape(name: str) -> ModelShape:
     try:
         cfg = ModelConfig.from_dir(resolve_model(name))
     except InvalidArgumentError as e:
+        where = "" if e.field == "model" else f"{e.field}: "  # a checkpoint's bad file
         raise InvalidArgumentError(
-            "model", f"{e.message} (analytic presets: {sorted(MODELS)})"
+            "model", f"{where}{e.message} (analytic presets: {sorted(MODELS)})"
         ) from None
     return ModelShape(
         name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

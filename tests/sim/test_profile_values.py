@@ -234,3 +234,26 @@ def test_a_bad_profile_value_is_one_line_and_status_2_not_a_traceback(
     name = ".".join(map(str, field))
     assert done.stderr.startswith(f"pdserve {command}: error: {profile}: {name}: must be")
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("value", ["x", None, [2], math.nan, -4])
+def test_profile_names_a_bad_value_of_a_checkpoints_config(
+    tmp_path: Path, capsys: Any, value: Any
+) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": value,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    out = str(tmp_path / "p.json")
+    assert main(["profile", "--model", str(folder), "--device", "h100", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve profile: error: model: ") and len(err.strip().splitlines()) == 1
+    assert "config.json" in err or "num_layers" in err, err
