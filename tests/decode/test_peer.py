@@ -10,6 +10,7 @@ equal one engine's run of the prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,3 +135,23 @@ def test_an_abort_before_the_pages_landed_frees_everything_once(
     assert prefill.loop.wait_idle(10) and decode.loop.wait_idle(10)
     decode.loop.engine.assert_idle()
     prefill.loop.engine.assert_idle()
+
+
+def test_a_peer_serves_a_tenants_pages_to_that_tenant_only(
+    alone: list[int], servers: tuple[PrefillServer, DecodeServer, FakeActor]
+) -> None:
+    # The peer holds the prompt's pages of the shared tenant (``alone``) and of tenant t.
+    prefill, decode, _ = servers
+    salted = dataclasses.replace(greedy(8), cache_salt="t")
+    prefill.loop.call(lambda e: e.generate([("t-ref", PROMPT, salted)])).result()
+    for rid, salt, filled in (("t", "t", 1), ("u", "u", 1)):  # u's: none filled
+        params = dataclasses.replace(greedy(8), cache_salt=salt)
+        request = ReserveRequest(rid, PROMPT, params, peer=PeerPrefix("p0", 6))
+        assert decode.reserve(request, "p0", None).local
+        (out,) = decode.wait([rid], 60)
+        assert out.outputs[0].token_ids == alone
+        assert decode.stats.peer_filled == filled, rid  # u's hashes name no page of the peer
+    assert computed_here(decode, "t") == len(PROMPT) - 6 * BLOCK_SIZE
+    assert computed_here(decode, "u") == len(PROMPT)
+    assert prefill.loop.wait_idle(10) and decode.loop.wait_idle(10)
+    decode.loop.engine.assert_idle()
