@@ -63,7 +63,8 @@ gpu-check:
 	$(PYTHON) bench/gpu_check.py --out $(GPU_OUT)
 
 # A local cluster at 80% of its capacity for MINUTES, with client cancels and a worker
-# killed every minute (bench/soak.py); the result table goes in bench/RESULTS.md.
+# killed every minute (bench/soak.py); its figures go in docs/results/serving.md
+# (the headline in bench/RESULTS.md).
 MINUTES ?= 10
 soak: $(STAMP)
 	$(BIN)/pdserve bench soak --minutes $(MINUTES)

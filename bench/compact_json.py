@@ -3,7 +3,7 @@
 ``json.dumps(payload, indent=1)`` puts every number of every list on a line of
 its own and runs the pure-Python encoder. A simulated run of 30,000 requests
 with their per-token gaps took longer to write that way than to simulate
-(RESULTS). :func:`dumps` indents dicts inside dicts (options, summaries,
+(docs/results/simulator.md). :func:`dumps` indents dicts inside dicts (options, summaries,
 percentiles) and writes each of these on one line, with the standard library's
 C encoder: a list of scalars, and a dict in a list whose values are scalars or
 lists of scalars (a request record, a row of counts over time). The text parses

@@ -235,7 +235,7 @@ class LoadReporter:
     A report that says nothing new (no KV events, every load figure as last sent)
     is skipped unless ``heartbeat_s`` passed since the last one: an idle instance
     sends one a second, not ten (each costs the router ~1.3 ms of CPU as an actor
-    call on a 2-core VM, see bench/RESULTS.md).
+    call on a 2-core VM, see docs/results/router.md).
     """
 
     def __init__(

@@ -4,7 +4,7 @@ A decode step of a large model launches hundreds of small kernels, and at small
 batches launching them takes longer than running them: on an H200, a Llama-3-8B-shaped
 step of one sequence over 1,024 tokens took 15.7 ms launched eagerly and 4.9 ms
 replayed from a graph, against a 3.6 ms floor of reading its weights and KV once
-(``pdserve bench gpu``, bench/RESULTS.md).
+(``pdserve bench gpu``, docs/results/gpu.md).
 
 A step is replayed when every row has one new token (no prompt chunk, no draft), no
 row runs a LoRA adapter and none asks for prompt logprobs, on a single CUDA rank: its

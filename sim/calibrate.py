@@ -172,16 +172,16 @@ def calibration_args(args: argparse.Namespace, setup: str = "disaggregated") -> 
     (each prefill runs beside the decode steps of the requests before it), and one
     at a time with 1,024-token prompts (long prefills, and decode steps over long
     contexts: fitted on 256-token prompts alone, the live decode steps at 1,024 ran
-    1.26-1.30x the model, RESULTS).
+    1.26-1.30x the model, docs/results/simulator.md).
 
     A colocated instance also runs those long prompts at a steady 2 req/s (its
     steps that carry a long prompt's chunk beside decode rows over long contexts:
     the tail of TPOT where long prompts keep arriving, 35% under the model without
-    this run, RESULTS) and 64-token prompts one at a time (the short prompts of the
+    this run, docs/results/simulator.md) and 64-token prompts one at a time (the short prompts of the
     conversation trace). A disaggregated pair runs them at 0.75 req/s instead, with
     128 output tokens, so that each prefill runs beside the decode steps of the
     request before: its decode steps beside a long prefill ran 1.2-1.35x the fitted
-    model where the steady 256-token prompts had put them at 1.0x (RESULTS); with
+    model where the steady 256-token prompts had put them at 1.0x (docs/results/simulator.md); with
     32 output tokens the run held 30 such steps, too few to fit their factor, and
     2 req/s saturates its one-core prefill."""
     single, burst, short, overlap, long = (
@@ -223,7 +223,7 @@ def calibrate(
     (:func:`~pdserve.sim.live.live_fit`): one fit of them all, and with ``per_role``
     one per role of its own steps beside the other roles' (:func:`role_fits`; a
     prefill and a decode instance slow differently, alone and beside each other:
-    the one fit put the disaggregated prefill's live steps at 1.3-1.6x it, RESULTS).
+    the one fit put the disaggregated prefill's live steps at 1.3-1.6x it, docs/results/simulator.md).
     The noise of the steps about that model (:mod:`~pdserve.sim.jitter`) is
     fitted with them, and left out of the simulations below (:meth:`Overhead.quiet`).
     Then TPOT p50 of
@@ -233,7 +233,7 @@ def calibrate(
     gap relative to its own TPOT (exact when the runs are independent; an overhead a
     setup lacks, such as the hand-off of a colocated one, has no effect and comes out
     0). Relative, so that every run counts alike: in absolute terms a run near
-    saturation, whose TPOT moved 2.8x between two calibrations (RESULTS), set them. Then TTFT p50 of the single run
+    saturation, whose TPOT moved 2.8x between two calibrations (docs/results/simulator.md), set them. Then TTFT p50 of the single run
     (the mean of its runs, where ``runs`` holds it more than once) gives the
     per-request one.
     """
@@ -327,7 +327,7 @@ def host_factors(
     (``baselines``: each calibration's run of them, their mean), each against the
     role's calibrated step model (``role_models``, else ``default``: the median loop
     turn over the model's time). The host of a 2-vCPU VM drifts: one workload moved TPOT p50 by 14% in four minutes, and one
-    point's two rounds ran 1.7x apart (RESULTS)."""
+    point's two rounds ran 1.7x apart (docs/results/simulator.md)."""
 
     def ratios(measured: Measured) -> dict[str, float]:
         out: dict[str, list[float]] = {}

@@ -1,7 +1,7 @@
 """Step-time noise: how far a live step lands from its model, and for how long.
 
 The same batch does not take the same time twice on a live host. On the 2-vCPU
-VM of ``bench/RESULTS.md`` a serving instance's loop turns spread around the
+VM of ``docs/results/simulator.md`` a serving instance's loop turns spread around the
 calibrated model with a standard deviation of 0.10-0.24 in log, and the
 deviations persist: consecutive steps' lag-1 correlation was 0.3-0.7 (the host's
 other work comes in episodes). A model without that noise times identical

@@ -2,7 +2,7 @@
 
 ``pdserve profile`` times each step shape alone, back to back, in a quiet
 process. A serving instance runs the same shapes slower, and not by one factor
-(2-core VM of ``bench/RESULTS.md``, builtin:small float32, ranks pinned):
+(2-core VM of ``docs/results/simulator.md``, builtin:small float32, ranks pinned):
 
 - by kind: a colocated instance on two threads ran decode steps at 2.0-2.6x
   their profile and back-to-back prefill chunks at 1.1-1.4x; a one-core decode
@@ -276,7 +276,7 @@ def slow_share(ratios: np.ndarray, starts: np.ndarray) -> float:
     model's; ``starts``: when each began) that ran in windows of ``SLOW_WINDOW_S``
     whose median ratio was over ``SLOW_FACTOR`` times the whole run's: the episodes
     of a slower host that no model of the cluster predicts (on the 2-vCPU VM, 10-40 s
-    of decode steps at 1.4-2.4x the run's median, with the same work, RESULTS)."""
+    of decode steps at 1.4-2.4x the run's median, with the same work, docs/results/simulator.md)."""
     if not len(ratios):
         return 0.0
     window = ((starts - starts.min()) // SLOW_WINDOW_S).astype(int)

@@ -14,7 +14,7 @@ step's pages are scattered over the pool, as a serving instance's are once
 requests have come and gone (its pool hands freed pages out again in reverse).
 Where a step reads them matters: on the 2-core VM a one-thread decode step of
 builtin:small over 1,040 cached tokens took 1.27-1.31x as long on scattered
-pages as on one ascending run (a timing script, ``bench/RESULTS.md``), and
+pages as on one ascending run (a timing script, ``docs/results/simulator.md``), and
 1.09-1.17x once the decode kernel prefetched its rows. The KV hand-off is
 timed on the shared-memory connector's data path: a copy of a request's pages
 into a tensor mapped from a file under ``/dev/shm``.

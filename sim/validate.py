@@ -14,7 +14,7 @@ system land on this machine (the floor under any simulator's error).
 
 With ``--calibrate-around`` the calibration runs are measured again after the
 points and the fit takes both: on a host whose speed drifts by 10-20% over
-minutes (``bench/RESULTS.md``), the calibration then stands for the host over
+minutes (``docs/results/simulator.md``), the calibration then stands for the host over
 the points rather than for the minutes before them.
 
 ``--keep-traces`` also writes what was measured (per setup the cluster YAML,

@@ -3,7 +3,7 @@ up front.
 
 A sparse file under ``/dev/shm`` costs nothing until a page is first written, and
 then costs the kernel a page allocation and a fault in the middle of an engine
-step: on the 2-core VM of ``bench/RESULTS.md``, ~0.28 ms for each 512 KiB written
+step: on the 2-core VM of ``docs/results/simulator.md``, ~0.28 ms for each 512 KiB written
 for the first time against ~0.02 ms once mapped: most of why a 256-token prefill
 step ran 1.5x its profile while the pool was new. When the
 file system is full, the first write to a missing page kills the process with

@@ -173,7 +173,7 @@ static inline void value_sum(float *acc, const float *w, const void *v_cache, in
  * pool's block tables scatter a sequence's tokens, which the hardware prefetcher
  * (it follows runs of addresses) does not foresee: with this, builtin:small's
  * decode steps on scattered pages took 0.70-0.87x their time at 769 cached
- * tokens a sequence (`pdserve profile`, before against after, bench/RESULTS.md). */
+ * tokens a sequence (`pdserve profile`, before against after, docs/results/simulator.md). */
 #define PREFETCH_AHEAD 8 /* tokens */
 static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);

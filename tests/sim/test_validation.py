@@ -1,6 +1,6 @@
 """One validation point of the simulator against a real local cluster, in CI.
 
-``pdserve sim-validate`` measures six points (``bench/RESULTS.md``); this runs
+``pdserve sim-validate`` measures six points (``docs/results/simulator.md``); this runs
 one small one: builtin:tiny disaggregated (a prefill and a decode instance),
 1,024-token prompts arriving at 0.5 req/s (Poisson), after the same calibration
 with the engines' steps traced. One of its runs sends the same prompts one at
@@ -9,9 +9,9 @@ arrivals and the end-to-end path: measure, trace, calibrate, simulate. The toler
 2-core machine reaches, not the 10%/15% the simulator aims at: the router, the
 load generator and Ray share the cores with the engines and slow their steps in
 proportion to the load (on two cores a decode step beside a prefill step ran
-1.4-1.9x its profile against 1.2-1.4x alone, RESULTS), which a calibration at
+1.4-1.9x its profile against 1.2-1.4x alone, docs/results/simulator.md), which a calibration at
 low load cannot see; and two measured runs of one point differ by up to 32%
-themselves (RESULTS, "The real system against itself").
+themselves (docs/results/simulator.md, "The real system against itself").
 """
 
 from __future__ import annotations
