@@ -1,11 +1,12 @@
-"""The house rules on size: no source file over 400 lines, no function over 50.
+"""The house rule on size: no function over 50 lines.
 
-These are the project's house rules: small files and short functions keep each
-part of the request path readable on its own. Every ``.py`` file of the source
-folders (read from pyproject's package map) and of ``tests/`` is held to the
-file limit; every function and method of the source folders to the function
-limit, except the Triton kernels under ``parallel/kernels/``, whose bodies
-follow the kernel's math. Pure ``ast`` and text: no import of pdserve, no Ray.
+Short functions keep each step of the request path readable in one screen. Every
+function and method of the source folders (read from pyproject's package map) is
+held to the limit, except the Triton kernels under ``parallel/kernels/``, whose
+bodies follow the kernel's math. Files have no line limit: a file holds one
+responsibility and is as long as that responsibility is (the 400-line limit it
+had became a target files were cut to, not a seam). Pure ``ast`` and text: no
+import of pdserve, no Ray.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 
 from tests.package_map import ROOT, package_dirs
 
-MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 50
 KERNELS = ROOT / "parallel" / "kernels"
 
@@ -32,18 +32,6 @@ def python_files(folders: list[Path]) -> Iterator[Path]:
         yield from sorted(folder.rglob("*.py"))
 
 
-def file_lines(path: Path) -> int:
-    return path.read_text().count("\n")
-
-
-def long_files(folders: list[Path]) -> list[str]:
-    return [
-        f"{path.relative_to(ROOT)}: {n} lines"
-        for path in python_files(folders)
-        if (n := file_lines(path)) > MAX_FILE_LINES
-    ]
-
-
 def long_functions(folders: list[Path]) -> list[str]:
     found = []
     for path in python_files(folders):
@@ -56,14 +44,6 @@ def long_functions(folders: list[Path]) -> list[str]:
                 if n > MAX_FUNCTION_LINES:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}, {n} lines")
     return found
-
-
-def test_no_file_is_over_the_limit() -> None:
-    over = long_files([*source_folders(), ROOT / "tests"])
-    assert not over, (
-        f"{len(over)} file(s) over {MAX_FILE_LINES} lines; split each along a seam:\n"
-        + "\n".join(over)
-    )
 
 
 def test_no_function_is_over_the_limit() -> None:
