@@ -44,6 +44,8 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.config import RouterConfig
 from pdserve.transfer import check_connector
 
+MIN_PLANNER_INTERVAL_S = 0.1  # the planner's interval: at least this
+
 
 @dataclass(frozen=True)
 class PlannerConfig:
@@ -84,8 +86,12 @@ class PlannerConfig:
             raise InvalidArgumentError(
                 "planner.policy", f"must be reactive or proactive, got {self.policy!r}"
             )
-        if not 0 < self.interval_s < float("inf"):  # 0: the planner would never yield
-            raise InvalidArgumentError("planner.interval_s", f"must be > 0, got {self.interval_s}")
+        # 0: the planner would never yield; below 0.1 s a simulated day is millions of ticks
+        if not MIN_PLANNER_INTERVAL_S <= self.interval_s < float("inf"):
+            raise InvalidArgumentError(
+                "planner.interval_s",
+                f"must be >= {MIN_PLANNER_INTERVAL_S} s and finite, got {self.interval_s}",
+            )
         if not (self.cooldown_s >= 0 and self.idle_s >= 0):
             raise InvalidArgumentError("planner.cooldown_s", "cooldown_s and idle_s must be >= 0")
         if not 0 < self.low < self.high:

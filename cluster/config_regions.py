@@ -21,6 +21,7 @@ ROLE_KEYS = {"count", "min", "max", "num_cpus_per_rank", "num_gpus_per_rank", "e
 PARALLEL_KEYS = {
     "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size", "redundant_experts"
 }  # fmt: skip
+MAX_INSTANCES = 10_000  # of one role in one region: count, min and max
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ def _role(region: dict[str, Any], role: str, parent: str, lines: Lines) -> RoleS
     for name in ("count", "min", "max"):
         if getattr(spec, name) < 0:
             raise lines.error(f"{path}.{name}", "must be >= 0")
+        if getattr(spec, name) > MAX_INSTANCES:  # a million took the simulator for ever
+            raise lines.error(f"{path}.{name}", f"must be at most {MAX_INSTANCES}")
     if not spec.min <= spec.count <= spec.max:  # a bound not given is not named (min is count)
         bound = (f"within [min={spec.min}, max={spec.max}]" if "min" in raw and "max" in raw
                  else f"<= max ({spec.max})" if spec.count > spec.max else f">= min ({spec.min})")  # fmt: skip

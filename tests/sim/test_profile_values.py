@@ -257,3 +257,21 @@ def test_profile_names_a_bad_value_of_a_checkpoints_config(
     err = capsys.readouterr().err
     assert err.startswith("pdserve profile: error: model: ") and len(err.strip().splitlines()) == 1
     assert "config.json" in err or "num_layers" in err, err
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (("prefill: {count: 1}", "prefill: {count: 1000000}"), "regions[0].prefill.count"),
+        (("slo:", "planner: {interval_s: 1.0e-9}\nslo:"), "planner.interval_s"),
+    ],
+)
+def test_sim_refuses_a_cluster_it_could_not_simulate_in_bounded_time(
+    tmp_path: Path, capsys: Any, edit: tuple[str, str], named: str
+) -> None:
+    flags = _flags("sim", tmp_path)
+    config = Path(flags[1])
+    config.write_text(config.read_text().replace(*edit))
+    assert main(["sim", "--profile", str(SHIPPED), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{config}:" in err and named in err and len(err.strip().splitlines()) == 1, err
