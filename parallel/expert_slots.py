@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pdserve.core import registry
 from pdserve.core.errors import ModelNotFoundError
 from pdserve.parallel.eplb import Placement, place, static_placement
 from pdserve.parallel.loader import iter_checkpoint
@@ -120,10 +121,15 @@ def _recent_loads(layers: dict[int, SparseMoE]) -> dict[int, list[int]]:
 
 @torch.no_grad()
 def reload_slots(model: CausalLM, folder: str | Path, stale: dict[SparseMoE, set[int]]) -> None:
-    """Read the experts of the ``stale`` local slots of each MoE block from ``folder``."""
+    """Read the experts of the ``stale`` local slots of each MoE block from ``folder``.
+
+    A registry version (the model's config carries its content hash) is checked by
+    content first, every file hashed again: a re-placement loads weights too."""
     stale = {m: s for m, s in stale.items() if s}
     if not stale:
         return
+    if model.config.sha256:
+        registry.verify(Path(folder), expected=model.config.sha256)
     for name, source in iter_checkpoint(Path(folder)):
         for module, shard, _ in model.weight_targets(name):
             if not isinstance(module, SparseMoE) or module not in stale:

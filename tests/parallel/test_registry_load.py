@@ -83,3 +83,22 @@ def test_shared_weights_are_keyed_by_content_and_private(version, tmp_path) -> N
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     for path in cache.iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path.name
+
+
+def test_an_expert_re_placement_refuses_a_changed_version(
+    tmp_path, monkeypatch, references
+) -> None:
+    from pdserve.parallel.expert_slots import moe_layers, reload_slots
+
+    folder, _, _ = references("mixtral")
+    monkeypatch.setenv("PDSERVE_REGISTRY", str(tmp_path / "registry"))
+    monkeypatch.setenv("PDSERVE_SHARE_WEIGHTS", "0")
+    registry.push("moe", "v1", folder)
+    config = ModelConfig.from_dir(resolve_model("registry:moe@v1"))
+    model = _load(config)
+    stale = {moe: {0} for moe in moe_layers(model, 0).values()}
+    reload_slots(model, config.path, stale)  # EPLB reads slot 0's expert again: intact
+    (weights,) = Path(config.path).glob("*.safetensors")
+    _tamper_keeping_stats(weights)
+    with pytest.raises(InvalidArgumentError, match="does not match its hash"):
+        reload_slots(model, config.path, stale)
