@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.core.errors import PdserveError, RequestAbortedError
+from pdserve.core.errors import InvalidArgumentError, PdserveError, RequestAbortedError
 from pdserve.core.messages import LoadReport, TokenBatch
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.admission import Admission, ColdStartQueue, RetryBudget
@@ -256,6 +256,7 @@ class Router:
 
     async def stream(self, inp: CompletionInput) -> AsyncGenerator[StreamDelta, None]:
         """The request's deltas, the last with its finish reason; aborts it if not consumed."""
+        self._check_region(inp)
         self.obs.arrived(
             inp.region or self.config.home_region, len(inp.prompt_token_ids), inp.model
         )
@@ -301,6 +302,16 @@ class Router:
                     deadline = time.monotonic() + self.config.cold_start_timeout_s
                 await self.cold.wait(e.region, e.roles, deadline)
 
+    def _check_region(self, inp: CompletionInput) -> None:
+        """Refuse a request naming a region the cluster lacks before any table sees its
+        name: the router's and the controller's tables are indexed by validated names
+        only (20,000 requests naming made-up regions once left 20,000 entries)."""
+        regions = [r.name for r in self.config.regions]
+        if inp.region and inp.region not in regions:
+            error = InvalidArgumentError("region", f"unknown region; known: {regions}")
+            self.reject(error)
+            raise error
+
     def _degrade(self, inp: CompletionInput) -> tuple[CompletionInput, int | None]:
         """Under overload, a request of negative priority gets a smaller ``max_tokens``.
 
@@ -313,7 +324,7 @@ class Router:
             return inp, None
         home = inp.region or cfg.home_region
         limit = self.admission.limit(home, inp.params.priority)
-        if self.region_inflight[home] < cfg.low_priority_degrade_at * limit:
+        if self.region_inflight.get(home, 0) < cfg.low_priority_degrade_at * limit:
             return inp, None
         self.obs.degraded(home)
         params = dataclasses.replace(inp.params, max_tokens=cfg.low_priority_max_tokens)

@@ -259,3 +259,37 @@ def test_under_overload_negative_priorities_get_a_capped_max_tokens_first() -> N
     assert capped == 8 and degraded.params.max_tokens == 8 and degraded.params.priority == -1
     assert router._degrade(online) == (online, None), "online traffic is never capped"
     assert not router.admission.admit("r", 20, priority=-1) and router.admission.admit("r", 20)
+
+
+def test_requests_naming_unknown_regions_leave_no_entry_in_any_table() -> None:
+    import pytest
+
+    from pdserve.core.errors import InvalidArgumentError
+    from pdserve.router.config import RegionSpec, RouterConfig
+    from pdserve.router.placement import CompletionInput
+    from pdserve.router.router import Router
+
+    config = RouterConfig(regions=(RegionSpec("r"),), auth_disabled=True)
+    router = Router(config, None, None)
+
+    async def send(region: str) -> None:
+        params = SamplingParams(max_tokens=100, priority=-1)  # the degrade path reads its home
+        async for _ in router.stream(CompletionInput("c", [1, 2, 3], params, region)):
+            pass
+
+    for i in range(2000):
+        with pytest.raises(InvalidArgumentError, match="unknown region"):
+            asyncio.run(send(f"made-up-{i}"))
+
+    def names(obj: object, depth: int = 0) -> set[str]:  # every key of every table it holds
+        found: set[str] = set()
+        for value in vars(obj).values() if hasattr(obj, "__dict__") and depth < 2 else ():
+            if isinstance(value, dict):
+                found |= {str(k) for k in value} | {
+                    str(p) for k in value if isinstance(k, tuple) for p in k
+                }
+            elif hasattr(value, "__dict__") and value.__class__.__module__.startswith("pdserve"):
+                found |= names(value, depth + 1)
+        return found
+
+    assert not [n for n in names(router) if "made-up" in n]
