@@ -50,6 +50,7 @@ class WarmPool:
         self.failures: dict[str, int] = dict.fromkeys(controller.specs, 0)
         self.next_at: dict[str, float] = dict.fromkeys(controller.specs, 0.0)
         self.taken = 0  # instances that joined a region from the pool
+        self.stopped = False  # stop() ran (the controller stops, or its version retired)
 
     def size(self, region: str) -> int:
         with self.c._lock:
@@ -60,7 +61,7 @@ class WarmPool:
         with self.c._lock:
             lacking = self.c.specs[region].warm_pool - len(self.ready[region])
             lacking -= self.filling[region]
-            if lacking <= 0 or self.c._stop.is_set():
+            if lacking <= 0 or self.stopped or self.c._stop.is_set():
                 return
             self.filling[region] += lacking
         for _ in range(lacking):
@@ -97,8 +98,10 @@ class WarmPool:
         return instance
 
     def stop(self) -> None:
-        """Shut every pooled instance down (the controller is stopping: no refill)."""
+        """Shut every pooled instance down, for good: the controller is stopping, or its
+        version retired (no refill, and a start still under way is shut down when up)."""
         with self.c._lock:
+            self.stopped = True
             everyone = [i for pool in self.ready.values() for i in pool]
             for pool in self.ready.values():
                 pool.clear()
@@ -120,7 +123,7 @@ class WarmPool:
         with self.c._lock:
             self.filling[region] -= 1
             self.failures[region] = 0
-            stopped = self.c._stop.is_set()
+            stopped = self.stopped or self.c._stop.is_set()
             if not stopped:
                 self.ready[region].append(instance)
         if stopped:
