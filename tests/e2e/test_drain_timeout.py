@@ -7,7 +7,9 @@ leaves still holds streams when its timeout passes: the router moves them to
 the instances that stay (the rollout's new version, which has the same
 weights), the step returns while they still run, and every stream ends with
 exactly the tokens of an undisturbed run. Nothing is left behind: every
-instance is idle and the router's per-request tables are empty.
+instance is idle and the router's per-request tables are empty. A cluster of
+its own scales to zero under a stream: the stream moves, waits in the
+cold-start queue for the decode instance its move asks for, and ends the same.
 """
 
 from __future__ import annotations
@@ -59,6 +61,23 @@ class Stream:
         self.thread.join(timeout=240)
         assert self.error is None, repr(self.error)
         return self.tokens
+
+
+def test_a_scale_to_zero_moves_what_outlives_the_drain_to_a_cold_start(ray_session) -> None:
+    """Its own cluster (roles may go to 0), before the shared one starts."""
+    c = Running(p=1, d=1, bounds=(0, 3, 0, 3), extra="health: {drain_timeout_s: 1}\n")
+    try:
+        want = Stream(c).result()
+        s = Stream(c)
+        c.wait(lambda: len(s.tokens) > 20, what="the stream under way")
+        region = ray.get(c.controller.scale.remote("east", 0, 0))
+        assert (region.prefill, region.decode) == (0, 0)
+        assert s.result() == want  # it waited for the decode instance its move woke
+        assert c.router_stats().migrations == 1
+        assert "cold start" in "\n".join(c.status().events)
+        c.assert_idle()
+    finally:
+        c.stop()
 
 
 @pytest.fixture(scope="module")
