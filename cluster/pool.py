@@ -4,7 +4,9 @@ A region with ``warm_pool: N`` keeps N instances fully started (placement group,
 rank processes, weights, KV cache, engine loop: every phase of
 ``pdserve_instance_start_seconds``) but paired with no one and unknown to the
 router: they serve nothing and hold their resources. They are started as decode
-instances, with the region's decode resources and engine options.
+instances, with the region's decode resources and engine options; one is flipped to
+prefill only where the region's prefill role has the same options, layout and
+resources (a flip keeps them: else prefill starts the slow way).
 
     Membership._add(region, role)
       take(region, role)   a pooled instance: pinged (one that does not answer is
@@ -78,7 +80,12 @@ class WarmPool:
         """A ready instance of the region's pool, now of ``role``; None if none is ready.
 
         The caller refills the pool (``fill``) once the instance has joined, so the
-        refill's process start does not compete with the join for the CPUs."""
+        refill's process start does not compete with the join for the CPUs. None too
+        where ``role`` is set up unlike the pool (other engine options, layout or
+        resources): a flip keeps what the instance started with, so that role starts
+        the slow way, as configured."""
+        if not self.fits(region, role):
+            return None
         with self.c._lock:
             instance = self.ready[region].pop(0) if self.ready[region] else None
         if instance is None:
@@ -96,6 +103,17 @@ class WarmPool:
         with self.c._lock:
             self.taken += 1
         return instance
+
+    def fits(self, region: str, role: Role) -> bool:
+        """Whether a pooled instance flipped to ``role`` is what ``role`` would start as:
+        the same engine options and layout, and the same resources per rank."""
+        if role == POOL_ROLE:
+            return True
+        config, spec = self.c.config, self.c.specs[region]
+        same_engine = config.engine_config(role, spec) == config.engine_config(POOL_ROLE, spec)
+        return same_engine and config.instance_needs(role, spec) == config.instance_needs(
+            POOL_ROLE, spec
+        )
 
     def stop(self) -> None:
         """Shut every pooled instance down, for good: the controller is stopping, or its

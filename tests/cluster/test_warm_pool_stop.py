@@ -71,3 +71,23 @@ def test_a_start_under_way_when_the_pool_stops_is_shut_down_when_up() -> None:
     gate.set()
     _settle(pool)
     assert len(c.started) == 1 and c.started[0].down and pool.size("east") == 0
+
+
+def test_a_pooled_instance_becomes_prefill_only_where_prefill_is_set_up_as_the_pool() -> None:
+    from pdserve.cluster.config import parse_config
+
+    def pool_of(prefill: str) -> WarmPool:
+        config = parse_config(
+            "model: builtin:tiny\nregions:\n  - name: east\n    warm_pool: 1\n"
+            f"    prefill: {{count: 1{prefill}}}\n    decode: {{count: 1}}\n"
+        )
+        c = _controller(threading.Event())
+        c.config, c.specs = config, {"east": config.regions[0]}
+        return WarmPool(c)
+
+    assert pool_of("").fits("east", "prefill") and pool_of("").fits("east", "decode")
+    for other in (", engine: {max_num_batched_tokens: 2048}", ", num_cpus_per_rank: 2"):
+        pool = pool_of(other)
+        assert not pool.fits("east", "prefill") and pool.fits("east", "decode")
+        pool.ready["east"].append(_Started())  # type: ignore[arg-type]
+        assert pool.take("east", "prefill") is None and pool.size("east") == 1  # left for decode
