@@ -119,7 +119,8 @@ class LoraAdmin:
         if not loaded:
             raise _first(failed)
         self.catalog.add_adapter(base, name)
-        served = self.cluster.adapter_fingerprints[name]
+        first = self.cluster.instances[loaded[0]]  # the content its model version serves
+        served = self.cluster.adapter_fingerprints[(first.model, name)]
         self.runtime.setdefault(base, {})[name] = RuntimeAdapter(name, folder, served)
         for view in self.targets(base, None)[1]:  # registered while it loaded: load it there
             if view.instance_id not in before and name not in view.adapters:

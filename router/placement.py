@@ -243,7 +243,7 @@ class RegionChooser:
             )
         bs = decodes.block_tokens
         if bs not in hashes:
-            fingerprint = self.cluster.adapter_fingerprints.get(lora or "", "")
+            fingerprint = self.cluster.adapter_fingerprints.get((inp.model, lora or ""), "")
             hashes[bs] = prompt_block_hashes(
                 inp.prompt_token_ids, bs, lora, fingerprint, inp.params.cache_salt
             )

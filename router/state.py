@@ -121,31 +121,37 @@ class RegionTable:
 class ClusterView:
     """Every instance, and per (role, region, model version, LoRA adapter) a table of
     the available ones; an adapter's table holds only instances that hold it with
-    the content the cluster serves under its name (``adapter_fingerprints``)."""
+    the content the cluster serves under its name for that model version
+    (``adapter_fingerprints``: names are scoped per model, so two models may each
+    serve their own adapter under one name)."""
 
     def __init__(self) -> None:
         self.instances: dict[str, InstanceView] = {}
         # (role, region, model) -> LoRA adapter (None: any) -> its table.
         self._tables: dict[tuple[str, str, str], dict[str | None, RegionTable]] = {}
-        self.adapter_fingerprints: dict[str, str] = {}
+        self.adapter_fingerprints: dict[tuple[str, str], str] = {}  # (model, name) -> content
 
     def set_adapter(self, instance_id: str, name: str, fingerprint: str | None) -> None:
         """``instance_id`` now holds adapter ``name`` (None: no longer holds it). The first
-        content seen under a name is the one served; other content there is no holder."""
+        content seen under a name of its model version is the one served; other content
+        there is no holder."""
         view = self.instances.get(instance_id)
         if view is None:
             return
         if fingerprint is None:
             view.adapters.pop(name, None)
-            if not any(name in v.adapters for v in self.instances.values()):
-                self.adapter_fingerprints.pop(name, None)
+            if not any(
+                name in v.adapters for v in self.instances.values() if v.model == view.model
+            ):
+                self.adapter_fingerprints.pop((view.model, name), None)
         else:
             view.adapters[name] = fingerprint
-            self.adapter_fingerprints.setdefault(name, fingerprint)
+            self.adapter_fingerprints.setdefault((view.model, name), fingerprint)
         self._tables.clear()
 
     def holds(self, view: InstanceView, lora: str | None) -> bool:
-        return lora is None or view.adapters.get(lora, "") == self.adapter_fingerprints.get(lora)
+        served = self.adapter_fingerprints.get((view.model, lora or ""))
+        return lora is None or view.adapters.get(lora, "") == served
 
     def add(self, view: InstanceView) -> None:
         self.instances[view.instance_id] = view

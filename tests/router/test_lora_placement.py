@@ -174,3 +174,18 @@ def test_an_instance_started_after_a_load_holds_the_adapter_once_its_load_is_ans
         assert not _join(router, "d5").calls  # unloaded: instances started now load nothing
 
     asyncio.run(run())
+
+
+def test_adapter_names_are_scoped_per_model_version() -> None:
+    from pdserve.router.state import ClusterView, InstanceView
+
+    cluster = ClusterView()
+    for iid, model in (("a1", "base-a"), ("b1", "base-b")):
+        cluster.add(InstanceView(iid, "decode", "r", None, 16, 4096, model=model))
+    cluster.set_adapter("a1", "sql", "content-of-a")
+    cluster.set_adapter("b1", "sql", "content-of-b")  # another model's own adapter "sql"
+    assert [v.instance_id for v in cluster.table("decode", "r", "base-a", "sql").views] == ["a1"]
+    assert [v.instance_id for v in cluster.table("decode", "r", "base-b", "sql").views] == ["b1"]
+    cluster.set_adapter("a1", "sql", None)  # unloaded from model a: b's stays served
+    assert len(cluster.table("decode", "r", "base-b", "sql")) == 1
+    assert ("base-a", "sql") not in cluster.adapter_fingerprints
