@@ -51,10 +51,10 @@ test-fast: $(STAMP)
 readme: $(STAMP)
 	PDSERVE_README_LONG=1 $(BIN)/python -m pytest -m readme -q --durations=0
 
-# The front-door fuzzers of `make test`, longer: EXAMPLES generated requests per fuzzer.
+# The fuzzers of `make test` (front door, profile files), longer: EXAMPLES examples per fuzzer.
 EXAMPLES ?= 2000
 fuzz: $(STAMP)
-	PDSERVE_FUZZ_EXAMPLES=$(EXAMPLES) $(BIN)/python -m pytest -q tests/e2e/test_hostile.py -k fuzz
+	PDSERVE_FUZZ_EXAMPLES=$(EXAMPLES) $(BIN)/python -m pytest -q tests/e2e/test_hostile.py tests/sim/test_profile_values.py -k fuzz
 
 # Everything GPU-related on a bare GPU machine (torch, triton, msgpack, grpcio; no Ray,
 # no network, no install): CUDA tests, native Triton kernels, GPU benchmarks.
