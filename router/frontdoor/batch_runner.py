@@ -40,6 +40,7 @@ import aiohttp
 from tqdm import tqdm
 
 from pdserve.core.errors import ConflictError
+from pdserve.core.private_files import open_private
 
 if TYPE_CHECKING:
     from pdserve.router.frontdoor.batch_store import OutputBudget
@@ -179,7 +180,7 @@ def settle_output(output: Path) -> tuple[set[int], int, int]:
             stale_bytes += len(text.encode())
     if stale:
         tmp = output.with_name(output.name + ".settling")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open_private(tmp, "w", encoding="utf-8") as f:
             f.writelines(text for _, text, final in _records(output) if final)
         os.replace(tmp, output)
     return done, stale, stale_bytes
@@ -245,7 +246,7 @@ class BatchRunner:
         bar = tqdm(total=self.summary.lines, disable=not progress)
         await asyncio.to_thread(_end_last_line, output)
         source = await asyncio.to_thread(LineSource, input_path)
-        out = await asyncio.to_thread(open, output, "ab")
+        out = await asyncio.to_thread(open_private, output, "ab")
         try:
             await self._send_all(source, done, out, bar)
         finally:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pdserve.core.private_files import open_private, private_dir
 from pdserve.router.config import RouterConfig
 
 
@@ -93,8 +94,8 @@ class KeyIndex:
         self.folder = folder
 
     def add(self, record_id: str) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / record_id).touch()
+        private_dir(self.folder)
+        open_private(self.folder / record_id, "ab").close()
 
     def remove(self, record_id: str) -> None:
         (self.folder / record_id).unlink(missing_ok=True)

@@ -45,11 +45,14 @@ import asyncio
 import builtins
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
+import os
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,7 @@ from pdserve.core.errors import (
     NotFoundError,
     UnsupportedError,
 )
+from pdserve.core.private_files import make_private, open_private, private_dir, write_private
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batch_runner import URLS, BatchRunner
 from pdserve.router.frontdoor.batch_store import BatchLimits, KeyIndex, KeyLedger
@@ -94,8 +98,13 @@ class BatchJobs:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.runners: dict[str, BatchRunner] = {}
         self.running: dict[str, dict[str, Any]] = {}  # batch id -> its record, while it runs
-        (folder / "files").mkdir(parents=True, exist_ok=True)
-        (folder / "batches").mkdir(parents=True, exist_ok=True)
+        # request data and key digests: 0700 folders of 0600 files (older ones narrowed)
+        private_dir(folder / "files")
+        private_dir(folder / "batches")
+        make_private(folder)
+        self.secret, new_secret = _secret(folder)
+        if new_secret:
+            _rekey(folder, self.secret, keys.keys)
         if not (folder / "owners").is_dir():  # records written before there were indexes
             _index_all(folder)
 
@@ -194,7 +203,7 @@ class BatchJobs:
         written: over a limit, its quota, or at a bad line: refused (the caller releases)."""
         check = UploadCheck(self.limits.max_file_lines, self.limits.max_line_bytes)
         ledger, size, pending = self._ledger(owner), 0, bytearray()
-        out = await asyncio.to_thread(open, path, "wb")
+        out = await asyncio.to_thread(open_private, path, "wb")
         try:
             while chunk := await part.read_chunk(1 << 16):
                 if size + len(chunk) > self.limits.max_file_bytes:
@@ -349,7 +358,7 @@ class BatchJobs:
     def _add_batch(self, batch: dict[str, Any], output: dict[str, Any]) -> None:
         """Write a new batch's record and its (empty) output file's, and index both."""
         _write(self.folder / "files" / f"{output['id']}.json", output)
-        (self.folder / "files" / f"{output['id']}.jsonl").touch()
+        open_private(self.folder / "files" / f"{output['id']}.jsonl", "ab").close()
         self._index(batch["owner"]).add(output["id"])
         self._save(batch)
         self._index(batch["owner"]).add(batch["id"])
@@ -454,12 +463,12 @@ class BatchJobs:
         """A digest of the request's API key (its files and batches are its own)."""
         authorization = request.headers.get("Authorization")
         self.keys.check(authorization)
-        return _digest(_key(authorization) or "")
+        return _digest(self.secret, _key(authorization) or "")
 
     def _key_for(self, owner: str) -> str | None:
         """The Authorization header of a configured key with this digest (a resumed batch)."""
         for key in self.keys.keys:
-            if _digest(key) == owner:
+            if _digest(self.secret, key) == owner:
                 return f"Bearer {key}"
         return None
 
@@ -511,7 +520,7 @@ def _index_all(folder: Path) -> None:
                 KeyIndex(folder / "owners" / json.loads(record.read_text())["owner"]).add(
                     record.stem
                 )
-    (folder / "owners").mkdir(exist_ok=True)
+    private_dir(folder / "owners")
 
 
 def _metadata(value: Any) -> Any:
@@ -529,9 +538,7 @@ def _metadata(value: Any) -> Any:
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)
+    write_private(path, json.dumps(record))
 
 
 def _public(meta: dict[str, Any]) -> dict[str, Any]:
@@ -554,5 +561,36 @@ def _key(authorization: str | None) -> str | None:
     return authorization.partition(" ")[2].strip() or None if authorization else None
 
 
-def _digest(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+def _digest(secret: bytes, key: str) -> str:
+    """A key's owner name on disk: keyed by the folder's secret, so the records and
+    index folders reveal nothing a guessed key could be checked against offline."""
+    return hmac.new(secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+
+
+def _secret(folder: Path) -> tuple[bytes, bool]:
+    """The folder's digest key (0600, made once), and whether it was made now."""
+    path = folder / "owner.key"
+    try:
+        with open_private(path, "xb") as f:
+            f.write(os.urandom(32))
+        made = True
+    except FileExistsError:
+        made = False
+    return path.read_bytes(), made
+
+
+def _rekey(folder: Path, secret: bytes, keys: Iterable[str]) -> None:
+    """Records an older pdserve owned by a key's unkeyed sha256 move to its keyed digest
+    (with their index); those of keys no longer configured stay unreachable, as before."""
+    renamed = {
+        hashlib.sha256(k.encode("utf-8", "surrogatepass")).hexdigest(): _digest(secret, k)
+        for k in keys
+    }
+    for record in [*folder.glob("files/*.json"), *folder.glob("batches/*.json")]:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            meta = json.loads(record.read_text())
+            if (new := renamed.get(meta["owner"])) is not None:
+                _write(record, {**meta, "owner": new})
+    for old, new in renamed.items():
+        if (folder / "owners" / old).is_dir() and not (folder / "owners" / new).exists():
+            (folder / "owners" / old).rename(folder / "owners" / new)

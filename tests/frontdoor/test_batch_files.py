@@ -150,3 +150,44 @@ def test_batch_outputs_count_toward_the_quota(tmp_path: Path) -> None:
             await _call(client, "POST", f"/v1/batches/{again['id']}/cancel", "alice")
 
     asyncio.run(go())
+
+
+def test_files_records_and_key_digests_are_private(tmp_path: Path) -> None:
+    import hashlib
+    import os
+    import stat
+
+    plain = hashlib.sha256(b"alice").hexdigest()
+    legacy = tmp_path / "files" / "file-old.json"  # an older pdserve's record of alice's
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(
+        json.dumps(
+            {
+                "id": "file-old",
+                "object": "file",
+                "bytes": 0,
+                "created_at": 1,
+                "filename": "old.jsonl",
+                "purpose": "batch",
+                "owner": plain,
+            }
+        )
+    )
+    os.chmod(legacy, 0o644)
+
+    async def go() -> None:
+        async with TestClient(TestServer(_api(tmp_path, 1).app())) as client:
+            status, meta = await _call(
+                client, "POST", "/v1/files", "alice", data=_form(LINE.encode())
+            )
+            assert status == 200, meta
+            _, listed = await _call(client, "GET", "/v1/files", "alice")
+            assert {f["id"] for f in listed["data"]} == {meta["id"], "file-old"}  # taken over
+            _, other = await _call(client, "GET", "/v1/files", "bob")
+            assert other["data"] == []
+
+    asyncio.run(go())
+    for path in [tmp_path, *tmp_path.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path}: {oct(mode)}"
+        assert plain not in path.name and (path.is_dir() or plain.encode() not in path.read_bytes())

@@ -6,7 +6,6 @@ and an IPv6 front door."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import socket
 import time
@@ -22,7 +21,7 @@ from pdserve.core.errors import ConflictError
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batch_store import KeyLedger
-from pdserve.router.frontdoor.batches import front_door_url
+from pdserve.router.frontdoor.batches import _digest, front_door_url
 from pdserve.router.frontdoor.http_api import HttpApi
 from pdserve.router.router import Router
 
@@ -213,10 +212,6 @@ def test_listings_read_only_the_callers_own_records(tmp_path: Path) -> None:
     asyncio.run(go())
 
 
-def _digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 def test_a_batch_that_cannot_resume_is_failed_and_the_router_still_starts(tmp_path: Path) -> None:
     server_api = api(tmp_path)
     assert server_api.batches is not None
@@ -231,7 +226,7 @@ def test_a_batch_that_cannot_resume_is_failed_and_the_router_still_starts(tmp_pa
         "errors": None,
         "created_at": 1,
         "resumes": 3,
-        "owner": _digest("alice"),
+        "owner": _digest(server_api.batches.secret, "alice"),
     }
     broken = {**looping, "id": "batch_broken", "resumes": 0}
     del broken["output_file_id"]
