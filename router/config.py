@@ -155,19 +155,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         check_keys("auth.api_keys", self.api_keys)  # "" is what an unset variable becomes
         check_keys("auth.api_key_admins", self.api_key_admins)
-        if not self.regions:
-            raise InvalidArgumentError("regions", "at least one region is needed")
-        names = [r.name for r in self.regions]
-        if len(set(names)) != len(names):
-            raise InvalidArgumentError("regions", f"duplicate region names in {names}")
-        for r in self.regions:
-            for other, latency in r.latency_s.items():
-                if other not in names:
-                    raise InvalidArgumentError(
-                        f"regions.{r.name}.latency", f"unknown region {other!r}"
-                    )
-                if latency < 0:
-                    raise InvalidArgumentError(f"regions.{r.name}.latency", "must be >= 0")
+        self._check_regions()
         if self.max_inflight_per_region < 1:
             raise InvalidArgumentError("max_inflight_per_region", "must be >= 1")
         if not 0 < self.low_priority_share <= 1:
@@ -211,6 +199,21 @@ class RouterConfig:
                 raise InvalidArgumentError(f"router.{name}", "must be >= 1")
         if self.max_restarts < -1:
             raise InvalidArgumentError("router.max_restarts", "must be >= -1 (-1: always)")
+
+    def _check_regions(self) -> None:
+        if not self.regions:
+            raise InvalidArgumentError("regions", "at least one region is needed")
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError("regions", f"duplicate region names in {names}")
+        for r in self.regions:
+            for other, latency in r.latency_s.items():
+                if other not in names:
+                    raise InvalidArgumentError(
+                        f"regions.{r.name}.latency", f"unknown region {other!r}"
+                    )
+                if latency < 0:
+                    raise InvalidArgumentError(f"regions.{r.name}.latency", "must be >= 0")
 
     @property
     def home_region(self) -> str:
