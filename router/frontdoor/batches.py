@@ -320,16 +320,7 @@ class BatchJobs:
         source = self._file(str(body.get("input_file_id")), request, "input_file_id")
         if source.get("purpose") != "batch":
             raise InvalidArgumentError("input_file_id", "must be an uploaded file (purpose batch)")
-        running = sum(1 for b in self.running.values() if b["owner"] == owner)
-        if running >= self.limits.max_running:
-            raise ConflictError(
-                "router.batch_max_running",
-                f"this key runs {running} batches, at most {self.limits.max_running} "
-                "(router.batch_max_running): wait for one to end or cancel one",
-            )
-        self._check_file_count(owner, 1)  # its output file
-        if self._ledger(owner).full():
-            raise ConflictError("input_file_id", self._over_quota("hold"))
+        self._check_room_for_batch(owner)
         batch_id, out_id = f"batch_{uuid.uuid4().hex}", f"file-{uuid.uuid4().hex}"
         meta = {**_output_meta(out_id, batch_id), "owner": owner}
         batch = {
@@ -354,6 +345,19 @@ class BatchJobs:
         await asyncio.to_thread(self._add_batch, batch, meta)
         self._start(batch, request.headers.get("Authorization"))
         return web.json_response(self._view(batch))
+
+    def _check_room_for_batch(self, owner: str) -> None:
+        """Refuse a batch the key's running-batch limit, file limit or quota has no room for."""
+        running = sum(1 for b in self.running.values() if b["owner"] == owner)
+        if running >= self.limits.max_running:
+            raise ConflictError(
+                "router.batch_max_running",
+                f"this key runs {running} batches, at most {self.limits.max_running} "
+                "(router.batch_max_running): wait for one to end or cancel one",
+            )
+        self._check_file_count(owner, 1)  # its output file
+        if self._ledger(owner).full():
+            raise ConflictError("input_file_id", self._over_quota("hold"))
 
     def _add_batch(self, batch: dict[str, Any], output: dict[str, Any]) -> None:
         """Write a new batch's record and its (empty) output file's, and index both."""
