@@ -70,16 +70,8 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer  # the cluster's own model's (catalog: every version's)
         self.catalog = ModelCatalog()
-        self.catalog.add(
-            ServedVersion(
-                config.model_name,
-                config.model_version,
-                "",
-                tokenizer,
-                vocab_size,
-                config.lora_adapters,
-            )
-        )
+        own = (config.model_name, config.model_version, "", tokenizer, vocab_size)
+        self.catalog.add(ServedVersion(*own, config.lora_adapters))
         self.outcomes = VersionOutcomes()
         self.cluster = ClusterView()
         self.prefixes = PrefixIndex()
