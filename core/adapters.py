@@ -38,12 +38,19 @@ def adapter_fingerprint(folder: str | Path) -> str:
     Prefix-cache blocks computed under an adapter are salted by it (not by the
     name alone), and a prefill/decode pair compares it per name.
     """
-    h = hashlib.sha256()
     root = Path(folder)
-    for file in [root / "adapter_config.json", *sorted(root.glob("*.safetensors"))]:
-        h.update(file.name.encode())
-        if file.is_file():
-            h.update(file.read_bytes())
+    files = [root / "adapter_config.json", *sorted(root.glob("*.safetensors"))]
+    return fingerprint_of([(f.name, f.read_bytes() if f.is_file() else None) for f in files])
+
+
+def fingerprint_of(files: list[tuple[str, bytes | None]]) -> str:
+    """:func:`adapter_fingerprint` of bytes already read: (file name, its bytes or None),
+    adapter_config.json first, then the weight files by name."""
+    h = hashlib.sha256()
+    for name, data in files:
+        h.update(name.encode())
+        if data is not None:
+            h.update(data)
     return h.hexdigest()[:24]
 
 

@@ -94,8 +94,9 @@ class AdapterSet:
                 f"this instance holds max_loras={self.capacity} adapters {list(self.names)}; "
                 "unload one first",
             )
-        executor.load_adapter(free[0], name, folder)  # validates before any rank changes
-        served = ServedAdapter(name, folder, adapter_fingerprint(folder), free[0])
+        # validates before any rank changes; the fingerprint is of the bytes they loaded
+        fingerprint = executor.load_adapter(free[0], name, folder)
+        served = ServedAdapter(name, folder, fingerprint, free[0])
         self._served[name] = served
         logger.info("LoRA adapter %r loaded from %s into slot %d", name, folder, served.slot)
         return served

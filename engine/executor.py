@@ -49,9 +49,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
 
-    def load_adapter(self, slot: int, name: str, folder: str) -> None:
+    def load_adapter(self, slot: int, name: str, folder: str) -> str:
         """Between two steps: read and check a PEFT adapter, then hold it in ``slot`` on
-        every rank (plans name it ``name`` from the next step on). Raises
+        every rank (plans name it ``name`` from the next step on); returns the fingerprint
+        (``core.adapters.adapter_fingerprint``) of the bytes the ranks loaded. Raises
         InvalidArgumentError naming the field before any rank changes."""
         raise UnsupportedError("this executor cannot load LoRA adapters at runtime")
 

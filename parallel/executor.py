@@ -87,8 +87,10 @@ class LocalExecutor(Executor):
         self.step_times.record(plan.num_tokens, time.perf_counter() - start)
         return result
 
-    def load_adapter(self, slot: int, name: str, folder: str) -> None:
-        self.runner.load_adapter(slot, name, self.runner.read_adapter(name, folder))
+    def load_adapter(self, slot: int, name: str, folder: str) -> str:
+        adapter = self.runner.read_adapter(name, folder)
+        self.runner.load_adapter(slot, name, adapter)
+        return adapter.fingerprint
 
     def unload_adapter(self, slot: int, name: str) -> None:
         self.runner.unload_adapter(slot)

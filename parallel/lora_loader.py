@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
+from pdserve.core.adapters import fingerprint_of
 from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
@@ -58,6 +59,7 @@ class PeftAdapter:
     rank: int
     scale: float
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    fingerprint: str  # of the bytes this read took (core.adapters.adapter_fingerprint)
 
 
 def _fail(name: str, field: str, message: str) -> InvalidArgumentError:
@@ -79,11 +81,12 @@ def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def _read_config(name: str, folder: Path, max_rank: int) -> tuple[int, float, set[str]]:
-    path = folder / "adapter_config.json"
-    if not path.is_file():
+def _read_config(
+    name: str, folder: Path, max_rank: int, data: bytes | None
+) -> tuple[int, float, set[str]]:
+    if data is None:
         raise _fail(name, "folder", f"no adapter_config.json in {str(folder)!r}")
-    cfg: dict[str, Any] = json.loads(path.read_text())
+    cfg: dict[str, Any] = json.loads(data)
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
     if not isinstance(rank, int) or rank < 1:
         raise _fail(name, "r", f"must be an integer >= 1, got {rank!r}")
@@ -110,17 +113,21 @@ def _read_config(name: str, folder: Path, max_rank: int) -> tuple[int, float, se
 def read_adapter(name: str, folder: str | Path, max_rank: int, model: ModelConfig) -> PeftAdapter:
     """Read and check one PEFT adapter; the scale ``alpha / r`` is folded into B."""
     root = Path(folder)
-    rank, scale, targets = _read_config(name, root, max_rank)
+    config_file = root / "adapter_config.json"
+    config_bytes = config_file.read_bytes() if config_file.is_file() else None
+    weights = {f.name: f.read_bytes() for f in sorted(root.glob("*.safetensors"))}
+    fingerprint = fingerprint_of([(config_file.name, config_bytes), *weights.items()])
+    rank, scale, targets = _read_config(name, root, max_rank, config_bytes)
     if model.is_moe and targets & set(_MLP):
         raise _fail(
             name, "target_modules", "the MLP of a mixture-of-experts model is not adaptable"
         )
-    files = sorted(root.glob("adapter_model*.safetensors"))
+    files = [f for f in weights if f.startswith("adapter_model")]
     if not files:
         raise _fail(name, "folder", f"no adapter_model.safetensors in {str(root)!r}")
     halves: dict[tuple[int, str, str], torch.Tensor] = {}
     for file in files:
-        for key, tensor in load_file(str(file)).items():
+        for key, tensor in load_safetensors(weights[file]).items():
             m = _KEY.fullmatch(key)
             if m is None or m.group(2) not in targets:
                 raise _fail(
@@ -142,7 +149,7 @@ def read_adapter(name: str, folder: str | Path, max_rank: int, model: ModelConfi
                 name, f"layers.{layer}.{module}", f"{got} do not fit [r={rank}, {inp}], [{out}, r]"
             )
         pairs[(layer, module)] = (a.float(), b.float() * scale)
-    return PeftAdapter(name, rank, scale, pairs)
+    return PeftAdapter(name, rank, scale, pairs, fingerprint)
 
 
 def _column_pair(

@@ -158,12 +158,14 @@ class GroupExecutor(Executor):
         lps = self.stage.logprobs, self.stage.prompt_logprobs
         return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok, *lps)
 
-    def load_adapter(self, slot: int, name: str, folder: str) -> None:
-        """Check on the leader, then load on every rank between two steps (lora_control.py)."""
+    def load_adapter(self, slot: int, name: str, folder: str) -> str:
+        """Check on the leader, then load on every rank between two steps (lora_control.py);
+        the fingerprint of the bytes read, which every rank checks its own read against."""
         adapter = self.stage.runner.read_adapter(name, folder)
         with self.step_lock:
-            send_plan(self.groups, encode_lora(slot, name, folder))
+            send_plan(self.groups, encode_lora(slot, name, folder, adapter.fingerprint))
             self.stage.runner.load_adapter(slot, name, adapter)
+        return adapter.fingerprint
 
     def unload_adapter(self, slot: int, name: str) -> None:
         with self.step_lock:

@@ -223,3 +223,29 @@ def test_a_cluster_serves_adapters_over_http(ray_session, lora_case) -> None:
         c.assert_idle()
     finally:
         c.stop()
+
+
+def test_a_rank_that_reads_other_bytes_than_the_leader_refuses_the_adapter(
+    lora_case, tmp_path
+) -> None:
+    """A runtime load's fingerprint is of the bytes the ranks read, and a follower whose
+    read differs from the leader's (the folder changed in between) refuses to load it."""
+    from pdserve.core.adapters import adapter_fingerprint
+    from pdserve.parallel.lora_control import apply_lora, encode_lora
+
+    base, adapters, _, _ = lora_case
+    llm = LLM(str(base), dtype="float32", max_num_batched_tokens=64)
+    try:
+        folder = tmp_path / "qv"
+        shutil.copytree(adapters["qv"], folder)
+        served = llm.engine.load_adapter("qv", str(folder))
+        assert served.fingerprint == adapter_fingerprint(folder)
+        runner = llm.engine.executor.runner  # type: ignore[attr-defined]
+        stale = encode_lora(1, "qv-again", str(folder), "0" * 24)  # the leader read other bytes
+        with pytest.raises(InvalidArgumentError, match="read other bytes") as err:
+            apply_lora(runner, stale)
+        assert err.value.field == "lora_path"
+        apply_lora(runner, encode_lora(1, "qv-again", str(folder), served.fingerprint))
+        assert runner.adapter_slots[1] == "qv-again"
+    finally:
+        llm.shutdown()
