@@ -56,7 +56,7 @@ def _first_token_s(endpoints: Any, prompt: str, max_tokens: int) -> float:
     from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
     from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(f"{endpoints.host}:{endpoints.grpc_port}") as channel:
+    with grpc.insecure_channel(endpoints.grpc_address) as channel:
         stub = pb_grpc.CompletionStub(channel)
         request = pb.CompletionRequest(prompt=prompt)
         request.sampling.CopyFrom(

@@ -104,7 +104,7 @@ def cluster_setup(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, t
 def run_mode(mode: str, args: argparse.Namespace) -> tuple[list[RunResult], list[dict[str, Any]]]:
     config, pins = cluster_setup(mode, args)
     with local_cluster(config, len(args.cores), pins) as (endpoints, pinned):
-        target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
+        target = f"grpc://{endpoints.grpc_address}"
         runs = serve_rates(args, target, list(args.rate), label=mode)
     return runs, [vars(p) for p in pinned]
 

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     os.sched_setaffinity(0, set(cores))
     try:
         with local_cluster(config, len(cores), pins) as (endpoints, pinned):
-            target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
+            target = f"grpc://{endpoints.grpc_address}"
             servers: list[tuple[str, str | Callable[[], Awaitable[Client]]]] = [
                 ("transformers", make_peer),
                 (label, target),

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     )
     results: dict[str, Any] = {}
     with local_cluster(text, num_cpus=4) as (endpoints, _):
-        base = f"http://{endpoints.host}:{endpoints.http_port}"
+        base = endpoints.http_url
         if args.rate is None:
             results["capacity_rps"] = asyncio.run(_capacity(base, args))
             args.rate = results["capacity_rps"] * args.online_share

@@ -143,7 +143,7 @@ class SoakCluster:
 
     @property
     def address(self) -> str:
-        return f"{self.endpoints.host}:{self.endpoints.grpc_port}"
+        return self.endpoints.grpc_address
 
     def ranks(self) -> list[Rank]:
         """Every instance leader that answers (pid, instance id, role)."""

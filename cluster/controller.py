@@ -109,6 +109,7 @@ class Controller:
         self.owns_router = router is None  # the root: it runs the router and the fleet
         # Set once the router listens: instances start beside it and register after.
         self._router_up: Future[None] = Future()
+        self.router_incarnation: str | None = None  # the router's, as this controller last saw it
         if not self.owns_router:
             self._router_up.set_result(None)
         self.retired = False  # its version takes no traffic any more: all targets 0
@@ -133,6 +134,8 @@ class Controller:
 
     def start(self) -> Endpoints | None:
         also: list[Callable[[], None]] = []  # beside the regions' instances
+        if not self.owns_router:  # the root's router, up: its instances register with it
+            self.router_incarnation = ray.get(self.router.incarnation.remote())
         if self.owns_router:
             node = ray.get_runtime_context().get_node_id()
             here = NodeAffinitySchedulingStrategy(node, soft=False)
@@ -158,6 +161,7 @@ class Controller:
         try:
             self.endpoints = ray.get(started)
             ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
+            self.router_incarnation = ray.get(self.router.incarnation.remote())
         except BaseException as e:
             self._router_up.set_exception(e)
             raise

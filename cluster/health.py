@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError
 from pdserve.cluster.expert_load import ExpertLoadReader
 from pdserve.cluster.instances import Instance, best_effort, first_line
 from pdserve.cluster.status import InstanceStatus
+from pdserve.cluster.topology import register
 from pdserve.core.snapshot import ExpertLoad
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class HealthChecks:
         self._rounds = 0
 
     def check(self) -> None:
+        self._rejoin_restarted_router()
         with self.c._lock:
             everyone = [
                 (name, i)
@@ -69,6 +71,28 @@ class HealthChecks:
         self.c.scale_log.counters = read
         self.c._retry_due()
         self.c._push_snapshot()
+
+    def _rejoin_restarted_router(self) -> None:
+        """Ray restarted the router (it died): it knows no instance, so every instance of
+        this controller registers again, and the root's demand for cold starts is watched
+        again. Nothing is done while the router does not answer: the next round asks."""
+        c = self.c
+        if c.router is None or c.router_incarnation is None:
+            return
+        try:
+            now = ray.get(c.router.incarnation.remote(), timeout=c.health.ping_timeout_s)
+        except Exception:
+            return
+        if now == c.router_incarnation:
+            return
+        with c._lock:
+            listed = [(name, i) for name, r in c.regions.items() for i in r.prefill + r.decode]
+        for name, instance in listed:
+            register(c.router, instance, name, c.key)
+        if c.owns_router:
+            ray.get(c.router.watch_demand.remote(ray.get_runtime_context().current_actor))
+        c.router_incarnation = now
+        c._event(f"the router restarted: {len(listed)} instance(s) registered with it again")
 
     def _expert_load(self, everyone: list[tuple[str, Instance]], read: list[Any]) -> None:
         """Every ``EXPERT_LOAD_EVERY`` rounds, MoE instances' expert counters from all ranks."""

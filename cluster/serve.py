@@ -91,9 +91,9 @@ def _already_running() -> InstanceFailedError:
 
 
 def describe(endpoints: Endpoints) -> str:
-    base = f"http://{endpoints.host}:{endpoints.http_port}"
+    base = endpoints.http_url
     return (
-        f"gRPC      {endpoints.host}:{endpoints.grpc_port}\n"
+        f"gRPC      {endpoints.grpc_address}\n"
         f"HTTP      {base}/v1 (OpenAI-compatible)\n"
         f"metrics   {base}/metrics\n"
         f"dashboard {base}/dashboard"

@@ -235,7 +235,7 @@ def _stream_one(endpoints: Any, prompt: str, region: str, keys: tuple[str, ...])
     from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
     from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc
 
-    stub = pb_grpc.CompletionStub(grpc.insecure_channel(f"{endpoints.host}:{endpoints.grpc_port}"))
+    stub = pb_grpc.CompletionStub(grpc.insecure_channel(endpoints.grpc_address))
     metadata = (("x-pdserve-region", region),) + (
         (("authorization", f"Bearer {keys[0]}"),) if keys else ()
     )

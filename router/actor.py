@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from pdserve.core.logs import setup_logging
 from pdserve.core.messages import LoadReport, TokenBatch
 from pdserve.core.model_config import ModelConfig
+from pdserve.core.net import host_port
 from pdserve.core.snapshot import ClusterSnapshot
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
@@ -36,6 +38,16 @@ class Endpoints:
     host: str
     grpc_port: int
     http_port: int
+
+    @property
+    def grpc_address(self) -> str:
+        """What a gRPC client dials (an IPv6 host in brackets)."""
+        return host_port(self.host, self.grpc_port)
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP front door's base URL, ``http://host:port`` (TLS: change the scheme)."""
+        return f"http://{host_port(self.host, self.http_port)}"
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class RouterActor:
         self._sampler: asyncio.Future[None] | None = None
         self._resuming: asyncio.Future[None] | None = None  # batches resumed at start-up
         self._restarted: asyncio.Future[Endpoints] | None = None
+        self._incarnation = uuid.uuid4().hex  # new at each (re)start: it knows no instance
         if _reconstructed():  # Ray restarted this actor after it died: serve again
             logger.warning("the router restarted: listening again, resuming its batches")
             self._restarted = asyncio.ensure_future(self.start())
@@ -119,6 +132,13 @@ class RouterActor:
     def _router(self) -> Router:
         assert self.router is not None, "start() first"
         return self.router
+
+    async def incarnation(self) -> str:
+        """Who this router is since it last (re)started, once it serves: a controller that
+        sees it change registers its instances again (a restarted router knows none)."""
+        if self._restarted is not None:
+            await self._restarted
+        return self._incarnation
 
     async def register(self, info: InstanceInfo) -> None:
         router = self._router()

@@ -150,7 +150,7 @@ def run_policy(
     region = config.regions[0].name
     with local_cluster(text, num_cpus, capacity=capacity_for(config)) as (endpoints, _):
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-        target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
+        target = f"grpc://{endpoints.grpc_address}"
         leaders = [(f"{role}{i}", leader) for i, (role, leader)
                    in enumerate(ray.get(controller.instance_handles.remote()))]  # fmt: skip
         t0, wall0 = time.monotonic(), time.time()

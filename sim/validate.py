@@ -141,7 +141,7 @@ def measure(text: str, setup: str, runs: Runs, args: argparse.Namespace) -> list
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         leaders = [(f"{role}{i}", leader) for i, (role, leader)
                    in enumerate(ray.get(controller.instance_handles.remote()))]  # fmt: skip
-        target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
+        target = f"grpc://{endpoints.grpc_address}"
         for i, (ns, rate) in enumerate(runs):
             with traced(leaders) as steps:
                 result = serve_rates(ns, target, [rate], label=setup, first_run=i)[0]

@@ -64,6 +64,7 @@ from pdserve.core.errors import (
     NotFoundError,
     UnsupportedError,
 )
+from pdserve.core.net import host_port
 from pdserve.core.private_files import make_private, open_private, private_dir, write_private
 from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.batch_runner import URLS, BatchRunner
@@ -81,9 +82,7 @@ def front_door_url(scheme: str, host: str, port: int) -> str:
     """The URL a front door's own batches reach it at (a wildcard host: loopback;
     an IPv6 address in brackets)."""
     host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{scheme}://{host}:{port}"
+    return f"{scheme}://{host_port(host, port)}"
 
 
 class BatchJobs:

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.core.errors import InvalidArgumentError, OverloadedError, wire_status
+from pdserve.core.net import host_port
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.config import TlsConfig
 from pdserve.router.frontdoor.auth import ApiKeys
@@ -271,7 +272,7 @@ async def start_grpc(
     add_completion_service(CompletionService(router, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{host}:{port}"
+    address = host_port(host, port)
     try:
         if tls is None:
             bound = server.add_insecure_port(address)

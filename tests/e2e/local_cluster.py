@@ -30,7 +30,7 @@ regions:
     decode: {{count: {d}, min: {d_min}, max: {d_max}, num_cpus_per_rank: 0.25}}
     warm_pool: {warm_pool}
 slo: {{ttft_ms: {ttft}, tpot_ms: 200}}
-server: {{host: 127.0.0.1, {server}}}
+server: {{host: "{host}", {server}}}
 auth: {{disabled: true}}
 planner: {{mode: "{planner}", interval_s: 0.5, cooldown_s: 1, idle_s: 2}}
 disaggregation: {{local_prefill_max_tokens: 4, local_prefill_cached_fraction: 1.0}}
@@ -55,6 +55,7 @@ class Running:
         bounds: tuple[int, int, int, int] = (1, 3, 1, 3),  # prefill min, max, decode min, max
         warm_pool: int = 0,
         server: str = "grpc_port: 0, http_port: 0",
+        host: str = "127.0.0.1",
     ) -> None:
         text = BASE.format(
             p=p,
@@ -73,12 +74,11 @@ class Running:
             d_max=bounds[3],
             warm_pool=warm_pool,
             server=server,
+            host=host,
         )
         self.config = parse_config(text, "test.yaml")
         self.controller, self.endpoints = start_controller(self.config)
-        self.stub = pb_grpc.CompletionStub(
-            grpc.insecure_channel(f"{self.endpoints.host}:{self.endpoints.grpc_port}")
-        )
+        self.stub = pb_grpc.CompletionStub(grpc.insecure_channel(self.endpoints.grpc_address))
 
     def status(self):
         return ray.get(self.controller.status.remote())

@@ -224,3 +224,36 @@ def test_health_checks_answer_while_queued_prompts_fill_the_data_path(ray_sessio
         c.assert_idle()
     finally:
         c.stop()
+
+
+def test_a_cluster_on_ipv6_loopback_gets_its_restarted_router_back(ray_session, reference) -> None:
+    """A cluster served on ::1 (gRPC and HTTP, the batch self-URL) answers; Ray restarts
+    its router after the router's process dies (router.max_restarts), which knows no
+    instance then: the controller registers them with it again, on the same ports."""
+    import os
+    import socket
+    import urllib.request
+
+    ports = []
+    for _ in range(2):
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            ports.append(s.getsockname()[1])
+    server = f"grpc_port: {ports[0]}, http_port: {ports[1]}"
+    c = Running(p=1, d=1, host="::1", server=server)
+    try:
+        assert c.endpoints.grpc_address == f"[::1]:{ports[0]}"
+        prompt = ["before the router died"]
+        assert generate(c.stub, prompt[0], 6) == reference(prompt, 6)[0]
+        with urllib.request.urlopen(f"{c.endpoints.http_url}/health", timeout=30) as r:
+            assert r.status == 200
+        router = ray.get(c.controller.router_handle.remote())
+        router.__ray_call__.remote(lambda self: os._exit(1))
+        c.wait(
+            lambda: "the router restarted" in event_log(c), timeout_s=90, what=lambda: event_log(c)
+        )
+        prompt = ["after the router came back"]
+        assert generate(c.stub, prompt[0], 6) == reference(prompt, 6)[0]
+        c.assert_idle()
+    finally:
+        c.stop()
