@@ -34,6 +34,7 @@ of the call that asked for it (scale, flip) or on a thread of its own
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -48,7 +49,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.fleet import Fleet
 from pdserve.cluster.health import HealthChecks
-from pdserve.cluster.instances import Instance, best_effort
+from pdserve.cluster.instances import CALL_TIMEOUT_S, Instance, best_effort
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.planning import Planning
 from pdserve.cluster.pool import WarmPool
@@ -276,7 +277,9 @@ class Controller:
         for instance in everyone:
             instance.shutdown()
         if self.router is not None and self.owns_router:
-            ray.get(self.router.stop.remote())
+            # a router that is restarting (or gone) has no servers to stop gracefully
+            with contextlib.suppress(Exception):
+                ray.get(self.router.stop.remote(), timeout=CALL_TIMEOUT_S)
             ray.kill(self.router)
 
     # -- reconciling -----------------------------------------------------------------------

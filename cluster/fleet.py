@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from pdserve.cluster.config_models import ModelSpec, RolloutConfig
+from pdserve.cluster.instances import CALL_TIMEOUT_S
 from pdserve.cluster.membership import in_parallel
 from pdserve.core.adapters import adapter_pairs
 from pdserve.core.errors import InvalidArgumentError
@@ -102,6 +103,7 @@ class Fleet:
         self.models: dict[str, dict[str, Deployment]] = {
             own.name: {own.version: Deployment(own, root)}
         }
+        self.shares: dict[str, dict[str, float]] = {}  # the traffic shares set, per model
         self._lock = threading.RLock()
         self._stop = threading.Event()
 
@@ -203,7 +205,10 @@ class Fleet:
 
     def status(self) -> list[dict[str, Any]]:
         """Every served version: its state, traffic share and instances per region."""
-        traffic = ray.get(self.root.router.traffic.remote())
+        try:
+            traffic = ray.get(self.root.router.traffic.remote(), timeout=CALL_TIMEOUT_S)
+        except Exception:  # the router is restarting (or down): shares unknown meanwhile
+            traffic = {}
         with self._lock:
             out: list[dict[str, Any]] = []
             for name, versions in self.models.items():
@@ -228,15 +233,9 @@ class Fleet:
         config = self.root.config.deployment(spec)
         controller = type(self.root)(config, None, router=self.root.router, key=spec.key)
         controller.events = self.root.events  # one event log for every deployment
-        adapters = tuple(n for n, _ in adapter_pairs(config.engine.get("lora_adapters") or ()))
-        router = self.root.router
         try:
             controller.start()
-            ray.get(
-                router.add_version.remote(
-                    spec.name, spec.version, spec.key, controller.model_path, adapters
-                )
-            )
+            self._serve_version(spec, controller)
         except BaseException:
             controller.stop()
             raise
@@ -268,6 +267,34 @@ class Fleet:
 
     def _traffic(self, name: str, shares: dict[str, float]) -> None:
         ray.get(self.root.router.set_traffic.remote(name, shares))
+        with self._lock:
+            self.shares[name] = dict(shares)
+
+    def _serve_version(self, spec: ModelSpec, controller: Controller) -> None:
+        """Tell the router of a further version (its instances register under its key)."""
+        engine = self.root.config.deployment(spec).engine
+        adapters = tuple(n for n, _ in adapter_pairs(engine.get("lora_adapters") or ()))
+        ray.get(
+            self.root.router.add_version.remote(
+                spec.name, spec.version, spec.key, controller.model_path, adapters
+            )
+        )
+
+    def rejoin_router(self) -> None:
+        """The router restarted and knows only the root's version: serve every further
+        version again, with the traffic shares last set (before their instances register)."""
+        with self._lock:
+            further = [
+                d
+                for versions in self.models.values()
+                for d in versions.values()
+                if d.controller is not self.root and d.state != "starting"
+            ]
+            shares = {name: dict(s) for name, s in self.shares.items()}
+        for d in further:
+            self._serve_version(d.spec, d.controller)
+        for name, s in shares.items():
+            ray.get(self.root.router.set_traffic.remote(name, s))
 
     def _stable(self, name: str) -> Deployment:
         if name not in self.models:

@@ -85,6 +85,8 @@ class HealthChecks:
             return
         if now == c.router_incarnation:
             return
+        if c.owns_router and c.fleet is not None:
+            c.fleet.rejoin_router()
         with c._lock:
             listed = [(name, i) for name, r in c.regions.items() for i in r.prefill + r.decode]
         for name, instance in listed:
