@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -63,12 +64,22 @@ def make_private(folder: str | Path) -> Path:
 def is_private_dir(path: str | Path) -> bool:
     """Whether ``path`` is a real folder (not a link) of this user that no one else may
     write to."""
+    return _ours(path, stat.S_ISDIR)
+
+
+def is_private_file(path: str | Path) -> bool:
+    """Whether ``path`` is a regular file (not a link) of this user that no one else may
+    write to."""
+    return _ours(path, stat.S_ISREG)
+
+
+def _ours(path: str | Path, kind: Callable[[int], bool]) -> bool:
     try:
         st = os.lstat(path)
     except OSError:
         return False
     return (
-        stat.S_ISDIR(st.st_mode)
+        kind(st.st_mode)
         and st.st_uid == os.geteuid()
         and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     )

@@ -45,7 +45,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +57,7 @@ from pdserve.core.builtin_models import cache_dir as builtin_cache_dir
 from pdserve.core.env import env_switch
 from pdserve.core.private_files import (
     is_private_dir,
+    is_private_file,
     make_private,
     open_private,
     private_dir,
@@ -164,7 +164,7 @@ def _prune(folder: Path) -> None:
 
 def _matches(path: Path, manifest: list[dict[str, Any]]) -> bool:
     meta = path.with_suffix(".json")
-    if not (_ours(path) and _ours(meta)):
+    if not (is_private_file(path) and is_private_file(meta)):
         return False
     try:
         return bool(json.loads(meta.read_text()) == manifest)
@@ -188,19 +188,6 @@ def _write(model: nn.Module, path: Path, manifest: list[dict[str, Any]]) -> None
 def _publish(path: Path, text: str) -> None:
     """``path`` holds ``text`` whole or not at all, for a reader at any moment."""
     write_private(path, text)
-
-
-def _ours(path: Path) -> bool:
-    """A regular file of this user that no one else may write."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISREG(st.st_mode)
-        and st.st_uid == os.geteuid()
-        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
 
 
 @torch.no_grad()

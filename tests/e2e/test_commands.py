@@ -73,6 +73,16 @@ def pdserve(
     )
 
 
+def stop(proc: subprocess.Popen[str], sig: int) -> str:
+    """Send ``sig`` to a serving command; what it printed after, once it exits (60 s)."""
+    proc.send_signal(sig)
+    try:
+        return proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
 def one_line_error(result: subprocess.CompletedProcess[str], command: str) -> str:
     """The error a failed command printed: one line, exit status 2, no traceback."""
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
@@ -128,12 +138,7 @@ def test_serve_status_scale_and_stop(tmp_path) -> None:
         assert bad.returncode == 2 and "region: unknown region 'north'" in bad.stderr
         assert len(answer(grpc_port)) == 5
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        out = stop(proc, signal.SIGINT)
     assert proc.returncode == 0 and "pdserve: stopping" in out
 
 
@@ -155,12 +160,7 @@ def test_demo_streams_then_serves_until_sigterm_and_stops_cleanly(tmp_path) -> N
             lines.append(line)
         assert sum("TTFT" in line for line in lines) == 4  # each prompt streamed
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        out = stop(proc, signal.SIGTERM)
     # pdserve stops its cluster itself: no stack lines from Ray's crash handler
     assert proc.returncode == 0 and "pdserve demo: stopping" in out, out[-3000:]
     assert "Traceback" not in out and "SIGTERM received" not in out, out[-3000:]
