@@ -47,10 +47,13 @@ class ServedAdapter:
 
 
 class AdapterSet:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, read: dict[str, str] | None = None) -> None:
+        """``read``: the fingerprint of each start-up adapter's bytes as the ranks read
+        them (:meth:`~pdserve.engine.executor.Executor.adapter_fingerprints`)."""
+        read = read or {}
         self.capacity = config.max_loras
         self._served: dict[str, ServedAdapter] = {
-            name: ServedAdapter(name, folder, adapter_fingerprint(folder), slot)
+            name: ServedAdapter(name, folder, read.get(name) or adapter_fingerprint(folder), slot)
             for slot, (name, folder) in enumerate(config.lora_adapters)
         }
 

@@ -58,7 +58,9 @@ class EngineCore:
             config, model.max_position_embeddings, num_blocks
         )
         self.kv = KVCacheManager.from_config(config.cache, num_blocks, executor.tier_slots)
-        self.adapters = AdapterSet(config)  # LoRA adapters served now (engine/adapters.py)
+        self.adapters = AdapterSet(
+            config, executor.adapter_fingerprints()
+        )  # LoRA adapters served now (engine/adapters.py)
         self.kv.adapter_salt = self.adapters.salt
         self.scheduler = Scheduler(
             config.scheduler, self.kv, self.max_model_len,

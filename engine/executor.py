@@ -49,6 +49,11 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    def adapter_fingerprints(self) -> dict[str, str]:
+        """The start-up adapters' fingerprints, of the bytes the ranks read (name ->
+        fingerprint); an adapter missing here is fingerprinted from its folder."""
+        return {}
+
     def load_adapter(self, slot: int, name: str, folder: str) -> str:
         """Between two steps: read and check a PEFT adapter, then hold it in ``slot`` on
         every rank (plans name it ``name`` from the next step on); returns the fingerprint

@@ -87,6 +87,9 @@ class LocalExecutor(Executor):
         self.step_times.record(plan.num_tokens, time.perf_counter() - start)
         return result
 
+    def adapter_fingerprints(self) -> dict[str, str]:
+        return dict(self.runner.adapter_fingerprints)
+
     def load_adapter(self, slot: int, name: str, folder: str) -> str:
         adapter = self.runner.read_adapter(name, folder)
         self.runner.load_adapter(slot, name, adapter)

@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.core.config import EngineConfig
-from pdserve.core.errors import InstanceFailedError, PdserveError
+from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, PdserveError
 from pdserve.core.layout import Layout, check_fits, plan_layout
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
@@ -93,6 +93,8 @@ class RankGroup:
             _get([w.ping.remote() for w in workers], res.start_timeout_s)
             clock.mark("spawn")
             capacities = _get([w.join.remote(address) for w in workers], res.start_timeout_s)
+            read = _get([w.adapter_fingerprints.remote() for w in workers], res.start_timeout_s)
+            _check_same_adapters(read)
             clock.mark("load")
             num_blocks = min(capacities)
             _get([w.allocate_kv.remote(num_blocks) for w in workers], res.start_timeout_s)
@@ -240,6 +242,20 @@ def ensure_ray(needs: dict[str, float], field: str = "tensor_parallel_size") -> 
             except ValueError:  # it joins a running cluster: its CPUs
                 ray.init(log_to_driver=False)
     check_fits(needs, ray.cluster_resources(), field)
+
+
+def _check_same_adapters(read: list[dict[str, str]]) -> None:
+    """Every rank read the same bytes for each start-up LoRA adapter (a folder that changed
+    while the ranks read it would leave them serving different contents under one name)."""
+    for rank, fingerprints in enumerate(read):
+        for name, fingerprint in fingerprints.items():
+            if fingerprint != read[0].get(name):
+                raise InvalidArgumentError(
+                    "lora_adapters",
+                    f"adapter {name!r}: rank {rank} read other bytes than rank 0 "
+                    f"({fingerprint} against {read[0].get(name)}): the folder changed "
+                    "while the instance started; start it again",
+                )
 
 
 def _placement_group(bundles: list[dict[str, float]], labels: dict[str, str] | None) -> Any:

@@ -201,14 +201,19 @@ def _dense(layer: DecoderLayer) -> DenseMLP:
     return layer.mlp
 
 
-def attach_adapters(model: CausalLM, config: EngineConfig) -> list[str | None]:
+def attach_adapters(
+    model: CausalLM, config: EngineConfig
+) -> tuple[list[str | None], dict[str, str]]:
     """Read every start-up adapter and hang each linear's share on it (``linear.lora``),
-    adapter ``i`` in slot ``i`` of ``max_loras``; returns each slot's adapter (None: free)."""
+    adapter ``i`` in slot ``i`` of ``max_loras``; returns each slot's adapter (None: free)
+    and each adapter's fingerprint, of the bytes this rank read."""
+    fingerprints = {}
     for slot, (name, folder) in enumerate(config.lora_adapters):
         adapter = read_adapter(name, folder, config.max_lora_rank, model.config)
         install_adapter(model, slot, adapter, config.max_loras)
+        fingerprints[name] = adapter.fingerprint
     slots: list[str | None] = [name for name, _ in config.lora_adapters]
-    return slots + [None] * (config.max_loras - len(slots))
+    return slots + [None] * (config.max_loras - len(slots)), fingerprints
 
 
 def _linears(layer: DecoderLayer) -> dict[str, ColumnParallelLinear | RowParallelLinear]:

@@ -121,7 +121,7 @@ class ModelRunner:
         else:
             load_checkpoint(self.model, self.model_config.path, self.model_config.sha256)
         # The adapter in each LoRA slot (None: free); they ride on any packing or quantizing.
-        self.adapter_slots = attach_adapters(self.model, config)
+        self.adapter_slots, self.adapter_fingerprints = attach_adapters(self.model, config)
         self.model.eval()
         if config.quantization != "none":
             path = select_path(config.quantization, kernels, self.device, self.dtype)

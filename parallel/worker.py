@@ -158,6 +158,9 @@ class GroupExecutor(Executor):
         lps = self.stage.logprobs, self.stage.prompt_logprobs
         return StepResult.from_tokens(plan.step_id, tokens, transfer_ok, loads_ok, *lps)
 
+    def adapter_fingerprints(self) -> dict[str, str]:
+        return dict(self.stage.runner.adapter_fingerprints)
+
     def load_adapter(self, slot: int, name: str, folder: str) -> str:
         """Check on the leader, then load on every rank between two steps (lora_control.py);
         the fingerprint of the bytes read, which every rank checks its own read against."""
@@ -238,6 +241,11 @@ class RankWorker(ElasticRank):
                 spec.model, spec.engine, runner.device, runner.dtype
             )
         return self.runner.max_num_blocks(self.drafter.bytes_per_block() if self.drafter else 0)
+
+    def adapter_fingerprints(self) -> dict[str, str]:
+        """This rank's start-up adapters' fingerprints, of the bytes it read."""
+        assert self.runner is not None
+        return dict(self.runner.adapter_fingerprints)
 
     def allocate_kv(self, num_blocks: int) -> None:
         assert self.runner is not None and self.groups is not None

@@ -249,3 +249,18 @@ def test_a_rank_that_reads_other_bytes_than_the_leader_refuses_the_adapter(
         assert runner.adapter_slots[1] == "qv-again"
     finally:
         llm.shutdown()
+
+
+def test_start_up_adapters_are_fingerprinted_from_what_the_ranks_read(lora_llm, lora_case) -> None:
+    from pdserve.core.adapters import adapter_fingerprint
+    from pdserve.parallel.instance import _check_same_adapters
+
+    _, adapters, _, _ = lora_case
+    runner = lora_llm.engine.executor.runner
+    assert runner.adapter_fingerprints == {n: adapter_fingerprint(f) for n, f in adapters.items()}
+    assert dict(lora_llm.engine.adapters.fingerprints()) == runner.adapter_fingerprints
+    same = dict(runner.adapter_fingerprints)
+    _check_same_adapters([same, dict(same)])  # two ranks that read the same bytes
+    other = {**same, "qv": "0" * 24}  # a rank that read the folder after it changed
+    with pytest.raises(InvalidArgumentError, match="rank 1 read other bytes than rank 0"):
+        _check_same_adapters([same, other])
