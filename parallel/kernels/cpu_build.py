@@ -66,8 +66,9 @@ def compile_library(source: Path, stem: str) -> ctypes.CDLL | None:
     logger.warning(
         "kernel folder %s is not private to this user (another's, or writable by others): "
         "building %s in a private folder for this process",
-        folder, name,
-    )  # fmt: skip
+        folder,
+        name,
+    )
     scratch = Path(tempfile.mkdtemp(prefix="pdserve-kernels-"))  # 0700
     try:
         digest = _build(compiler, source, scratch / name)

@@ -15,10 +15,33 @@ from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
 
-COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-          "stop", "seed", "user", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "region", "request_id",
-          "priority", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-          "logit_bias", "response_format", "cache_salt"}  # fmt: skip
+COMMON = {
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "user",
+    "top_k",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "region",
+    "request_id",
+    "priority",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "logit_bias",
+    "response_format",
+    "cache_salt",
+}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "tools", "functions",
                         "tool_choice", "function_call", "parallel_tool_calls", "modalities",

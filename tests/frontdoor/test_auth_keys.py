@@ -83,14 +83,26 @@ def test_bearer_and_a_non_breaking_space_is_no_key() -> None:
 
 
 # (authorization, accepted): the same on both doors. Keys: "k1", " k2 " (normalised).
-PRESENTED = [("Bearer k1", True), ("Bearer  k1", True), ("Bearer k1 ", True), ("bearer k2", True),
-             ("Bearer k3", False), ("Bearer ", False), ("Bearer k1k1", False), ("k1", False),
-             ("Basic k1", False), ("Bearer k", False)]  # fmt: skip
+PRESENTED = [
+    ("Bearer k1", True),
+    ("Bearer  k1", True),
+    ("Bearer k1 ", True),
+    ("bearer k2", True),
+    ("Bearer k3", False),
+    ("Bearer ", False),
+    ("Bearer k1k1", False),
+    ("k1", False),
+    ("Basic k1", False),
+    ("Bearer k", False),
+]
 
 
 def _keys() -> ApiKeys:
-    return ApiKeys(("k1", " k2 ", "k3-team", "k4-team"), False,
-                   tenants=(("k3-team", "team"), ("k4-team", "team")))  # fmt: skip
+    return ApiKeys(
+        ("k1", " k2 ", "k3-team", "k4-team"),
+        False,
+        tenants=(("k3-team", "team"), ("k4-team", "team")),
+    )
 
 
 def _router() -> tuple[Router, list[Any]]:
@@ -157,8 +169,14 @@ def _grpc(calls: list[tuple[str, str | None]]) -> tuple[list[bool], list[str | N
 def test_both_doors_accept_the_same_keys_and_give_them_the_same_tenants() -> None:
     calls: list[tuple[str, str | None]] = [(a, None) for a, _ in PRESENTED]
     # Tenants: k1; k1 again; k2; the team's two keys; k1 with a salt of its own.
-    calls += [("Bearer k1", None), ("Bearer k1", None), ("Bearer k2", None),
-              ("Bearer k3-team", None), ("Bearer k4-team", None), ("Bearer k1", "s")]  # fmt: skip
+    calls += [
+        ("Bearer k1", None),
+        ("Bearer k1", None),
+        ("Bearer k2", None),
+        ("Bearer k3-team", None),
+        ("Bearer k4-team", None),
+        ("Bearer k1", "s"),
+    ]
     http, http_salts = _http(calls)
     rpc, rpc_salts = _grpc(calls)
     assert http[: len(PRESENTED)] == [ok for _, ok in PRESENTED]

@@ -88,9 +88,11 @@ def test_an_upload_cut_off_midway_leaves_no_file(tmp_path: Path) -> None:
         async with TestServer(_api(tmp_path, 64).app()) as server:
             head = ("--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
                     "--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x\"\r\n\r\n")  # fmt: skip
-            request = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
-                       f"Content-Type: multipart/form-data; boundary=b\r\n"
-                       f"Content-Length: 10000000\r\n\r\n{head}{_lines(len(LINE) * 5000).decode()}")  # fmt: skip
+            request = (
+                f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
+                f"Content-Type: multipart/form-data; boundary=b\r\n"
+                f"Content-Length: 10000000\r\n\r\n{head}{_lines(len(LINE) * 5000).decode()}"
+            )
             with socket.create_connection((server.host, server.port)) as s:
                 s.sendall(request.encode())
                 for _ in range(50):  # until the server has the file open and part written

@@ -20,6 +20,7 @@ from pdserve.parallel.attention import select_backend
 from pdserve.parallel.context import ParallelContext
 from pdserve.parallel.loader import load_checkpoint
 from pdserve.parallel.models import build_model
+from tests.core.test_registry import _tamper_keeping_stats
 
 
 @pytest.fixture
@@ -37,14 +38,6 @@ def _load(config: ModelConfig) -> torch.nn.Module:
     model = build_model(config, ParallelContext(), torch.float32, (0, config.num_layers), backend)
     load_checkpoint(model, config.path, config.sha256)
     return model
-
-
-def _tamper_keeping_stats(path: Path) -> None:
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def test_a_rank_refuses_a_version_changed_after_it_was_resolved(version) -> None:
