@@ -121,13 +121,14 @@ def auth_warning(config: ClusterConfig) -> str | None:
     )
 
 
-def wait_for_stop(stop: threading.Event | None = None) -> None:
-    """Block until ``stop`` is set or SIGINT or SIGTERM arrives (then the caller stops the
-    cluster itself, rather than Ray's handlers tearing the process down)."""
+def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
+    """An event that SIGINT or SIGTERM sets from now on (then the caller stops the cluster
+    itself, rather than Ray's handlers tearing the process down). Called after Ray starts
+    and before the command says it serves, so a signal sent on that line is ours."""
     stop = stop or threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    return stop
 
 
 def serve(
@@ -141,6 +142,7 @@ def serve(
         # the embedded Ray instance gets the config's CPUs: refuse before it starts
         check_fits({"CPU": config.needs()["CPU"]}, {"CPU": config.ray_num_cpus})
     connect(address, config.ray_num_cpus)
+    stop = stop_on_signals(stop)
     controller, endpoints = start_controller(config, capacity)
     print(f"pdserve: serving {config.model} from {config.source}")
     print(describe(endpoints))
@@ -148,7 +150,7 @@ def serve(
         f"ray       {ray.get_runtime_context().gcs_address} (pdserve status --ray-address ...)",
         flush=True,
     )
-    wait_for_stop(stop)
+    stop.wait()
     print("pdserve: stopping", flush=True)
     ray.get(controller.stop.remote())
     ray.kill(controller)

@@ -197,7 +197,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Start the local two-region cluster, stream a few requests over gRPC, keep serving."""
     from pdserve.cluster.config import load_config
     from pdserve.cluster.connect import connect
-    from pdserve.cluster.serve import describe, start_controller, wait_for_stop
+    from pdserve.cluster.serve import describe, start_controller, stop_on_signals
 
     config = load_config(args.config or example_config(LOCAL_CONFIG))
     print(f"pdserve demo: {config.model} continues four Python prompts, streamed over gRPC;")
@@ -206,14 +206,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     capacity = capacity_for(config)
     connect("local", config.ray_num_cpus)
+    stop = stop_on_signals()
     controller, endpoints = start_controller(config, capacity)
     print(describe(endpoints), "\n", flush=True)
     regions = [r.name for r in config.regions]
     for i, prompt in enumerate(DEMO_PROMPTS):
+        if stop.is_set():  # Ctrl-C while the demo streams: stop now
+            break
         _stream_one(endpoints, prompt, regions[i % len(regions)], config.router.api_keys)
-    if not args.once:
-        print("serving; Ctrl-C to stop", flush=True)
-        wait_for_stop()
+    if not args.once or stop.is_set():
+        if not stop.is_set():
+            print("serving; Ctrl-C to stop", flush=True)
+            stop.wait()
         print("pdserve demo: stopping", flush=True)
     import ray
 

@@ -163,13 +163,15 @@ def test_a_blue_green_switch_moves_what_outlives_the_drain(cluster) -> None:
 
     switch = threading.Thread(target=blue_green)
     switch.start()
-    # Two streams on v2 at any time while v3 starts: those still running at the
-    # switch outlive the drain and are moved.
+    # Two streams in their first half at any time while v3 starts: whenever the switch
+    # comes, those on v2 still have half their tokens to go, far longer than the drain
+    # timeout, so they outlive it and are moved (streams kept merely running may all be
+    # near their end at the switch, and finish inside the timeout).
     streams: list[Stream] = []
     while switch.is_alive():
-        if sum(s.running for s in streams) < 2:
+        if sum(s.running and len(s.tokens) < TOKENS // 2 for s in streams) < 2:
             streams.append(Stream(c))
-        time.sleep(0.2)
+        time.sleep(0.05)
     switch.join()
     assert [(r["version"], r["traffic"]) for r in done[0]] == [("v3", 1.0)]
     assert any(s.running for s in streams), "the switch waited for the streams"

@@ -25,7 +25,9 @@ KEYS = ("key-a", "key-b", "key-c", "key-d")
 @pytest.fixture(scope="module")
 def cluster(ray_session):
     c = Cluster({"local": (1, 1), "solo": (0, 1)})
-    regions = (RegionSpec("local"), RegionSpec("solo"))
+    # Far apart, so the router keeps each request in the region it names (a region named
+    # is a home, not a pin: with no latency between them the router may place elsewhere).
+    regions = (RegionSpec("local", {"solo": 30.0}), RegionSpec("solo", {"local": 30.0}))
     config = RouterConfig(
         model_name="tiny",
         regions=regions,
