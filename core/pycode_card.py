@@ -25,9 +25,12 @@ class LossHistory(Protocol):
 
 
 def training_record(
-    cfg: Any, command: str, files: tuple[list[str], list[str]], history: LossHistory,
+    cfg: Any,
+    command: str,
+    files: tuple[list[str], list[str]],
+    history: LossHistory,
     skipped: Iterable[str],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """What ``training.json`` records (``cfg``: the run's ``TrainConfig``; ``files``:
     the training and held-out files; ``skipped``: folder names left out of the data)."""
     import platform

@@ -141,8 +141,14 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except (UnicodeDecodeError, ValueError) as e:
         raise InvalidArgumentError("model", f"{path} is not a manifest: {e}") from None
-    kinds = {"name": str, "version": str, "sha256": str, "files": dict, "pushed_at": float,
-             "source": str}  # fmt: skip
+    kinds = {
+        "name": str,
+        "version": str,
+        "sha256": str,
+        "files": dict,
+        "pushed_at": float,
+        "source": str,
+    }
     if not isinstance(manifest, dict):
         raise InvalidArgumentError("model", f"{path} is not a manifest: not a JSON object")
     for key, kind in kinds.items():
@@ -156,9 +162,10 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise InvalidArgumentError("model", f"{path} names a file outside its folder: {outside[0]}")
     if (manifest["name"], manifest["version"]) != (folder.parent.name, folder.name):
         raise InvalidArgumentError(
-            "model", f"{path} names {manifest['name']}@{manifest['version']}, "
+            "model",
+            f"{path} names {manifest['name']}@{manifest['version']}, "
             f"not the folder's {folder.parent.name}@{folder.name}",
-        )  # fmt: skip
+        )
     return manifest
 
 

@@ -262,17 +262,41 @@ class StepPlan:
 
 
 def _sampling_to_list(s: RowSampling) -> list[Any]:
-    return [s.temperature, s.top_k, s.top_p, s.seed, s.output_index, list(s.banned_token_ids),
-            s.logprobs, [list(p) for p in s.logit_bias], list(s.penalties), list(s.seen),
-            s.seen_from, s.num_seen_prompt, s.json_schema]  # fmt: skip
+    return [
+        s.temperature,
+        s.top_k,
+        s.top_p,
+        s.seed,
+        s.output_index,
+        list(s.banned_token_ids),
+        s.logprobs,
+        [list(p) for p in s.logit_bias],
+        list(s.penalties),
+        list(s.seen),
+        s.seen_from,
+        s.num_seen_prompt,
+        s.json_schema,
+    ]
 
 
 def _sampling_from_list(v: list[Any]) -> RowSampling:
     temperature, top_k, top_p, seed, output_index, banned, logprobs, bias, *penalised = v
     pen, seen, seen_from, prompt, schema = penalised
-    return RowSampling(temperature, top_k, top_p, seed, output_index, tuple(banned), logprobs,
-                       tuple((t, b) for t, b in bias), tuple(pen), seen or (), seen_from, prompt,
-                       schema)  # fmt: skip
+    return RowSampling(
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        output_index,
+        tuple(banned),
+        logprobs,
+        tuple((t, b) for t, b in bias),
+        tuple(pen),
+        seen or (),
+        seen_from,
+        prompt,
+        schema,
+    )
 
 
 @dataclass(frozen=True)

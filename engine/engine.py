@@ -63,9 +63,12 @@ class EngineCore:
         )  # LoRA adapters served now (engine/adapters.py)
         self.kv.adapter_salt = self.adapters.salt
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, self.max_model_len,
-            speculative=config.speculative, proposer=executor.draft_proposer,
-        )  # fmt: skip
+            config.scheduler,
+            self.kv,
+            self.max_model_len,
+            speculative=config.speculative,
+            proposer=executor.draft_proposer,
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.eos_token_ids = model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())

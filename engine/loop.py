@@ -175,9 +175,14 @@ class EngineLoop:
         self.step_tokens += alpha * (tokens - self.step_tokens)
         if self.trace is not None and self.engine.last_step is not None:
             plan, started, executed = self.engine.last_step
-            self.trace.append(StepRecord(
-                started, executed, tuple(len(s.token_ids) for s in plan.seqs),
-                tuple(s.start_pos for s in plan.seqs)))  # fmt: skip
+            self.trace.append(
+                StepRecord(
+                    started,
+                    executed,
+                    tuple(len(s.token_ids) for s in plan.seqs),
+                    tuple(s.start_pos for s in plan.seqs),
+                )
+            )
 
     def step_trace(self, keep: int) -> list[StepRecord]:
         """The steps recorded since the last call (oldest first), then record the

@@ -56,10 +56,14 @@ class Scheduler:
     """Owns the waiting and running queues of one engine and their KV blocks."""
 
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
-        speculative: SpeculativeConfig | None = None, proposer: DraftProposer | None = None,
-    ) -> None:  # fmt: skip
+        speculative: SpeculativeConfig | None = None,
+        proposer: DraftProposer | None = None,
+    ) -> None:
         """``clock``: where the request timestamps come from (a simulator passes its own);
         ``proposer``: the draft model of ``speculative_method: draft``."""
         self.clock = clock
@@ -272,9 +276,15 @@ class Scheduler:
             if num_output < p.min_tokens:
                 banned = request.eos_token_ids + p.stop_token_ids
             sampling = RowSampling(
-                p.temperature, p.top_k, p.top_p, p.seed, request.output_offset + num_output,
-                banned, -1 if p.logprobs is None else p.logprobs, p.logit_bias,
-            )  # fmt: skip
+                p.temperature,
+                p.top_k,
+                p.top_p,
+                p.seed,
+                request.output_offset + num_output,
+                banned,
+                -1 if p.logprobs is None else p.logprobs,
+                p.logit_bias,
+            )
             if request.tracks_seen:
                 send_seen(request, sampling, num_output)
         tokens = ids[start:end]
