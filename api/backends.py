@@ -117,10 +117,11 @@ class DisaggregatedBackend:
         ensure_ray({k: sum(n.get(k, 0.0) for n in needs) for k in ("CPU", "GPU")}, "prefill")
         with ThreadPoolExecutor(2, thread_name_prefix="start") as pool:  # both load at once
             starts = [
-                pool.submit(start_instance, role, model, engine, connector, resources,
-                            disaggregation)
+                pool.submit(
+                    start_instance, role, model, engine, connector, resources, disaggregation
+                )
                 for role, engine in roles
-            ]  # fmt: skip
+            ]
         errors = [e for e in (f.exception() for f in starts) if e is not None]
         if errors:
             for f in starts:

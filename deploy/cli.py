@@ -180,9 +180,11 @@ def build_parser(
     whose flags ``bench`` gets (None: all)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--log-level", default="WARNING", type=str.upper,
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate offline for one or more prompts")

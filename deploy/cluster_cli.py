@@ -184,8 +184,15 @@ def cmd_scale(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("scale", "give --prefill, --decode or both")
     controller = _controller(args.ray_address)
     if args.model:
-        rows = _get(controller.models.remote("scale", name=args.model, region=args.region,
-                                             prefill=args.prefill, decode=args.decode))  # fmt: skip
+        rows = _get(
+            controller.models.remote(
+                "scale",
+                name=args.model,
+                region=args.region,
+                prefill=args.prefill,
+                decode=args.decode,
+            )
+        )
         print_versions(rows)
         return 0
     region = _get(controller.scale.remote(args.region, args.prefill, args.decode))

@@ -37,8 +37,15 @@ def _action(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         raise InvalidArgumentError("rollout", "give one of --version, --promote, --rollback")
     if (steps or args.version) and not args.model:
         raise InvalidArgumentError("model", "--model is required for a rollout step")
-    given = [f for f, v in (("--source", args.source), ("--canary", args.canary),
-                            ("--blue-green", args.blue_green)) if v not in (None, False)]  # fmt: skip
+    given = [
+        f
+        for f, v in (
+            ("--source", args.source),
+            ("--canary", args.canary),
+            ("--blue-green", args.blue_green),
+        )
+        if v not in (None, False)
+    ]
     if given and not args.version:
         step = f"--{steps[0]}" if steps else "a status listing"
         raise InvalidArgumentError(
@@ -72,9 +79,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default for a registry model: the registry's VERSION)",
     )
     p.add_argument(
-        "--canary", type=float, default=None,
+        "--canary",
+        type=float,
+        default=None,
         help=f"percent of new requests it takes (default {DEFAULT_CANARY:g})",
-    )  # fmt: skip
+    )
     p.add_argument("--blue-green", action="store_true", help="all traffic at once, old retired")
     p.add_argument("--promote", action="store_true", help="the canary takes all traffic")
     p.add_argument("--rollback", action="store_true", help="the stable version takes it all")
