@@ -19,8 +19,11 @@ from pdserve.cluster.config_yaml import Lines, get_map, typed, typed_map
 
 ROLE_KEYS = {"count", "min", "max", "num_cpus_per_rank", "num_gpus_per_rank", "engine"}
 PARALLEL_KEYS = {
-    "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size", "redundant_experts"
-}  # fmt: skip
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "expert_parallel_size",
+    "redundant_experts",
+}
 MAX_INSTANCES = 10_000  # of one role in one region: count, min and max
 
 
@@ -115,7 +118,12 @@ def _role(region: dict[str, Any], role: str, parent: str, lines: Lines) -> RoleS
         if getattr(spec, name) > MAX_INSTANCES:  # a million took the simulator for ever
             raise lines.error(f"{path}.{name}", f"must be at most {MAX_INSTANCES}")
     if not spec.min <= spec.count <= spec.max:  # a bound not given is not named (min is count)
-        bound = (f"within [min={spec.min}, max={spec.max}]" if "min" in raw and "max" in raw
-                 else f"<= max ({spec.max})" if spec.count > spec.max else f">= min ({spec.min})")  # fmt: skip
+        bound = (
+            f"within [min={spec.min}, max={spec.max}]"
+            if "min" in raw and "max" in raw
+            else f"<= max ({spec.max})"
+            if spec.count > spec.max
+            else f">= min ({spec.min})"
+        )
         raise lines.error(f"{path}.count", f"must be {bound}, got {spec.count}")
     return spec

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from pdserve.cluster.config_models import default_version
@@ -13,20 +13,61 @@ from pdserve.router.config import RegionSpec, RouterConfig, TlsConfig
 
 # The ``router`` section: its keys and their types (hedge_after_ms becomes hedge_after_s).
 ROUTER_KEYS: dict[str, type] = {
-    "policy": str, "max_inflight_per_region": int, "adaptive_admission": bool,
-    "low_priority_share": float, "low_priority_degrade_at": float, "low_priority_max_tokens": int,
-    "retry_budget_ratio": float, "hedge_after_ms": float, "max_migrations": int,
-    "migration_wait_s": float, "reservation_ttl_s": float, "without_prefill": str,
-    "stream_idle_timeout_s": float, "max_body_bytes": int, "on_transfer_failure": str,
-    "peer_prefill": bool, "peer_prefill_min_tokens": int, "peer_kv_s_per_token": float,
-    "cold_start_queue": int, "cold_start_timeout_s": float, "batch_dir": str,
-    "batch_quota_mb": int, "batch_max_file_lines": int, "batch_max_file_mb": int,
-    "batch_max_line_kb": int, "batch_max_files": int, "batch_max_running": int,
+    "policy": str,
+    "max_inflight_per_region": int,
+    "adaptive_admission": bool,
+    "low_priority_share": float,
+    "low_priority_degrade_at": float,
+    "low_priority_max_tokens": int,
+    "retry_budget_ratio": float,
+    "hedge_after_ms": float,
+    "max_migrations": int,
+    "migration_wait_s": float,
+    "reservation_ttl_s": float,
+    "without_prefill": str,
+    "stream_idle_timeout_s": float,
+    "max_body_bytes": int,
+    "on_transfer_failure": str,
+    "peer_prefill": bool,
+    "peer_prefill_min_tokens": int,
+    "peer_kv_s_per_token": float,
+    "cold_start_queue": int,
+    "cold_start_timeout_s": float,
+    "batch_dir": str,
+    "batch_quota_mb": int,
+    "batch_max_file_lines": int,
+    "batch_max_file_mb": int,
+    "batch_max_line_kb": int,
+    "batch_max_files": int,
+    "batch_max_running": int,
     "max_restarts": int,
-}  # fmt: skip
+}
 SERVER_KEYS = {"host", "grpc_port", "http_port", "metrics_port", "tls"}
 AUTH_KEYS = {"api_keys", "disabled"}
 SLO_KEYS = {"ttft_ms", "tpot_ms"}
+
+
+def _refuse_unknown_keys(
+    sections: Iterable[tuple[str, dict[str, Any], Collection[str]]], lines: Lines
+) -> None:
+    """Each section's keys are ones it knows."""
+    for section, values, known in sections:
+        for key in values:
+            if key not in known:
+                raise lines.error(f"{section}.{key}", f"unknown field (known: {sorted(known)})")
+
+
+def _router_options(raw: dict[str, Any], extra: dict[str, Any], lines: Lines) -> dict[str, Any]:
+    """The ``router`` section's fields, typed, and the names of the engine's LoRA adapters."""
+    options = {
+        key: typed(value, ROUTER_KEYS[key], f"router.{key}", lines) for key, value in extra.items()
+    }
+    adapters = get_map(raw, "engine", lines).get("lora_adapters")
+    try:
+        options["lora_adapters"] = tuple(n for n, _ in adapter_pairs(adapters or ()))
+    except InvalidArgumentError as e:
+        raise lines.error("engine.lora_adapters", e.message) from None
+    return options
 
 
 def router_config(
@@ -35,22 +76,16 @@ def router_config(
     """The router's config from the ``slo``, ``server``, ``auth`` and ``router`` sections."""
     slo, server, auth = (get_map(raw, k, lines) for k in ("slo", "server", "auth"))
     extra = get_map(raw, "router", lines)
-    sections = (("router", extra, ROUTER_KEYS), ("server", server, SERVER_KEYS),
-                ("auth", auth, AUTH_KEYS), ("slo", slo, SLO_KEYS))  # fmt: skip
-    for section, values, known in sections:
-        for key in values:
-            if key not in known:
-                raise lines.error(f"{section}.{key}", f"unknown field (known: {sorted(known)})")
+    sections = (
+        ("router", extra, ROUTER_KEYS),
+        ("server", server, SERVER_KEYS),
+        ("auth", auth, AUTH_KEYS),
+        ("slo", slo, SLO_KEYS),
+    )
+    _refuse_unknown_keys(sections, lines)
     tls, keys = get_map(server, "tls", lines, "server"), api_key_entries(auth, lines)
-    options = {
-        key: typed(value, ROUTER_KEYS[key], f"router.{key}", lines) for key, value in extra.items()
-    }
+    options = _router_options(raw, extra, lines)
     hedge_ms = options.pop("hedge_after_ms", None)
-    adapters = get_map(raw, "engine", lines).get("lora_adapters")
-    try:
-        options["lora_adapters"] = tuple(n for n, _ in adapter_pairs(adapters or ()))
-    except InvalidArgumentError as e:
-        raise lines.error("engine.lora_adapters", e.message) from None
     try:
         return RouterConfig(
             model_name=str(raw.get("name", raw["model"])),

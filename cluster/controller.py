@@ -78,6 +78,15 @@ ROLES: tuple[Role, Role] = ("decode", "prefill")  # decode first: prefill instan
 MODEL_ACTIONS = ("status", "rollout", "promote", "rollback", "scale")
 
 
+def _router_up_future(owns_router: bool) -> Future[None]:
+    """Set once the router listens: instances start beside it and register after. A
+    further model version's controller shares a router that is up already."""
+    up: Future[None] = Future()
+    if not owns_router:
+        up.set_result(None)
+    return up
+
+
 class Controller:
     """Ray actor body (started by :func:`pdserve.cluster.serve.start_controller`)."""
 
@@ -103,16 +112,16 @@ class Controller:
         }
         self.starting = {r.name: {"prefill": 0, "decode": 0} for r in config.regions}
         self.planner = make_planner(
-            config.planner, config.router.ttft_slo_s, config.router.tpot_slo_s, self.specs,
+            config.planner,
+            config.router.ttft_slo_s,
+            config.router.tpot_slo_s,
+            self.specs,
             capacity,
-        )  # fmt: skip
+        )
         self.router: Any = router
         self.owns_router = router is None  # the root: it runs the router and the fleet
-        # Set once the router listens: instances start beside it and register after.
-        self._router_up: Future[None] = Future()
+        self._router_up = _router_up_future(self.owns_router)
         self.router_incarnation: str | None = None  # the router's, as this controller last saw it
-        if not self.owns_router:
-            self._router_up.set_result(None)
         self.retired = False  # its version takes no traffic any more: all targets 0
         self.endpoints: Endpoints | None = None
         self.draining: set[str] = set()

@@ -221,8 +221,15 @@ class Fleet:
                         for r, i in d.controller.regions.items()
                     }
                     share = traffic.get(name, {}).get(version, 0.0)
-                    out.append({"model": name, "version": version, "state": d.state,
-                                "traffic": round(share, 4), "regions": counts})  # fmt: skip
+                    out.append(
+                        {
+                            "model": name,
+                            "version": version,
+                            "state": d.state,
+                            "traffic": round(share, 4),
+                            "regions": counts,
+                        }
+                    )
             return out
 
     # -- internals -----------------------------------------------------------------------------

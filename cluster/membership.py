@@ -203,9 +203,14 @@ class Membership:
         )
         engine = self.c.config.engine_config(role, spec)
         return start_instance(
-            role, self.c.model, engine, self.c.config.connector, resources,
-            self.c.config.disaggregation, instance_id,
-        )  # fmt: skip
+            role,
+            self.c.model,
+            engine,
+            self.c.config.connector,
+            resources,
+            self.c.config.disaggregation,
+            instance_id,
+        )
 
     def drain(self, region: str, leaving: list[Instance]) -> None:
         """Wait (lock not held) for draining instances to finish their work, then remove

@@ -112,9 +112,14 @@ class Forecaster:
         ahead = min(max(self.trend * self.horizon_s, -self.level / 2), self.level)
         rate = max(0.0, self.level + ahead)
         return Forecast(
-            rate, self.prompt_len, self.output_len, self.level, self.trend, self.peak_ratio,
+            rate,
+            self.prompt_len,
+            self.output_len,
+            self.level,
+            self.trend,
+            self.peak_ratio,
             self.drain,
-        )  # fmt: skip
+        )
 
 
 def _smooth(old: float | None, new: float, a: float) -> float:
@@ -257,9 +262,12 @@ class ProactivePlanner(Planner):
 
 
 def make_planner(
-    config: PlannerConfig, ttft_slo_s: float, tpot_slo_s: float,
-    regions: dict[str, RegionConfig], capacity: CapacityModel | None = None,
-) -> PlannerPolicy:  # fmt: skip
+    config: PlannerConfig,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    regions: dict[str, RegionConfig],
+    capacity: CapacityModel | None = None,
+) -> PlannerPolicy:
     """The planner ``config.policy`` names; the proactive one needs ``capacity``."""
     if config.policy == "proactive":
         if capacity is None:

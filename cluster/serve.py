@@ -132,9 +132,11 @@ def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
 
 
 def serve(
-    config: ClusterConfig, address: str, stop: threading.Event | None = None,
+    config: ClusterConfig,
+    address: str,
+    stop: threading.Event | None = None,
     capacity: CapacityModel | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Start the cluster and block until ``stop`` is set or a signal arrives."""
     if (warning := auth_warning(config)) is not None:
         logger.warning(warning)
