@@ -179,9 +179,10 @@ class RegionChooser:
         for role in needed:
             if not any(len(self.cluster.table(role, r, model, lora)) for r in regions):
                 holders = sorted(
-                    v.instance_id for v in self.cluster.instances.values()
+                    v.instance_id
+                    for v in self.cluster.instances.values()
                     if lora in v.adapters and v.model == model
-                )  # fmt: skip
+                )
                 raise AdapterUnavailableError(
                     f"no available {role} instance holds LoRA adapter {lora!r} now "
                     f"(held by: {holders or 'none'}); load it with /v1/load_lora_adapter"
@@ -215,8 +216,11 @@ class RegionChooser:
         for role in ("decode", "prefill"):
             if len(self.cluster.table(role, region, model)):
                 continue
-            views = [v for v in self.cluster.instances.values()
-                     if v.role == role and v.region == region and v.model == model]  # fmt: skip
+            views = [
+                v
+                for v in self.cluster.instances.values()
+                if v.role == role and v.region == region and v.model == model
+            ]
             if not views:
                 return f"without a {role} instance"
             sick = sum(not v.healthy for v in views)

@@ -175,9 +175,12 @@ class ClusterView:
             views = [
                 v
                 for v in self.instances.values()
-                if v.role == role and v.region == region and v.model == model and v.available
+                if v.role == role
+                and v.region == region
+                and v.model == model
+                and v.available
                 and self.holds(v, lora)
-            ]  # fmt: skip
+            ]
             tables[lora] = RegionTable(views)
         return tables[lora]
 

@@ -43,8 +43,19 @@ from pdserve.router.stream import StreamDelta, Usage
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Completion"
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema")  # fmt: skip
+_OPTIONAL = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_tokens",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "json_schema",
+)
 
 
 class CompletionService(pb_grpc.CompletionServicer):

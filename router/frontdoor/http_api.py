@@ -68,8 +68,13 @@ from pdserve.router.stream import StreamDelta, Usage
 logger = logging.getLogger(__name__)
 Deltas = AsyncGenerator[tuple[int, StreamDelta], None]  # (choice index, delta)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 
 
 class HttpApi:
@@ -267,8 +272,10 @@ class HttpApi:
                         logprobs.add(i, d.token_ids, d.logprobs or [])
                 reasons[i] = delta.finish_reason or reasons[i]
                 usages[i] = delta.usage or usages[i]
-        choices = [("".join(t), r, logprobs.whole(i) if logprobs else None)
-                   for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]  # fmt: skip
+        choices = [
+            ("".join(t), r, logprobs.whole(i) if logprobs else None)
+            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        ]
         return web.json_response(shape.whole(choices, total_usage(usages)))
 
     async def _stream(
@@ -328,8 +335,14 @@ def error_response(error: BaseException) -> web.Response:
     status = wire_status(error)
     if status.http_status == 500:
         logger.exception("internal error serving a request", exc_info=error)
-    body = {"error": {"message": status.message, "type": _ERROR_TYPES.get(status.http_status, "server_error"),
-                      "param": getattr(error, "field", None), "code": status.grpc_code.lower()}}  # fmt: skip
+    body = {
+        "error": {
+            "message": status.message,
+            "type": _ERROR_TYPES.get(status.http_status, "server_error"),
+            "param": getattr(error, "field", None),
+            "code": status.grpc_code.lower(),
+        }
+    }
     headers = (
         {"Retry-After": f"{error.retry_after_s:g}"} if isinstance(error, OverloadedError) else None
     )
@@ -349,8 +362,10 @@ async def start_http(
         await site.start()
     except OSError as e:
         await runner.cleanup()
-        why = {errno.EADDRINUSE: "the port is taken",
-               errno.EADDRNOTAVAIL: "the host is not this machine's"}.get(e.errno or 0, e.strerror)  # fmt: skip
+        why = {
+            errno.EADDRINUSE: "the port is taken",
+            errno.EADDRNOTAVAIL: "the host is not this machine's",
+        }.get(e.errno or 0, e.strerror)
         field = "server.host" if e.errno == errno.EADDRNOTAVAIL else "server.http_port"
         raise InvalidArgumentError(
             field, f"cannot listen on {host}:{port}: {why} (port 0: any free port)"

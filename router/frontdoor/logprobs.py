@@ -79,9 +79,9 @@ def chat_logprobs(
     content = []
     for token, entry in zip(token_ids, entries, strict=True):
         item = _chat_token(text_of(token), None if entry is None else entry[0])
-        item["top_logprobs"] = [] if entry is None else [
-            _chat_token(text_of(t), lp) for t, lp in entry[1]
-        ]  # fmt: skip
+        item["top_logprobs"] = (
+            [] if entry is None else [_chat_token(text_of(t), lp) for t, lp in entry[1]]
+        )
         content.append(item)
     return {"content": content, "refusal": None}
 

@@ -43,9 +43,19 @@ COMMON = {
     "cache_salt",
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "tools", "functions",
-                        "tool_choice", "function_call", "parallel_tool_calls", "modalities",
-                        "service_tier", "store", "metadata"}  # fmt: skip
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "top_logprobs",
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "parallel_tool_calls",
+    "modalities",
+    "service_tier",
+    "store",
+    "metadata",
+}
 
 # Fields taken only at a value that asks for nothing: name -> that test.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {

@@ -227,9 +227,27 @@ def openai_models(router: Router) -> list[dict[str, Any]]:
         ]
         stable = model.versions[model.stable]
         max_len = router.max_model_len_of(stable.key)
-        out.append({"id": model.name, "object": "model", "created": 0, "owned_by": "pdserve",
-                    "max_model_len": max_len, "parent": None, "versions": versions})  # fmt: skip
+        out.append(
+            {
+                "id": model.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pdserve",
+                "max_model_len": max_len,
+                "parent": None,
+                "versions": versions,
+            }
+        )
         adapters = dict.fromkeys(a for v in model.versions.values() for a in v.adapters)
-        out += [{"id": a, "object": "model", "created": 0, "owned_by": "pdserve",
-                 "max_model_len": max_len, "parent": model.name} for a in adapters]  # fmt: skip
+        out += [
+            {
+                "id": a,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pdserve",
+                "max_model_len": max_len,
+                "parent": model.name,
+            }
+            for a in adapters
+        ]
     return out

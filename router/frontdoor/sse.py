@@ -49,8 +49,13 @@ class ResponseShape:
         self._tail = ', "logprobs": null}]}\n\n'
 
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": self.version or None}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.version or None,
+        }
 
     def whole(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         """The response of a request that does not stream: (text, finish reason, logprobs
@@ -60,8 +65,10 @@ class ResponseShape:
             rows = [self._chat_row(i, *choice) for i, choice in enumerate(choices)]
         else:
             out = self._base("text_completion")
-            rows = [{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}
-                    for i, (text, reason, logprobs) in enumerate(choices)]  # fmt: skip
+            rows = [
+                {"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}
+                for i, (text, reason, logprobs) in enumerate(choices)
+            ]
         return {**out, "choices": rows, "usage": usage_object(usage)}
 
     def _chat_row(
@@ -132,9 +139,12 @@ class ResponseShape:
 
 
 def usage_object(u: Usage) -> dict[str, Any]:
-    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-           "total_tokens": u.prompt_tokens + u.completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
+    out = {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
     if u.max_tokens_capped is not None:  # overload: the router lowered max_tokens
         out["max_tokens_capped"] = u.max_tokens_capped
     return out

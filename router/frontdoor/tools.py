@@ -61,10 +61,14 @@ class ToolChoice:
         if self.mode != "required":
             return None
         items = [
-            {"type": "object", "properties": {"name": {"const": n}, "parameters": s},
-             "required": ["name", "parameters"], "additionalProperties": False}
+            {
+                "type": "object",
+                "properties": {"name": {"const": n}, "parameters": s},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
             for n, s in self.schemas.items()
-        ]  # fmt: skip
+        ]
         array = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         return json.dumps(array if self.parallel else {**array, "maxItems": 1})
 
@@ -200,8 +204,12 @@ class ToolStream:
         if not first:
             return {"index": index, "function": {"arguments": arguments}}
         call_ = self.id if index == 0 else call_id()
-        return {"index": index, "id": call_, "type": "function",
-                "function": {"name": name, "arguments": arguments}}  # fmt: skip
+        return {
+            "index": index,
+            "id": call_,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
 
 
 def _partial_open(text: str) -> int:
@@ -218,8 +226,10 @@ def call_id() -> str:
 
 def tool_calls_field(calls: list[Call]) -> list[dict[str, Any]]:
     """A message's ``tool_calls`` for whole calls."""
-    return [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}}
-            for n, a in calls]  # fmt: skip
+    return [
+        {"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+        for n, a in calls
+    ]
 
 
 def tool_choice(body: dict[str, Any]) -> ToolChoice | None:
