@@ -96,15 +96,22 @@ class ModelRunner:
                 )
             else:
                 self.model = build_model(
-                    model_config, ctx, self.dtype, self.layer_range, backend_cls, kernels,
+                    model_config,
+                    ctx,
+                    self.dtype,
+                    self.layer_range,
+                    backend_cls,
+                    kernels,
                     remote_experts=bool(afd_role),
-                )  # fmt: skip
+                )
         if afd_role and self.tier_slots() != (0, 0):
             raise InvalidArgumentError("afd", "host and disk KV tiers are not supported with afd")
         if afd_role and config.lora_adapters:
             raise InvalidArgumentError("afd", "LoRA adapters are not supported with afd")
         self._load_weights(kernels.name)
-        self.sampler = Sampler(config.seed, self.device, model_config.path, model_config.eos_token_ids)  # fmt: skip
+        self.sampler = Sampler(
+            config.seed, self.device, model_config.path, model_config.eos_token_ids
+        )
         self.num_blocks = 0
         self.kv_cache = torch.empty(0)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -165,9 +172,16 @@ class ModelRunner:
             self.tiers = TierStore(self.config.cache, host_slots, disk_slots, rank)
         logger.info(
             "rank tp=%d/%d pp=%d/%d: layers %s, %d KV blocks of %d tokens, %s on %s",
-            self.ctx.tp_rank, self.ctx.tp_size, self.ctx.pp_rank, self.ctx.pp_size,
-            self.layer_range, num_blocks, self.block_size, self.dtype, self.device,
-        )  # fmt: skip
+            self.ctx.tp_rank,
+            self.ctx.tp_size,
+            self.ctx.pp_rank,
+            self.ctx.pp_size,
+            self.layer_range,
+            num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+        )
 
     def _decode_graphs(self, num_blocks: int) -> DecodeGraphs | None:
         """CUDA graphs of decode steps, where they apply: the whole model on one CUDA rank."""
@@ -178,9 +192,13 @@ class ModelRunner:
             return None
         longest = config.max_model_len or self.model_config.max_position_embeddings
         return DecodeGraphs(
-            self.model, self.caches, config.scheduler.max_num_seqs,
-            min(longest, num_blocks * self.block_size), self.block_size, self.device,
-        )  # fmt: skip
+            self.model,
+            self.caches,
+            config.scheduler.max_num_seqs,
+            min(longest, num_blocks * self.block_size),
+            self.block_size,
+            self.device,
+        )
 
     def bytes_per_block(self) -> int:
         local_layers = self.layer_range[1] - self.layer_range[0]

@@ -273,8 +273,10 @@ def _logprobs_from_table(
         if r.logprobs < 0:
             continue
         out[rid] = [
-            (cells[i][j][0], [(int(cells[i][j][1 + 2 * m]), cells[i][j][2 + 2 * m])
-                              for m in range(r.logprobs)])
+            (
+                cells[i][j][0],
+                [(int(cells[i][j][1 + 2 * m]), cells[i][j][2 + 2 * m]) for m in range(r.logprobs)],
+            )
             for j in range(len(rows[i]))
-        ]  # fmt: skip
+        ]
     return out

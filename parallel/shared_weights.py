@@ -111,8 +111,15 @@ def _manifest(model: nn.Module) -> list[dict[str, Any]]:
     out, offset = [], 0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
-        out.append({"name": name, "dtype": str(p.dtype), "shape": list(p.shape),
-                    "offset": offset, "nbytes": nbytes})  # fmt: skip
+        out.append(
+            {
+                "name": name,
+                "dtype": str(p.dtype),
+                "shape": list(p.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
         offset += -(-nbytes // ALIGN) * ALIGN
     return out
 

@@ -103,11 +103,16 @@ class CpuAttention(TorchAttention):
         out = q.new_empty(q.shape)
         slots, tables, lens, max_blocks = step
         failed = self.lib.decode_step(
-            out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-            v.stride(0), slots, k_cache.data_ptr(), v_cache.data_ptr(), tables, lens, q.shape[0],
-            self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1], max_blocks,
-            self.scale, code, torch.get_num_threads(),
-        )  # fmt: skip
+            out.data_ptr(),
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            slots,
+            *self._cache_args(k_cache, v_cache, tables, lens, q.shape[0], max_blocks, code),
+        )
         if failed:
             raise MemoryError("cpu attention kernel could not allocate its scratch memory")
         return out
@@ -143,14 +148,46 @@ class CpuAttention(TorchAttention):
             out = self._out = qkv.new_empty(qkv.shape[0], self.num_heads * d)
         slots, tables, lens, max_blocks = step
         failed = self.lib.decode_rope_step(
-            out.data_ptr(), qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), slots,
-            k_cache.data_ptr(), v_cache.data_ptr(), tables, lens, qkv.shape[0], self.num_heads,
-            self.num_kv_heads, d, k_cache.shape[1], max_blocks, self.scale, code,
-            torch.get_num_threads(),
-        )  # fmt: skip
+            out.data_ptr(),
+            qkv.data_ptr(),
+            qkv.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots,
+            *self._cache_args(k_cache, v_cache, tables, lens, qkv.shape[0], max_blocks, code),
+        )
         if failed:
             raise MemoryError("cpu attention kernel could not allocate its scratch memory")
         return out
+
+    def _cache_args(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: int,
+        lens: int,
+        rows: int,
+        max_blocks: int,
+        code: int,
+    ) -> tuple[int | float, ...]:
+        """The arguments every attending entry point of the kernel ends with: the caches,
+        the block tables and sequence lengths (pointers), the shapes, the scale, the dtype
+        code and the threads."""
+        return (
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables,
+            lens,
+            rows,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            k_cache.shape[1],
+            max_blocks,
+            self.scale,
+            code,
+            torch.get_num_threads(),
+        )
 
     @staticmethod
     def _code(
@@ -186,9 +223,17 @@ class CpuAttention(TorchAttention):
             super().write_kv(k, v, k_cache, v_cache, slot_mapping)
             return
         self.lib.write_kv(
-            k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
-            v.stride(0), slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], code,
-        )  # fmt: skip
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            slot_mapping.data_ptr(),
+            k.shape[0],
+            k.shape[1] * k.shape[2],
+            code,
+        )
 
     def decode(
         self,
@@ -209,11 +254,19 @@ class CpuAttention(TorchAttention):
         lens = meta.decode_seq_lens.contiguous()
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
         failed = self.lib.decode(
-            out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            tables.data_ptr(), lens.data_ptr(), q.shape[0], self.num_heads, self.num_kv_heads,
-            self.head_dim, k_cache.shape[1], tables.shape[1], self.scale, _DTYPE_CODES[q.dtype],
-            torch.get_num_threads(),
-        )  # fmt: skip
+            out.data_ptr(),
+            q.data_ptr(),
+            q.stride(0),
+            *self._cache_args(
+                k_cache,
+                v_cache,
+                tables.data_ptr(),
+                lens.data_ptr(),
+                q.shape[0],
+                tables.shape[1],
+                _DTYPE_CODES[q.dtype],
+            ),
+        )
         if failed:
             raise MemoryError("cpu attention kernel could not allocate its scratch memory")
 

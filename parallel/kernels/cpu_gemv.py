@@ -58,10 +58,16 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     rows, inner = x.shape
     out = x.new_empty(rows, weight.shape[0])
     fn(
-        out.data_ptr(), x.data_ptr(), x.stride(0), weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), rows, weight.shape[0], inner,
+        out.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        rows,
+        weight.shape[0],
+        inner,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return out
 
 

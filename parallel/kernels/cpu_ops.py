@@ -92,9 +92,19 @@ class CpuKernels(TorchKernels):
             res_out = x.new_empty(rows, width)  # two allocations cost less than one unbind
             res_ptr, r_ptr = res_out.data_ptr(), r.data_ptr()
         self.lib.rms_norm_residual(
-            out.data_ptr(), res_ptr, x.data_ptr(), x.stride(0), r_ptr, r.stride(0),
-            weight.data_ptr(), rows, width, eps, code, torch.get_num_threads(),
-        )  # fmt: skip
+            out.data_ptr(),
+            res_ptr,
+            x.data_ptr(),
+            x.stride(0),
+            r_ptr,
+            r.stride(0),
+            weight.data_ptr(),
+            rows,
+            width,
+            eps,
+            code,
+            torch.get_num_threads(),
+        )
         return out, res_out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -112,9 +122,14 @@ class CpuKernels(TorchKernels):
         rows, inter = shape[0], shape[1] // 2
         out = gate_up.new_empty(rows, inter)
         self.lib.silu_and_mul(
-            out.data_ptr(), gate_up.data_ptr(), gate_up.stride(0), rows, inter, code,
+            out.data_ptr(),
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            rows,
+            inter,
+            code,
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         return out
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -137,7 +152,15 @@ class CpuKernels(TorchKernels):
         cos, sin = cos.contiguous(), sin.contiguous()
         out = x.new_empty(tokens, heads, dim)
         self.lib.rotate(
-            out.data_ptr(), x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens,
-            heads, dim, code, torch.get_num_threads(),
-        )  # fmt: skip
+            out.data_ptr(),
+            x.data_ptr(),
+            x.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            tokens,
+            heads,
+            dim,
+            code,
+            torch.get_num_threads(),
+        )
         return out

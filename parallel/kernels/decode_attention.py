@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.parallel.kernels.paged import LOG2_E, attend_tile, load_paged_tile
+from pdserve.parallel.kernels.paged import LOG2_E, attend_tile, load_paged_tile, paged_slots
 from pdserve.parallel.kernels.support import (
     attention_tile,
     check_dtype,
@@ -85,20 +85,17 @@ def _decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     table = tables_ptr + seq.to(tl.int64) * stride_table
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k = load_paged_tile(
-            k_cache_ptr, table, offs_n, n_mask, kv_head, block_size,
-            stride_kb, stride_ks, stride_kh, offs_d, d_mask,
-        )  # fmt: skip
-        v = load_paged_tile(
-            v_cache_ptr, table, offs_n, n_mask, kv_head, block_size,
-            stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-        )  # fmt: skip
+        pages, slots = paged_slots(table, offs_n, n_mask, block_size)
+        k = load_paged_tile(k_head, pages, slots, stride_kb, stride_ks, offs_d, n_mask, d_mask)
+        v = load_paged_tile(v_head, pages, slots, stride_vb, stride_vs, offs_d, n_mask, d_mask)
         m_i, l_i, acc = attend_tile(
             q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, UPCAST, PRECISION
         )
@@ -201,19 +198,48 @@ def paged_decode_attention(
         lse = q.new_empty((num_seqs, num_heads, num_partitions), dtype=torch.float32)
     upcast, precision = dot_settings(q.dtype)
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, partial, lse,
-        scale * LOG2_E, k_cache.shape[1], partition_size, num_partitions,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=attention_tile(q.dtype),
-        SPLIT=split, UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        partial,
+        lse,
+        scale * LOG2_E,
+        k_cache.shape[1],
+        partition_size,
+        num_partitions,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=attention_tile(q.dtype),
+        SPLIT=split,
+        UPCAST=upcast,
+        PRECISION=precision,
+    )
     if split:
         _combine_kernel[(num_seqs, num_heads)](
-            partial, lse, seq_lens, out, partition_size, num_partitions,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            partial,
+            lse,
+            seq_lens,
+            out,
+            partition_size,
+            num_partitions,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
             BLOCK_P=next_pow2(num_partitions),
-        )  # fmt: skip
+        )
     return out

@@ -19,11 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.parallel.kernels.support import check_dtype, dot_settings, next_pow2
+from pdserve.parallel.kernels.support import check_dtype, linear_launch
 
-_MIN_BLOCK_M = 16  # ``tl.dot`` needs at least 16 rows
-_MAX_BLOCK_M = 64
-_BLOCK_N = 64
 _BLOCK_K = 32  # bytes (column pairs) per step
 
 
@@ -113,13 +110,20 @@ def int4_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    upcast, precision = dot_settings(x.dtype)
-    block_m = min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, next_pow2(m)))
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, _BLOCK_N))
+    grid, tiles = linear_launch(m, n, x.dtype, _BLOCK_K)
     _int4_linear_kernel[grid](
-        x, packed, scale, out, m, n, half,
-        x.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-        UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
+        x,
+        packed,
+        scale,
+        out,
+        m,
+        n,
+        half,
+        x.stride(0),
+        packed.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        GROUP=group,
+        **tiles,
+    )
     return out

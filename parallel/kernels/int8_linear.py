@@ -18,12 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.parallel.kernels.support import check_dtype, dot_settings, next_pow2
+from pdserve.parallel.kernels.support import check_dtype, linear_launch
 
-# ``tl.dot`` needs at least 16 rows; decode batches are padded up to this.
-_MIN_BLOCK_M = 16
-_MAX_BLOCK_M = 64
-_BLOCK_N = 64
 _BLOCK_K = 64
 
 
@@ -71,8 +67,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     """x [T, in] float, qweight [out, in] int8, scale [out] float32 -> [T, out] in x's dtype."""
     check_dtype(x)
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != x.shape[-1]:
-        raise ValueError(f"qweight must be int8 [out, {x.shape[-1]}], got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"qweight must be int8 [out, {x.shape[-1]}], got {qweight.dtype} {tuple(qweight.shape)}"
+        )
     if x.stride(-1) != 1:
         x = x.contiguous()
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
@@ -80,11 +77,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    upcast, precision = dot_settings(x.dtype)
-    block_m = min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, next_pow2(m)))
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, _BLOCK_N))
+    grid, tiles = linear_launch(m, n, x.dtype, _BLOCK_K)
     _int8_linear_kernel[grid](
-        x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
+        x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **tiles
+    )
     return out

@@ -78,9 +78,21 @@ def rms_norm_residual(
     if num_rows:
         rows = rows_per_program(hidden, num_rows)
         _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-            x2, res2, weight, out, res_out, num_rows, hidden, eps,
-            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=next_pow2(hidden),
+            x2,
+            res2,
+            weight,
+            out,
+            res_out,
+            num_rows,
+            hidden,
+            eps,
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            ROWS=rows,
+            BLOCK=next_pow2(hidden),
             num_warps=min(16, max(4, next_pow2(hidden) // 1024)),
-        )  # fmt: skip
+        )
     return out.view(x.shape), new_residual

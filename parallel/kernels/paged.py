@@ -1,9 +1,11 @@
-"""The two pieces every paged attention kernel is made of (Triton device functions).
+"""The pieces every paged attention kernel is made of (Triton device functions).
 
-``load_paged_tile`` reads the keys (or values) at context positions ``offs_n`` of
-one sequence and one KV head, finding each position's page through the block
-table: ``cache[table[pos // block_size], pos % block_size, kv_head, :]``. Any
-block size works, since every position is addressed on its own.
+``paged_slots`` finds the page of each context position ``offs_n`` of one
+sequence through its block table, and the position's slot in that page;
+``load_paged_tile`` reads the keys (or values) of one KV head at those places:
+``cache[table[pos // block_size], pos % block_size, kv_head, :]``. The keys and
+the values share one look-up of the table. Any block size works, since every
+position is addressed on its own.
 
 ``attend_tile`` is one step of the online softmax (FlashAttention): scores of a
 query tile against a key tile, the running max ``m`` and sum ``l`` in the
@@ -19,24 +21,19 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def load_paged_tile(
-    cache_ptr,
-    table_ptr,
-    offs_n,
-    n_mask,
-    kv_head,
-    block_size,
-    stride_b,
-    stride_s,
-    stride_h,
-    offs_d,
-    d_mask,
-):
-    """[BLOCK_N, BLOCK_D] tile of ``cache`` at positions ``offs_n`` (zeros where masked)."""
-    blocks = tl.load(table_ptr + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-    rows = blocks * stride_b + (offs_n % block_size) * stride_s + kv_head * stride_h
+def paged_slots(table_ptr, offs_n, n_mask, block_size):
+    """The page of each position ``offs_n`` (read from the block table) and its slot in it."""
+    pages = tl.load(table_ptr + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+    return pages, offs_n % block_size
+
+
+@triton.jit
+def load_paged_tile(head_ptr, pages, slots, stride_b, stride_s, offs_d, n_mask, d_mask):
+    """[BLOCK_N, BLOCK_D] tile of the cache at ``pages``/``slots`` (zeros where masked);
+    ``head_ptr`` is the cache's pointer moved to one KV head."""
+    rows = pages * stride_b + slots * stride_s
     mask = n_mask[:, None] & d_mask[None, :]
-    return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return tl.load(head_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
 
 @triton.jit

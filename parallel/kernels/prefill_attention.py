@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.parallel.kernels.paged import LOG2_E, attend_tile, load_paged_tile
+from pdserve.parallel.kernels.paged import LOG2_E, attend_tile, load_paged_tile, paged_slots
 from pdserve.parallel.kernels.support import (
     attention_tile,
     check_dtype,
@@ -76,6 +76,8 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     q_pos = prefix + offs_m
     table = tables_ptr + seq.to(tl.int64) * stride_table
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -84,14 +86,9 @@ def _prefill_kernel(
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k = load_paged_tile(
-            k_cache_ptr, table, offs_n, n_mask, kv_head, block_size,
-            stride_kb, stride_ks, stride_kh, offs_d, d_mask,
-        )  # fmt: skip
-        v = load_paged_tile(
-            v_cache_ptr, table, offs_n, n_mask, kv_head, block_size,
-            stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-        )  # fmt: skip
+        pages, slots = paged_slots(table, offs_n, n_mask, block_size)
+        k = load_paged_tile(k_head, pages, slots, stride_kb, stride_ks, offs_d, n_mask, d_mask)
+        v = load_paged_tile(v_head, pages, slots, stride_vb, stride_vs, offs_d, n_mask, d_mask)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -128,12 +125,28 @@ def paged_prefill_attention(
     upcast, precision = dot_settings(q.dtype)
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        scale * LOG2_E, k_cache.shape[1],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=tile,
-        UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * LOG2_E,
+        k_cache.shape[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_N=tile,
+        UPCAST=upcast,
+        PRECISION=precision,
+    )
     return out

@@ -82,10 +82,21 @@ def rotate(
     out = torch.empty((num_tokens, num_heads, dim), dtype=x.dtype, device=x.device)
     if num_tokens:
         _rotate_kernel[(num_tokens,)](
-            x, cos2, sin2, x if positions is None else positions, out,
-            x.stride(0), x.stride(1), cos2.stride(0), sin2.stride(0),
-            out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HALF=dim // 2, HAS_POSITIONS=positions is not None,
-            BLOCK_H=next_pow2(num_heads), BLOCK_HALF=next_pow2(dim // 2),
-        )  # fmt: skip
+            x,
+            cos2,
+            sin2,
+            x if positions is None else positions,
+            out,
+            x.stride(0),
+            x.stride(1),
+            cos2.stride(0),
+            sin2.stride(0),
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HALF=dim // 2,
+            HAS_POSITIONS=positions is not None,
+            BLOCK_H=next_pow2(num_heads),
+            BLOCK_HALF=next_pow2(dim // 2),
+        )
     return out

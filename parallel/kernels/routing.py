@@ -67,7 +67,15 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
         block_e = next_pow2(num_experts)
         rows = rows_per_program(block_e, num_rows)
         _route_kernel[(triton.cdiv(num_rows, rows),)](
-            logits, weights, experts, num_rows, num_experts, logits.stride(0),
-            TOP_K=top_k, ROWS=rows, BLOCK_E=block_e, BLOCK_K=next_pow2(top_k),
-        )  # fmt: skip
+            logits,
+            weights,
+            experts,
+            num_rows,
+            num_experts,
+            logits.stride(0),
+            TOP_K=top_k,
+            ROWS=rows,
+            BLOCK_E=block_e,
+            BLOCK_K=next_pow2(top_k),
+        )
     return weights, experts

@@ -12,6 +12,7 @@ its bfloat16 results may differ from a GPU's by one unit in the last place.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -28,6 +29,11 @@ INTERPRETED: bool = not isinstance(_probe, triton.runtime.JITFunction)
 # Elements one program of a row-wise kernel should touch: enough to hide
 # latency on a GPU, few enough to stay in registers.
 _ROW_TILE_ELEMENTS = 4096
+
+# Output tiles of the quantized linear kernels: rows (tokens) and columns.
+_LINEAR_MIN_BLOCK_M = 16  # ``tl.dot`` needs at least 16 rows; decode batches are padded up
+_LINEAR_MAX_BLOCK_M = 64
+_LINEAR_BLOCK_N = 64
 
 
 def launch_check(device: torch.device) -> None:
@@ -62,6 +68,18 @@ def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
     """
     upcast = INTERPRETED and dtype == torch.bfloat16
     return upcast, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def linear_launch(
+    m: int, n: int, dtype: torch.dtype, block_k: int
+) -> tuple[tuple[int, int], dict[str, Any]]:
+    """(grid, tile settings) of a quantized linear kernel: ``m`` rows by ``n`` outputs of
+    ``dtype`` activations, ``block_k`` of the weight's columns a step."""
+    block_m = min(_LINEAR_MAX_BLOCK_M, max(_LINEAR_MIN_BLOCK_M, next_pow2(m)))
+    upcast, precision = dot_settings(dtype)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, _LINEAR_BLOCK_N))
+    tiles = {"BLOCK_M": block_m, "BLOCK_N": _LINEAR_BLOCK_N, "BLOCK_K": block_k}
+    return grid, {**tiles, "UPCAST": upcast, "PRECISION": precision}
 
 
 def attention_tile(dtype: torch.dtype) -> int:
