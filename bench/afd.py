@@ -58,13 +58,22 @@ def write_checkpoint(folder: Path, args: argparse.Namespace) -> None:
     h, inter, e, heads, kv = args.hidden, args.inter, args.experts, args.heads, args.heads // 2
     d, vocab = h // heads, 512
     config = {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": h,
-        "intermediate_size": inter, "num_hidden_layers": args.layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "num_local_experts": e,
-        "num_experts_per_tok": args.top_k, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096, "rope_theta": 1e6, "torch_dtype": "float32",
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_local_experts": e,
+        "num_experts_per_tok": args.top_k,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1e6,
+        "torch_dtype": "float32",
         "tie_word_embeddings": False,
-    }  # fmt: skip
+    }
     gen = torch.Generator().manual_seed(0)
 
     def w(*shape: int) -> torch.Tensor:
@@ -82,8 +91,10 @@ def write_checkpoint(folder: Path, args: argparse.Namespace) -> None:
         for x in range(e):
             q = p + f"block_sparse_moe.experts.{x}."
             t[q + "w1.weight"], t[q + "w3.weight"], t[q + "w2.weight"] = (
-                w(inter, h), w(inter, h), w(h, inter)
-            )  # fmt: skip
+                w(inter, h),
+                w(inter, h),
+                w(h, inter),
+            )
     tensors = {k: v.contiguous().clone() for k, v in t.items()}
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
@@ -95,12 +106,16 @@ def _layouts(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     afd = dict(afd=True, afd_attention_ranks=a, afd_expert_ranks=f)
     return [
         (f"ep={args.ranks} (colocated)", dict(expert_parallel_size=args.ranks)),
-        (f"tp={args.ranks} ep={args.ranks} (colocated)",
-         dict(expert_parallel_size=args.ranks, tensor_parallel_size=args.ranks)),
-        (f"afd {a}+{f}, {args.micro_batches} micro-batches",
-         dict(afd, afd_micro_batches=args.micro_batches)),
+        (
+            f"tp={args.ranks} ep={args.ranks} (colocated)",
+            dict(expert_parallel_size=args.ranks, tensor_parallel_size=args.ranks),
+        ),
+        (
+            f"afd {a}+{f}, {args.micro_batches} micro-batches",
+            dict(afd, afd_micro_batches=args.micro_batches),
+        ),
         (f"afd {a}+{f}, 1 micro-batch", dict(afd, afd_micro_batches=1)),
-    ]  # fmt: skip
+    ]
 
 
 def _generate(group: RankGroup, prompts: list[list[int]], tokens: int) -> float:
@@ -118,9 +133,12 @@ def measure(folder: Path, parallel: dict[str, Any], args: argparse.Namespace) ->
 
     model = ModelConfig.from_dir(folder)
     engine = build_engine_config(
-        str(folder), max_num_batched_tokens=args.batch * args.prompt_len,
-        max_num_seqs=args.batch, enable_prefix_caching=False, **parallel,
-    )  # fmt: skip
+        str(folder),
+        max_num_batched_tokens=args.batch * args.prompt_len,
+        max_num_seqs=args.batch,
+        enable_prefix_caching=False,
+        **parallel,
+    )
     res = RankResources(num_cpus=args.cpus / args.ranks)
     group = RankGroup.start(model, engine, res, worker_cls=TimedWorker)
     try:
@@ -165,13 +183,13 @@ def run(args: argparse.Namespace) -> int:
     for r in results.values():
         r["decode_speedup_vs_ep"] = round(base / r["decode_step_ms"], 3)
     report = {
-        "command": "pdserve bench afd " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
-            if k in _FLAGS
+        "command": "pdserve bench afd "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items()) if k in _FLAGS
         ),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "layouts": results,
-    }  # fmt: skip
+    }
     print(json.dumps(report, indent=1))
     if args.out:
         write_json(Path(args.out), report)
@@ -179,9 +197,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 _FLAGS = (
-    "hidden", "inter", "layers", "experts", "top_k", "heads", "ranks", "attention_ranks",
-    "micro_batches", "batch", "prompt_len", "decode_steps", "repeats", "cpus",
-)  # fmt: skip
+    "hidden",
+    "inter",
+    "layers",
+    "experts",
+    "top_k",
+    "heads",
+    "ranks",
+    "attention_ranks",
+    "micro_batches",
+    "batch",
+    "prompt_len",
+    "decode_steps",
+    "repeats",
+    "cpus",
+)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

@@ -116,9 +116,12 @@ def _start_instances(
 
     memory = {"kv_cache_memory_bytes": args.kv_cache_mib << 20} if args.kv_cache_mib else {}
     engine = build_engine_config(
-        args.model, dtype=args.dtype, load_format=args.load_format,
-        max_num_batched_tokens=args.prompt_len, **memory,
-    )  # fmt: skip
+        args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_num_batched_tokens=args.prompt_len,
+        **memory,
+    )
     res = RankResources(num_cpus=1, num_gpus=args.gpus_per_instance)
     remote = DisaggregationConfig(local_prefill_max_tokens=0, local_prefill_cached_fraction=1.0)
     local = DisaggregationConfig(local_prefill_max_tokens=10**9)
@@ -195,10 +198,15 @@ def _device(gpus_per_instance: float) -> str:
 
 def _flags(args: argparse.Namespace) -> list[str]:
     """The command line that repeats this run (defaults included)."""
-    flags = [f"--model {args.model}", f"--prompt-len {args.prompt_len}",
-             f"--output-len {args.output_len}", f"--requests {args.requests}",
-             f"--connector {args.connector}", f"--dtype {args.dtype}",
-             f"--load-format {args.load_format}"]  # fmt: skip
+    flags = [
+        f"--model {args.model}",
+        f"--prompt-len {args.prompt_len}",
+        f"--output-len {args.output_len}",
+        f"--requests {args.requests}",
+        f"--connector {args.connector}",
+        f"--dtype {args.dtype}",
+        f"--load-format {args.load_format}",
+    ]
     if args.gpus_per_instance:
         flags.append(f"--gpus-per-instance {args.gpus_per_instance:g}")
     if args.kv_cache_mib:
@@ -214,11 +222,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connector", default="shm", help="auto: cuda_ipc on a GPU, shm on a CPU")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"))
-    p.add_argument("--gpus-per-instance", type=_share, default=0.0,
-                   help="each instance's share of the one GPU (0: on the CPU)")  # fmt: skip
-    p.add_argument("--kv-cache-mib", type=count, default=None,
-                   help="each instance's KV pool (default: 256 MiB on a CPU, 85%% of "
-                   "a GPU's free memory, which leaves none for the next instance)")  # fmt: skip
+    p.add_argument(
+        "--gpus-per-instance",
+        type=_share,
+        default=0.0,
+        help="each instance's share of the one GPU (0: on the CPU)",
+    )
+    p.add_argument(
+        "--kv-cache-mib",
+        type=count,
+        default=None,
+        help="each instance's KV pool (default: 256 MiB on a CPU, 85%% of "
+        "a GPU's free memory, which leaves none for the next instance)",
+    )
     p.add_argument("--out", default="bench/out/ttft.json")
     p.set_defaults(func=run)
 

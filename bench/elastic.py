@@ -75,10 +75,13 @@ def run_once(folder: Path, redundant: int, args: argparse.Namespace) -> dict[str
 
     model = ModelConfig.from_dir(folder)
     engine = build_engine_config(
-        str(folder), expert_parallel_size=args.ranks, redundant_experts=redundant,
-        max_num_seqs=args.batch, max_num_batched_tokens=16 * args.batch,
+        str(folder),
+        expert_parallel_size=args.ranks,
+        redundant_experts=redundant,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=16 * args.batch,
         enable_prefix_caching=False,
-    )  # fmt: skip
+    )
     group = RankGroup.start(model, engine, RankResources(num_cpus=args.cpus / args.ranks))
     try:
         _stream(ray, group, args, kill=False)  # warm-up

@@ -57,15 +57,32 @@ from pdserve.bench.report import machine_info, write_json
 # Llama-3-8B's config.json, the shape of bench/kernels.py's model; `pdserve profile
 # --load-format dummy` and the transformers peer read it.
 LLAMA3_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-    "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
-    "dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTER,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
 # Matrix-product parameters a token meets (every layer's projections; the LM head is
 # counted once per step, for the tokens whose logits are taken).
 LAYER_PARAMS = HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN
@@ -199,9 +216,14 @@ def peer_decode(model: Any, batch: int, context: int, steps: int) -> dict[str, A
         sync()
         start = time.perf_counter()
         model.generate(
-            ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-            cache_implementation="static", pad_token_id=0, disable_compile=True,
-        )  # fmt: skip
+            ids,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            cache_implementation="static",
+            pad_token_id=0,
+            disable_compile=True,
+        )
         sync()
         return time.perf_counter() - start
 
@@ -260,10 +282,14 @@ def engine_row(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
     params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
     with tempfile.TemporaryDirectory() as folder:
         llm = LLM(
-            str(write_config(Path(folder) / "llama3-8b")), load_format="dummy",
-            dtype="bfloat16", device=DEVICE.type, cuda_graphs=graphs,
-            max_num_seqs=args.requests, max_num_batched_tokens=8192,
-        )  # fmt: skip
+            str(write_config(Path(folder) / "llama3-8b")),
+            load_format="dummy",
+            dtype="bfloat16",
+            device=DEVICE.type,
+            cuda_graphs=graphs,
+            max_num_seqs=args.requests,
+            max_num_batched_tokens=8192,
+        )
         try:
             llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
             sync()
@@ -276,13 +302,16 @@ def engine_row(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
     ttft = sorted((o.metrics.first_token_time or 0.0) - o.metrics.arrival_time for o in outs)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
-        "graphs": graphs, "requests": args.requests, "prompt": args.prompt,
-        "output": args.output, "seconds": round(seconds, 2),
+        "graphs": graphs,
+        "requests": args.requests,
+        "prompt": args.prompt,
+        "output": args.output,
+        "seconds": round(seconds, 2),
         "output_tokens_per_s": round(out_tokens / seconds),
         "total_tokens_per_s": round((out_tokens + args.requests * args.prompt) / seconds),
         "ttft_p50_ms": round(ttft[len(ttft) // 2] * 1e3, 1),
         "ttft_max_ms": round(ttft[-1] * 1e3, 1),
-    }  # fmt: skip
+    }
 
 
 def sync() -> None:
@@ -293,7 +322,9 @@ def sync() -> None:
 def peer_rows(args: argparse.Namespace, peak: float) -> dict[str, Any]:
     model = peer_model()
     peer_decode(model, 1, 16, 2)  # warm-up
-    rows: dict[str, Any] = {"prefill": guarded("peer prefill", lambda: peer_prefill(model, args.prompt, peak))}  # fmt: skip
+    rows: dict[str, Any] = {
+        "prefill": guarded("peer prefill", lambda: peer_prefill(model, args.prompt, peak))
+    }
     rows["decode"] = [
         guarded(f"peer decode b={b}", partial(peer_decode, model, b, args.context, args.steps))
         for b in args.batches

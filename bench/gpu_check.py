@@ -45,20 +45,37 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRED = {"torch": "torch", "triton": "triton", "msgpack": "msgpack", "grpc": "grpcio",
-            "safetensors": "safetensors", "tokenizers": "tokenizers", "numpy": "numpy",
-            "yaml": "pyyaml", "jinja2": "jinja2", "pytest": "pytest"}  # fmt: skip
+REQUIRED = {
+    "torch": "torch",
+    "triton": "triton",
+    "msgpack": "msgpack",
+    "grpc": "grpcio",
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "numpy": "numpy",
+    "yaml": "pyyaml",
+    "jinja2": "jinja2",
+    "pytest": "pytest",
+}
 OPTIONAL = {"transformers": "transformers (the parity tests' reference)"}
 TESTS = [
-    "tests/parallel/test_cuda.py", "tests/parallel/test_kernels.py",
-    "tests/parallel/test_quant_kernels.py", "tests/transfer/test_cuda_ipc.py",
-]  # fmt: skip
+    "tests/parallel/test_cuda.py",
+    "tests/parallel/test_kernels.py",
+    "tests/parallel/test_quant_kernels.py",
+    "tests/transfer/test_cuda_ipc.py",
+]
 # Modules the GPU steps but ttft import: none of them may need Ray.
 GPU_MODULES = [
-    "pdserve", "pdserve.deploy.cli", "pdserve.bench.kernels", "pdserve.bench.gpu",
-    "pdserve.bench.cuda_ipc", "pdserve.sim.measure", "pdserve.parallel.model_runner",
-    "pdserve.transfer.cuda_ipc", "pdserve.transfer.rank",
-]  # fmt: skip
+    "pdserve",
+    "pdserve.deploy.cli",
+    "pdserve.bench.kernels",
+    "pdserve.bench.gpu",
+    "pdserve.bench.cuda_ipc",
+    "pdserve.sim.measure",
+    "pdserve.parallel.model_runner",
+    "pdserve.transfer.cuda_ipc",
+    "pdserve.transfer.rank",
+]
 
 
 # The command line without Ray: `pdserve bench <kind>` and `pdserve profile` import
@@ -66,8 +83,7 @@ GPU_MODULES = [
 PDSERVE = "import sys; from pdserve.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 STEPS = ("gpu", "pytest", "profile", "cuda-ipc", "ttft", "kernels")
 # Each step's time limit, seconds.
-LIMITS = {"gpu": 200, "pytest": 240, "profile": 150, "cuda-ipc": 60, "ttft": 300,
-          "kernels": 120}  # fmt: skip
+LIMITS = {"gpu": 200, "pytest": 240, "profile": 150, "cuda-ipc": 60, "ttft": 300, "kernels": 120}
 NEEDS_RAY = {"ttft"}
 
 
@@ -155,28 +171,25 @@ def main(argv: list[str] | None = None) -> int:
         return _run_all(out, env, args)
 
 
+def _pdserve(out: Path, figures: str, *argv: str) -> list[str]:
+    """A pdserve command that writes its figures to ``out / figures``."""
+    return [sys.executable, "-c", PDSERVE, *argv, "--out", str(out / figures)]
+
+
 def step_commands(out: Path, config: Path, tests: list[str]) -> dict[str, list[str]]:
-    py = sys.executable
+    pytest = ["-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--timeout", "120"]
+    dummy = ["--model", str(config), "--load-format", "dummy", "--dtype", "bfloat16"]
+    profile = ["profile", *dummy, "--grid", "gpu", "--repeats", "2"]
+    memory = ["--gpus-per-instance", "0.3", "--kv-cache-mib", "4096"]
+    ttft = ["bench", "ttft", *dummy, *memory, "--prompt-len", "1024", "--requests", "10"]
     return {
-        "pytest": [
-            py, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--timeout", "120",
-            *tests,
-        ],
-        "gpu": [py, "-c", PDSERVE, "bench", "gpu", "--out", str(out / "gpu.json")],
-        "profile": [
-            py, "-c", PDSERVE, "profile", "--model", str(config), "--load-format", "dummy",
-            "--dtype", "bfloat16", "--grid", "gpu", "--repeats", "2",
-            "--out", str(out / "profile-gpu.json"),
-        ],
-        "cuda-ipc": [py, "-c", PDSERVE, "bench", "cuda-ipc", "--out", str(out / "cuda_ipc.json")],
-        "ttft": [
-            py, "-c", PDSERVE, "bench", "ttft", "--model", str(config), "--load-format", "dummy",
-            "--dtype", "bfloat16", "--gpus-per-instance", "0.3", "--kv-cache-mib", "4096",
-            "--prompt-len", "1024", "--requests", "10", "--connector", "cuda_ipc",
-            "--out", str(out / "ttft.json"),
-        ],
-        "kernels": [py, "-c", PDSERVE, "bench", "kernels", "--out", str(out / "kernels.json")],
-    }  # fmt: skip
+        "pytest": [sys.executable, *pytest, *tests],
+        "gpu": _pdserve(out, "gpu.json", "bench", "gpu"),
+        "profile": _pdserve(out, "profile-gpu.json", *profile),
+        "cuda-ipc": _pdserve(out, "cuda_ipc.json", "bench", "cuda-ipc"),
+        "ttft": _pdserve(out, "ttft.json", *ttft, "--connector", "cuda_ipc"),
+        "kernels": _pdserve(out, "kernels.json", "bench", "kernels"),
+    }
 
 
 def skipped(steps: list[str]) -> dict[str, str]:

@@ -36,8 +36,13 @@ DROPPED = (
     "ray/dashboard/client/",  # the dashboard's web pages (pdserve runs Ray without them)
     *(f"ray/{lib}/" for lib in ("rllib", "tune", "train", "data", "serve", "llm", "air")),
 )
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 MIB = 1 << 20
 
 
@@ -45,11 +50,25 @@ def download(names: list[str], dest: Path, python_version: str) -> None:
     """Binary wheels of ``names`` (pinned: ``name==version``) for CPython ``python_version``."""
     platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-         "--python-version", python_version, "--implementation", "cp", *platforms,
-         "-d", str(dest), *names],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            python_version,
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(dest),
+            *names,
+        ],
         check=True,
-    )  # fmt: skip
+    )
 
 
 def slim(wheel: Path, dest: Path, dropped: tuple[str, ...] = DROPPED) -> Path:
@@ -73,8 +92,10 @@ def tree_bytes(root: Path = ROOT) -> int:
     """Bytes of the files git tracks or would track (untracked, not ignored) under ``root``."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=root, capture_output=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout
     paths = (root / p.decode() for p in listed.split(b"\0") if p)
     return sum(p.stat().st_size for p in paths if p.is_file())
 
@@ -97,14 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         download([pinned("ray")], Path(tmp), args.python_version)
         (ray_wheel,) = Path(tmp).glob("ray-*.whl")
         slim(ray_wheel, dest)
-        print(f"{ray_wheel.name}: {ray_wheel.stat().st_size / MIB:.1f} MiB, slimmed to "
-              f"{(dest / ray_wheel.name).stat().st_size / MIB:.1f} MiB")  # fmt: skip
+        print(
+            f"{ray_wheel.name}: {ray_wheel.stat().st_size / MIB:.1f} MiB, slimmed to "
+            f"{(dest / ray_wheel.name).stat().st_size / MIB:.1f} MiB"
+        )
     download([pinned(name) for name in NEEDS], dest, args.python_version)
     wheels = sum(p.stat().st_size for p in dest.glob("*.whl"))
     tree = tree_bytes()
     total = (wheels + tree) / MIB
-    print(f"wheels {wheels / MIB:.1f} MiB + source tree {tree / MIB:.1f} MiB = {total:.1f} MiB "
-          f"of {args.budget_mib:g} MiB")  # fmt: skip
+    print(
+        f"wheels {wheels / MIB:.1f} MiB + source tree {tree / MIB:.1f} MiB = {total:.1f} MiB "
+        f"of {args.budget_mib:g} MiB"
+    )
     if total > args.budget_mib:
         print("over the budget: they do not fit in one copy")
         return 1

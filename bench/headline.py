@@ -67,6 +67,18 @@ disaggregation: {{local_prefill_max_tokens: {local_max}}}
 """
 
 
+def add_cores_flag(p: argparse.ArgumentParser, what: str) -> None:
+    """``--cores``: ``what`` they are for; the first two this process may use by default."""
+    usable = sorted(os.sched_getaffinity(0))
+    p.add_argument(
+        "--cores",
+        type=int,
+        nargs="+",
+        default=usable[:2],
+        help=f"{what} (default: the first two usable)",
+    )
+
+
 def check_cores(cores: list[int], modes: list[str]) -> None:
     """``--cores`` names distinct cores this process may run on, two or more for a
     disaggregated setup (a core each for prefill and decode)."""
@@ -94,10 +106,15 @@ def cluster_setup(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, t
     else:
         raise SystemExit(f"unknown mode {mode!r}: {MODES}")
     text = CONFIG.format(
-        model=args.model, connector=args.connector, budget=args.max_num_batched_tokens,
+        model=args.model,
+        connector=args.connector,
+        budget=args.max_num_batched_tokens,
         prefill_budget=args.prefill_max_num_batched_tokens,
-        cpus=len(cores), ttft=args.ttft_slo_ms, tpot=args.tpot_slo_ms, **values,
-    )  # fmt: skip
+        cpus=len(cores),
+        ttft=args.ttft_slo_ms,
+        tpot=args.tpot_slo_ms,
+        **values,
+    )
     return text, pins
 
 
@@ -214,20 +231,37 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
-    p.add_argument("--rate", type=float, nargs="+", default=None,
-                   help=f"request rates (default {' '.join(map(str, FULL_RATES))})")  # fmt: skip
+    p.add_argument(
+        "--rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"request rates (default {' '.join(map(str, FULL_RATES))})",
+    )
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--cores", type=int, nargs="+", default=sorted(os.sched_getaffinity(0))[:2],
-                   help="cores both setups share (default: the first two usable)")  # fmt: skip
+    add_cores_flag(p, "cores both setups share")
     p.add_argument("--connector", default="shm")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="per-step token budget of the decode-role instance: the prefill "
-                        "chunk that colocated serving interleaves with decode steps")  # fmt: skip
-    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=2048,
-                   help="per-step token budget of the prefill instance (disaggregated): "
-                        "with no decodes to protect it takes a whole prompt per step")  # fmt: skip
-    p.add_argument("--tpot-slo-sweep-ms", type=float, nargs="+", default=list(TPOT_SWEEP_MS),
-                   help="TPOT SLOs to recompute goodput at, from the same runs")  # fmt: skip
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="per-step token budget of the decode-role instance: the prefill "
+        "chunk that colocated serving interleaves with decode steps",
+    )
+    p.add_argument(
+        "--prefill-max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="per-step token budget of the prefill instance (disaggregated): "
+        "with no decodes to protect it takes a whole prompt per step",
+    )
+    p.add_argument(
+        "--tpot-slo-sweep-ms",
+        type=float,
+        nargs="+",
+        default=list(TPOT_SWEEP_MS),
+        help="TPOT SLOs to recompute goodput at, from the same runs",
+    )
     p.add_argument("--quick", action="store_true", help=f"rates {QUICK_RATES}, 5 requests each")
     add_workload_flags(p, prompt_len=768, output_len=32)
     add_load_flags(p)

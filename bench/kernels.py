@@ -121,25 +121,34 @@ def layer_cases(tokens: int, dtype: torch.dtype, device: torch.device) -> list[C
     qk_elems = tokens * (HEADS + KV_HEADS) * HEAD_DIM
     return [
         Case(
-            "rms_norm_residual", f"[{tokens}, {HIDDEN}]", (4 * x.numel() + HIDDEN) * elem,
+            "rms_norm_residual",
+            f"[{tokens}, {HIDDEN}]",
+            (4 * x.numel() + HIDDEN) * elem,
             lambda: fast.rms_norm_residual(x, res, w, 1e-5),
             lambda: ref.rms_norm_residual(x, res, w, 1e-5),
         ),
         Case(
-            "silu_and_mul", f"[{tokens}, {2 * INTER}]", 3 * tokens * INTER * elem,
-            lambda: fast.silu_and_mul(gate_up), lambda: ref.silu_and_mul(gate_up),
+            "silu_and_mul",
+            f"[{tokens}, {2 * INTER}]",
+            3 * tokens * INTER * elem,
+            lambda: fast.silu_and_mul(gate_up),
+            lambda: ref.silu_and_mul(gate_up),
         ),
         Case(
-            "rotate", f"[{tokens}, {HEADS + KV_HEADS}, {HEAD_DIM}]",
+            "rotate",
+            f"[{tokens}, {HEADS + KV_HEADS}, {HEAD_DIM}]",
             (2 * qk_elems + tokens * HEAD_DIM) * elem,
-            lambda: fast.rotate(qk, cos, sin), lambda: ref.rotate(qk, cos, sin),
+            lambda: fast.rotate(qk, cos, sin),
+            lambda: ref.rotate(qk, cos, sin),
         ),
         Case(
-            "route", f"[{tokens}, {EXPERTS}] top {TOP_K}",
+            "route",
+            f"[{tokens}, {EXPERTS}] top {TOP_K}",
             logits.numel() * elem + tokens * TOP_K * (4 + 8),
-            lambda: fast.route(logits, TOP_K), lambda: ref.route(logits, TOP_K),
+            lambda: fast.route(logits, TOP_K),
+            lambda: ref.route(logits, TOP_K),
         ),
-    ]  # fmt: skip
+    ]
 
 
 def attention_cases(
@@ -174,9 +183,14 @@ def decode_attention_case(
 
     def fast() -> object:
         return decode_attention.paged_decode_attention(
-            q, cache[0], cache[1], meta.decode_block_tables, meta.decode_seq_lens,
-            meta.max_decode_seq_len, ref.scale,
-        )  # fmt: skip
+            q,
+            cache[0],
+            cache[1],
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.max_decode_seq_len,
+            ref.scale,
+        )
 
     def slow() -> object:
         out = torch.empty_like(q)
@@ -204,20 +218,30 @@ def prefill_cases(
     out = torch.empty_like(q)
     return [
         Case(
-            "prefill_attention", f"{chunks} x {chunk} after {prefix}",
+            "prefill_attention",
+            f"{chunks} x {chunk} after {prefix}",
             2 * chunks * (prefix + chunk) * kv_row + 2 * q.numel() * elem,
             lambda: prefill_attention.paged_prefill_attention(
-                q, cache[0], cache[1], meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_seq_lens, chunk, ref.scale, out=out,
+                q,
+                cache[0],
+                cache[1],
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_seq_lens,
+                chunk,
+                ref.scale,
+                out=out,
             ),
             lambda: ref.prefill(q, k, v, cache[0], cache[1], meta, out),
         ),
         Case(
-            "write_kv", f"{chunk * chunks} tokens", 4 * chunk * chunks * kv_row,
+            "write_kv",
+            f"{chunk * chunks} tokens",
+            4 * chunk * chunks * kv_row,
             lambda: kv_cache.write_kv(k, v, cache[0], cache[1], meta.slot_mapping),
             lambda: torch_ref.write_kv(k, v, cache[0], cache[1], meta.slot_mapping),
         ),
-    ]  # fmt: skip
+    ]
 
 
 def time_case(case: Case, bandwidth: float) -> dict[str, Any]:
@@ -364,9 +388,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 _FLAGS = (
-    "dtype", "tokens", "batch", "context", "long_context", "prefill_chunk", "prefill_prefix",
-    "model_batch", "model_context", "seed",
-)  # fmt: skip
+    "dtype",
+    "tokens",
+    "batch",
+    "context",
+    "long_context",
+    "prefill_chunk",
+    "prefill_prefix",
+    "model_batch",
+    "model_context",
+    "seed",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -293,11 +293,24 @@ async def _one(
         except Exception as e:  # one broken stream is a failed request, not a failed run
             error = str(e) if isinstance(e, RequestFailed) else f"{type(e).__name__}: {e}"
             return RequestRecord(
-                spec.index, spec.arrival_s, sent - start, spec.prompt_len, spec.max_tokens,
-                ok=False, error=error, e2e_s=time.perf_counter() - sent,
-            )  # fmt: skip
+                spec.index,
+                spec.arrival_s,
+                sent - start,
+                spec.prompt_len,
+                spec.max_tokens,
+                ok=False,
+                error=error,
+                e2e_s=time.perf_counter() - sent,
+            )
         e2e = time.perf_counter() - sent
         return make_record(
-            spec.index, spec.arrival_s, sent - start, spec.prompt_len, spec.max_tokens,
-            times, counts, e2e, reported,
-        )  # fmt: skip
+            spec.index,
+            spec.arrival_s,
+            sent - start,
+            spec.prompt_len,
+            spec.max_tokens,
+            times,
+            counts,
+            e2e,
+            reported,
+        )

@@ -66,17 +66,22 @@ def claim_cores(cores: set[int]) -> set[int]:
         return mine
     unknown = sorted(c for c in cores if not 0 <= c < (os.cpu_count() or 1))
     if unknown:
-        raise InvalidArgumentError("cores", f"no core {unknown} on this machine "
-                                   f"({os.cpu_count()} cores)")  # fmt: skip
+        raise InvalidArgumentError(
+            "cores", f"no core {unknown} on this machine ({os.cpu_count()} cores)"
+        )
     try:
         _pin_threads(mine | cores)
     except OSError as e:
         raise InvalidArgumentError(
-            "cores", f"cores {sorted(cores - mine)} are not usable by this process (it may "
+            "cores",
+            f"cores {sorted(cores - mine)} are not usable by this process (it may "
             f"use {sorted(mine)}; a cpuset or container limit?): {e.strerror}",
-        ) from None  # fmt: skip
-    logger.warning("this process could use cores %s only; it now uses %s as asked",
-                   sorted(mine), sorted(mine | cores))  # fmt: skip
+        ) from None
+    logger.warning(
+        "this process could use cores %s only; it now uses %s as asked",
+        sorted(mine),
+        sorted(mine | cores),
+    )
     return mine | cores
 
 
@@ -91,9 +96,10 @@ def pin_instances(controller: Any, cores_by_role: dict[str, tuple[int, ...]]) ->
             continue
         if not set(cores) <= usable:
             raise InvalidArgumentError(
-                "cores", f"{role} asks for cores {sorted(cores)}, this process may use "
+                "cores",
+                f"{role} asks for cores {sorted(cores)}, this process may use "
                 f"{sorted(usable)} (claim_cores first)",
-            )  # fmt: skip
+            )
         pid, threads = ray.get(leader.__ray_call__.remote(_pin_own_threads, cores))
         pinned.append(PinnedRank(role, pid, cores, threads))
         logger.info("pinned %s rank (pid %d, %d threads) to cores %s", role, pid, threads, cores)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.flags import file_stem
-from pdserve.bench.headline import MODES, check_cores, cluster_setup
+from pdserve.bench.headline import MODES, add_cores_flag, check_cores, cluster_setup
 from pdserve.bench.loadgen import Client, OnChunk, RequestFailed
 from pdserve.bench.local import local_cluster
 from pdserve.bench.report import header
@@ -105,9 +105,12 @@ class TransformersClient:
         rid = f"bench-{next(self._ids)}"
         self.manager.register_result_handler(rid, on_result)
         self.manager.add_request(
-            list(spec.prompt_token_ids), request_id=rid, max_new_tokens=spec.max_tokens,
-            streaming=True, eos_token_id=-1,
-        )  # fmt: skip
+            list(spec.prompt_token_ids),
+            request_id=rid,
+            max_new_tokens=spec.max_tokens,
+            streaming=True,
+            eos_token_id=-1,
+        )
         return await done
 
     async def close(self) -> None:
@@ -216,16 +219,24 @@ def side_by_side(series: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:small")
-    p.add_argument("--rate", type=float, nargs="+", default=None,
-                   help="request rates (default 0.5 1 2)")  # fmt: skip
+    p.add_argument(
+        "--rate", type=float, nargs="+", default=None, help="request rates (default 0.5 1 2)"
+    )
     p.add_argument("--pdserve-mode", choices=MODES, default="colocated")
-    p.add_argument("--cores", type=int, nargs="+", default=sorted(os.sched_getaffinity(0))[:2],
-                   help="cores both servers get (default: the first two usable)")  # fmt: skip
+    add_cores_flag(p, "cores both servers get")
     p.add_argument("--connector", default="shm")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="per-step token budget of both servers")  # fmt: skip
-    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of pdserve's prefill instance (--pdserve-mode disaggregated)")  # fmt: skip
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="per-step token budget of both servers",
+    )
+    p.add_argument(
+        "--prefill-max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of pdserve's prefill instance (--pdserve-mode disaggregated)",
+    )
     p.add_argument("--quick", action="store_true", help="rates 0.5 and 1, 4 requests each")
     add_workload_flags(p, prompt_len=256, output_len=64)
     add_load_flags(p)

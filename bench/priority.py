@@ -106,10 +106,14 @@ async def _batch_job(base: str, args: argparse.Namespace, model: str) -> dict[st
         src, out = Path(folder) / "in.jsonl", Path(folder) / "out.jsonl"
         body = {"model": model, "max_tokens": args.output_len, "ignore_eos": True}
         lines = [
-            {"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
-             "body": {**body, "prompt": spec.prompt_token_ids and list(spec.prompt_token_ids)}}
+            {
+                "custom_id": f"b{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {**body, "prompt": spec.prompt_token_ids and list(spec.prompt_token_ids)},
+            }
             for i, spec in enumerate(_specs(args, 3, args.vocab)[: args.batch_lines])
-        ]  # fmt: skip
+        ]
         src.write_text("".join(json.dumps(line) + "\n" for line in lines))
         runner = BatchRunner(base, None, concurrency=args.batch_concurrency)
         summary = await runner.run(src, out, progress=False)
@@ -161,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
         for mode in ("online", "2x", "batch"):
             results[mode] = asyncio.run(_run(base, args, mode, slo))
             print(_line(mode, results[mode]), flush=True)
-    write_json(Path(args.out), {"options": {k: v for k, v in vars(args).items() if k != "func"},
-                                "results": results})  # fmt: skip
+    write_json(
+        Path(args.out),
+        {"options": {k: v for k, v in vars(args).items() if k != "func"}, "results": results},
+    )
     return 0
 
 

@@ -131,11 +131,20 @@ def make_record(
     ttft = firsts[0] if firsts else None
     tpot = (e2e_s - ttft) / (n_out - 1) if ttft is not None and n_out > 1 else None
     return RequestRecord(
-        index, scheduled_s, sent_s, prompt_len, max_tokens, ok=ttft is not None,
+        index,
+        scheduled_s,
+        sent_s,
+        prompt_len,
+        max_tokens,
+        ok=ttft is not None,
         error=None if ttft is not None else "the stream ended without a token",
-        output_len=n_out, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e_s,
-        itl_s=inter_token_latencies(chunk_times, counts), tokens_per_chunk_estimated=estimated,
-    )  # fmt: skip
+        output_len=n_out,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        e2e_s=e2e_s,
+        itl_s=inter_token_latencies(chunk_times, counts),
+        tokens_per_chunk_estimated=estimated,
+    )
 
 
 def meets_slo(record: RequestRecord, slo: Slo) -> bool:
@@ -248,8 +257,12 @@ def _gpu_name() -> str | None:
     if smi is None:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0 or not out.stdout.strip():

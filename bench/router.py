@@ -103,8 +103,14 @@ def validation_cost(rounds: int) -> dict[str, Any]:
 
     tokenizer = Tokenizer.from_dir(resolve_model("builtin:tiny"))
     prompt = "The router sees the whole cluster and places every request. " * 32  # ~2 KB
-    fields = {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
-              "stop": ["\n\n", "###", "END", "</s>"], "stop_token_ids": [2, 3]}  # fmt: skip
+    fields = {
+        "max_tokens": 64,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "stop": ["\n\n", "###", "END", "</s>"],
+        "stop_token_ids": [2, 3],
+    }
     ids = prompt_tokens(tokenizer, prompt, 4096, 1209)
 
     def admit() -> None:

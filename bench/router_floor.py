@@ -20,9 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 STEP_S = 0.01  # between two wake-ups, as between two decode steps
-_SSE_CHUNK = {"id": "cmpl-r", "object": "text_completion", "created": 0, "model": "tiny",
-              "system_fingerprint": None,
-              "choices": [{"index": 0, "text": "ab", "finish_reason": None, "logprobs": None}]}  # fmt: skip
+_SSE_CHUNK = {
+    "id": "cmpl-r",
+    "object": "text_completion",
+    "created": 0,
+    "model": "tiny",
+    "system_fingerprint": None,
+    "choices": [{"index": 0, "text": "ab", "finish_reason": None, "logprobs": None}],
+}
 
 
 def percentile(values: list[float], p: float) -> float:

@@ -88,8 +88,13 @@ def router_source(router: Any) -> str:
     """The file the router actor imported its router module from (which tree it runs)."""
     import ray
 
-    return str(ray.get(router.__ray_call__.remote(lambda a: __import__("sys").modules[
-        "pdserve.router.router"].__file__)))  # fmt: skip
+    return str(
+        ray.get(
+            router.__ray_call__.remote(
+                lambda a: __import__("sys").modules["pdserve.router.router"].__file__
+            )
+        )
+    )
 
 
 def _threads_on(pid: int, cpus: set[int]) -> None:
@@ -129,9 +134,10 @@ def _grpc_load(doors: Any, concurrency: int, requests: int, tokens: int) -> list
     def worker(w: int) -> None:
         for i in range(requests):
             req = pb.CompletionRequest(
-                model="tiny", prompt=f"request {w} {i} " * 20,
+                model="tiny",
+                prompt=f"request {w} {i} " * 20,
                 sampling=pb.SamplingOptions(max_tokens=tokens, temperature=0, ignore_eos=True),
-            )  # fmt: skip
+            )
             start = time.monotonic()
             for n, _ in enumerate(stub.Generate(req)):
                 if n == 0:
@@ -152,8 +158,14 @@ async def _http_clients(url: str, concurrency: int, requests: int, tokens: int) 
 
     async def worker(session: aiohttp.ClientSession, w: int) -> None:
         for i in range(requests):
-            body = {"model": "tiny", "prompt": f"request {w} {i} " * 20, "max_tokens": tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            body = {
+                "model": "tiny",
+                "prompt": f"request {w} {i} " * 20,
+                "max_tokens": tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             start = time.monotonic()
             async with session.post(url, json=body) as resp:
                 resp.raise_for_status()
@@ -219,19 +231,21 @@ def front_door_under_load(
             client_ttft = load(doors, concurrency, requests, tokens)
             elapsed = time.monotonic() - start
             door, decisions = _router_delays(router)
-            rows.append({
-                "protocol": protocol,
-                "code": "current" if code is None else code,
-                "router_module": source,
-                "router_cpu": "shared" if router_cpu is None else router_cpu,
-                "concurrency": concurrency,
-                "requests": concurrency * requests,
-                "tokens_per_request": tokens,
-                "seconds": round(elapsed, 2),
-                "door_delay_us": _us(door),
-                "decision_us": _us(decisions),
-                "client_ttft_ms_p50": round(statistics.median(client_ttft) * 1e3, 1),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "protocol": protocol,
+                    "code": "current" if code is None else code,
+                    "router_module": source,
+                    "router_cpu": "shared" if router_cpu is None else router_cpu,
+                    "concurrency": concurrency,
+                    "requests": concurrency * requests,
+                    "tokens_per_request": tokens,
+                    "seconds": round(elapsed, 2),
+                    "door_delay_us": _us(door),
+                    "decision_us": _us(decisions),
+                    "client_ttft_ms_p50": round(statistics.median(client_ttft) * 1e3, 1),
+                }
+            )
     finally:
         for instance in region.prefill + region.decode:
             instance.shutdown()

@@ -81,12 +81,21 @@ def run(args: argparse.Namespace) -> int:
                     if kind not in best or got["step_s"] < best[kind]["step_s"]:
                         best[kind] = got
             plain, penalised = best["plain"]["step_s"] * 1e3, best["penalised"]["step_s"] * 1e3
-            rows.append({"vocab": vocab, "batch": batch, "plain_ms": plain,
-                         "penalised_ms": penalised, "ratio": penalised / plain,
-                         "first_step_ms": best["penalised"]["first_step_s"] * 1e3})  # fmt: skip
-    command = (f"pdserve bench sampler --batch {' '.join(map(str, args.batch))} --vocab "
-               f"{' '.join(map(str, args.vocab))} --context {args.context} --steps {args.steps} "
-               f"--repeat {args.repeat} --threads {args.threads}")  # fmt: skip
+            rows.append(
+                {
+                    "vocab": vocab,
+                    "batch": batch,
+                    "plain_ms": plain,
+                    "penalised_ms": penalised,
+                    "ratio": penalised / plain,
+                    "first_step_ms": best["penalised"]["first_step_s"] * 1e3,
+                }
+            )
+    command = (
+        f"pdserve bench sampler --batch {' '.join(map(str, args.batch))} --vocab "
+        f"{' '.join(map(str, args.vocab))} --context {args.context} --steps {args.steps} "
+        f"--repeat {args.repeat} --threads {args.threads}"
+    )
     path = write_json(Path(args.out) / f"{args.name}.json", {**header(command), "rows": rows})
     print(table(rows, args.context))
     print(f"wrote {path}")
@@ -94,11 +103,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(rows: list[dict[str, Any]], context: int) -> str:
-    lines = [f"| vocab | batch | plain ms | penalised ms | first step ms ({context}-token prompts) |",
-             "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"| vocab | batch | plain ms | penalised ms | first step ms ({context}-token prompts) |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        lines.append(f"| {r['vocab']} | {r['batch']} | {r['plain_ms']:.3f} | "
-                     f"{r['penalised_ms']:.3f} ({r['ratio']:.2f}x) | {r['first_step_ms']:.3f} |")  # fmt: skip
+        lines.append(
+            f"| {r['vocab']} | {r['batch']} | {r['plain_ms']:.3f} | "
+            f"{r['penalised_ms']:.3f} ({r['ratio']:.2f}x) | {r['first_step_ms']:.3f} |"
+        )
     return "\n".join(lines)
 
 

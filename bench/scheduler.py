@@ -80,8 +80,11 @@ def _run_child(batch: int, steps: int, tree: str | None) -> tuple[float, float]:
         env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), CHILD_FLAG, str(batch), str(steps)],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     schedule_s, update_s, source = json.loads(out.stdout.strip().splitlines()[-1])
     if tree is not None and not source.startswith(tree):
         raise RuntimeError(f"the baseline run imported {source}, not the tree under {tree}")
@@ -103,8 +106,11 @@ def compare(
         for name, got in runs.items():
             if got:
                 schedule_s, update_s = min(got, key=sum)
-                row[name] = {"schedule_us": schedule_s * 1e6, "update_us": update_s * 1e6,
-                             "per_row_us": (schedule_s + update_s) * 1e6 / batch}  # fmt: skip
+                row[name] = {
+                    "schedule_us": schedule_s * 1e6,
+                    "update_us": update_s * 1e6,
+                    "per_row_us": (schedule_s + update_s) * 1e6 / batch,
+                }
         rows.append(row)
     return rows
 
@@ -140,9 +146,11 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError("baseline", f"{args.baseline} is not a pdserve source tree")
         baseline = import_tree(Path(args.baseline))
     rows = compare(args.batch, args.steps, args.repeat, baseline)
-    command = (f"pdserve bench scheduler --batch {' '.join(map(str, args.batch))} "
-               f"--steps {args.steps} --repeat {args.repeat}"
-               + ("" if args.baseline is None else f" --baseline {args.baseline}"))  # fmt: skip
+    command = (
+        f"pdserve bench scheduler --batch {' '.join(map(str, args.batch))} "
+        f"--steps {args.steps} --repeat {args.repeat}"
+        + ("" if args.baseline is None else f" --baseline {args.baseline}")
+    )
     payload = {**header(command), "baseline": args.baseline, "steps": args.steps, "rows": rows}
     path = write_json(Path(args.out) / f"{args.name}.json", payload)
     print(table(rows) + ("\n(this tree / baseline)" if baseline else ""))
@@ -156,8 +164,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=count, nargs="+", default=[21, 64, 256])
     p.add_argument("--steps", type=count, default=2000, help="steps per round")
     p.add_argument("--repeat", type=count, default=3, help="rounds per batch size (best kept)")
-    p.add_argument("--baseline", default=None, metavar="DIR",
-                   help="a pdserve source tree measured alternately with this one")  # fmt: skip
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="a pdserve source tree measured alternately with this one",
+    )
     p.add_argument("--out", default="bench/out")
     p.add_argument("--name", type=file_stem, default="scheduler")
     p.set_defaults(func=run)

@@ -79,9 +79,13 @@ def build_workload(
     if args.trace:
         trace = wl.limit_trace(wl.read_trace(wl.trace_path(args.trace)), num, None)
         trace = wl.scale_trace(
-            trace, args.time_scale, args.length_scale, args.max_prompt_len, args.max_output_len,
+            trace,
+            args.time_scale,
+            args.length_scale,
+            args.max_prompt_len,
+            args.max_output_len,
             rate,
-        )  # fmt: skip
+        )
         trace = wl.limit_trace(trace, None, duration)
         arrivals, prompt_lens, output_lens = trace.arrival_s, trace.prompt_len, trace.output_len
         warm_prompt, warm_output = prompt_lens[: args.warmup], output_lens[: args.warmup]
@@ -97,21 +101,37 @@ def build_workload(
         arrivals, prompt_lens, output_lens, args.vocab_size, (args.prompt_seed, run, 0), prompts
     )
     warmup = wl.build_requests(
-        np.zeros(len(warm_output)), warm_prompt, warm_output, args.vocab_size,
-        (args.prompt_seed, run, 1), prompts,
-    )  # fmt: skip
+        np.zeros(len(warm_output)),
+        warm_prompt,
+        warm_output,
+        args.vocab_size,
+        (args.prompt_seed, run, 1),
+        prompts,
+    )
     return specs, warmup
 
 
 def _lengths(args: argparse.Namespace, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     prompt = wl.sample_lengths(
-        n, args.prompt_len, args.prompt_len_std, args.prompt_len_range, 1, args.max_prompt_len,
-        seed, "prompt_len",
-    )  # fmt: skip
+        n,
+        args.prompt_len,
+        args.prompt_len_std,
+        args.prompt_len_range,
+        1,
+        args.max_prompt_len,
+        seed,
+        "prompt_len",
+    )
     output = wl.sample_lengths(
-        n, args.output_len, args.output_len_std, args.output_len_range, 1, args.max_output_len,
-        seed + 1, "output_len",
-    )  # fmt: skip
+        n,
+        args.output_len,
+        args.output_len_std,
+        args.output_len_range,
+        1,
+        args.max_output_len,
+        seed + 1,
+        "output_len",
+    )
     return prompt, output
 
 
@@ -268,8 +288,12 @@ def run(args: argparse.Namespace) -> int:
     check_load_flags(args)
     rates: list[float | None] = list(args.rate) if args.rate else [None]
     runs = serve_rates(args, args.target, rates)
-    payload = {**header(command_line(args)), "target": args.target, "options": options_json(args),
-               "runs": [r.to_json() for r in runs]}  # fmt: skip
+    payload = {
+        **header(command_line(args)),
+        "target": args.target,
+        "options": options_json(args),
+        "runs": [r.to_json() for r in runs],
+    }
     paths = write_outputs(Path(args.out), args.name, payload, {"": runs}, slo_from(args))
     print(summary_table([(f"rate {r.rate:g}" if r.rate else "trace", r) for r in runs]))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -282,25 +306,50 @@ def run(args: argparse.Namespace) -> int:
 def add_workload_flags(
     p: argparse.ArgumentParser, prompt_len: int = 512, output_len: int = 32
 ) -> None:
+    """The workload: when requests arrive (or a trace or prompts file), their lengths, how
+    many are sent and the seeds."""
     g = p.add_argument_group("workload")
+    _add_arrival_flags(g)
+    _add_length_flags(g, prompt_len, output_len)
+    _add_count_flags(g)
+
+
+def _add_arrival_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--arrival", choices=wl.ARRIVALS, default="poisson")
     g.add_argument("--burst-size", type=int, default=8, help="requests per burst (--arrival burst)")
-    g.add_argument("--trace", default=None,
-                   help=f"replay a CSV trace (TIMESTAMP, ContextTokens, GeneratedTokens) or a shipped one: {', '.join(wl.SHIPPED_TRACES)}")  # fmt: skip
-    g.add_argument("--time-scale", type=float, default=1.0,
-                   help="trace arrival offsets are multiplied by this (0.5: twice as fast)")  # fmt: skip
+    g.add_argument(
+        "--trace",
+        default=None,
+        help="replay a CSV trace (TIMESTAMP, ContextTokens, GeneratedTokens) or a shipped one: "
+        + ", ".join(wl.SHIPPED_TRACES),
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="trace arrival offsets are multiplied by this (0.5: twice as fast)",
+    )
     g.add_argument(
         "--length-scale", type=float, default=1.0, help="trace lengths are multiplied by this"
     )
     g.add_argument(
         "--prompts", default=None, help='JSONL file of {"prompt": text or ids, "max_tokens": n}'
     )
+
+
+def _add_length_flags(g: argparse._ArgumentGroup, prompt_len: int, output_len: int) -> None:
     g.add_argument("--prompt-len", type=int, default=prompt_len)
     g.add_argument(
         "--prompt-len-std", type=float, default=0.0, help="normal spread of prompt lengths"
     )
-    g.add_argument("--prompt-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
-                   help="uniform prompt lengths in [LO, HI] (instead of --prompt-len)")  # fmt: skip
+    g.add_argument(
+        "--prompt-len-range",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="uniform prompt lengths in [LO, HI] (instead of --prompt-len)",
+    )
     g.add_argument("--output-len", type=int, default=output_len)
     g.add_argument("--output-len-std", type=float, default=0.0)
     g.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None)
@@ -309,15 +358,26 @@ def add_workload_flags(
     g.add_argument(
         "--vocab-size", type=int, default=256, help="synthetic prompt ids are in [3, this)"
     )
-    g.add_argument("--num-requests", type=int, default=None,
-                   help=f"measured requests per rate (default {DEFAULT_NUM_REQUESTS} unless --duration)")  # fmt: skip
+
+
+def _add_count_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help=f"measured requests per rate (default {DEFAULT_NUM_REQUESTS} unless --duration)",
+    )
     g.add_argument(
         "--duration", type=float, default=None, help="send for this many seconds per rate"
     )
     g.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured")
     g.add_argument("--seed", type=int, default=0, help="seeds arrivals and lengths")
-    g.add_argument("--prompt-seed", type=int, default=None,
-                   help="seeds synthetic token ids (default: new each invocation, recorded)")  # fmt: skip
+    g.add_argument(
+        "--prompt-seed",
+        type=int,
+        default=None,
+        help="seeds synthetic token ids (default: new each invocation, recorded)",
+    )
     g.add_argument("--temperature", type=float, default=0.0)
 
 
@@ -327,10 +387,12 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load and SLOs")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     g.add_argument(
-        "--request-timeout", type=float, default=600.0,
+        "--request-timeout",
+        type=float,
+        default=600.0,
         help="seconds from sending a request to giving up on it (it fails and is "
         "aborted); inf: never",
-    )  # fmt: skip
+    )
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     g.add_argument("--tpot-slo-ms", type=float, default=200.0)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -340,8 +402,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="grpc://HOST:PORT or http://HOST:PORT")
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer <key>'")
     p.add_argument("--model", default=None, help="model name (default: ask the server)")
-    p.add_argument("--rate", type=float, nargs="+", default=None,
-                   help="mean request rate(s) in req/s; several: a sweep (inf: all at once)")  # fmt: skip
+    p.add_argument(
+        "--rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="mean request rate(s) in req/s; several: a sweep (inf: all at once)",
+    )
     add_workload_flags(p)
     add_load_flags(p)
     p.add_argument("--out", default="bench/out/serve", help="output folder")

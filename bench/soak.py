@@ -121,8 +121,13 @@ async def measure_capacity(
         "ttft_p50": percentiles(streams).get("p50", 0.5),
         "e2e_p90": percentiles([a.e2e_s or 0.0 for a in done]).get("p90", 2.0),
     }
-    return {"rps": t["completed_ok"] / wall, "wall_s": wall, **t["outcomes"],
-            "token_problems": t["token_problems"], "timing_s": timing}  # fmt: skip
+    return {
+        "rps": t["completed_ok"] / wall,
+        "wall_s": wall,
+        **t["outcomes"],
+        "token_problems": t["token_problems"],
+        "timing_s": timing,
+    }
 
 
 async def open_loop(
@@ -172,8 +177,10 @@ async def drive(
         capacity = await measure_capacity(client, args, references)
         rate = args.load * capacity["rps"]
         duration = args.minutes * 60
-        _say(f"soak: {rate:.2f} req/s ({args.load:.0%} of {capacity['rps']:.2f}) for {duration:g} s, "
-             f"a kill every {args.kill_every:g} s")  # fmt: skip
+        _say(
+            f"soak: {rate:.2f} req/s ({args.load:.0%} of {capacity['rps']:.2f}) for {duration:g} s, "
+            f"a kill every {args.kill_every:g} s"
+        )
         arrivals = wl.arrival_times("poisson", rate, duration_s=duration, seed=args.seed + 2)
         planned = plan_attempts(
             arrivals, len(pool), out_len, args.cancel_fraction, capacity["timing_s"], rng
@@ -318,13 +325,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", type=int, default=16, help="distinct prompts")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 96), metavar=("LO", "HI"))
     p.add_argument("--output-len", type=int, nargs=2, default=(8, 48), metavar=("LO", "HI"))
-    p.add_argument("--deadline", type=float, default=120.0,
-                   help="seconds; a request with no final answer by then is lost")  # fmt: skip
-    p.add_argument("--settle-timeout", type=float, default=180.0,
-                   help="seconds the cluster may take to be whole and idle at the end")  # fmt: skip
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=120.0,
+        help="seconds; a request with no final answer by then is lost",
+    )
+    p.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=180.0,
+        help="seconds the cluster may take to be whole and idle at the end",
+    )
     p.add_argument("--rss-every", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--rss-baseline-minutes", type=float, default=2.0)
-    p.add_argument("--rss-growth-limit", type=float, default=1.25,
-                   help="peak RSS over the run / peak in the baseline minutes allowed")  # fmt: skip
+    p.add_argument(
+        "--rss-growth-limit",
+        type=float,
+        default=1.25,
+        help="peak RSS over the run / peak in the baseline minutes allowed",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run, prog="pdserve bench soak")

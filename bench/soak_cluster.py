@@ -204,8 +204,14 @@ class SoakCluster:
                 ray.get(leader.check_idle.remote(), timeout=30)
             except Exception as e:
                 not_idle.append(f"{stats.instance_id}: {_first_line(e)}")
-            instances.append({"instance": stats.instance_id, "role": role, "used_pages": used,
-                              "num_blocks": stats.num_blocks})  # fmt: skip
+            instances.append(
+                {
+                    "instance": stats.instance_id,
+                    "role": role,
+                    "used_pages": used,
+                    "num_blocks": stats.num_blocks,
+                }
+            )
         router = ray.get(self.router.stats.remote(), timeout=30)
         return {
             "pages": sum(i["used_pages"] for i in instances),

@@ -151,9 +151,15 @@ def tally(attempts: Sequence[Attempt], references: Sequence[Sequence[int]]) -> d
         want = references[a.prompt][: a.max_tokens]
         check, at = check_tokens(a.tokens, want, outcome == "completed")
         if check != "ok":
-            problems.append({**_brief(a, outcome), "check": check, "at": at,
-                             "got": a.tokens[max(0, at - 3): at + 5],
-                             "want": list(want[max(0, at - 3): at + 5])})  # fmt: skip
+            problems.append(
+                {
+                    **_brief(a, outcome),
+                    "check": check,
+                    "at": at,
+                    "got": a.tokens[max(0, at - 3) : at + 5],
+                    "want": list(want[max(0, at - 3) : at + 5]),
+                }
+            )
     return {
         "sent": len(attempts),
         "completed_ok": outcomes["completed"] - sum(p["outcome"] == "completed" for p in problems),
@@ -169,9 +175,17 @@ def tally(attempts: Sequence[Attempt], references: Sequence[Sequence[int]]) -> d
 
 
 def _brief(a: Attempt, outcome: str) -> dict[str, Any]:
-    return {"index": a.index, "kind": a.kind, "outcome": outcome, "sent_s": round(a.sent_s, 2),
-            "tokens": len(a.tokens), "max_tokens": a.max_tokens, "cancel_at": a.cancel_at,
-            "code": a.code, "details": a.details[:200]}  # fmt: skip
+    return {
+        "index": a.index,
+        "kind": a.kind,
+        "outcome": outcome,
+        "sent_s": round(a.sent_s, 2),
+        "tokens": len(a.tokens),
+        "max_tokens": a.max_tokens,
+        "cancel_at": a.cancel_at,
+        "code": a.code,
+        "details": a.details[:200],
+    }
 
 
 def result_table(result: dict[str, Any]) -> str:
@@ -181,28 +195,38 @@ def result_table(result: dict[str, Any]) -> str:
         ("requests sent", t["sent"], ""),
         ("completed correctly", t["completed_ok"], ""),
         ("failed with a clear status", o["failed"], ", ".join(t["failure_codes"]) or "-"),
-        ("cancelled by the client", o["cancelled"],
-         ", ".join(f"{k} {v}" for k, v in sorted(t["cancel_phases"].items())) or "-"),
+        (
+            "cancelled by the client",
+            o["cancelled"],
+            ", ".join(f"{k} {v}" for k, v in sorted(t["cancel_phases"].items())) or "-",
+        ),
         ("lost (must be 0)", o["lost"], ""),
         ("failed UNKNOWN/INTERNAL (must be 0)", o["unclear"], ", ".join(t["unclear_codes"])),
         ("repeated tokens (must be 0)", t["token_problems"].get("repeated", 0), ""),
         ("missing tokens (must be 0)", t["token_problems"].get("missing", 0), ""),
         ("wrong tokens", t["token_problems"].get("wrong", 0), ""),
         ("workers killed", len(result["kills"]), ""),
-        ("KV pages leaked at the end (must be 0)", result["leaks"]["pages"],
-         "; ".join(result["leaks"]["not_idle"]) or "idle checks pass"),
-    ]  # fmt: skip
+        (
+            "KV pages leaked at the end (must be 0)",
+            result["leaks"]["pages"],
+            "; ".join(result["leaks"]["not_idle"]) or "idle checks pass",
+        ),
+    ]
     width = max(len(r[0]) for r in rows)
-    lines = [f"capacity {result['capacity']['rps']:.2f} req/s, load {result['rate_rps']:.2f} req/s "
-             f"for {result['options']['minutes']:g} min"]  # fmt: skip
+    lines = [
+        f"capacity {result['capacity']['rps']:.2f} req/s, load {result['rate_rps']:.2f} req/s "
+        f"for {result['options']['minutes']:g} min"
+    ]
     lines += [f"{name:<{width}}  {value:>7}  {note}".rstrip() for name, value, note in rows]
     first = f"first {result['options'].get('rss_baseline_minutes', 2):g} min"
     lines += ["", f"{'peak RSS (MiB)':<22} {first:>11} {'whole run':>10} {'growth':>7}"]
     for kind, r in result["rss"].items():
         note = "" if kind in PDSERVE_PROCESSES else ", Ray's own"
         growth = "-" if r["growth"] is None else f"{r['growth']:.2f}"
-        lines.append(f"{kind:<22} {r['first_peak_mib']:>11.1f} {r['peak_mib']:>10.1f} "
-                     f"{growth:>7}  ({r['processes']} processes{note})")  # fmt: skip
+        lines.append(
+            f"{kind:<22} {r['first_peak_mib']:>11.1f} {r['peak_mib']:>10.1f} "
+            f"{growth:>7}  ({r['processes']} processes{note})"
+        )
     return "\n".join(lines)
 
 

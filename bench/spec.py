@@ -35,10 +35,23 @@ from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 
 _FILES = (
-    "argparse", "ast", "base64", "bisect", "calendar", "collections/__init__", "csv",
-    "dataclasses", "enum", "fractions", "functools", "heapq", "inspect", "json/decoder",
-    "shutil", "textwrap",
-)  # fmt: skip
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections/__init__",
+    "csv",
+    "dataclasses",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "inspect",
+    "json/decoder",
+    "shutil",
+    "textwrap",
+)
 
 
 def stdlib_prompts(tokenizer: Any, count: int, tokens: int) -> list[list[int]]:
@@ -109,19 +122,21 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str
         llm.check_idle()
         stats = llm.engine.scheduler.spec.stats  # warm-up and 1-token runs draft nothing
         wall, cpu = median[method]
-        rows.append({
-            "method": method,
-            "batch": len(prompts),
-            "decode_tok_s": round(wall, 1),
-            "decode_tok_per_cpu_s": round(cpu, 1),
-            "speedup": round(wall / base_wall, 2),
-            "cpu_speedup": round(cpu / base_cpu, 2),
-            "acceptance_rate": round(stats.acceptance_rate, 3) if stats.proposed else None,
-            "tokens_per_verify": (
-                round((stats.steps + stats.accepted) / stats.steps, 2) if stats.steps else None
-            ),
-            "same_tokens": tokens[method] == tokens["none"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "method": method,
+                "batch": len(prompts),
+                "decode_tok_s": round(wall, 1),
+                "decode_tok_per_cpu_s": round(cpu, 1),
+                "speedup": round(wall / base_wall, 2),
+                "cpu_speedup": round(cpu / base_cpu, 2),
+                "acceptance_rate": round(stats.acceptance_rate, 3) if stats.proposed else None,
+                "tokens_per_verify": (
+                    round((stats.steps + stats.accepted) / stats.steps, 2) if stats.steps else None
+                ),
+                "same_tokens": tokens[method] == tokens["none"],
+            }
+        )
     return rows
 
 

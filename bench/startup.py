@@ -89,18 +89,27 @@ def run(args: argparse.Namespace) -> int:
 
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        rows = [{"one_after_another_s": _timed(start, roles, False),
-                 "at_once_s": _timed(start, roles, True),
-                 "cluster_s": _cluster(args)} for _ in range(args.repeats)]  # fmt: skip
+        rows = [
+            {
+                "one_after_another_s": _timed(start, roles, False),
+                "at_once_s": _timed(start, roles, True),
+                "cluster_s": _cluster(args),
+            }
+            for _ in range(args.repeats)
+        ]
     finally:
         ray.shutdown()
     for i, row in enumerate(rows):
         row["ratio"] = row["at_once_s"] / row["one_after_another_s"]
-        print(f"repeat {i}: {args.instances} instances one after another "
-              f"{row['one_after_another_s']:.2f} s, at once {row['at_once_s']:.2f} s "
-              f"({row['ratio']:.2f}x); a cluster of them {row['cluster_s']:.2f} s")  # fmt: skip
-    print(f"median ratio {statistics.median(r['ratio'] for r in rows):.2f}x; median cluster "
-          f"start {statistics.median(r['cluster_s'] for r in rows):.2f} s")  # fmt: skip
+        print(
+            f"repeat {i}: {args.instances} instances one after another "
+            f"{row['one_after_another_s']:.2f} s, at once {row['at_once_s']:.2f} s "
+            f"({row['ratio']:.2f}x); a cluster of them {row['cluster_s']:.2f} s"
+        )
+    print(
+        f"median ratio {statistics.median(r['ratio'] for r in rows):.2f}x; median cluster "
+        f"start {statistics.median(r['cluster_s'] for r in rows):.2f} s"
+    )
     path = write_json(Path(args.out), {"args": vars(args) | {"func": None}, "repeats": rows})
     print(f"wrote {path}")
     return 0
