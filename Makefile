@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 # Packages `make typecheck` checks (a prefix keeps a package and its subpackages).
 TYPED ?= pdserve
 
-.PHONY: demo test test-fast readme lint typecheck pytest fuzz gpu-check soak venv clean
+.PHONY: demo test test-fast readme config-docs lint typecheck pytest fuzz gpu-check soak venv clean
 
 venv: $(STAMP)
 
@@ -47,9 +47,15 @@ test: lint
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not cluster and not readme" -q -x --durations=10
 
-# Every README.md example a user can run here, the long ones too (tests/e2e/test_readme.py).
+# Every example of README.md and the docs pages a user can run here, the long ones too
+# (tests/test_readme.py).
 readme: $(STAMP)
 	PDSERVE_README_LONG=1 $(BIN)/python -m pytest -m readme -q --durations=0
+
+# docs/config.md, the configuration reference, from the config dataclasses' docstrings
+# (tests/cluster/test_config_docs.py fails when the page is stale).
+config-docs: $(STAMP)
+	$(BIN)/python -m pdserve.deploy.config_docs > docs/config.md
 
 # The fuzzers of `make test` (front door, profile files), longer: EXAMPLES examples per fuzzer.
 EXAMPLES ?= 2000

@@ -58,6 +58,10 @@ class PlannerConfig:
     cooldown_s: least time between two changes of one region.
     high: a metric above ``high`` x its SLO (or KV usage above ``kv_high``) asks for more.
     low: a region whose metrics stay under ``low`` x SLO for ``idle_s`` gives one back.
+    kv_high: decode KV usage (a fraction of the pool) above which a region asks for
+        one more decode instance.
+    idle_s: how long a region stays calm (under ``low`` x SLO, or no traffic) before
+        it gives one instance back; a role with ``min: 0`` goes down to zero.
     profile: proactive: the ``pdserve profile`` file whose latency model sizes a region.
     horizon_s: proactive: how far ahead the forecast looks (about an instance's start-up).
     headroom: proactive: capacity planned over the forecast (0.2: +20%).
@@ -149,6 +153,29 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """A whole serving cluster, as one YAML file describes it.
+
+    Attributes:
+    model: the cluster's model: a checkpoint folder, ``builtin:NAME`` or
+        ``registry:NAME@VERSION``.
+    engine: engine options of every instance, by their flat names (EngineConfig's
+        and its groups'); a role's ``engine`` goes over them.
+    regions: the regions, each with its prefill and decode pools.
+    connector: how KV pages move between prefill and decode instances: ``auto``,
+        ``shm``, ``cuda_ipc``, ``object_store`` or ``p2p`` (auto: ``cuda_ipc`` for a
+        KV cache on a GPU, ``shm`` for one in host memory).
+    router: the router and its front doors (the slo, server, auth and router sections).
+    planner: how the planner sizes each region's pools.
+    health: how the controller watches instances.
+    disaggregation: when a decode instance prefills a request itself.
+    ray_num_cpus: the CPUs an embedded Ray instance offers (None: the machine's).
+    metrics_port: read and checked for its type, but not used: the metrics are
+        served on the router's HTTP port (``/metrics``).
+    source: the file the config was read from, named in errors.
+    models: the models served beside ``model``.
+    rollout: how a canary is judged, and how a version is retired.
+    """
+
     model: str
     engine: dict[str, Any]
     regions: tuple[RegionConfig, ...]

@@ -30,11 +30,20 @@ MODEL_KEYS = {"name", "version", "model", "engine", "regions"}
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One version of a model the cluster serves, and its pools per region."""
+    """One version of a model the cluster serves, and its pools per region.
+
+    Attributes:
+    name: the name clients give as a request's ``model``.
+    version: the version served under that name.
+    model: where its weights are: a folder, builtin:NAME or registry:NAME@VERSION.
+    engine: its engine options, over the cluster's ``engine`` section.
+    regions: its prefill and decode pools, in regions of the top-level list (their
+        latencies are set there).
+    """
 
     name: str
     version: str
-    model: str  # where its weights are: a folder, builtin:NAME or registry:NAME@VERSION
+    model: str
     engine: dict[str, Any]
     regions: tuple[RegionConfig, ...]
 

@@ -29,7 +29,20 @@ MAX_INSTANCES = 10_000  # of one role in one region: count, min and max
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """How many instances of one role a region runs, their layout and resources."""
+    """How many instances of one role a region runs, their layout and resources.
+
+    Attributes:
+    count: instances of the role the region starts with.
+    min: fewest instances the planner keeps (0 allowed: scale to zero).
+    max: most instances the planner starts.
+    num_cpus_per_rank: Ray CPUs each rank of an instance asks for.
+    num_gpus_per_rank: Ray GPUs each rank of an instance asks for.
+    parallel: the role's layout (``tensor_parallel_size``, ``pipeline_parallel_size``,
+        ``expert_parallel_size``, ``redundant_experts``), over the engine section's.
+    engine: engine options of this role over the cluster's ``engine`` section (e.g. a
+        larger ``max_num_batched_tokens`` for prefill); an instance that flips role
+        keeps the options it started with.
+    """
 
     count: int = 1
     min: int = 1
@@ -37,21 +50,32 @@ class RoleSpec:
     num_cpus_per_rank: float = 1.0
     num_gpus_per_rank: float = 0.0
     parallel: dict[str, int] = field(default_factory=dict)
-    # Engine options of this role over the cluster's `engine` section (e.g. a
-    # larger max_num_batched_tokens for prefill). An instance that flips role
-    # keeps the options it started with.
     engine: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RegionConfig:
+    """One region: its latencies to the others, where its instances run, its pools.
+
+    Attributes:
+    name: the region's name (requests and ``pdserve scale --region`` name it); the
+        first region is the default home.
+    latency_ms: one-way latency to each other region; on one machine the router
+        emulates it, waiting that long before sending a request to another region's
+        instances.
+    prefill, decode: each role's instances: how many, their layout and resources.
+    node_labels: the Ray node labels the region's instances are placed on (e.g.
+        ``pdserve/region: us-east`` on a multi-node cluster).
+    warm_pool: instances kept started but serving nothing (the decode role's
+        resources and engine options), so a start skips start-up: see
+        pdserve.cluster.pool.
+    """
+
     name: str
     latency_ms: dict[str, float] = field(default_factory=dict)
     prefill: RoleSpec = field(default_factory=RoleSpec)
     decode: RoleSpec = field(default_factory=RoleSpec)
     node_labels: dict[str, str] = field(default_factory=dict)
-    # Instances kept started but serving nothing (the decode role's resources and
-    # engine options), so a start skips start-up: see pdserve.cluster.pool.
     warm_pool: int = 0
 
     def role(self, role: str) -> RoleSpec:

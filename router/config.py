@@ -30,6 +30,12 @@ class TlsConfig:
     """TLS for both front doors: PEM files of this server's certificate chain and key.
 
     With ``client_ca`` the doors require a client certificate signed by it (mTLS).
+
+    Attributes:
+    cert: PEM file of this server's certificate chain.
+    key: PEM file of this server's private key.
+    client_ca: PEM file of the CA that must have signed a client's certificate (None:
+        no client certificate is asked for).
     """
 
     cert: str
@@ -59,19 +65,24 @@ class RouterConfig:
         their prefix cache; any other key is a tenant of its own, whose cached
         prompts no other key's requests hit (nor learn of through ``cached_tokens``).
     auth_disabled: serve without keys (local use only; must be said explicitly).
-    ttft_slo_s, tpot_slo_s: the service-level objectives.
+    ttft_slo_s: the service-level objective for the time to the first token.
+    tpot_slo_s: the service-level objective for the time per output token.
     max_inflight_per_region: admission ceiling of requests in flight per region.
     adaptive_admission: lower the ceiling while observed TTFT misses its SLO.
     low_priority_share: share of the ceiling open to requests of negative priority
         (batch jobs), so online traffic keeps the rest.
-    low_priority_degrade_at, low_priority_max_tokens: from this fraction of their
-        share on, requests of negative priority get at most this many tokens.
+    low_priority_degrade_at: from this fraction of their share on, requests of
+        negative priority get at most ``low_priority_max_tokens`` tokens.
+    low_priority_max_tokens: the most tokens such a request then gets.
     retry_budget_ratio: retries allowed per request admitted (a token bucket).
     hedge_after_s: start a second attempt when the first token is this late (None: off).
     max_migrations: times one request may move to another pair after an instance failed.
     migration_wait_s: how long a moving request waits for a free pair (instances restarting).
     reservation_ttl_s: how long a decode instance holds pages waiting for KV.
-    host, grpc_port, http_port: where the front doors listen (0: pick a free port).
+    host: the address both front doors listen on.
+    grpc_port: the gRPC door's port (0: pick a free port).
+    http_port: the HTTP door's port, which also serves ``/metrics`` and
+        ``/dashboard`` (0: pick a free port).
     max_body_bytes: largest HTTP request body accepted.
     tls: serve both front doors over TLS (None: plain TCP, for local use).
     without_prefill: what a request does in a region with no prefill instance available:
