@@ -93,8 +93,8 @@ def build_workload(
         if rate is None:
             raise InvalidArgumentError("rate", "is required without --trace")
         arrivals = wl.arrival_times(args.arrival, rate, num, duration, args.burst_size, args.seed)
-        prompt_lens, output_lens = _lengths(args, len(arrivals), args.seed)
-        warm_prompt, warm_output = _lengths(args, args.warmup, args.seed + 1)
+        prompt_lens, output_lens = wl.flag_lengths(args, len(arrivals), args.seed)
+        warm_prompt, warm_output = wl.flag_lengths(args, args.warmup, args.seed + 1)
     if args.prompt_seed is None:
         args.prompt_seed = secrets.randbelow(2**31)  # recorded with the options
     specs = wl.build_requests(
@@ -109,30 +109,6 @@ def build_workload(
         prompts,
     )
     return specs, warmup
-
-
-def _lengths(args: argparse.Namespace, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    prompt = wl.sample_lengths(
-        n,
-        args.prompt_len,
-        args.prompt_len_std,
-        args.prompt_len_range,
-        1,
-        args.max_prompt_len,
-        seed,
-        "prompt_len",
-    )
-    output = wl.sample_lengths(
-        n,
-        args.output_len,
-        args.output_len_std,
-        args.output_len_range,
-        1,
-        args.max_output_len,
-        seed + 1,
-        "output_len",
-    )
-    return prompt, output
 
 
 # -- runs ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ sends it at ``arrival_s`` after the measured run starts.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import json
@@ -146,6 +147,32 @@ def sample_lengths(
     else:
         values = np.full(n, mean, dtype=np.int64)
     return np.clip(values, low, high if high is not None else np.iinfo(np.int64).max)
+
+
+def flag_lengths(args: argparse.Namespace, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` prompt and output lengths as the workload flags ask (``add_workload_flags`` of
+    :mod:`pdserve.bench.serve`): prompts drawn with ``seed``, outputs with ``seed + 1``."""
+    prompt = sample_lengths(
+        n,
+        args.prompt_len,
+        args.prompt_len_std,
+        args.prompt_len_range,
+        1,
+        args.max_prompt_len,
+        seed,
+        "prompt_len",
+    )
+    output = sample_lengths(
+        n,
+        args.output_len,
+        args.output_len_std,
+        args.output_len_range,
+        1,
+        args.max_output_len,
+        seed + 1,
+        "output_len",
+    )
+    return prompt, output
 
 
 def synthetic_prompt(length: int, vocab_size: int, rng: np.random.Generator) -> tuple[int, ...]:

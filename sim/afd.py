@@ -233,9 +233,13 @@ def disaggregated(m: MoEShape, c: Costs, na: int, nf: int, batch: int, mb: int) 
 
 def _estimate(name: str, n: int, batch: int, step: float, busy: dict[str, float]) -> Estimate:
     return Estimate(
-        name, n, batch, round(step * 1e3, 2), round(batch / step / n, 1),
+        name,
+        n,
+        batch,
+        round(step * 1e3, 2),
+        round(batch / step / n, 1),
         {k: round(v, 3) for k, v in busy.items()},
-    )  # fmt: skip
+    )
 
 
 def _batches() -> list[int]:
@@ -288,17 +292,26 @@ def run(args: argparse.Namespace) -> int:
     c = Costs(DEVICES[device], a, args.weight_bytes, args.context, args.nvlink_domain)
     m = MoEShape()
     report = {
-        "command": f"pdserve afd-estimate --device {device} " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in _FLAGS
-        ) + " " + " ".join(f"--gpus {g}" for g in args.gpus),
+        "command": f"pdserve afd-estimate --device {device} "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in _FLAGS)
+        + " "
+        + " ".join(f"--gpus {g}" for g in args.gpus),
         "device": asdict(c.device),
-        "assumptions": {**asdict(c.a), "weight_bytes": args.weight_bytes,
-                        "context": args.context, "tpot_slo_ms": args.tpot_slo_ms,
-                        "nvlink_domain": args.nvlink_domain},
-        "model": {**asdict(m), "params_b": round((m.routed_params() + m.dense_side_params()
-                                                  + m.attn_params * m.layers) / 1e9, 1)},
+        "assumptions": {
+            **asdict(c.a),
+            "weight_bytes": args.weight_bytes,
+            "context": args.context,
+            "tpot_slo_ms": args.tpot_slo_ms,
+            "nvlink_domain": args.nvlink_domain,
+        },
+        "model": {
+            **asdict(m),
+            "params_b": round(
+                (m.routed_params() + m.dense_side_params() + m.attn_params * m.layers) / 1e9, 1
+            ),
+        },
         "results": [estimate(m, c, n, args.tpot_slo_ms) for n in args.gpus],
-    }  # fmt: skip
+    }
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

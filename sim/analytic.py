@@ -105,14 +105,56 @@ def model_shape(name: str) -> ModelShape:
             "model", f"{where}{e.message} (analytic presets: {sorted(MODELS)})"
         ) from None
     return ModelShape(
-        name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, cfg.num_experts,
+        name,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        cfg.max_position_embeddings,
+        cfg.num_experts,
         cfg.num_experts_per_tok,
-    )  # fmt: skip
+    )
 
 
 def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
+
+
+def _roofline_step(model: ModelShape, d: DeviceSpec, tp: int, a: Assumptions) -> StepModel:
+    """A step's times on ``tp`` devices ``d`` (tensor parallel) at the assumed efficiencies."""
+    b = _dtype_bytes(d.dtype)
+    flops = tp * d.peak_flops * a.mfu
+    bw = tp * d.mem_bw * a.mbu
+    comm = 0.0 if tp == 1 else 2 * model.num_layers * model.hidden_size * b * 2 * (tp - 1) / tp
+    return StepModel(
+        overhead_s=a.step_overhead_s
+        + (2 * model.num_layers * a.allreduce_latency_s if tp > 1 else 0),
+        s_per_token=2 * model.params / flops + comm / d.interconnect_bw,
+        s_per_attn=4 * model.num_layers * model.num_heads * model.head_dim / flops,
+        weights_s=model.params * b / bw,
+        s_per_ctx=model.kv_bytes_per_token(b) / bw,
+        combine="max",
+    )
+
+
+def _kv_room(model: ModelShape, device: str, devices: int, a: Assumptions) -> float:
+    """Bytes ``devices`` x ``device`` leave for the KV cache; too few for 16 tokens is an error."""
+    d = DEVICES[device]
+    b = _dtype_bytes(d.dtype)
+    if device == "cpu":
+        free = d.mem_bytes * devices  # the engine's CPU KV budget is separate from the weights
+    else:
+        free = d.mem_bytes * devices * a.mem_fraction - model.params * b
+    if free < model.kv_bytes_per_token(b) * 16:
+        raise InvalidArgumentError(
+            "tp",
+            f"{model.name} ({model.params * b / 1e9:.1f} GB of weights) leaves no room for KV "
+            f"on {devices} x {device}: use more devices per instance",
+        )
+    return free
 
 
 def analytic_profile(
@@ -131,40 +173,32 @@ def analytic_profile(
     plan_layout(model, ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
     a = assumptions or Assumptions()
     d = DEVICES[device]
-    b = _dtype_bytes(d.dtype)
-    flops = tp * d.peak_flops * a.mfu
-    bw = tp * d.mem_bw * a.mbu
-    comm = 0.0 if tp == 1 else 2 * model.num_layers * model.hidden_size * b * 2 * (tp - 1) / tp
-    step = StepModel(
-        overhead_s=a.step_overhead_s
-        + (2 * model.num_layers * a.allreduce_latency_s if tp > 1 else 0),
-        s_per_token=2 * model.params / flops + comm / d.interconnect_bw,
-        s_per_attn=4 * model.num_layers * model.num_heads * model.head_dim / flops,
-        weights_s=model.params * b / bw,
-        s_per_ctx=model.kv_bytes_per_token(b) / bw,
-        combine="max",
-    )
+    step = _roofline_step(model, d, tp, a)
     devices = tp * pp
-    kv_bytes = model.kv_bytes_per_token(b)
-    if device == "cpu":
-        free = d.mem_bytes * devices  # the engine's CPU KV budget is separate from the weights
-    else:
-        free = d.mem_bytes * devices * a.mem_fraction - model.params * b
-    if free < kv_bytes * 16:
-        raise InvalidArgumentError(
-            "tp",
-            f"{model.name} ({model.params * b / 1e9:.1f} GB of weights) leaves no room for KV "
-            f"on {devices} x {device}: use more devices per instance",
-        )
+    kv_bytes = model.kv_bytes_per_token(_dtype_bytes(d.dtype))
+    free = _kv_room(model, device, devices, a)
     link = TransferModel(a.transfer_latency_s, d.network_bw * devices)
     node = TransferModel(a.transfer_latency_s, d.interconnect_bw)  # same node
     return Profile(
-        model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, device=device,
-        source="analytic", step=step, kv_bytes_per_token=kv_bytes,
-        kv_capacity_tokens=int(free // kv_bytes), dtype=d.dtype,
-        connectors={"default": link, "p2p": link, "object_store": link, "shm": node, "cuda_ipc": node},
-        efficiency={"mfu": a.mfu, "mbu": a.mbu}, command=command,
-    )  # fmt: skip
+        model=model,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        device=device,
+        source="analytic",
+        step=step,
+        kv_bytes_per_token=kv_bytes,
+        kv_capacity_tokens=int(free // kv_bytes),
+        dtype=d.dtype,
+        connectors={
+            "default": link,
+            "p2p": link,
+            "object_store": link,
+            "shm": node,
+            "cuda_ipc": node,
+        },
+        efficiency={"mfu": a.mfu, "mbu": a.mbu},
+        command=command,
+    )
 
 
 def measured_efficiency(analytic: Profile, measured: Profile) -> dict[str, float]:

@@ -34,16 +34,18 @@ class ProfileBook:
 
     def __post_init__(self) -> None:
         for i, p in enumerate(self.profiles):  # every file must describe this model
-            p.check_matches(self.model, p.tensor_parallel_size, p.pipeline_parallel_size,
-                            f"profile[{i}]")  # fmt: skip
+            p.check_matches(
+                self.model, p.tensor_parallel_size, p.pipeline_parallel_size, f"profile[{i}]"
+            )
 
     def get(self, tp: int, pp: int) -> Profile:
         key = (tp, pp)
         if key not in self._cache:
             found = [
-                p for p in self.profiles
+                p
+                for p in self.profiles
                 if (p.tensor_parallel_size, p.pipeline_parallel_size) == key
-            ]  # fmt: skip
+            ]
             if found:
                 self._cache[key] = found[0]
             elif self.device is not None:
@@ -62,8 +64,12 @@ class ProfileBook:
         return self._cache[key]
 
 
-def book_for(config: ClusterConfig, profiles: list[Profile], device: str | None,
-             assumptions: Assumptions | None = None) -> ProfileBook:  # fmt: skip
+def book_for(
+    config: ClusterConfig,
+    profiles: list[Profile],
+    device: str | None,
+    assumptions: Assumptions | None = None,
+) -> ProfileBook:
     """The profile book of the config's model (its shape from a preset, the checkpoint,
     or, for a model not on this machine, the profiles themselves)."""
     try:
@@ -86,9 +92,13 @@ def layout(config: ClusterConfig, region: RegionConfig, role: str) -> tuple[int,
 
 
 def make_instance(
-    config: ClusterConfig, book: ProfileBook, region: RegionConfig, role: str, instance_id: str,
+    config: ClusterConfig,
+    book: ProfileBook,
+    region: RegionConfig,
+    role: str,
+    instance_id: str,
     clock: Callable[[], float] | None = None,
-) -> tuple[SimInstance, Profile]:  # fmt: skip
+) -> tuple[SimInstance, Profile]:
     engine = config.engine_config(role, region)
     tp, pp = layout(config, region, role)
     profile = book.get(tp, pp)
@@ -97,8 +107,16 @@ def make_instance(
     max_len = resolve_max_model_len(engine, book.model.max_position_embeddings, num_blocks)
     step = profile.role_steps.get(role, profile.step)  # a calibrated role's, else the profile's
     inst = SimInstance(
-        instance_id, role, region.name, step, engine.scheduler, num_blocks, bs, max_len,
-        engine.cache.enable_prefix_caching, clock,
-    )  # fmt: skip
+        instance_id,
+        role,
+        region.name,
+        step,
+        engine.scheduler,
+        num_blocks,
+        bs,
+        max_len,
+        engine.cache.enable_prefix_caching,
+        clock,
+    )
     inst.threads = tp * pp * max(1, int(region.role(role).num_cpus_per_rank))  # as a rank sets
     return inst, profile

@@ -39,9 +39,20 @@ def bench_flags(workload: list[str], args: argparse.Namespace) -> argparse.Names
     p = argparse.ArgumentParser()
     add_workload_flags(p)
     add_load_flags(p)
-    flags = [*workload, "--num-requests", str(args.num_requests), "--seed", str(args.seed),
-             "--no-progress", "--warmup", "2", "--ttft-slo-ms", "100000",
-             "--tpot-slo-ms", "100000"]  # fmt: skip
+    flags = [
+        *workload,
+        "--num-requests",
+        str(args.num_requests),
+        "--seed",
+        str(args.seed),
+        "--no-progress",
+        "--warmup",
+        "2",
+        "--ttft-slo-ms",
+        "100000",
+        "--tpot-slo-ms",
+        "100000",
+    ]
     ns = p.parse_args(flags)
     ns.api_key, ns.model = None, None
     return ns
@@ -61,9 +72,13 @@ def simulate(
 
 
 def simulate_each(
-    text: str, book: Any, ns: argparse.Namespace, rate: float, overheads: list[Overhead],
+    text: str,
+    book: Any,
+    ns: argparse.Namespace,
+    rate: float,
+    overheads: list[Overhead],
     draws: int = 1,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """:func:`simulate` once per overhead (each measured run of a point, with the
     steps its host ran at then), TTFT and TPOT p50 and p90 the mean over them: a
     point whose runs met hosts 1.7x apart is simulated for each host, not for their
@@ -91,10 +106,16 @@ def simulate_once(
 
     config = parse_config(text, "<sim>")
     work = workload_from_args(ns, rate, [1.0])
-    options = SimOptions(fast=False, planner=False, request_overhead_s=overhead.request_s,
-                         request_jitter=overhead.live.jitter, noise_seed=seed,
-                         one_host=True, max_concurrency=ns.max_concurrency,
-                         request_timeout_s=ns.request_timeout)  # fmt: skip
+    options = SimOptions(
+        fast=False,
+        planner=False,
+        request_overhead_s=overhead.request_s,
+        request_jitter=overhead.live.jitter,
+        noise_seed=seed,
+        one_host=True,
+        max_concurrency=ns.max_concurrency,
+        request_timeout_s=ns.request_timeout,
+    )
     run = SimCluster(config, overhead.apply(book), work, options).run()
     return run.recorder.summary(slo_of(config))
 
@@ -140,11 +161,14 @@ class Overhead:
             )
 
         profiles = [
-            dataclasses.replace(p, step=step(p.step, self.live),
-                                role_steps={r: step(p.step, f) for r, f in self.role_live.items()},
-                                connectors={name: link(t) for name, t in p.connectors.items()})
+            dataclasses.replace(
+                p,
+                step=step(p.step, self.live),
+                role_steps={r: step(p.step, f) for r, f in self.role_live.items()},
+                connectors={name: link(t) for name, t in p.connectors.items()},
+            )
             for p in book.profiles
-        ]  # fmt: skip
+        ]
         return ProfileBook(book.model, profiles, book.device, book.assumptions)
 
 
@@ -191,8 +215,13 @@ def calibration_args(args: argparse.Namespace, setup: str = "disaggregated") -> 
         ns.num_requests = args.calibration_requests
     burst.num_requests = 2 * 8
     overlap.num_requests = 3 * args.calibration_requests
-    runs = [(single, CALIBRATION_RATE), (burst, CALIBRATION_BURST_RATE), (short, CALIBRATION_RATE),
-            (overlap, CALIBRATION_OVERLAP_RATE), (long, CALIBRATION_RATE)]  # fmt: skip
+    runs = [
+        (single, CALIBRATION_RATE),
+        (burst, CALIBRATION_BURST_RATE),
+        (short, CALIBRATION_RATE),
+        (overlap, CALIBRATION_OVERLAP_RATE),
+        (long, CALIBRATION_RATE),
+    ]
     long_overlap = bench_flags(LONG if setup == "colocated" else LONG_BESIDE, args)
     long_overlap.num_requests = 2 * args.calibration_requests
     if setup == "colocated":
@@ -238,26 +267,46 @@ def calibrate(
     per-request one.
     """
 
-    def tpots(o: Overhead) -> np.ndarray:
-        return np.array([_tpot(simulate(text, book, ns, rate, o)) for ns, rate in runs])
-
     step = book.profiles[0].step
     by_role = traces or {}
     pooled = live_fit(step, [t for ts in by_role.values() for t in ts])
     noisy = Overhead(pooled, role_fits(step, by_role) if per_role else {})
-    steps = noisy.quiet()
+    fitted = _tpot_overheads(text, book, real, runs, noisy.quiet())
+    request = _request_overhead(text, book, real, runs, fitted)
+    return dataclasses.replace(
+        fitted, request_s=request, live=noisy.live, role_live=noisy.role_live
+    )
+
+
+def _tpot_overheads(
+    text: str, book: Any, real: list[dict[str, Any]], runs: Runs, steps: Overhead
+) -> Overhead:
+    """``steps`` with the per-step, per-sequence and per-hand-off overheads that close the
+    gaps between the runs' measured and simulated TPOT p50 (:func:`relative_fit`)."""
+
+    def tpots(o: Overhead) -> np.ndarray:
+        return np.array([_tpot(simulate(text, book, ns, rate, o)) for ns, rate in runs])
+
     base, probe = tpots(steps), 1e-3
-    probes = (dataclasses.replace(steps, step_s=probe), dataclasses.replace(steps, seq_s=probe),
-              dataclasses.replace(steps, handoff_s=probe))  # fmt: skip
+    probes = (
+        dataclasses.replace(steps, step_s=probe),
+        dataclasses.replace(steps, seq_s=probe),
+        dataclasses.replace(steps, handoff_s=probe),
+    )
     columns = np.column_stack([(tpots(o) - base) / probe for o in probes])
     step_s, seq_s, handoff_s = relative_fit(columns, np.array([_tpot(r) for r in real]), base)
-    fitted = dataclasses.replace(steps, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
+    return dataclasses.replace(steps, step_s=step_s, seq_s=seq_s, handoff_s=handoff_s)
+
+
+def _request_overhead(
+    text: str, book: Any, real: list[dict[str, Any]], runs: Runs, fitted: Overhead
+) -> float:
+    """The per-request overhead: the single run's measured TTFT p50 (the mean of its runs)
+    over the simulated one, in seconds."""
     single, rate = runs[0]
     stepped = simulate(text, book, single, rate, fitted)
     seen = [r["ttft_ms"]["p50"] for r, run in zip(real, runs, strict=True) if run == runs[0]]
-    request = max(0.0, (float(np.mean(seen)) - stepped["ttft_ms"]["p50"]) / 1e3)
-    return dataclasses.replace(fitted, request_s=request, live=noisy.live,
-                               role_live=noisy.role_live)  # fmt: skip
+    return max(0.0, (float(np.mean(seen)) - stepped["ttft_ms"]["p50"]) / 1e3)
 
 
 def relative_fit(columns: np.ndarray, seen: np.ndarray, base: np.ndarray) -> list[float]:
@@ -274,9 +323,11 @@ def role_fits(step: StepModel, traces: dict[str, list[list[StepRecord]]]) -> dic
     fit stands)."""
     if len(traces) < 2:
         return {}
-    return {role: live_fit(step, mine, [t for other, ts in traces.items() if other != role
-                                        for t in ts])
-            for role, mine in traces.items() if any(mine)}  # fmt: skip
+    return {
+        role: live_fit(step, mine, [t for other, ts in traces.items() if other != role for t in ts])
+        for role, mine in traces.items()
+        if any(mine)
+    }
 
 
 def beside_fits(
@@ -296,8 +347,9 @@ def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:
     (not a prediction: it tells the error of the step times, which contention under
     load moves, from that of the simulated scheduling, routing and queueing)."""
     step = book.profiles[0].step
-    fits = {role: live_fit(step, traces) for role, traces in measured.by_role().items()
-            if any(traces)}  # fmt: skip
+    fits = {
+        role: live_fit(step, traces) for role, traces in measured.by_role().items() if any(traces)
+    }
     return dataclasses.replace(overhead, role_live=fits)
 
 
@@ -314,14 +366,17 @@ def host_check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, float
 
 def host_check_baseline(runs: Runs) -> int:
     """Which calibration run the host checks repeat (its single 1,024-token requests)."""
-    return next(i for i, (ns, rate) in enumerate(runs)
-                if ns.prompt_len == 1024 and rate == CALIBRATION_RATE)  # fmt: skip
+    return next(
+        i for i, (ns, rate) in enumerate(runs) if ns.prompt_len == 1024 and rate == CALIBRATION_RATE
+    )
 
 
 def host_factors(
-    role_models: dict[str, StepModel], default: StepModel, baselines: list[Measured],
+    role_models: dict[str, StepModel],
+    default: StepModel,
+    baselines: list[Measured],
     checks: list[Measured],
-) -> list[dict[str, float]]:  # fmt: skip
+) -> list[dict[str, float]]:
     """Per measured run, per role: how many times slower its engine ran the host check
     just before it (``checks``, one per run) than the same requests in the calibration
     (``baselines``: each calibration's run of them, their mean), each against the
@@ -336,10 +391,13 @@ def host_factors(
         return {role: float(np.mean(values)) for role, values in out.items()}
 
     calibrated = [ratios(m) for m in baselines]
-    base = {role: float(np.mean([c[role] for c in calibrated if role in c]))
-            for role in calibrated[0]}  # fmt: skip
-    return [{role: seen[role] / b for role, b in base.items() if b > 0 and role in seen}
-            for seen in map(ratios, checks)]  # fmt: skip
+    base = {
+        role: float(np.mean([c[role] for c in calibrated if role in c])) for role in calibrated[0]
+    }
+    return [
+        {role: seen[role] / b for role, b in base.items() if b > 0 and role in seen}
+        for seen in map(ratios, checks)
+    ]
 
 
 def rescaled(overhead: Overhead, factors: dict[str, float]) -> Overhead:
@@ -347,8 +405,12 @@ def rescaled(overhead: Overhead, factors: dict[str, float]) -> Overhead:
     all steps by their mean: a cluster of one role has no fit per role)."""
 
     def scale(fit: LiveFit, r: float) -> LiveFit:
-        return dataclasses.replace(fit, compute_scale=fit.compute_scale * r,
-                                   memory_scale=fit.memory_scale * r, offset_s=fit.offset_s * r)  # fmt: skip
+        return dataclasses.replace(
+            fit,
+            compute_scale=fit.compute_scale * r,
+            memory_scale=fit.memory_scale * r,
+            offset_s=fit.offset_s * r,
+        )
 
     roles = {role: scale(fit, factors.get(role, 1.0)) for role, fit in overhead.role_live.items()}
     mean = float(np.mean(list(factors.values()))) if factors else 1.0
@@ -362,6 +424,10 @@ def calibrated_profile(book: Any, overhead: Overhead, command: str) -> Profile:
     every instance on one host (a step beside another instance's is slower)."""
     applied = overhead.apply(book)
     return dataclasses.replace(
-        applied.profiles[0], request_overhead_s=overhead.request_s, request_jitter=overhead.live.jitter,
-        one_host=True, command=command, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    )  # fmt: skip
+        applied.profiles[0],
+        request_overhead_s=overhead.request_s,
+        request_jitter=overhead.live.jitter,
+        one_host=True,
+        command=command,
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )

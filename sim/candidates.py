@@ -50,8 +50,16 @@ class Outcome:
         return (self.ttft_s <= slo.ttft_s, self.failed == 0 and self.tpot_s <= slo.tpot_s)
 
 
-def cluster_yaml(model: str, region: str, prefill: int, decode: int, tp_p: int, tp_d: int,
-                 limits: PlanLimits, slo: PlanSlo) -> str:  # fmt: skip
+def cluster_yaml(
+    model: str,
+    region: str,
+    prefill: int,
+    decode: int,
+    tp_p: int,
+    tp_d: int,
+    limits: PlanLimits,
+    slo: PlanSlo,
+) -> str:
     """The cluster YAML of a plan: what `pdserve serve` and `pdserve sim` take."""
     return (
         f"model: {model}\n"
@@ -101,6 +109,19 @@ def open_pool(jobs: int) -> Iterator[Pool | None]:
         executor.shutdown(wait=True, cancel_futures=True)
 
 
+@dataclass(frozen=True)
+class LayoutCase:
+    """What every candidate of one region and layout shares: the profiles, the region,
+    the length mix, the tensor-parallel sizes (prefill, decode), the limits and the SLOs."""
+
+    book: ProfileBook
+    region: str
+    mix: LengthMix
+    tp: tuple[int, int]
+    limits: PlanLimits
+    slo: PlanSlo
+
+
 class Candidates:
     """Simulations of one region and layout at one rate (memoised by counts).
 
@@ -110,16 +131,15 @@ class Candidates:
     longer names is cancelled if it has not started.
     """
 
-    def __init__(self, book: ProfileBook, region: str, rate: float, mix: LengthMix,
-                 tp: tuple[int, int], limits: PlanLimits, slo: PlanSlo, n: int,
-                 pool: Pool | None = None) -> None:  # fmt: skip
-        self.book, self.region = book, region
-        self.tp, self.limits, self.slo, self.pool = tp, limits, slo, pool
+    def __init__(self, case: LayoutCase, rate: float, n: int, pool: Pool | None = None) -> None:
+        """``n`` requests of the case's mix arrive at ``rate`` requests/s (Poisson)."""
+        self.book, self.region = case.book, case.region
+        self.tp, self.limits, self.slo, self.pool = case.tp, case.limits, case.slo, pool
         self.cache: dict[tuple[int, int], Outcome] = {}
         self.pending: dict[tuple[int, int], Future[Outcome]] = {}
         self.simulations = 0  # run or started, a cancelled one not counted
-        arrival = wl.arrival_times("poisson", rate, n, None, seed=limits.seed)
-        prompt, output = mix.draw(n, limits.seed + 1)
+        arrival = wl.arrival_times("poisson", rate, n, None, seed=case.limits.seed)
+        prompt, output = case.mix.draw(n, case.limits.seed + 1)
         self.work = SimWorkload(arrival, prompt, output, np.zeros(n, dtype=np.int16))
 
     @property
@@ -194,8 +214,10 @@ def simulate_candidate(text: str, book: ProfileBook, work: SimWorkload, slo: Pla
     window = float(np.nanmax(rec.end) - rec.arrival.min())
     region = config.regions[0]
     return Outcome(
-        region.prefill.count, region.decode.count,
+        region.prefill.count,
+        region.decode.count,
         float(np.percentile(ttft, q)) if len(ttft) else math.inf,
-        float(np.percentile(tpot, q)) if len(tpot) else 0.0, int((~ok).sum()),
+        float(np.percentile(tpot, q)) if len(tpot) else 0.0,
+        int((~ok).sum()),
         float(meets.sum()) / window if window > 0 else 0.0,
-    )  # fmt: skip
+    )

@@ -58,9 +58,15 @@ class ProfileCapacity:
             if engine.cache.num_blocks:
                 kv = engine.cache.num_blocks * engine.cache.block_size
             self._one[key] = single_instance(
-                prefill, decode, max(key[1], 1.0), max(key[2], 1.0), self.config.router.tpot_slo_s,
-                engine.scheduler.max_num_seqs, math.inf, kv,
-            )  # fmt: skip
+                prefill,
+                decode,
+                max(key[1], 1.0),
+                max(key[2], 1.0),
+                self.config.router.tpot_slo_s,
+                engine.scheduler.max_num_seqs,
+                math.inf,
+                kv,
+            )
         return self._one[key]
 
     def counts(self, region: str, forecast: Forecast) -> Target:
@@ -84,9 +90,10 @@ class ProfileCapacity:
             prefill = peak.prefill_bare
             how = f"{one.prefill_s * 1e3:.0f} ms a prompt at rho {plan.prefill_rho:.2f}"
         return Target(
-            max(1, prefill), max(1, plan.decode_bare),
+            max(1, prefill),
+            max(1, plan.decode_bare),
             f"prefill {how}; decode batch {one.batch} at {one.step_at_batch_s * 1e3:.1f} ms a step",
-        )  # fmt: skip
+        )
 
 
 def capacity_for(config: ClusterConfig) -> ProfileCapacity | None:

@@ -52,9 +52,13 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="builtin:tiny", help="builtin:<name>, a folder, or a preset")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="of a measured profile (default float32); an analytic one is its "
-                        "device's (bfloat16 on a GPU)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="of a measured profile (default float32); an analytic one is its "
+        "device's (bfloat16 on a GPU)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measured step")
     p.add_argument(
@@ -63,8 +67,12 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
         default="cpu",
         help="the shapes a measured profile times (gpu: longer prompts, bigger batches)",
     )
-    p.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
-                   help="dummy: random weights from the folder's config.json alone")  # fmt: skip
+    p.add_argument(
+        "--load-format",
+        choices=["safetensors", "dummy"],
+        default="safetensors",
+        help="dummy: random weights from the folder's config.json alone",
+    )
     p.add_argument("--out", default="profile.json")
     add_device_flags(p)
     p.set_defaults(func=cmd_profile, prog="pdserve profile")
@@ -87,9 +95,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
             )
         shape = model_shape(args.model)
         profile = analytic_profile(
-            shape, args.device, args.tensor_parallel_size, args.pipeline_parallel_size,
-            assumptions_from(args), command,
-        )  # fmt: skip
+            shape,
+            args.device,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            assumptions_from(args),
+            command,
+        )
     else:
         from dataclasses import replace
 
@@ -97,11 +109,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from pdserve.sim.measure import GRIDS, measured_profile
 
         config = build_engine_config(
-            args.model, dtype=args.dtype or "float32", block_size=args.block_size,
+            args.model,
+            dtype=args.dtype or "float32",
+            block_size=args.block_size,
             tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size, load_format=args.load_format,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            load_format=args.load_format,
             max_num_seqs=max(GRIDS[args.grid].decode_batch),
-        )  # fmt: skip
+        )
         grid = replace(GRIDS[args.grid], repeats=args.repeats)
         profile = measured_profile(config, grid, command, machine_info())
     path = save_profile(profile, args.out)
@@ -138,12 +153,23 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("sim", help="simulate a cluster YAML under a workload, in virtual time")
     p.add_argument("--config", required=True, help="the cluster YAML that `pdserve serve` takes")
-    p.add_argument("--profile", action="append", default=[],
-                   help="profile file (repeatable: one per layout)")  # fmt: skip
-    p.add_argument("--rate", type=float, nargs="+", default=None,
-                   help="mean request rate(s) in req/s; several: a sweep")  # fmt: skip
-    p.add_argument("--region-share", nargs="+", default=None, metavar="REGION=SHARE",
-                   help="share of requests whose home is each region (default: even)")  # fmt: skip
+    p.add_argument(
+        "--profile", action="append", default=[], help="profile file (repeatable: one per layout)"
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="mean request rate(s) in req/s; several: a sweep",
+    )
+    p.add_argument(
+        "--region-share",
+        nargs="+",
+        default=None,
+        metavar="REGION=SHARE",
+        help="share of requests whose home is each region (default: even)",
+    )
     p.add_argument(
         "--full", action="store_true", help="step every instance step by step (no fast mode)"
     )
@@ -153,11 +179,16 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench/out/sim", help="output folder")
     p.add_argument("--name", type=file_stem, default="sim", help="output file stem")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--noise-draws", type=int, default=1, metavar="N",
-                   help="a calibrated profile's noise (pdserve sim-validate --write-profiles): "
-                        "simulate N draws of it and give TTFT and TPOT p50 and p90 as their "
-                        "mean, the rest of a rate's figures and its records the first draw's "
-                        "(0: no noise, the model's mean times)")  # fmt: skip
+    p.add_argument(
+        "--noise-draws",
+        type=int,
+        default=1,
+        metavar="N",
+        help="a calibrated profile's noise (pdserve sim-validate --write-profiles): "
+        "simulate N draws of it and give TTFT and TPOT p50 and p90 as their "
+        "mean, the rest of a rate's figures and its records the first draw's "
+        "(0: no noise, the model's mean times)",
+    )
     add_device_flags(p)
     add_host_flag(p)
     add_workload_flags(p)
@@ -211,9 +242,11 @@ def _write_sim_outputs(
 def calibrated_options(profiles: list[Any]) -> dict[str, Any]:
     """What calibrated profiles (``pdserve sim-validate --write-profiles``) add to a
     run: a request's overhead and its noise, and every instance on one host."""
-    return {"request_overhead_s": max((p.request_overhead_s for p in profiles), default=0.0),
-            "request_jitter": max((p.request_jitter for p in profiles), default=0.0),
-            "one_host": any(p.one_host for p in profiles)}  # fmt: skip
+    return {
+        "request_overhead_s": max((p.request_overhead_s for p in profiles), default=0.0),
+        "request_jitter": max((p.request_jitter for p in profiles), default=0.0),
+        "one_host": any(p.one_host for p in profiles),
+    }
 
 
 def quiet(profile: Any) -> Any:
@@ -223,24 +256,37 @@ def quiet(profile: Any) -> Any:
     def still(s: Any) -> Any:
         return dataclasses.replace(s, jitter=0.0, jitter_s=0.0)
 
-    return dataclasses.replace(profile, step=still(profile.step), request_jitter=0.0,
-                               role_steps={r: still(s) for r, s in profile.role_steps.items()})  # fmt: skip
+    return dataclasses.replace(
+        profile,
+        step=still(profile.step),
+        request_jitter=0.0,
+        role_steps={r: still(s) for r, s in profile.role_steps.items()},
+    )
 
 
 def noise_draws(args: argparse.Namespace, profiles: list[Any]) -> int:
     """How many runs ``--noise-draws`` asks for: one where no profile carries noise
     (every draw would be the same run), with a note saying so."""
     if args.noise_draws > 1 and all(quiet(p) == p for p in profiles):
-        print(f"note: --noise-draws {args.noise_draws}: no profile carries noise "
-              "(only calibrated ones do), so one run gives them all", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: --noise-draws {args.noise_draws}: no profile carries noise "
+            "(only calibrated ones do), so one run gives them all",
+            file=sys.stderr,
+        )
         return 1
     return max(1, args.noise_draws)
 
 
 def _simulate_rate(
-    args: argparse.Namespace, config: Any, book: Any, profiles: list[Any], rate: float | None,
-    shares: list[float], slo: Slo, draws: int,
-) -> tuple[dict[str, Any], RunResult]:  # fmt: skip
+    args: argparse.Namespace,
+    config: Any,
+    book: Any,
+    profiles: list[Any],
+    rate: float | None,
+    shares: list[float],
+    slo: Slo,
+    draws: int,
+) -> tuple[dict[str, Any], RunResult]:
     """One rate's JSON entry and result: ``draws`` runs, one per draw of the
     noise, TTFT and TPOT p50 and p90 their mean, the rest the first draw's."""
     import dataclasses
@@ -252,13 +298,20 @@ def _simulate_rate(
     from pdserve.sim.workload import workload_from_args
 
     work = workload_from_args(args, rate, shares)
-    options = SimOptions(not args.full, len(work) <= RECORDS_LIMIT, args.startup_s,
-                         host_cores=args.host_cores, max_concurrency=args.max_concurrency,
-                         request_timeout_s=args.request_timeout,
-                         **calibrated_options(profiles))  # fmt: skip
+    options = SimOptions(
+        not args.full,
+        len(work) <= RECORDS_LIMIT,
+        args.startup_s,
+        host_cores=args.host_cores,
+        max_concurrency=args.max_concurrency,
+        request_timeout_s=args.request_timeout,
+        **calibrated_options(profiles),
+    )
     start, cpu = time.perf_counter(), time.process_time()
-    runs = [SimCluster(config, book, work, dataclasses.replace(options, noise_seed=seed)).run()
-            for seed in range(draws)]  # fmt: skip
+    runs = [
+        SimCluster(config, book, work, dataclasses.replace(options, noise_seed=seed)).run()
+        for seed in range(draws)
+    ]
     wall, cpu, rss = time.perf_counter() - start, time.process_time() - cpu, _max_rss_mib()
     records = runs[0].recorder.records() if len(work) <= RECORDS_LIMIT else []
     entry = run_json(runs[0], rate, slo, wall, "full" if args.full else "fast", records)
@@ -292,18 +345,26 @@ def cmd_sim(args: argparse.Namespace) -> int:
     book = book_for(config, profiles, args.device, assumptions_from(args))
     shares = region_shares([r.name for r in config.regions], args.region_share)
     slo, draws = slo_from(args), noise_draws(args, profiles)
-    done = [_simulate_rate(args, config, book, profiles, rate, shares, slo, draws)
-            for rate in args.rate or [None]]  # fmt: skip
+    done = [
+        _simulate_rate(args, config, book, profiles, rate, shares, slo, draws)
+        for rate in args.rate or [None]
+    ]
     entries, runs = [e for e, _ in done], [r for _, r in done]
-    payload = {**header(command_line(args)), "config": str(args.config),
-               "options": options_json(args), "runs": entries}  # fmt: skip
+    payload = {
+        **header(command_line(args)),
+        "config": str(args.config),
+        "options": options_json(args),
+        "runs": entries,
+    }
     paths = _write_sim_outputs(args, payload, runs, slo)
     print(summary_table([(f"rate {r.rate:g}" if r.rate else "trace", r) for r in runs]))
     for e in entries:
         s = e["sim"]
         drawn = f", {s['draws']} draws of the noise" if s["draws"] > 1 else ""
-        print(f"simulated {s['requests']} requests, {s['virtual_s']:.1f} s of virtual time in "
-              f"{s['wall_s']:.2f} s wall, {s['cpu_s']:.2f} s CPU ({s['mode']} mode, "
-              f"{s['events']} events{drawn}, peak RSS {s['max_rss_mib']:.0f} MiB)")  # fmt: skip
+        print(
+            f"simulated {s['requests']} requests, {s['virtual_s']:.1f} s of virtual time in "
+            f"{s['wall_s']:.2f} s wall, {s['cpu_s']:.2f} s CPU ({s['mode']} mode, "
+            f"{s['events']} events{drawn}, peak RSS {s['max_rss_mib']:.0f} MiB)"
+        )
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -91,18 +91,32 @@ def _no_hashes(config: ClusterConfig) -> dict[int, list[bytes]] | None:
     them; None where one does (the router hashes the prompt)."""
     caching = any(
         config.engine_config(role, g).cache.enable_prefix_caching
-        for g in config.regions for role in ("prefill", "decode")
-    )  # fmt: skip
+        for g in config.regions
+        for role in ("prefill", "decode")
+    )
     if caching:
         return None
     return {config.engine_config("decode", g).cache.block_size: [] for g in config.regions}
 
 
+def _default_planner(config: ClusterConfig, book: ProfileBook) -> PlannerPolicy:
+    """The planner the controller runs for ``config`` (a proactive one's capacity from the
+    profiles)."""
+    r = config.router
+    capacity = ProfileCapacity(config, book) if config.planner.policy == "proactive" else None
+    regions = {g.name: g for g in config.regions}
+    return make_planner(config.planner, r.ttft_slo_s, r.tpot_slo_s, regions, capacity)
+
+
 class SimCluster:
     def __init__(
-        self, config: ClusterConfig, book: ProfileBook, workload: SimWorkload,
-        options: SimOptions | None = None, planner: PlannerPolicy | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        config: ClusterConfig,
+        book: ProfileBook,
+        workload: SimWorkload,
+        options: SimOptions | None = None,
+        planner: PlannerPolicy | None = None,
+    ) -> None:
         self.config, self.book, self.work = config, book, workload
         self.options = options or SimOptions()
         self.clock, self.queue = VirtualClock(), EventQueue()
@@ -111,10 +125,7 @@ class SimCluster:
         r = config.router
         self.admission = Admission(r.max_inflight_per_region, r.ttft_slo_s, r.adaptive_admission)
         self.retries = RetryBudget(r.retry_budget_ratio)
-        self.planner = planner or make_planner(
-            config.planner, r.ttft_slo_s, r.tpot_slo_s, {g.name: g for g in config.regions},
-            ProfileCapacity(config, book) if config.planner.policy == "proactive" else None,
-        )  # fmt: skip
+        self.planner = planner or _default_planner(config, book)
         self.regions = [g.name for g in config.regions]
         self.instances: dict[str, SimInstance] = {}
         self.profiles: dict[str, Profile] = {}
@@ -129,8 +140,8 @@ class SimCluster:
         span = PLANNER_WINDOWS * config.planner.interval_s  # as the controller asks the router
         self.windows = {g: RegionWindow(span) for g in self.regions}
         self.tracks: dict[str, _Track] = {}
-        rec = Recorder(workload.arrival_s, workload.prompt_len, workload.output_len, workload.home,
-                       self.options.keep_itl)  # fmt: skip
+        w = workload
+        rec = Recorder(w.arrival_s, w.prompt_len, w.output_len, w.home, self.options.keep_itl)
         self.run_info = SimRun(rec, self.regions, self.all)
         self.gate = SendGate(self.options.max_concurrency, self.queue, self.clock, rec)
         self.deadlines = Deadlines(self.options.request_timeout_s)
@@ -214,8 +225,15 @@ class SimCluster:
 
     def _loop(self) -> None:
         arrivals, n = self.work.arrival_s, len(self.work)
-        handlers: dict[str, Callable[[Any], None]] = {"step": self._on_step, "handoff": self._on_handoff,
-            "plan": self.scaling.on_plan, "ready": self.scaling.on_ready, "launch": self._launch, "kick": self._on_kick, "send": self._arrive}  # fmt: skip
+        handlers: dict[str, Callable[[Any], None]] = {
+            "step": self._on_step,
+            "handoff": self._on_handoff,
+            "plan": self.scaling.on_plan,
+            "ready": self.scaling.on_ready,
+            "launch": self._launch,
+            "kick": self._on_kick,
+            "send": self._arrive,
+        }
         done, deadlines = self.run_info.recorder.done, self.deadlines
         while True:
             t_next, due = self.queue.peek_time(), deadlines.next_at(done)
@@ -230,7 +248,11 @@ class SimCluster:
                 self.clock.advance_to(due)
                 deadlines.expire(self)
                 continue
-            idle = i >= n and not self.gate.in_flight and not any(x.busy for x in self.instances.values())  # fmt: skip
+            idle = (
+                i >= n
+                and not self.gate.in_flight
+                and not any(x.busy for x in self.instances.values())
+            )
             if not len(self.queue) or idle:
                 break  # nothing left, or only the planner's events
             at, kind, payload = self.queue.pop()

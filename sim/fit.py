@@ -24,9 +24,11 @@ TERMS = ("overhead_s", "s_per_token", "s_per_attn", "s_per_ctx", "s_per_seq")
 def _design(samples: Sequence[Sample]) -> np.ndarray:
     # columns in TERMS order; [n_samples, 5]
     return np.array(
-        [[1.0, s.features.new_tokens, s.features.attn, s.features.context, s.features.seqs]
-         for s in samples]
-    )  # fmt: skip
+        [
+            [1.0, s.features.new_tokens, s.features.attn, s.features.context, s.features.seqs]
+            for s in samples
+        ]
+    )
 
 
 def fit_step_model(samples: Sequence[Sample]) -> StepModel:

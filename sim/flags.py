@@ -11,23 +11,44 @@ from pdserve.sim.analytic import DEVICES, Assumptions
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("analytic profiles")
-    g.add_argument("--device", choices=sorted(DEVICES), default=None,
-                   help="time layouts without a profile file from this device's datasheet")  # fmt: skip
-    g.add_argument("--mfu", type=float, default=Assumptions.mfu,
-                   help="assumed share of peak FLOP/s in compute-bound steps")  # fmt: skip
-    g.add_argument("--mbu", type=float, default=Assumptions.mbu,
-                   help="assumed share of memory bandwidth in memory-bound steps")  # fmt: skip
+    g.add_argument(
+        "--device",
+        choices=sorted(DEVICES),
+        default=None,
+        help="time layouts without a profile file from this device's datasheet",
+    )
+    g.add_argument(
+        "--mfu",
+        type=float,
+        default=Assumptions.mfu,
+        help="assumed share of peak FLOP/s in compute-bound steps",
+    )
+    g.add_argument(
+        "--mbu",
+        type=float,
+        default=Assumptions.mbu,
+        help="assumed share of memory bandwidth in memory-bound steps",
+    )
     g.add_argument("--step-overhead-ms", type=float, default=Assumptions.step_overhead_s * 1e3)
-    g.add_argument("--calibrate", default=None, metavar="PROFILE",
-                   help="a measured profile of the same device: its efficiencies replace --mfu/--mbu")  # fmt: skip
+    g.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="PROFILE",
+        help="a measured profile of the same device: its efficiencies replace --mfu/--mbu",
+    )
 
 
 def add_host_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host-cores", type=float, default=0.0, metavar="N",
-                   help="the instances share a host of N cores, as a local cluster of this "
-                        "machine does: steps run slower while the busy instances' threads "
-                        "exceed N, step by step (default 0: each instance has devices of "
-                        "its own)")  # fmt: skip
+    p.add_argument(
+        "--host-cores",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="the instances share a host of N cores, as a local cluster of this "
+        "machine does: steps run slower while the busy instances' threads "
+        "exceed N, step by step (default 0: each instance has devices of "
+        "its own)",
+    )
 
 
 def assumptions_from(args: argparse.Namespace) -> Assumptions:

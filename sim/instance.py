@@ -348,11 +348,16 @@ class SimInstance:
         waiting = self.scheduler.waiting
         prompts = sum(r.num_tokens - r.num_computed_tokens for r in waiting) if waiting else 0
         return LoadReport(
-            self.instance_id, self.role, waiting=len(waiting), running=len(self.scheduler.running),
+            self.instance_id,
+            self.role,
+            waiting=len(waiting),
+            running=len(self.scheduler.running),
             waiting_prompt_tokens=prompts,
-            free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
-            step_seconds=self._mean_step, step_tokens=self._mean_tokens,
-        )  # fmt: skip
+            free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            step_seconds=self._mean_step,
+            step_tokens=self._mean_tokens,
+        )
 
     @property
     def idle(self) -> bool:

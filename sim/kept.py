@@ -19,14 +19,27 @@ from pdserve.sim.live import Measured
 def run_workloads(runs: Runs) -> list[dict[str, Any]]:
     """Each run's workload flags (the scalar ones, less the prompts' token seed, which a
     run draws and a simulation does not read) and rate, as a kept file records them."""
-    return [{**{k: v for k, v in sorted(vars(ns).items()) if isinstance(v, (int, float, str))
-                and k != "prompt_seed"}, "rate": rate} for ns, rate in runs]  # fmt: skip
+    return [
+        {
+            **{
+                k: v
+                for k, v in sorted(vars(ns).items())
+                if isinstance(v, (int, float, str)) and k != "prompt_seed"
+            },
+            "rate": rate,
+        }
+        for ns, rate in runs
+    ]
 
 
 def kept_entry(text: str, book: Any, runs: Runs, real: list[Measured]) -> dict[str, Any]:
     """A setup's entry in a ``--keep-traces`` file: what :func:`kept_runs` reads back."""
-    return {"config": text, "profile": book.profiles[0].to_json(),
-            "workloads": run_workloads(runs), "runs": [m.to_json() for m in real]}  # fmt: skip
+    return {
+        "config": text,
+        "profile": book.profiles[0].to_json(),
+        "workloads": run_workloads(runs),
+        "runs": [m.to_json() for m in real],
+    }
 
 
 def kept_setup(kept: dict[str, Any], setup: str) -> tuple[str, Any]:
@@ -49,9 +62,10 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> list[Measured]:
     entry = kept[setup]
     if len(entry["runs"]) != len(runs):
         raise InvalidArgumentError(
-            "--from-traces", f"holds {len(entry['runs'])} {setup} runs, these flags measure "
+            "--from-traces",
+            f"holds {len(entry['runs'])} {setup} runs, these flags measure "
             f"{len(runs)}: give the points, --repeat and --num-requests it was measured with",
-        )  # fmt: skip
+        )
     held = entry.get("workloads")
     if held is None:  # simulated with other workloads, its calibration would be wrong
         raise InvalidArgumentError(
@@ -60,8 +74,11 @@ def kept_runs(kept: dict[str, Any], setup: str, runs: Runs) -> list[Measured]:
     for i, (a, b) in enumerate(zip(held, run_workloads(runs), strict=True)):
         diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         if diff:
-            raise InvalidArgumentError("--from-traces", f"{setup} run {i + 1} was measured with "
-                                       f"other {', '.join(diff)} than these flags give")  # fmt: skip
+            raise InvalidArgumentError(
+                "--from-traces",
+                f"{setup} run {i + 1} was measured with "
+                f"other {', '.join(diff)} than these flags give",
+            )
     return [Measured.from_json(r) for r in entry["runs"]]
 
 

@@ -67,9 +67,19 @@ class LiveFit:
     jitter_s: float = 0.0  # correlation time (sim.jitter.fit_jitter)
 
 
+# The fit's fields a step model takes as they are (its cold and shared factors, its noise).
+_TAKEN_AS_FITTED = (
+    "cold_compute",
+    "cold_factor",
+    "shared_compute",
+    "shared_factor",
+    "jitter",
+    "jitter_s",
+)
+
+
 def _features(records: Sequence[StepRecord]) -> list[StepFeatures]:
-    return [StepFeatures.of(list(zip(r.new_tokens, r.cached_tokens, strict=True)))
-            for r in records]  # fmt: skip
+    return [StepFeatures.of(list(zip(r.new_tokens, r.cached_tokens, strict=True))) for r in records]
 
 
 def predicted(step: StepModel, records: Sequence[StepRecord]) -> np.ndarray:
@@ -90,8 +100,10 @@ def loop_periods(trace: Sequence[StepRecord], busy_gap_s: float = 0.05) -> list[
     busy = (gaps >= 0) & (gaps <= busy_gap_s)
     typical = float(np.median(gaps[busy])) if busy.any() else 0.0
     after = [*np.where(busy, gaps, typical), typical]
-    return [dataclasses.replace(r, seconds=r.seconds + float(g))
-            for r, g in zip(trace, after, strict=True)]  # fmt: skip
+    return [
+        dataclasses.replace(r, seconds=r.seconds + float(g))
+        for r, g in zip(trace, after, strict=True)
+    ]
 
 
 def cold_flags(step: StepModel, trace: Sequence[StepRecord]) -> np.ndarray:
@@ -122,8 +134,22 @@ def shared_flags(trace: Sequence[StepRecord], others: Sequence[Sequence[StepReco
         i = int(np.searchsorted(lo, t, side="right"))
         return float(covered[i - 1] + min(t, hi[i - 1]) - lo[i - 1]) if i else 0.0
 
-    return np.array([upto(r.start_s + r.seconds) - upto(r.start_s) > r.seconds / 2
-                     for r in trace], dtype=bool)  # fmt: skip
+    return np.array(
+        [upto(r.start_s + r.seconds) - upto(r.start_s) > r.seconds / 2 for r in trace], dtype=bool
+    )
+
+
+def _cold_and_shared(
+    step: StepModel, kept: list[list[StepRecord]], others: Sequence[Sequence[StepRecord]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """1.0 for each step of ``kept`` that was cold (:func:`cold_flags`), and for each that
+    shared the host with other instances' steps (:func:`shared_flags`), else 0.0."""
+    cold = np.concatenate([cold_flags(step, t) for t in kept]).astype(float)
+    beside = [loop_periods(t) for t in others if t]
+    shared = np.concatenate(
+        [shared_flags(t, kept[:i] + kept[i + 1 :] + beside) for i, t in enumerate(kept)]
+    ).astype(float)
+    return cold, shared
 
 
 def live_fit(
@@ -146,18 +172,21 @@ def live_fit(
     features = _features(records)
     model = np.array([step.time(f) for f in features])
     compute = np.array([step.compute_time(f) for f in features])
-    cold = np.concatenate([cold_flags(step, t) for t in kept]).astype(float)
-    beside = [loop_periods(t) for t in others if t]
-    shared = np.concatenate(
-        [shared_flags(t, kept[:i] + kept[i + 1 :] + beside) for i, t in enumerate(kept)]
-    ).astype(float)
+    cold, shared = _cold_and_shared(step, kept, others)
     live = np.array([r.seconds for r in records])
     w, n = 1.0 / live, len(records)
     rest = model - compute
     warm_c, warm_r = compute, rest  # the warm parts: refined as the fit converges
     for _ in range(FIT_ROUNDS):
-        columns = [compute, rest, np.ones(n), cold * warm_c, cold * warm_r,
-                   shared * warm_c, shared * warm_r]  # fmt: skip
+        columns = [
+            compute,
+            rest,
+            np.ones(n),
+            cold * warm_c,
+            cold * warm_r,
+            shared * warm_c,
+            shared * warm_r,
+        ]
         c, m, offset, kc, kr, sc, sr = nonnegative_lstsq(
             np.column_stack([x * w for x in columns]), live * w
         )
@@ -174,15 +203,22 @@ def live_fit(
 
 
 def _with_noise(
-    fit: LiveFit, step: StepModel, kept: list[list[StepRecord]], cold: np.ndarray,
+    fit: LiveFit,
+    step: StepModel,
+    kept: list[list[StepRecord]],
+    cold: np.ndarray,
     shared: np.ndarray,
-) -> LiveFit:  # fmt: skip
+) -> LiveFit:
     """``fit`` with the noise of the loop turns ``kept`` (each instance's, with their
     ``cold`` and ``shared`` flags, concatenated) about the model it makes of ``step``."""
     fitted = scaled(step, fit)
     records = [r for trace in kept for r in trace]
-    times = np.array([fitted.live_time(f, bool(k), bool(s)) for f, k, s
-                      in zip(_features(records), cold, shared, strict=True)])  # fmt: skip
+    times = np.array(
+        [
+            fitted.live_time(f, bool(k), bool(s))
+            for f, k, s in zip(_features(records), cold, shared, strict=True)
+        ]
+    )
     live = np.array([r.seconds for r in records])
     ends = np.cumsum([len(t) for t in kept])[:-1]
     starts = [np.array([r.start_s for r in t]) for t in kept]
@@ -198,13 +234,15 @@ def scaled(step: StepModel, fit: LiveFit) -> StepModel:
     if step.combine != "sum":  # a roofline has one time: the memory scale stands for both
         c = m
     return dataclasses.replace(
-        step, overhead_s=step.overhead_s * m + fit.offset_s, s_per_token=step.s_per_token * c,
-        s_per_attn=step.s_per_attn * c, weights_s=step.weights_s * m,
-        s_per_ctx=step.s_per_ctx * m, s_per_seq=step.s_per_seq * m,
-        cold_compute=fit.cold_compute, cold_factor=fit.cold_factor,
-        shared_compute=fit.shared_compute, shared_factor=fit.shared_factor,
-        jitter=fit.jitter, jitter_s=fit.jitter_s,
-    )  # fmt: skip
+        step,
+        overhead_s=step.overhead_s * m + fit.offset_s,
+        s_per_token=step.s_per_token * c,
+        s_per_attn=step.s_per_attn * c,
+        weights_s=step.weights_s * m,
+        s_per_ctx=step.s_per_ctx * m,
+        s_per_seq=step.s_per_seq * m,
+        **{name: getattr(fit, name) for name in _TAKEN_AS_FITTED},
+    )
 
 
 def step_ratios(
@@ -223,11 +261,13 @@ def step_ratios(
         records = loop_periods(trace)
         model, live = predicted(step, records), np.array([r.seconds for r in records])
         starts = np.array([r.start_s for r in records])
-        out[name] = {"steps": len(records),
-                     "median_ratio": round(float(np.median(live / model)), 3),
-                     "total_ratio": round(float(live.sum() / model.sum()), 3),
-                     "slow_share": round(slow_share(live / model, starts), 3),
-                     "kinds": kind_ratios(step_kinds(step, trace, others))}  # fmt: skip
+        out[name] = {
+            "steps": len(records),
+            "median_ratio": round(float(np.median(live / model)), 3),
+            "total_ratio": round(float(live.sum() / model.sum()), 3),
+            "slow_share": round(slow_share(live / model, starts), 3),
+            "kinds": kind_ratios(step_kinds(step, trace, others)),
+        }
     return out
 
 
@@ -374,13 +414,19 @@ class Measured:
     def to_json(self) -> dict[str, Any]:
         """The run as JSON: its summary, and per instance one
         ``[start_s, seconds, new_tokens, cached_tokens]`` row a step."""
-        steps = {name: [[r.start_s, r.seconds, list(r.new_tokens), list(r.cached_tokens)]
-                        for r in records] for name, records in self.steps.items()}  # fmt: skip
+        steps = {
+            name: [
+                [r.start_s, r.seconds, list(r.new_tokens), list(r.cached_tokens)] for r in records
+            ]
+            for name, records in self.steps.items()
+        }
         return {"summary": self.summary, "steps": steps}
 
     @staticmethod
     def from_json(raw: dict[str, Any]) -> Measured:
         """The inverse of :meth:`to_json`."""
-        steps = {name: [StepRecord(float(s), float(t), tuple(n), tuple(c)) for s, t, n, c in rows]
-                 for name, rows in raw["steps"].items()}  # fmt: skip
+        steps = {
+            name: [StepRecord(float(s), float(t), tuple(n), tuple(c)) for s, t, n, c in rows]
+            for name, rows in raw["steps"].items()
+        }
         return Measured(raw["summary"], steps)

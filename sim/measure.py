@@ -207,32 +207,50 @@ def measured_profile(
         logger.warning("%d of %d steps left out of the fit as outliers", len(dropped), len(samples))
     shm = measure_shm_transfer()
     shape = ModelShape(
-        config.model, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
-        m.intermediate_size, m.vocab_size, m.max_position_embeddings, m.num_experts,
+        config.model,
+        m.num_layers,
+        m.hidden_size,
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        m.intermediate_size,
+        m.vocab_size,
+        m.max_position_embeddings,
+        m.num_experts,
         m.num_experts_per_tok,
-    )  # fmt: skip
+    )
     dtype = config.dtype if config.dtype != "auto" else m.dtype
     elem = 4 if dtype == "float32" else 2
     gpu = machine.get("gpu")
     parallel = config.parallel
     return Profile(
-        model=shape, tensor_parallel_size=parallel.tensor_parallel_size,
+        model=shape,
+        tensor_parallel_size=parallel.tensor_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
-        device=_device_name(gpu if isinstance(gpu, str) else None), source="measured",
-        step=step, kv_bytes_per_token=shape.kv_bytes_per_token(elem),
-        kv_capacity_tokens=num_blocks * config.cache.block_size, dtype=dtype,
-        connectors={"shm": shm, "default": shm}, samples=tuple(samples),
-        fit_error={**fit_error(step, samples), **_inliers(step, samples, dropped)}, command=command, machine=machine,
+        device=_device_name(gpu if isinstance(gpu, str) else None),
+        source="measured",
+        step=step,
+        kv_bytes_per_token=shape.kv_bytes_per_token(elem),
+        kv_capacity_tokens=num_blocks * config.cache.block_size,
+        dtype=dtype,
+        connectors={"shm": shm, "default": shm},
+        samples=tuple(samples),
+        fit_error={**fit_error(step, samples), **_inliers(step, samples, dropped)},
+        command=command,
+        machine=machine,
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    )  # fmt: skip
+    )
 
 
 def _inliers(step: StepModel, samples: list[Sample], dropped: list[Sample]) -> dict[str, float]:
     """The fit's error over the steps it kept, and how many it left out."""
     kept = [s for s in samples if s not in dropped]
     err = fit_error(step, kept)
-    return {"inliers_mean_rel": err["all_mean_rel"], "inliers_max_rel": err["all_max_rel"],
-            "outliers": float(len(dropped))}  # fmt: skip
+    return {
+        "inliers_mean_rel": err["all_mean_rel"],
+        "inliers_max_rel": err["all_max_rel"],
+        "outliers": float(len(dropped)),
+    }
 
 
 def _device_name(gpu: str | None) -> str:

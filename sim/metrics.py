@@ -48,9 +48,13 @@ def _p90(values: list[float]) -> float | None:
 
 
 def region_metrics(
-    region: str, members: Sequence[SimInstance], window: RegionWindow, now: float,
-    starting: dict[str, int], ttft_slo_s: float = 0.0,
-) -> RegionMetrics:  # fmt: skip
+    region: str,
+    members: Sequence[SimInstance],
+    window: RegionWindow,
+    now: float,
+    starting: dict[str, int],
+    ttft_slo_s: float = 0.0,
+) -> RegionMetrics:
     """The region's metrics over the window ending ``now`` (the drain rate for
     ``ttft_slo_s``; 0 when it is 0)."""
     window.trim(now)
@@ -66,11 +70,20 @@ def region_metrics(
     span = min(window.span_s, now) if now > 0 else window.span_s
     arrivals = len(window.arrivals)
     return RegionMetrics(
-        region, len(prefills), len(decodes), len(ttft), _p90(ttft), _p90(tpot), queue, usage,
-        batch, arrivals / span if span > 0 else 0.0,
+        region,
+        len(prefills),
+        len(decodes),
+        len(ttft),
+        _p90(ttft),
+        _p90(tpot),
+        queue,
+        usage,
+        batch,
+        arrivals / span if span > 0 else 0.0,
         sum(a[1] for a in window.arrivals) / arrivals if arrivals else 0.0,
         sum(f[3] for f in window.finished) / len(ttft) if ttft else 0.0,
         peak_rate([a[0] for a in window.arrivals], now, span),
         drain_rate([a[0] for a in window.arrivals], [a[1] for a in window.arrivals], ttft_slo_s),
-        starting.get("prefill", 0), starting.get("decode", 0),
-    )  # fmt: skip
+        starting.get("prefill", 0),
+        starting.get("decode", 0),
+    )

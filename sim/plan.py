@@ -35,14 +35,31 @@ import numpy as np
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.build import ProfileBook
-from pdserve.sim.candidates import Candidates, Outcome, Pool, cluster_yaml, open_pool
+from pdserve.sim.candidates import (
+    Candidates,
+    LayoutCase,
+    Outcome,
+    Pool,
+    cluster_yaml,
+    open_pool,
+)
 from pdserve.sim.search import smallest_near
 from pdserve.sim.textbook import SingleInstance, TextbookPlan, single_instance, textbook_plan
 
 __all__ = [
-    "Infeasible", "LengthMix", "Outcome", "PlanLimits", "PlanSlo", "Pool", "RegionPlan",
-    "cluster_yaml", "open_pool", "plan_layout", "plan_region", "plan_regions",
-]  # fmt: skip
+    "Infeasible",
+    "LengthMix",
+    "Outcome",
+    "PlanLimits",
+    "PlanSlo",
+    "Pool",
+    "RegionPlan",
+    "cluster_yaml",
+    "open_pool",
+    "plan_layout",
+    "plan_region",
+    "plan_regions",
+]
 
 
 @dataclass(frozen=True)
@@ -76,10 +93,11 @@ class LengthMix:
         over = int((total > limit).sum())
         if over:
             raise InvalidArgumentError(
-                "lengths", f"{over} of {len(total)} requests of the mix ask for more than the "
+                "lengths",
+                f"{over} of {len(total)} requests of the mix ask for more than the "
                 f"model's context of {limit} tokens (prompt + output up to {int(total.max())}): "
                 "cap them with --max-prompt-len and --max-output-len",
-            )  # fmt: skip
+            )
 
     def draw(self, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         idx = np.random.default_rng(seed).integers(0, len(self.prompt), size=n)
@@ -152,23 +170,42 @@ def _alone(one: SingleInstance, slo: PlanSlo, tp: tuple[int, int], mix: LengthMi
     """Why a layout cannot work even for one request, or None."""
     prompt = float(np.mean(mix.prompt))
     if one.prefill_s > slo.ttft_s:
-        return (f"TTFT SLO {_ms(slo.ttft_s)} cannot be met at prefill tp={tp[0]}: a "
-                f"{prompt:.0f}-token prompt alone takes {_ms(one.prefill_s)} to prefill "
-                f"({_ms(one.prefill_s - slo.ttft_s)} over)")  # fmt: skip
+        return (
+            f"TTFT SLO {_ms(slo.ttft_s)} cannot be met at prefill tp={tp[0]}: a "
+            f"{prompt:.0f}-token prompt alone takes {_ms(one.prefill_s)} to prefill "
+            f"({_ms(one.prefill_s - slo.ttft_s)} over)"
+        )
     if one.batch == 0:
         if one.max_batch == 0:
             return f"decode tp={tp[1]}: one request of the mix does not fit the KV cache"
-        return (f"TPOT SLO {_ms(slo.tpot_s)} cannot be met at decode tp={tp[1]}: one decode "
-                f"step alone takes {_ms(one.decode_floor_s)} "
-                f"({_ms(one.decode_floor_s - slo.tpot_s)} over)")  # fmt: skip
+        return (
+            f"TPOT SLO {_ms(slo.tpot_s)} cannot be met at decode tp={tp[1]}: one decode "
+            f"step alone takes {_ms(one.decode_floor_s)} "
+            f"({_ms(one.decode_floor_s - slo.tpot_s)} over)"
+        )
     return None
 
 
-def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp: tuple[int, int],
-                limits: PlanLimits, slo: PlanSlo, peak_bw: float,
-                pool: Pool | None = None) -> RegionPlan:  # fmt: skip
+def _caps(limits: PlanLimits, tp: tuple[int, int]) -> tuple[int, int]:
+    """The most prefill and decode instances (spares apart) the devices hold beside one
+    instance of the other role and the spares."""
+    cap_p = (limits.max_devices - tp[1] * (1 + limits.spares)) // tp[0] - limits.spares
+    cap_d = (limits.max_devices - tp[0] * (1 + limits.spares)) // tp[1] - limits.spares
+    if cap_p < 1 or cap_d < 1:
+        raise Infeasible(
+            "max_devices",
+            f"{limits.max_devices} devices cannot hold one prefill and "
+            f"one decode instance plus spares at tp={tp[0]}/{tp[1]}",
+        )
+    return cap_p, cap_d
+
+
+def plan_layout(
+    case: LayoutCase, rate: float, peak_bw: float, pool: Pool | None = None
+) -> RegionPlan:
     """The cheapest counts for one layout; Infeasible names the SLO and the gap. With a
     process ``pool``, candidates the search may try next are simulated together."""
+    book, mix, tp, limits, slo = case.book, case.mix, case.tp, case.limits, case.slo
     prefill, decode = book.get(tp[0], 1), book.get(tp[1], 1)
     prompt, output = float(np.mean(mix.prompt)), float(np.mean(mix.output))
     one = single_instance(prefill, decode, prompt, output, slo.tpot_s, limits.max_num_seqs, peak_bw)
@@ -176,22 +213,49 @@ def plan_layout(book: ProfileBook, region: str, rate: float, mix: LengthMix, tp:
     if why is not None:
         raise Infeasible("slo", why)
     book_plan = textbook_plan(rate, one, output, slo.ttft_s, limits.headroom, limits.spares)
-    cap_p = (limits.max_devices - tp[1] * (1 + limits.spares)) // tp[0] - limits.spares
-    cap_d = (limits.max_devices - tp[0] * (1 + limits.spares)) // tp[1] - limits.spares
-    if cap_p < 1 or cap_d < 1:
-        raise Infeasible("max_devices", f"{limits.max_devices} devices cannot hold one prefill and "
-                         f"one decode instance plus spares at tp={tp[0]}/{tp[1]}")  # fmt: skip
-    n = simulated_requests(region, rate * (1 + limits.headroom), one, output, slo, limits)
-    search = Candidates(book, region, rate * (1 + limits.headroom), mix, tp, limits, slo, n, pool)
+    cap_p, cap_d = _caps(limits, tp)
+    n = simulated_requests(case.region, rate * (1 + limits.headroom), one, output, slo, limits)
+    search = Candidates(case, rate * (1 + limits.headroom), n, pool)
     try:
         p, d = _fewest(search, book_plan, cap_p, cap_d)
     finally:
         search.close()  # a candidate started for a search that ended is not needed
     p, d = p + limits.spares, d + limits.spares
-    final = Candidates(book, region, rate, mix, tp, limits, slo, n, pool).run(p, d)
+    final = Candidates(case, rate, n, pool).run(p, d)
     tb_devices = book_plan.prefill * tp[0] + book_plan.decode * tp[1]
-    return RegionPlan(region, rate, tp[0], tp[1], p, d, p * tp[0] + d * tp[1], final, one,
-                      book_plan, tb_devices, search.simulations + 1)  # fmt: skip
+    return RegionPlan(
+        case.region,
+        rate,
+        tp[0],
+        tp[1],
+        p,
+        d,
+        p * tp[0] + d * tp[1],
+        final,
+        one,
+        book_plan,
+        tb_devices,
+        search.simulations + 1,
+    )
+
+
+def _fewest_of(
+    search: Candidates, role: int, other: int, bare: int, hint: int, cap: int
+) -> int | None:
+    """The fewest instances of ``role`` (0: prefill, 1: decode) up to ``cap`` that meet its
+    SLO beside ``other`` of the other role, searched from ``hint``; None if none do."""
+
+    def counts(n: int) -> tuple[int, int]:
+        return (n, other) if role == 0 else (other, n)
+
+    return smallest_near(
+        max(1, bare // 2),
+        hint,
+        cap,
+        lambda n: search.run(*counts(n)).meets(search.slo)[role],
+        lambda ns: search.prefetch([counts(n) for n in ns]),
+        search.width,
+    )
 
 
 def _fewest(search: Candidates, book_plan: TextbookPlan, cap_p: int, cap_d: int) -> tuple[int, int]:
@@ -201,16 +265,11 @@ def _fewest(search: Candidates, book_plan: TextbookPlan, cap_p: int, cap_d: int)
     ample_p = min(cap_p, max(1, 2 * book_plan.prefill_bare + 1))
     # The textbook's counts at the searched rate (headroom in, spares out) start each search.
     hint_p, hint_d = book_plan.prefill - limits.spares, book_plan.decode - limits.spares
-    d = smallest_near(max(1, book_plan.decode_bare // 2), hint_d, cap_d,
-                      lambda n: search.run(ample_p, n).meets(slo)[1],
-                      lambda ns: search.prefetch([(ample_p, n) for n in ns]), search.width)  # fmt: skip
+    d = _fewest_of(search, 1, ample_p, book_plan.decode_bare, hint_d, cap_d)
     if d is None:
         _missed(search.run(ample_p, cap_d), slo, "decode", cap_d, tp, limits)
     assert d is not None
-    decodes: int = d
-    p = smallest_near(max(1, book_plan.prefill_bare // 2), hint_p, cap_p,
-                      lambda n: search.run(n, decodes).meets(slo)[0],
-                      lambda ns: search.prefetch([(n, decodes) for n in ns]), search.width)  # fmt: skip
+    p = _fewest_of(search, 0, d, book_plan.prefill_bare, hint_p, cap_p)
     if p is None:
         _missed(search.run(cap_p, d), slo, "prefill", cap_p, tp, limits)
     assert p is not None
@@ -229,8 +288,9 @@ MIN_REQUESTS = 1500  # simulated per candidate at least, when the planner choose
 MAX_REQUESTS = 200_000  # most it chooses: ~2 CPU-minutes a candidate here
 
 
-def simulated_requests(region: str, rate: float, one: SingleInstance, output: float,
-                       slo: PlanSlo, limits: PlanLimits) -> int:  # fmt: skip
+def simulated_requests(
+    region: str, rate: float, one: SingleInstance, output: float, slo: PlanSlo, limits: PlanLimits
+) -> int:
     """Requests to simulate per candidate: their arrivals must span ten times a request's
     own latency or the TTFT SLO, whichever is longer. A shorter span is a burst that
     enough instances absorb at any rate: no queue, nor a full decode batch, has time to
@@ -240,39 +300,55 @@ def simulated_requests(region: str, rate: float, one: SingleInstance, output: fl
     given = limits.num_requests
     if given is not None and given < needed:
         raise InvalidArgumentError(
-            "num_requests", f"{given} requests at {rate:g} req/s (with headroom) arrive within "
+            "num_requests",
+            f"{given} requests at {rate:g} req/s (with headroom) arrive within "
             f"{given / rate:.3g} s, too short for queues to show (ten times a request's own "
             f"latency or the TTFT SLO: {span_s:.3g} s): give at least {needed}",
-        )  # fmt: skip
+        )
     if given is None and needed > MAX_REQUESTS:
         raise InvalidArgumentError(
-            "rate", f"region {region}: {rate:g} req/s (with headroom) needs {needed} simulated requests a "
+            "rate",
+            f"region {region}: {rate:g} req/s (with headroom) needs {needed} simulated requests a "
             f"candidate to show queues ({span_s:.3g} s of arrivals), over the {MAX_REQUESTS} "
             "the planner simulates by itself: plan a share of the traffic (the rate over k) "
             "and multiply the counts by k, or pass --num-requests",
-        )  # fmt: skip
+        )
     return given if given is not None else max(MIN_REQUESTS, needed)
 
 
-def _missed(o: Outcome, slo: PlanSlo, role: str, cap: int, tp: tuple[int, int],
-            limits: PlanLimits) -> None:  # fmt: skip
+def _missed(
+    o: Outcome, slo: PlanSlo, role: str, cap: int, tp: tuple[int, int], limits: PlanLimits
+) -> None:
     q = f"p{slo.percentile:g}"
     if o.ttft_s > slo.ttft_s:
-        what = (f"TTFT {q} SLO {_ms(slo.ttft_s)} cannot be met: {_ms(o.ttft_s)} "
-                f"({_ms(o.ttft_s - slo.ttft_s)} over)")  # fmt: skip
+        what = (
+            f"TTFT {q} SLO {_ms(slo.ttft_s)} cannot be met: {_ms(o.ttft_s)} "
+            f"({_ms(o.ttft_s - slo.ttft_s)} over)"
+        )
     elif o.failed:
         what = f"{o.failed} requests were refused (no decode instance had room for their KV)"
     else:
-        what = (f"TPOT {q} SLO {_ms(slo.tpot_s)} cannot be met: {_ms(o.tpot_s)} "
-                f"({_ms(o.tpot_s - slo.tpot_s)} over)")  # fmt: skip
+        what = (
+            f"TPOT {q} SLO {_ms(slo.tpot_s)} cannot be met: {_ms(o.tpot_s)} "
+            f"({_ms(o.tpot_s - slo.tpot_s)} over)"
+        )
     raise Infeasible(
-        "slo", f"{what} with {o.prefill} prefill (tp={tp[0]}) and {o.decode} decode (tp={tp[1]}) "
+        "slo",
+        f"{what} with {o.prefill} prefill (tp={tp[0]}) and {o.decode} decode (tp={tp[1]}) "
         f"instances, the most {limits.max_devices} devices allow ({role} at its limit of {cap})",
-    )  # fmt: skip
+    )
 
 
-def plan_region(book: ProfileBook, region: str, rate: float, mix: LengthMix, limits: PlanLimits,
-                slo: PlanSlo, peak_bw: float, pool: Pool | None = None) -> RegionPlan:  # fmt: skip
+def plan_region(
+    book: ProfileBook,
+    region: str,
+    rate: float,
+    mix: LengthMix,
+    limits: PlanLimits,
+    slo: PlanSlo,
+    peak_bw: float,
+    pool: Pool | None = None,
+) -> RegionPlan:
     """The cheapest feasible layout and counts for ``rate`` requests/s of ``mix``; with a
     ``pool``, the layouts are searched at once, each on its share of the workers."""
     if not rate > 0:
@@ -281,7 +357,7 @@ def plan_region(book: ProfileBook, region: str, rate: float, mix: LengthMix, lim
     _profiles(book, limits)
 
     def attempt(tp: tuple[int, int], share: Pool | None) -> RegionPlan:
-        return plan_layout(book, region, rate, mix, tp, limits, slo, peak_bw, share)
+        return plan_layout(LayoutCase(book, region, mix, tp, limits, slo), rate, peak_bw, share)
 
     best: RegionPlan | None = None
     errors: list[str] = []
@@ -303,9 +379,15 @@ def plan_region(book: ProfileBook, region: str, rate: float, mix: LengthMix, lim
     return best
 
 
-def plan_regions(book: ProfileBook, forecast: dict[str, float], mix: LengthMix,
-                 limits: PlanLimits, slo: PlanSlo, peak_bw: float,
-                 pool: Pool | None = None) -> list[RegionPlan]:  # fmt: skip
+def plan_regions(
+    book: ProfileBook,
+    forecast: dict[str, float],
+    mix: LengthMix,
+    limits: PlanLimits,
+    slo: PlanSlo,
+    peak_bw: float,
+    pool: Pool | None = None,
+) -> list[RegionPlan]:
     """:func:`plan_region` for each region's peak rate (at once, with a ``pool``); the
     first infeasible region, in the forecast's order, raises."""
 
@@ -333,8 +415,9 @@ R = TypeVar("R")
 E = TypeVar("E", bound=Exception)
 
 
-def side_by_side(fn: Callable[[T, Pool | None], R], items: Sequence[T], pool: Pool | None,
-                 caught: type[E]) -> list[R | E]:  # fmt: skip
+def side_by_side(
+    fn: Callable[[T, Pool | None], R], items: Sequence[T], pool: Pool | None, caught: type[E]
+) -> list[R | E]:
     """``fn(item, share)`` for each item, in order, or the ``caught`` error it raised.
     With a pool, the items run at once, each in a thread that waits on its share of
     the pool's workers (the simulations run there); without one, one after another

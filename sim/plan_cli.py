@@ -37,9 +37,29 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="cheapest P:D counts and layouts per region for a forecast")
     p.add_argument("--model", required=True, help="a preset (llama-7b ...) or a loadable model")
     p.add_argument("--profile", action="append", default=[], help="profile file (repeatable)")
-    p.add_argument("--rate", nargs="+", default=[], metavar="REGION=R[,R...]",
-                   help="forecast req/s per region: one rate or rates over the day")  # fmt: skip
+    p.add_argument(
+        "--rate",
+        nargs="+",
+        default=[],
+        metavar="REGION=R[,R...]",
+        help="forecast req/s per region: one rate or rates over the day",
+    )
     p.add_argument("--forecast", default=None, help='JSON file {"region": [rates]}')
+    _add_length_mix_flags(p)
+    _add_slo_and_limit_flags(p)
+    p.add_argument("--out", default=None, help="write the plan (JSON, with each region's YAML)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        help="candidates simulated side by side, one worker process each (default: this "
+        "machine's cores, at most 8); the plan is the same for any count",
+    )
+    add_device_flags(p)
+    p.set_defaults(func=cmd_plan, prog="pdserve plan")
+
+
+def _add_length_mix_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("length mix")
     g.add_argument("--prompt-len", type=int, default=1000)
     g.add_argument("--prompt-len-std", type=float, default=0.0)
@@ -51,6 +71,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--length-scale", type=float, default=1.0)
     g.add_argument("--max-prompt-len", type=int, default=None)
     g.add_argument("--max-output-len", type=int, default=None)
+
+
+def _add_slo_and_limit_flags(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("SLOs and limits")
     s.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     s.add_argument("--tpot-slo-ms", type=float, default=50.0)
@@ -64,21 +87,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--headroom", type=float, default=d.headroom, help="0.3: plan for +30%% load")
     s.add_argument("--spares", type=int, default=d.spares, help="spare instances per role (N+1)")
     s.add_argument(
-        "--num-requests", type=int, default=d.num_requests,
+        "--num-requests",
+        type=int,
+        default=d.num_requests,
         help="simulated per candidate (default: enough to span ten times a request's latency "
         "or the TTFT SLO, at least 1500)",
-    )  # fmt: skip
+    )
     s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     s.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the plan (JSON, with each region's YAML)")
-    p.add_argument(
-        "--jobs", type=int, default=default_jobs(),
-        help="candidates simulated side by side, one worker process each (default: this "
-        "machine's cores, at most 8); the plan is the same for any count",
-    )  # fmt: skip
-    add_device_flags(p)
-    p.set_defaults(func=cmd_plan, prog="pdserve plan")
 
 
 MAX_DEFAULT_JOBS = 8
@@ -127,14 +144,31 @@ def _rates(field: str, where: str, values: list[Any]) -> list[float]:
 
 def mix_from(args: argparse.Namespace) -> LengthMix:
     if args.trace:
-        t = wl.scale_trace(wl.read_trace(wl.trace_path(args.trace)), 1.0, args.length_scale,
-                           args.max_prompt_len, args.max_output_len)  # fmt: skip
+        t = wl.scale_trace(
+            wl.read_trace(wl.trace_path(args.trace)),
+            1.0,
+            args.length_scale,
+            args.max_prompt_len,
+            args.max_output_len,
+        )
         return LengthMix(t.prompt_len, t.output_len)
     n = 4096
-    prompt = wl.sample_lengths(n, args.prompt_len, args.prompt_len_std, high=args.max_prompt_len,
-                               seed=args.seed, name="prompt_len")  # fmt: skip
-    output = wl.sample_lengths(n, args.output_len, args.output_len_std, high=args.max_output_len,
-                               seed=args.seed + 1, name="output_len")  # fmt: skip
+    prompt = wl.sample_lengths(
+        n,
+        args.prompt_len,
+        args.prompt_len_std,
+        high=args.max_prompt_len,
+        seed=args.seed,
+        name="prompt_len",
+    )
+    output = wl.sample_lengths(
+        n,
+        args.output_len,
+        args.output_len_std,
+        high=args.max_output_len,
+        seed=args.seed + 1,
+        name="output_len",
+    )
     return LengthMix(prompt, output)
 
 
@@ -153,9 +187,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     book = ProfileBook(shape, profiles, args.device, assumptions_from(args))
     slo = PlanSlo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.percentile)
     limits = PlanLimits(
-        args.max_devices, tuple(args.prefill_tp), tuple(args.decode_tp), args.headroom, args.spares,
-        args.num_requests, args.max_num_seqs, args.max_num_batched_tokens, seed=args.seed,
-    )  # fmt: skip
+        args.max_devices,
+        tuple(args.prefill_tp),
+        tuple(args.decode_tp),
+        args.headroom,
+        args.spares,
+        args.num_requests,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        seed=args.seed,
+    )
     device = args.device or (profiles[0].device if profiles else "cpu")
     peak_bw = DEVICES[device].mem_bw if device in DEVICES else float("nan")
     mix = mix_from(args)
@@ -224,11 +265,19 @@ def plan_json(p: RegionPlan, model: str, limits: PlanLimits, slo: PlanSlo) -> di
     from dataclasses import asdict
 
     return {
-        "region": p.region, "rate": p.rate, "prefill": p.prefill, "decode": p.decode,
-        "prefill_tp": p.prefill_tp, "decode_tp": p.decode_tp, "devices": p.devices,
-        "at_forecast": asdict(p.at_forecast), "single_instance": asdict(p.single),
-        "textbook": asdict(p.textbook), "textbook_devices": p.textbook_devices,
-        "cluster_yaml": cluster_yaml(model, p.region, p.prefill, p.decode, p.prefill_tp,
-                                     p.decode_tp, limits, slo),
+        "region": p.region,
+        "rate": p.rate,
+        "prefill": p.prefill,
+        "decode": p.decode,
+        "prefill_tp": p.prefill_tp,
+        "decode_tp": p.decode_tp,
+        "devices": p.devices,
+        "at_forecast": asdict(p.at_forecast),
+        "single_instance": asdict(p.single),
+        "textbook": asdict(p.textbook),
+        "textbook_devices": p.textbook_devices,
+        "cluster_yaml": cluster_yaml(
+            model, p.region, p.prefill, p.decode, p.prefill_tp, p.decode_tp, limits, slo
+        ),
         "other_layouts": p.tried,
-    }  # fmt: skip
+    }

@@ -46,23 +46,26 @@ def phased_workload(
             raise InvalidArgumentError(name, f"must be > 0 and finite, got {value}")
     if rate * phase_s > MAX_PHASE_REQUESTS:
         raise InvalidArgumentError(
-            "phase_s", f"{rate:g} req/s for {phase_s:g} s is over {MAX_PHASE_REQUESTS} "
+            "phase_s",
+            f"{rate:g} req/s for {phase_s:g} s is over {MAX_PHASE_REQUESTS} "
             "requests a phase: shorten the phase or lower the rate",
-        )  # fmt: skip
+        )
     arrival, prompt, output, starts = [], [], [], []
     for k, name in enumerate(traces):
         # the phase's own requests scaled to the rate: a trace is burstier than its mean
         raw = wl.limit_trace(wl.read_trace(wl.trace_path(name)), round(rate * phase_s) + 1, None)
-        trace = wl.scale_trace(raw, rate=rate, max_prompt_len=max_prompt_len,
-                               max_output_len=max_output_len)  # fmt: skip
+        trace = wl.scale_trace(
+            raw, rate=rate, max_prompt_len=max_prompt_len, max_output_len=max_output_len
+        )
         trace = wl.limit_trace(trace, None, phase_s)
         starts.append(k * phase_s)
         arrival.append(trace.arrival_s + k * phase_s)
         prompt.append(trace.prompt_len)
         output.append(trace.output_len)
     a = np.concatenate(arrival)
-    return SimWorkload(a, np.concatenate(prompt), np.concatenate(output),
-                       np.zeros(len(a), dtype=np.int16)), starts  # fmt: skip
+    return SimWorkload(
+        a, np.concatenate(prompt), np.concatenate(output), np.zeros(len(a), dtype=np.int16)
+    ), starts
 
 
 def with_policy(config: ClusterConfig, policy: str) -> ClusterConfig:
@@ -79,15 +82,18 @@ def outcome(run: SimRun, slo: Slo, switch_s: float) -> dict[str, Any]:
 
 
 def compare(
-    config: ClusterConfig, book: ProfileBook, work: SimWorkload, policies: list[str],
-    startup_s: float, host_cores: float = 0.0,
-) -> dict[str, tuple[SimRun, float]]:  # fmt: skip
+    config: ClusterConfig,
+    book: ProfileBook,
+    work: SimWorkload,
+    policies: list[str],
+    startup_s: float,
+    host_cores: float = 0.0,
+) -> dict[str, tuple[SimRun, float]]:
     """Each policy's run of the same workload, with its wall time."""
     runs = {}
     for policy in policies:
         start = time.perf_counter()
-        options = SimOptions(fast=True, keep_itl=False, startup_s=startup_s,
-                             host_cores=host_cores)  # fmt: skip
+        options = SimOptions(fast=True, keep_itl=False, startup_s=startup_s, host_cores=host_cores)
         run = SimCluster(with_policy(config, policy), book, work, options).run()
         runs[policy] = (run, time.perf_counter() - start)
     return runs

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from pdserve.bench.flags import file_stem
 from pdserve.bench.report import Slo
+from pdserve.sim.cluster import SimRun
 from pdserve.sim.replay import POLICIES, compare, outcome, phased_workload
 from pdserve.sim.replay_report import comparison_table, plot_policies, write_trace
 
@@ -21,8 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", required=True, help="the cluster YAML that `pdserve serve` takes")
     p.add_argument("--profile", action="append", default=[], help="profile file (repeatable)")
-    p.add_argument("--traces", nargs="+", default=["azure-conv", "azure-code"],
-                   help="traces replayed one after another (names or CSV files)")  # fmt: skip
+    p.add_argument(
+        "--traces",
+        nargs="+",
+        default=["azure-conv", "azure-code"],
+        help="traces replayed one after another (names or CSV files)",
+    )
     p.add_argument("--rate", type=float, required=True, help="mean req/s of every phase")
     p.add_argument("--phase-s", type=float, default=600.0, help="seconds of each trace")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
@@ -30,9 +36,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-len", type=int, default=4000)
     p.add_argument("--max-output-len", type=int, default=2000)
     p.add_argument("--write-trace", default=None, help="also save the workload as a trace CSV")
-    p.add_argument("--live", action="store_true",
-                   help="run each policy on a local cluster of --config (a model that runs "
-                        "here) instead of simulating it")  # fmt: skip
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="run each policy on a local cluster of --config (a model that runs "
+        "here) instead of simulating it",
+    )
     p.add_argument("--num-cpus", type=int, default=4, help="--live: the local Ray's CPUs")
     p.add_argument("--out", default="bench/out/sim", help="output folder")
     p.add_argument("--name", type=file_stem, default="planners")
@@ -42,8 +51,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_sim_planners(args: argparse.Namespace) -> int:
-    from pdserve.bench.report import header, write_json
-    from pdserve.bench.serve import command_line
     from pdserve.cluster.config import load_config
     from pdserve.sim.build import book_for
     from pdserve.sim.flags import assumptions_from
@@ -62,18 +69,52 @@ def cmd_sim_planners(args: argparse.Namespace) -> int:
     )
     slo = Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
     runs = compare(config, book, work, args.policies, args.startup_s, args.host_cores)
-    switch = starts[1] if len(starts) > 1 else 0.0
-    results = {p: {**outcome(run, slo, switch), "wall_s": round(wall, 2),
-                   "instances_over_time": run.counts, "planner_decisions": run.decisions}
-               for p, (run, wall) in runs.items()}  # fmt: skip
-    out = Path(args.out)
-    payload = {**header(command_line(args)), "config": str(args.config), "traces": args.traces,
-               "phase_starts_s": starts, "rate": args.rate, "policies": results}  # fmt: skip
-    paths = [write_json(out / f"{args.name}.json", payload)]
-    paths.append(plot_policies({p: r.counts for p, (r, _) in runs.items()}, starts, args.traces,
-                               out / f"{args.name}.png"))  # fmt: skip
+    results = _policy_results(runs, slo, starts)
+    paths = _write_planners(args, starts, runs, results)
     if args.write_trace:
         paths.append(write_trace(work, Path(args.write_trace)))
     print(comparison_table(results))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _policy_results(
+    runs: dict[str, tuple[SimRun, float]], slo: Slo, starts: list[float]
+) -> dict[str, dict[str, Any]]:
+    """Each policy's figures (the switch: the second trace's start), wall time and timeline."""
+    switch = starts[1] if len(starts) > 1 else 0.0
+    return {
+        p: {
+            **outcome(run, slo, switch),
+            "wall_s": round(wall, 2),
+            "instances_over_time": run.counts,
+            "planner_decisions": run.decisions,
+        }
+        for p, (run, wall) in runs.items()
+    }
+
+
+def _write_planners(
+    args: argparse.Namespace,
+    starts: list[float],
+    runs: dict[str, tuple[SimRun, float]],
+    results: dict[str, dict[str, Any]],
+) -> list[Path]:
+    """The replay's JSON and plot; the paths written."""
+    from pdserve.bench.report import header, write_json
+    from pdserve.bench.serve import command_line
+
+    out = Path(args.out)
+    payload = {
+        **header(command_line(args)),
+        "config": str(args.config),
+        "traces": args.traces,
+        "phase_starts_s": starts,
+        "rate": args.rate,
+        "policies": results,
+    }
+    counts = {p: r.counts for p, (r, _) in runs.items()}
+    return [
+        write_json(out / f"{args.name}.json", payload),
+        plot_policies(counts, starts, args.traces, out / f"{args.name}.png"),
+    ]

@@ -110,8 +110,13 @@ def counts_polled(
         while not done.is_set():
             status = ray.get(controller.status.remote())
             g = next(x for x in status.regions if x.name == region)
-            rows.append({"t_s": round(time.monotonic() - t0, 2),
-                         f"{region}.prefill": g.prefill, f"{region}.decode": g.decode})  # fmt: skip
+            rows.append(
+                {
+                    "t_s": round(time.monotonic() - t0, 2),
+                    f"{region}.prefill": g.prefill,
+                    f"{region}.decode": g.decode,
+                }
+            )
             if tracing and rows[-1] | {"t_s": 0} != rows[0] | {"t_s": 0}:
                 tracing = False  # keep the steps begun by the last poll at the first counts
                 take_steps(leaders, 0, steps)
@@ -151,22 +156,37 @@ def run_policy(
     with local_cluster(text, num_cpus, capacity=capacity_for(config)) as (endpoints, _):
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         target = f"grpc://{endpoints.grpc_address}"
-        leaders = [(f"{role}{i}", leader) for i, (role, leader)
-                   in enumerate(ray.get(controller.instance_handles.remote()))]  # fmt: skip
+        leaders = [
+            (f"{role}{i}", leader)
+            for i, (role, leader) in enumerate(ray.get(controller.instance_handles.remote()))
+        ]
         t0, wall0 = time.monotonic(), time.time()
         with counts_polled(controller, region, t0, leaders) as (counts, steps):
             result = serve_rates(ns, target, [None], label=policy)[0]
         events = ray.get(controller.status.remote()).scale_events
-    decisions = [{"t_s": round(e.at - wall0, 2), "action": e.action, "reason": e.reason,
-                  "prefill": e.prefill, "decode": e.decode}
-                 for e in events if e.source == "planner" and e.at >= wall0]  # fmt: skip
+    decisions = [
+        {
+            "t_s": round(e.at - wall0, 2),
+            "action": e.action,
+            "reason": e.reason,
+            "prefill": e.prefill,
+            "decode": e.decode,
+        }
+        for e in events
+        if e.source == "planner" and e.at >= wall0
+    ]
     return LiveRun(result.records, counts, decisions, time.monotonic() - t0, steps)
 
 
 def simulated_beside(
-    config: ClusterConfig, profile: str, work: SimWorkload, policy: str, run: LiveRun,
-    switch_s: float, args: argparse.Namespace,
-) -> dict[str, Any]:  # fmt: skip
+    config: ClusterConfig,
+    profile: str,
+    work: SimWorkload,
+    policy: str,
+    run: LiveRun,
+    switch_s: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """The live run's policy simulated on the same workload, with each role's steps
     as the live engines ran them while the counts were the first ones (fitted to
     those traced steps, each role beside the other's:
@@ -194,16 +214,24 @@ def simulated_beside(
     sim, _ = compare(config, book, work, [policy], startup, cores)[policy]
     slo = Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
     fitted = {role: dataclasses.asdict(f) for role, f in {"all": pooled, **fits}.items()}
-    return {**outcome(sim, slo, switch_s), "host_cores": cores, "startup_s": round(startup, 2),
-            "step_fits": fitted, "summary": sim.recorder.summary(slo),
-            "instances_over_time": sim.counts, "planner_decisions": sim.decisions}  # fmt: skip
+    return {
+        **outcome(sim, slo, switch_s),
+        "host_cores": cores,
+        "startup_s": round(startup, 2),
+        "step_fits": fitted,
+        "summary": sim.recorder.summary(slo),
+        "instances_over_time": sim.counts,
+        "planner_decisions": sim.decisions,
+    }
 
 
 def simulated_counts(results: dict[str, dict[str, Any]], first_s: float) -> dict[str, Any]:
     """Each policy's simulated counts over time on the live runs' clock (which starts
     at the trace's first request, ``first_s`` in virtual time)."""
-    return {p: [{**row, "t_s": row["t_s"] - first_s} for row in r["simulated"]["instances_over_time"]]
-            for p, r in results.items()}  # fmt: skip
+    return {
+        p: [{**row, "t_s": row["t_s"] - first_s} for row in r["simulated"]["instances_over_time"]]
+        for p, r in results.items()
+    }
 
 
 def met_and_arrivals(records: list[RequestRecord], slo: Slo) -> tuple[np.ndarray, np.ndarray]:
@@ -221,9 +249,21 @@ def replay_flags(work: SimWorkload, trace: Path, slo: Slo) -> argparse.Namespace
     add_workload_flags(p)
     add_load_flags(p)
     ttft, tpot = (100000.0 if s is None else s * 1e3 for s in (slo.ttft_s, slo.tpot_s))
-    ns = p.parse_args(["--trace", str(trace), "--num-requests", str(len(work)),
-                       "--warmup", "0", "--no-progress", "--ttft-slo-ms", str(ttft),
-                       "--tpot-slo-ms", str(tpot)])  # fmt: skip
+    ns = p.parse_args(
+        [
+            "--trace",
+            str(trace),
+            "--num-requests",
+            str(len(work)),
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--ttft-slo-ms",
+            str(ttft),
+            "--tpot-slo-ms",
+            str(tpot),
+        ]
+    )
     ns.api_key, ns.model = None, None
     return ns
 
@@ -232,7 +272,7 @@ def cmd_live(
     args: argparse.Namespace, config: ClusterConfig, work: SimWorkload, starts: list[float]
 ) -> int:
     """``pdserve sim-planners --live``: each policy on a local cluster of ``args.config``."""
-    from pdserve.bench.report import header, summarize, write_json
+    from pdserve.bench.report import summarize
     from pdserve.bench.serve import command_line
 
     out = Path(args.out)
@@ -253,21 +293,56 @@ def cmd_live(
         run = run_policy(text, policy, profile, ns, args.num_cpus)
         met, arrival = met_and_arrivals(run.records, slo)
         sim = simulated_beside(config, profile, work, policy, run, sim_switch, args)
-        results[policy] = {**figures(met, arrival, run.counts, run.decisions, switch),
-                           "wall_s": round(run.wall_s, 1),
-                           "summary": summarize(run.records, slo),
-                           "instances_over_time": run.counts,
-                           "planner_decisions": run.decisions, "simulated": sim}  # fmt: skip
-    payload = {**header(command_line(args)), "config": str(args.config), "live": True,
-               "traces": args.traces, "phase_starts_s": phases, "rate": args.rate,
-               "profile": profile, "policies": results}  # fmt: skip
-    counts = {p: r["instances_over_time"] for p, r in results.items()}
-    paths = [write_json(out / f"{args.name}.json", payload),
-             plot_policies(counts, phases, args.traces, out / f"{args.name}.png", "time",
-                           simulated_counts(results, float(work.arrival_s[0]))),
-             trace]  # fmt: skip
+        results[policy] = {
+            **figures(met, arrival, run.counts, run.decisions, switch),
+            "wall_s": round(run.wall_s, 1),
+            "summary": summarize(run.records, slo),
+            "instances_over_time": run.counts,
+            "planner_decisions": run.decisions,
+            "simulated": sim,
+        }
+    paths = _write_live(args, results, phases, profile, trace, float(work.arrival_s[0]))
     print(comparison_table(results))
     print("\nEach run beside its simulation with the steps as the live engines ran them:")
     print(beside_table(results))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _write_live(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    phases: list[float],
+    profile: str,
+    trace: Path,
+    first_arrival_s: float,
+) -> list[Path]:
+    """The live replay's JSON and plot (``phases``: when each trace began, on the replay's
+    clock); the paths written, the trace's last."""
+    from pdserve.bench.report import header, write_json
+    from pdserve.bench.serve import command_line
+
+    out = Path(args.out)
+    payload = {
+        **header(command_line(args)),
+        "config": str(args.config),
+        "live": True,
+        "traces": args.traces,
+        "phase_starts_s": phases,
+        "rate": args.rate,
+        "profile": profile,
+        "policies": results,
+    }
+    counts = {p: r["instances_over_time"] for p, r in results.items()}
+    return [
+        write_json(out / f"{args.name}.json", payload),
+        plot_policies(
+            counts,
+            phases,
+            args.traces,
+            out / f"{args.name}.png",
+            "time",
+            simulated_counts(results, first_arrival_s),
+        ),
+        trace,
+    ]

@@ -35,19 +35,24 @@ def _count(row: dict[str, Any], role: str) -> int:
 
 
 def figures(
-    met: np.ndarray, arrival: np.ndarray, counts: list[dict[str, Any]],
-    decisions: list[dict[str, Any]], switch_s: float,
-) -> dict[str, Any]:  # fmt: skip
+    met: np.ndarray,
+    arrival: np.ndarray,
+    counts: list[dict[str, Any]],
+    decisions: list[dict[str, Any]],
+    switch_s: float,
+) -> dict[str, Any]:
     """One policy's figures: SLO attainment, reaction to the switch, device-seconds.
     ``met`` and ``arrival``: per request; ``counts``: serving instances over time
     (``t_s`` and ``{region}.{role}`` keys); ``decisions``: ``t_s`` and ``action``."""
     after = arrival >= switch_s
     before = [r for r in counts if r["t_s"] <= switch_s]
     base_p = _count(before[-1], "prefill") if before else 0
-    served = next((r["t_s"] for r in counts
-                   if r["t_s"] > switch_s and _count(r, "prefill") > base_p), None)  # fmt: skip
-    asked = next((d["t_s"] for d in decisions
-                  if d["t_s"] > switch_s and d["action"] == "add_prefill"), None)  # fmt: skip
+    served = next(
+        (r["t_s"] for r in counts if r["t_s"] > switch_s and _count(r, "prefill") > base_p), None
+    )
+    asked = next(
+        (d["t_s"] for d in decisions if d["t_s"] > switch_s and d["action"] == "add_prefill"), None
+    )
     device_s = sum(
         (b["t_s"] - a["t_s"]) * (_count(a, "prefill") + _count(a, "decode"))
         for a, b in itertools.pairwise(counts)
@@ -67,9 +72,13 @@ def figures(
 
 
 def plot_policies(
-    counts: dict[str, list[dict[str, Any]]], starts: list[float], traces: list[str], path: Path,
-    clock: str = "virtual time", beside: dict[str, list[dict[str, Any]]] | None = None,
-) -> Path:  # fmt: skip
+    counts: dict[str, list[dict[str, Any]]],
+    starts: list[float],
+    traces: list[str],
+    path: Path,
+    clock: str = "virtual time",
+    beside: dict[str, list[dict[str, Any]]] | None = None,
+) -> Path:
     """Prefill and decode instances over time (``counts``: each policy's rows), one
     panel per policy; ``beside``: each policy's simulated rows, dashed."""
     import matplotlib
@@ -85,8 +94,15 @@ def plot_policies(
             ax.step(times, [_count(r, role) for r in rows], where="post", label=role, color=color)
             sim = (beside or {}).get(policy, [])
             if sim:
-                ax.step([r["t_s"] for r in sim], [_count(r, role) for r in sim], where="post",
-                        color=color, ls="--", alpha=0.7, label=f"{role}, simulated")  # fmt: skip
+                ax.step(
+                    [r["t_s"] for r in sim],
+                    [_count(r, role) for r in sim],
+                    where="post",
+                    color=color,
+                    ls="--",
+                    alpha=0.7,
+                    label=f"{role}, simulated",
+                )
         for start, name in zip(starts, traces, strict=True):
             ax.axvline(start, color="grey", lw=0.8, ls="--")
             ax.text(start, ax.get_ylim()[1], f" {name}", va="top", fontsize=8, color="grey")
@@ -112,8 +128,9 @@ def startup_seen(counts: list[dict[str, Any]], decisions: list[dict[str, Any]]) 
         if role == d["action"] or not before:
             continue
         base = _count(before[-1], role)
-        up = next((r["t_s"] for r in counts
-                   if r["t_s"] > d["t_s"] and _count(r, role) > base), None)  # fmt: skip
+        up = next(
+            (r["t_s"] for r in counts if r["t_s"] > d["t_s"] and _count(r, role) > base), None
+        )
         if up is not None:
             delays.append(up - d["t_s"])
     return float(np.median(delays)) if delays else None
@@ -128,8 +145,15 @@ def latency_figures(summary: dict[str, Any]) -> dict[str, Any]:
 def beside_table(results: dict[str, dict[str, Any]]) -> str:
     """Each policy's live figures beside its simulation's (``results[policy]`` and its
     ``simulated`` entry): SLO attainment, latency percentiles, failed requests."""
-    cols = ["slo_met", "slo_met_after_switch", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90",
-            "failed"]  # fmt: skip
+    cols = [
+        "slo_met",
+        "slo_met_after_switch",
+        "ttft_p50",
+        "ttft_p90",
+        "tpot_p50",
+        "tpot_p90",
+        "failed",
+    ]
     lines = ["| policy | run | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
     for policy, live in results.items():
         for label, r in (("live", live), ("simulated", live["simulated"])):
@@ -141,13 +165,19 @@ def beside_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
-    cols = [("slo_met", "SLO met"), ("slo_met_after_switch", "met after switch"),
-            ("slo_missed_after_switch", "missed after switch"),
-            ("first_add_prefill_after_switch_s", "add_prefill after (s)"),
-            ("more_prefill_serving_after_s", "more prefill serving after (s)"),
-            ("device_s", "device-s"), ("decisions", "decisions")]  # fmt: skip
-    lines = ["| policy | " + " | ".join(c for _, c in cols) + " |",
-             "| --- |" + " --- |" * len(cols)]  # fmt: skip
+    cols = [
+        ("slo_met", "SLO met"),
+        ("slo_met_after_switch", "met after switch"),
+        ("slo_missed_after_switch", "missed after switch"),
+        ("first_add_prefill_after_switch_s", "add_prefill after (s)"),
+        ("more_prefill_serving_after_s", "more prefill serving after (s)"),
+        ("device_s", "device-s"),
+        ("decisions", "decisions"),
+    ]
+    lines = [
+        "| policy | " + " | ".join(c for _, c in cols) + " |",
+        "| --- |" + " --- |" * len(cols),
+    ]
     for policy, r in results.items():
         lines.append(f"| {policy} | " + " | ".join(str(r[k]) for k, _ in cols) + " |")
     return "\n".join(lines)

@@ -22,8 +22,18 @@ def per_role(instances: list[SimInstance], span_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for inst in instances:
         key = f"{inst.region}.{inst.role}"
-        row = out.setdefault(key, {"instances": 0, "steps": 0, "busy_s": 0.0, "batch_sum": 0,
-                                   "tokens": 0, "preemptions": 0, "schedule_calls": 0})  # fmt: skip
+        row = out.setdefault(
+            key,
+            {
+                "instances": 0,
+                "steps": 0,
+                "busy_s": 0.0,
+                "batch_sum": 0,
+                "tokens": 0,
+                "preemptions": 0,
+                "schedule_calls": 0,
+            },
+        )
         s = inst.stats
         row["instances"] += 1
         row["steps"] += s.steps

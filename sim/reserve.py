@@ -34,9 +34,13 @@ def decode_order(view: ClusterView, region: str) -> list[str]:
 
 
 def reserve(
-    instances: dict[str, SimInstance], view: ClusterView, retries: RetryBudget,
-    region: str, first: SimInstance, probe: Request,
-) -> tuple[SimInstance, int] | None:  # fmt: skip
+    instances: dict[str, SimInstance],
+    view: ClusterView,
+    retries: RetryBudget,
+    region: str,
+    first: SimInstance,
+    probe: Request,
+) -> tuple[SimInstance, int] | None:
     """Reserve pages for ``probe`` on ``first``, then (within the retry budget) on the
     fastest others: the instance and its cached tokens, or None."""
     for attempt, decode in enumerate(_order(instances, view, region, first)):

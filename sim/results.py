@@ -155,11 +155,22 @@ class Recorder:
             e2e = float(self.end[i]) - sent
             n = int(self.tokens[i])
             tpot = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
-            out.append(RequestRecord(
-                int(i), float(self.arrival[i]), sent, int(self.prompt_len[i]),
-                int(self.output_len[i]), ok, None if ok else ERRORS[self.error[i]], n, ttft, tpot,
-                e2e, list(self.itl.get(int(i), ())) if self.itl is not None else [],
-            ))  # fmt: skip
+            out.append(
+                RequestRecord(
+                    int(i),
+                    float(self.arrival[i]),
+                    sent,
+                    int(self.prompt_len[i]),
+                    int(self.output_len[i]),
+                    ok,
+                    None if ok else ERRORS[self.error[i]],
+                    n,
+                    ttft,
+                    tpot,
+                    e2e,
+                    list(self.itl.get(int(i), ())) if self.itl is not None else [],
+                )
+            )
         return out
 
     def summary(
@@ -203,16 +214,23 @@ class Recorder:
 
         total = int(mask.sum())
         return {
-            "num_requests": total, "num_ok": int(ok.sum()), "num_failed": total - int(ok.sum()),
+            "num_requests": total,
+            "num_ok": int(ok.sum()),
+            "num_failed": total - int(ok.sum()),
             "errors": {k: v for k, v in errors.items() if v},
             "offered_rate_rps": (total - 1) / span if span > 0 else None,
             "window_s": round(window, 4),
             "throughput_rps": int(ok.sum()) / window if window > 0 else 0.0,
             "output_tok_s": float(n[ok].sum()) / window if window > 0 else 0.0,
             "input_tok_s": float(self.prompt_len[ok].sum()) / window if window > 0 else 0.0,
-            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": {}, "e2e_ms": ms(e2e),
-            "slo": {"ttft_ms": None if slo.ttft_s is None else slo.ttft_s * 1e3,
-                    "tpot_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3},
+            "ttft_ms": ms(ttft),
+            "tpot_ms": ms(tpot),
+            "itl_ms": {},
+            "e2e_ms": ms(e2e),
+            "slo": {
+                "ttft_ms": None if slo.ttft_s is None else slo.ttft_s * 1e3,
+                "tpot_ms": None if slo.tpot_s is None else slo.tpot_s * 1e3,
+            },
             "attainment": float(meets.sum()) / total if total else 0.0,
             "goodput_rps": float(meets.sum()) / window if window > 0 else 0.0,
-        }  # fmt: skip
+        }

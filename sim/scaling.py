@@ -44,9 +44,15 @@ class SimScaling:
     def apply(self, d: PlannerDecision, now: float) -> None:
         c = self.c
         c.run_info.decisions.append(
-            {"t_s": round(now, 3), "region": d.region, "action": d.action, "count": d.count,
-             "reason": d.reason, "applied": d.applied}
-        )  # fmt: skip
+            {
+                "t_s": round(now, 3),
+                "region": d.region,
+                "action": d.action,
+                "count": d.count,
+                "reason": d.reason,
+                "applied": d.applied,
+            }
+        )
         if not d.applied:
             return
         verb, role = d.action.split("_", 1)
@@ -61,8 +67,11 @@ class SimScaling:
             self.count(d.action)
 
     def drain_one(self, region: str, role: str) -> None:
-        members = [x for x in self.c.instances.values()
-                   if x.region == region and x.role == role and not x.draining]  # fmt: skip
+        members = [
+            x
+            for x in self.c.instances.values()
+            if x.region == region and x.role == role and not x.draining
+        ]
         if len(members) <= 1:
             return
         victim = min(members, key=lambda x: x.view.inflight)
@@ -88,7 +97,8 @@ class SimScaling:
         for region in c.regions:
             for role in ("prefill", "decode"):
                 row[f"{region}.{role}"] = sum(
-                    1 for x in c.instances.values()
+                    1
+                    for x in c.instances.values()
                     if x.region == region and x.role == role and not x.draining
-                )  # fmt: skip
+                )
         c.run_info.counts.append(row)

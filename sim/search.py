@@ -16,9 +16,13 @@ from collections.abc import Callable, Sequence
 
 
 def smallest_near(
-    lo: int, hint: int, hi: int, fits: Callable[[int], bool],
-    lookahead: Callable[[Sequence[int]], None] | None = None, width: int = 1,
-) -> int | None:  # fmt: skip
+    lo: int,
+    hint: int,
+    hi: int,
+    fits: Callable[[int], bool],
+    lookahead: Callable[[Sequence[int]], None] | None = None,
+    width: int = 1,
+) -> int | None:
     """Fewest count in [lo, hi] for which ``fits(count)`` holds (monotone), or None.
 
     The search starts at ``hint`` and gallops away from it, down while counts

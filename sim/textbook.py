@@ -31,9 +31,15 @@ class SingleInstance:
 
 
 def single_instance(
-    prefill: Profile, decode: Profile, prompt: float, output: float, tpot_slo_s: float,
-    max_num_seqs: int, peak_bw: float, kv_tokens: int | None = None,
-) -> SingleInstance:  # fmt: skip
+    prefill: Profile,
+    decode: Profile,
+    prompt: float,
+    output: float,
+    tpot_slo_s: float,
+    max_num_seqs: int,
+    peak_bw: float,
+    kv_tokens: int | None = None,
+) -> SingleInstance:
     """``kv_tokens``: the decode KV cache when the config sets it (else the profile's)."""
     prefill_s = prefill.step.time(StepFeatures.of([(round(prompt), 0)]))
     ctx = round(prompt + output / 2)  # mean context over a request's decode
@@ -81,9 +87,15 @@ def safe_utilisation(
 
 
 def textbook_plan(
-    rate: float, one: SingleInstance, output: float, ttft_slo_s: float, headroom: float,
-    spares: int, arrival_cv2: float = 1.0, tail: float = 1.0,
-) -> TextbookPlan:  # fmt: skip
+    rate: float,
+    one: SingleInstance,
+    output: float,
+    ttft_slo_s: float,
+    headroom: float,
+    spares: int,
+    arrival_cv2: float = 1.0,
+    tail: float = 1.0,
+) -> TextbookPlan:
     rho = safe_utilisation(one.prefill_s, ttft_slo_s, arrival_cv2, tail)
     mu_p = 1.0 / one.prefill_s
     mu_d = one.batch / (one.step_at_batch_s * output) if one.batch else 0.0

@@ -96,10 +96,14 @@ def per_point(measured: list[Measured], points: int) -> list[list[Measured]]:
 def _config_args(args: argparse.Namespace) -> argparse.Namespace:
     """What :func:`pdserve.bench.headline.cluster_setup` reads."""
     return argparse.Namespace(
-        model=args.model, connector="shm", max_num_batched_tokens=256,
-        prefill_max_num_batched_tokens=2048, cores=args.cores, ttft_slo_ms=100000.0,
+        model=args.model,
+        connector="shm",
+        max_num_batched_tokens=256,
+        prefill_max_num_batched_tokens=2048,
+        cores=args.cores,
+        ttft_slo_ms=100000.0,
         tpot_slo_ms=100000.0,
-    )  # fmt: skip
+    )
 
 
 def setup_config(setup: str, args: argparse.Namespace) -> tuple[str, dict[str, tuple[int, ...]]]:
@@ -139,8 +143,10 @@ def measure(text: str, setup: str, runs: Runs, args: argparse.Namespace) -> list
     out = []
     with local_cluster(text, len(args.cores), pins) as (endpoints, _):
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-        leaders = [(f"{role}{i}", leader) for i, (role, leader)
-                   in enumerate(ray.get(controller.instance_handles.remote()))]  # fmt: skip
+        leaders = [
+            (f"{role}{i}", leader)
+            for i, (role, leader) in enumerate(ray.get(controller.instance_handles.remote()))
+        ]
         target = f"grpc://{endpoints.grpc_address}"
         for i, (ns, rate) in enumerate(runs):
             with traced(leaders) as steps:
@@ -157,24 +163,26 @@ def calibration_row(
     steps by kind against the calibrated model (:meth:`Measured.kinds`)."""
     step = book.profiles[0].step
     roles = {role: scaled(step, fit) for role, fit in overhead.role_live.items()}
-    return {"compute_scale": round(overhead.live.compute_scale, 4),
-            "memory_scale": round(overhead.live.memory_scale, 4),
-            "step_offset_ms": round(overhead.live.offset_s * 1e3, 3),
-            "cold_compute": round(overhead.live.cold_compute, 4),
-            "cold_factor": round(overhead.live.cold_factor, 4),
-            "shared_compute": round(overhead.live.shared_compute, 4),
-            "shared_factor": round(overhead.live.shared_factor, 4),
-            "traced_steps": overhead.live.steps,
-            "jitter": round(overhead.live.jitter, 4),
-            "jitter_s": round(overhead.live.jitter_s, 4),
-            "step_overhead_ms": round(overhead.step_s * 1e3, 3),
-            "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
-            "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
-            "request_overhead_ms": round(overhead.request_s * 1e3, 3),
-            "role_fits": {role: dataclasses.asdict(fit) for role, fit in overhead.role_live.items()},
-            "calibration": [m.summary for m in runs],
-            "steps_by_kind": Measured.kinds(runs, roles, scaled(step, overhead.live)),
-            "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
+    return {
+        "compute_scale": round(overhead.live.compute_scale, 4),
+        "memory_scale": round(overhead.live.memory_scale, 4),
+        "step_offset_ms": round(overhead.live.offset_s * 1e3, 3),
+        "cold_compute": round(overhead.live.cold_compute, 4),
+        "cold_factor": round(overhead.live.cold_factor, 4),
+        "shared_compute": round(overhead.live.shared_compute, 4),
+        "shared_factor": round(overhead.live.shared_factor, 4),
+        "traced_steps": overhead.live.steps,
+        "jitter": round(overhead.live.jitter, 4),
+        "jitter_s": round(overhead.live.jitter_s, 4),
+        "step_overhead_ms": round(overhead.step_s * 1e3, 3),
+        "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
+        "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
+        "request_overhead_ms": round(overhead.request_s * 1e3, 3),
+        "role_fits": {role: dataclasses.asdict(fit) for role, fit in overhead.role_live.items()},
+        "calibration": [m.summary for m in runs],
+        "steps_by_kind": Measured.kinds(runs, roles, scaled(step, overhead.live)),
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def validate(
@@ -204,8 +212,14 @@ def validate(
         measured[setup] = kept_entry(text, book, runs, real)
         ends = len(real) - len(after)  # where the points' runs end
         fitted = real[: len(cal)] + real[ends:]
-        overhead = calibrate(text, book, [m.summary for m in fitted], cal + after,
-                             Measured.role_traces(fitted), per_role=args.role_fit)  # fmt: skip
+        overhead = calibrate(
+            text,
+            book,
+            [m.summary for m in fitted],
+            cal + after,
+            Measured.role_traces(fitted),
+            per_role=args.role_fit,
+        )
         calibrations[setup] = calibration_row(overhead, book, fitted, start)  # noise fitted
         if getattr(args, "write_profiles", False):
             calibrations[setup]["written"] = write_calibrated(setup, text, book, overhead, args)
@@ -236,10 +250,16 @@ def write_calibrated(
 
 
 def point_rows(
-    mine: list[Point], flags: list[argparse.Namespace], text: str, book: Any,
-    overhead: Overhead, real: list[Measured], cal: Runs, baselines: list[Measured],
+    mine: list[Point],
+    flags: list[argparse.Namespace],
+    text: str,
+    book: Any,
+    overhead: Overhead,
+    real: list[Measured],
+    cal: Runs,
+    baselines: list[Measured],
     args: argparse.Namespace,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """One setup's rows: each point simulated with the calibration (``overhead``), with
     the steps its first run ran, and with ``--host-check`` with the steps scaled by
     the checks measured before its runs (``real``: calibration runs, then the rounds)
@@ -262,10 +282,14 @@ def point_rows(
         row.update(sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own))
         if checks is not None:
             factors = host_factors(role_models, live_model, baselines, checks[k])
-            checked = simulate_each(text, book, ns, point.rate,
-                                    [rescaled(overhead, f) for f in factors], draws)  # fmt: skip
-            row.update(host_factors=factors, sim_host_checked=checked,
-                       compare_host_checked=compare_point(row.get("real_mean", row["real"]), checked))  # fmt: skip
+            checked = simulate_each(
+                text, book, ns, point.rate, [rescaled(overhead, f) for f in factors], draws
+            )
+            row.update(
+                host_factors=factors,
+                sim_host_checked=checked,
+                compare_host_checked=compare_point(row.get("real_mean", row["real"]), checked),
+            )
         rows.append(row)
     return rows
 
@@ -273,49 +297,97 @@ def point_rows(
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim-validate", help="simulated against measured latency, point by point")
     p.add_argument("--model", default="builtin:small")
-    p.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS),
-                   help="SETUP:WORKLOAD:RATE[:cN][:tS] (setups: colocated, disaggregated; "
-                        "workloads: conv, code, long; cN: at most N requests in flight; "
-                        "tS: a request times out S seconds after it was sent)")  # fmt: skip
+    _add_point_flags(p)
+    _add_fit_flags(p)
+    _add_trace_flags(p)
+    p.set_defaults(func=cmd_sim_validate, prog="pdserve sim-validate")
+
+
+def _add_point_flags(p: argparse.ArgumentParser) -> None:
+    """The points, their workloads and runs."""
+    p.add_argument(
+        "--points",
+        nargs="+",
+        default=list(DEFAULT_POINTS),
+        help="SETUP:WORKLOAD:RATE[:cN][:tS] (setups: colocated, disaggregated; "
+        "workloads: conv, code, long; cN: at most N requests in flight; "
+        "tS: a request times out S seconds after it was sent)",
+    )
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--length-scale", type=float, default=0.25, help="for the Azure traces")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibration-requests", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=1,
-                   help="measure every point this many times (in turn, after the calibration): "
-                        "the simulation is compared with the runs' mean figures, and each "
-                        "later run with the first")  # fmt: skip
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure every point this many times (in turn, after the calibration): "
+        "the simulation is compared with the runs' mean figures, and each "
+        "later run with the first",
+    )
     p.add_argument("--cores", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", default="bench/out/sim")
     p.add_argument("--name", type=file_stem, default="validation")
-    p.add_argument("--role-fit", action=argparse.BooleanOptionalAction, default=True,
-                   help="fit each role's steps on their own, beside the other role's "
-                        "(--no-role-fit: one fit of every instance's steps)")  # fmt: skip
-    p.add_argument("--host-check", action="store_true",
-                   help="before each measured run, four single 1,024-token requests (as in "
-                        "the calibration): the simulation is also given each role's steps "
-                        "scaled by how much slower the engines ran them than in the "
-                        "calibration (the host's drift)")  # fmt: skip
-    p.add_argument("--calibrate-around", action="store_true",
-                   help="measure the calibration runs again after the points and fit on both: "
-                        "a host whose speed drifts over minutes is calibrated at its mean "
-                        "over the points, not at that of the minutes before them")  # fmt: skip
-    p.add_argument("--noise-draws", type=int, default=0, metavar="N",
-                   help="simulate the steps' and requests' noise about the calibrated model "
-                        "(its spread and how long a deviation lasts, fitted on the traced "
-                        "steps; pdserve.sim.jitter), N draws of it, and compare the mean of "
-                        "their figures (0: no noise)")  # fmt: skip
-    p.add_argument("--keep-traces", action="store_true",
-                   help="also write NAME-traces.json: per setup the cluster YAML, the profile "
-                        "and every measured run with its engines' traced steps")  # fmt: skip
-    p.add_argument("--write-profiles", action="store_true",
-                   help="also write each setup's cluster YAML and calibrated profile "
-                        "(NAME-SETUP.yaml, NAME-SETUP-profile.json) and print, per point, the "
-                        "`pdserve sim` command that simulates it with them")  # fmt: skip
-    p.add_argument("--from-traces", default=None, metavar="FILE",
-                   help="measure nothing: calibrate and simulate again on a --keep-traces "
-                        "file's runs (the same points, --repeat and request counts)")  # fmt: skip
-    p.set_defaults(func=cmd_sim_validate, prog="pdserve sim-validate")
+
+
+def _add_fit_flags(p: argparse.ArgumentParser) -> None:
+    """How the calibration fits the steps and what the simulation is given."""
+    p.add_argument(
+        "--role-fit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fit each role's steps on their own, beside the other role's "
+        "(--no-role-fit: one fit of every instance's steps)",
+    )
+    p.add_argument(
+        "--host-check",
+        action="store_true",
+        help="before each measured run, four single 1,024-token requests (as in "
+        "the calibration): the simulation is also given each role's steps "
+        "scaled by how much slower the engines ran them than in the "
+        "calibration (the host's drift)",
+    )
+    p.add_argument(
+        "--calibrate-around",
+        action="store_true",
+        help="measure the calibration runs again after the points and fit on both: "
+        "a host whose speed drifts over minutes is calibrated at its mean "
+        "over the points, not at that of the minutes before them",
+    )
+    p.add_argument(
+        "--noise-draws",
+        type=int,
+        default=0,
+        metavar="N",
+        help="simulate the steps' and requests' noise about the calibrated model "
+        "(its spread and how long a deviation lasts, fitted on the traced "
+        "steps; pdserve.sim.jitter), N draws of it, and compare the mean of "
+        "their figures (0: no noise)",
+    )
+
+
+def _add_trace_flags(p: argparse.ArgumentParser) -> None:
+    """What is written besides the figures, and runs read back instead of measured."""
+    p.add_argument(
+        "--keep-traces",
+        action="store_true",
+        help="also write NAME-traces.json: per setup the cluster YAML, the profile "
+        "and every measured run with its engines' traced steps",
+    )
+    p.add_argument(
+        "--write-profiles",
+        action="store_true",
+        help="also write each setup's cluster YAML and calibrated profile "
+        "(NAME-SETUP.yaml, NAME-SETUP-profile.json) and print, per point, the "
+        "`pdserve sim` command that simulates it with them",
+    )
+    p.add_argument(
+        "--from-traces",
+        default=None,
+        metavar="FILE",
+        help="measure nothing: calibrate and simulate again on a --keep-traces "
+        "file's runs (the same points, --repeat and request counts)",
+    )
 
 
 def checked_points(args: argparse.Namespace) -> list[Point]:
@@ -341,33 +413,65 @@ def checked_points(args: argparse.Namespace) -> list[Point]:
 
 
 def cmd_sim_validate(args: argparse.Namespace) -> int:
-    from pdserve.bench.report import header, write_json
-    from pdserve.bench.serve import command_line
     from pdserve.core.builtin_models import resolve_model
-    from pdserve.sim.validate_report import (
-        calibration_lines,
-        failed_lines,
-        host_check_lines,
-        mean_abs_error,
-        repeat_table,
-        table,
-    )
 
     points = checked_points(args)
     kept = read_kept(Path(args.from_traces)) if getattr(args, "from_traces", None) else None
     if kept is None:
         resolve_model(args.model)
     rows, calibrations, measured = validate(points, args, kept)
+    path, payload = _write_results(args, rows, calibrations, measured)
+    _print_results(args, points, rows, calibrations, payload)
+    print(f"wrote {path}")
+    return 0
+
+
+def _write_results(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    calibrations: dict[str, Any],
+    measured: dict[str, Any],
+) -> tuple[Path, dict[str, Any]]:
+    """The validation's JSON (and, with --keep-traces, the runs' traces): its path and
+    what it holds."""
+    from pdserve.bench.report import header, write_json
+    from pdserve.bench.serve import command_line
+    from pdserve.sim.validate_report import mean_abs_error
+
     apart = mean_abs_error([run for r in rows for run in r.get("compare_runs", [])])
-    payload = {**header(command_line(args)), "tolerance": TOLERANCE, "points": rows,
-               "calibration": calibrations,
-               "mean_abs_error": mean_abs_error([r["compare"] for r in rows]),
-               "runs_mean_abs_difference": apart}  # fmt: skip
+    payload = {
+        **header(command_line(args)),
+        "tolerance": TOLERANCE,
+        "points": rows,
+        "calibration": calibrations,
+        "mean_abs_error": mean_abs_error([r["compare"] for r in rows]),
+        "runs_mean_abs_difference": apart,
+    }
     path = write_json(Path(args.out) / f"{args.name}.json", payload)
     if getattr(args, "keep_traces", False):
-        traces = write_json(Path(args.out) / f"{args.name}-traces.json",
-                            {**header(command_line(args)), "setups": measured})  # fmt: skip
+        traces = write_json(
+            Path(args.out) / f"{args.name}-traces.json",
+            {**header(command_line(args)), "setups": measured},
+        )
         print(f"wrote {traces}")
+    return path, payload
+
+
+def _print_results(
+    args: argparse.Namespace,
+    points: list[Point],
+    rows: list[dict[str, Any]],
+    calibrations: dict[str, Any],
+    payload: dict[str, Any],
+) -> None:
+    from pdserve.sim.validate_report import (
+        calibration_lines,
+        failed_lines,
+        host_check_lines,
+        repeat_table,
+        table,
+    )
+
     print(table(rows))
     for line in failed_lines(rows):
         print(line)
@@ -378,10 +482,12 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
     if getattr(args, "host_check", False):
         print("\nThe same, simulated with each role's steps scaled by the host checks:")
         print("\n".join(host_check_lines(rows)))
-    print("\n".join([*calibration_lines(rows, calibrations),
-                     *written_lines(points, args, calibrations)]))  # fmt: skip
+    print(
+        "\n".join(
+            [*calibration_lines(rows, calibrations), *written_lines(points, args, calibrations)]
+        )
+    )
     print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
+    apart = payload["runs_mean_abs_difference"]
     if apart is not None:
         print(f"later runs against the first: mean |difference| {apart}")
-    print(f"wrote {path}")
-    return 0

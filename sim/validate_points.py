@@ -33,10 +33,13 @@ SETUPS = ("colocated", "disaggregated")
 # (setup, workload, rate req/s) of the default run: each workload at a low rate and
 # near saturation on builtin:small, two cores
 DEFAULT_POINTS = (
-    "colocated:conv:0.3", "colocated:conv:1.2",
-    "disaggregated:code:0.3", "disaggregated:code:1.0",
-    "disaggregated:long:0.2", "colocated:long:0.8",
-)  # fmt: skip
+    "colocated:conv:0.3",
+    "colocated:conv:1.2",
+    "disaggregated:code:0.3",
+    "disaggregated:code:1.0",
+    "disaggregated:long:0.2",
+    "colocated:long:0.8",
+)
 
 
 @dataclass(frozen=True)
@@ -54,23 +57,29 @@ class Point:
             limits = {f[0]: f[1:] for f in fields[3:]}
             if len(fields) < 3 or len(limits) != len(fields) - 3 or set(limits) - {"c", "t"}:
                 raise ValueError(text)
-            point = cls(fields[0], fields[1], float(fields[2]),
-                        int(limits["c"]) if "c" in limits else None,
-                        float(limits["t"]) if "t" in limits else None)  # fmt: skip
+            point = cls(
+                fields[0],
+                fields[1],
+                float(fields[2]),
+                int(limits["c"]) if "c" in limits else None,
+                float(limits["t"]) if "t" in limits else None,
+            )
         except (ValueError, IndexError):
             raise InvalidArgumentError(
                 "point", f"{text!r} is not SETUP:WORKLOAD:RATE[:cN][:tS]"
             ) from None
         if (
-            point.setup not in SETUPS or point.workload not in WORKLOADS
+            point.setup not in SETUPS
+            or point.workload not in WORKLOADS
             or not 0 < point.rate < math.inf
             or (point.concurrency is not None and point.concurrency < 1)
             or (point.timeout_s is not None and not 0 < point.timeout_s < math.inf)
-        ):  # fmt: skip
+        ):
             raise InvalidArgumentError(
-                "point", f"{text!r}: setup in {SETUPS}, workload in {sorted(WORKLOADS)}, "
+                "point",
+                f"{text!r}: setup in {SETUPS}, workload in {sorted(WORKLOADS)}, "
                 "rate > 0 and finite, cN with N >= 1, tS with S > 0 and finite",
-            )  # fmt: skip
+            )
         return point
 
     @property
@@ -99,10 +108,26 @@ def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
 def sim_command(point: Point, args: argparse.Namespace, written: dict[str, str]) -> str:
     """The ``pdserve sim`` command that simulates ``point`` with its setup's calibrated
     profile and cluster (``written``: their files, ``--write-profiles``)."""
-    return shlex.join(["pdserve", "sim", "--config", written["config"], "--profile",
-                       written["profile"], "--full", "--rate", f"{point.rate:g}",
-                       *workload_flags(point, args), "--num-requests", str(args.num_requests),
-                       "--seed", str(args.seed), "--noise-draws", str(args.noise_draws)])  # fmt: skip
+    return shlex.join(
+        [
+            "pdserve",
+            "sim",
+            "--config",
+            written["config"],
+            "--profile",
+            written["profile"],
+            "--full",
+            "--rate",
+            f"{point.rate:g}",
+            *workload_flags(point, args),
+            "--num-requests",
+            str(args.num_requests),
+            "--seed",
+            str(args.seed),
+            "--noise-draws",
+            str(args.noise_draws),
+        ]
+    )
 
 
 def written_lines(

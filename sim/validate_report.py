@@ -19,8 +19,10 @@ def table(rows: list[dict[str, Any]], key: str = "compare", run: int | None = No
     measured run / the later run ``run`` of ``row[key]``), the error, * outside the
     tolerance; then how many figures are within it."""
     label = "real / sim" if run is None else "run 1 / run " + str(run + 2)
-    lines = ["| point | " + " | ".join(f"{k} {label} ms (error)" for k in KEYS) + " |",
-             "| --- |" + " ---: |" * len(KEYS)]  # fmt: skip
+    lines = [
+        "| point | " + " | ".join(f"{k} {label} ms (error)" for k in KEYS) + " |",
+        "| --- |" + " ---: |" * len(KEYS),
+    ]
     within = 0
     for row in rows:
         cells = []
@@ -40,8 +42,10 @@ def table(rows: list[dict[str, Any]], key: str = "compare", run: int | None = No
 def repeat_table(rows: list[dict[str, Any]]) -> str:
     """Each later measured run of every point against its first run (with ``--repeat``)."""
     repeats = len(rows[0].get("compare_runs", [])) if rows else 0
-    parts = ["\nThe real system against itself: each later run of a point against its first "
-             "(the simulation above is compared with the runs' mean figures)"]  # fmt: skip
+    parts = [
+        "\nThe real system against itself: each later run of a point against its first "
+        "(the simulation above is compared with the runs' mean figures)"
+    ]
     parts += [table(rows, "compare_runs", run) for run in range(repeats)]
     return "\n".join(parts)
 
@@ -55,12 +59,15 @@ def mean_figures(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _fit_text(c: float, m: float, offset_ms: float, cold: tuple[float, float],
-              shared: tuple[float, float], steps: int, noise: tuple[float, float]) -> str:  # fmt: skip
-    return (f"compute x{c:.4g}, the rest x{m:.4g}, + {offset_ms:.3g} ms; after idling, "
-            f"compute x{1 + cold[0]:.2f} and the rest x{1 + cold[1]:.2f}; beside another "
-            f"instance's step, x{1 + shared[0]:.2f} and x{1 + shared[1]:.2f}; noise sd "
-            f"{noise[0]:.3f} in log over {noise[1] * 1e3:.0f} ms (from {steps} traced steps)")  # fmt: skip
+def _fit_text(f: dict[str, Any], offset_ms: float, steps: int) -> str:
+    """One fit of the step model: ``f`` holds its scales, cold and shared factors and noise."""
+    return (
+        f"compute x{f['compute_scale']:.4g}, the rest x{f['memory_scale']:.4g}, "
+        f"+ {offset_ms:.3g} ms; after idling, compute x{1 + f['cold_compute']:.2f} and the "
+        f"rest x{1 + f['cold_factor']:.2f}; beside another instance's step, "
+        f"x{1 + f['shared_compute']:.2f} and x{1 + f['shared_factor']:.2f}; noise sd "
+        f"{f['jitter']:.3f} in log over {f['jitter_s'] * 1e3:.0f} ms (from {steps} traced steps)"
+    )
 
 
 def kinds_text(kinds: dict[str, dict[str, dict[str, float]]]) -> str:
@@ -81,48 +88,63 @@ def failed_lines(rows: list[dict[str, Any]]) -> list[str]:
         if failed["sim"] or any(failed["real"]):
             real = ", ".join(str(n) for n in failed["real"])
             why = "; ".join(f"{n} {e}" for e, n in row["sim"].get("errors", {}).items())
-            lines.append(f"{row['point']}: failed requests, real {real} / sim {failed['sim']}"
-                         + (f" ({why})" if why else ""))  # fmt: skip
+            lines.append(
+                f"{row['point']}: failed requests, real {real} / sim {failed['sim']}"
+                + (f" ({why})" if why else "")
+            )
     return lines
 
 
 def calibration_lines(rows: list[dict[str, Any]], calibrations: dict[str, Any]) -> list[str]:
-    lines = []
-    for row in rows:
-        ratios = ", ".join(f"{name} {r['median_ratio']}x" for name, r in row["live_steps"].items())
-        lines.append(f"{row['point']}: live steps / calibrated step model (median): {ratios}")
-        kinds = {name: r["kinds"] for name, r in row["live_steps"].items()}
-        lines.append(f"{row['point']}: the same by kind of step (totals): {kinds_text(kinds)}")
-        slow = "; ".join(
-            f"run {i + 1} " + ", ".join(f"{name} {r['slow_share']:.0%}" for name, r in run.items())
-            for i, run in enumerate(row.get("live_steps_runs", []))
-        )
-        lines.append(f"{row['point']}: steps in slow windows (20 s whose median step over "
-                     f"its model is 1.3x the run's): {slow}")  # fmt: skip
+    lines = [line for row in rows for line in _live_step_lines(row)]
     for setup, c in calibrations.items():
-        lines.append(f"{setup}: the calibration runs' steps / calibrated step model by kind "
-                     f"(totals): {kinds_text(c['steps_by_kind'])}")  # fmt: skip
-        fits = {role: _fit_text(f["compute_scale"], f["memory_scale"], f["offset_s"] * 1e3,
-                                (f["cold_compute"], f["cold_factor"]),
-                                (f["shared_compute"], f["shared_factor"]), f["steps"],
-                                (f["jitter"], f["jitter_s"]))
-                for role, f in c.get("role_fits", {}).items()}  # fmt: skip
-        if not fits:
-            fits = {"steps'": _fit_text(c["compute_scale"], c["memory_scale"], c["step_offset_ms"],
-                                        (c["cold_compute"], c["cold_factor"]),
-                                        (c["shared_compute"], c["shared_factor"]),
-                                        c["traced_steps"], (c["jitter"], c["jitter_s"]))}  # fmt: skip
         lines.append(
-            f"{setup}: " + "; ".join(f"{who} {text}" for who, text in fits.items())
-            + f", then +{c['step_overhead_ms']} ms a step, "
-            f"+{c['seq_overhead_ms']} ms a sequence of a step, +{c['handoff_overhead_ms']} ms "
-            f"a hand-off, +{c['request_overhead_ms']} ms a request (calibrated on single "
-            "requests of 32 and 4 tokens, bursts of 8, 4 req/s and single 1,024-token prompts"
-            + (", 1,024-token prompts at 2 req/s and single 64-token ones"
-               if setup == "colocated" else ", 1,024-token prompts of 128 output tokens at 0.75 req/s")
-            + (", before and after the points)" if c.get("around") else ")")
-        )  # fmt: skip
+            f"{setup}: the calibration runs' steps / calibrated step model by kind "
+            f"(totals): {kinds_text(c['steps_by_kind'])}"
+        )
+        lines.append(_calibrated_line(setup, c))
     return lines
+
+
+def _live_step_lines(row: dict[str, Any]) -> list[str]:
+    """A point's live steps over the calibrated model: by instance, by kind, and the share
+    of each run's steps in slow windows."""
+    ratios = ", ".join(f"{name} {r['median_ratio']}x" for name, r in row["live_steps"].items())
+    kinds = {name: r["kinds"] for name, r in row["live_steps"].items()}
+    slow = "; ".join(
+        f"run {i + 1} " + ", ".join(f"{name} {r['slow_share']:.0%}" for name, r in run.items())
+        for i, run in enumerate(row.get("live_steps_runs", []))
+    )
+    return [
+        f"{row['point']}: live steps / calibrated step model (median): {ratios}",
+        f"{row['point']}: the same by kind of step (totals): {kinds_text(kinds)}",
+        f"{row['point']}: steps in slow windows (20 s whose median step over "
+        f"its model is 1.3x the run's): {slow}",
+    ]
+
+
+def _calibrated_line(setup: str, c: dict[str, Any]) -> str:
+    """A setup's calibration: each role's fit (or the one of all steps) and the overheads."""
+    fits = {
+        role: _fit_text(f, f["offset_s"] * 1e3, f["steps"])
+        for role, f in c.get("role_fits", {}).items()
+    }
+    if not fits:
+        fits = {"steps'": _fit_text(c, c["step_offset_ms"], c["traced_steps"])}
+    return (
+        f"{setup}: "
+        + "; ".join(f"{who} {text}" for who, text in fits.items())
+        + f", then +{c['step_overhead_ms']} ms a step, "
+        f"+{c['seq_overhead_ms']} ms a sequence of a step, +{c['handoff_overhead_ms']} ms "
+        f"a hand-off, +{c['request_overhead_ms']} ms a request (calibrated on single "
+        "requests of 32 and 4 tokens, bursts of 8, 4 req/s and single 1,024-token prompts"
+        + (
+            ", 1,024-token prompts at 2 req/s and single 64-token ones"
+            if setup == "colocated"
+            else ", 1,024-token prompts of 128 output tokens at 0.75 req/s"
+        )
+        + (", before and after the points)" if c.get("around") else ")")
+    )
 
 
 def _pct(summary: dict[str, Any], metric: str, q: str) -> float | None:
@@ -137,9 +159,11 @@ def compare_point(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
         r, s = _pct(real, metric, q), _pct(sim, metric, q)
         err = None if not r or s is None else (s - r) / r
         out[key] = {
-            "real": r, "sim": s, "error": None if err is None else round(err, 4),
+            "real": r,
+            "sim": s,
+            "error": None if err is None else round(err, 4),
             "ok": err is not None and abs(err) <= TOLERANCE[q],
-        }  # fmt: skip
+        }
     return out
 
 
@@ -163,14 +187,21 @@ def point_row(
     first = repeats[0].summary
     real = mean_figures([m.summary for m in repeats]) if len(repeats) > 1 else first
     runs_steps = [m.ratios(role_models or {}, live_model) for m in repeats]
-    row: dict[str, Any] = {"point": name, "real": first, "sim": sim,
-                           "compare": compare_point(real, sim), "live_steps": runs_steps[0],
-                           "live_steps_runs": runs_steps,
-                           "failed": {"real": [m.summary["num_failed"] for m in repeats],
-                                      "sim": sim["num_failed"]}}  # fmt: skip
+    row: dict[str, Any] = {
+        "point": name,
+        "real": first,
+        "sim": sim,
+        "compare": compare_point(real, sim),
+        "live_steps": runs_steps[0],
+        "live_steps_runs": runs_steps,
+        "failed": {"real": [m.summary["num_failed"] for m in repeats], "sim": sim["num_failed"]},
+    }
     if len(repeats) > 1:
-        row.update(real_mean=real, real_runs=[m.summary for m in repeats[1:]],
-                   compare_runs=[compare_point(first, m.summary) for m in repeats[1:]])  # fmt: skip
+        row.update(
+            real_mean=real,
+            real_runs=[m.summary for m in repeats[1:]],
+            compare_runs=[compare_point(first, m.summary) for m in repeats[1:]],
+        )
     return row
 
 
@@ -178,7 +209,8 @@ def host_check_lines(rows: list[dict[str, Any]]) -> list[str]:
     """``--host-check``'s table and each point's factors, run by run."""
     lines = [table(rows, "compare_host_checked")]
     for row in rows:
-        factors = "; ".join(", ".join(f"{r} x{f:.3f}" for r, f in run.items())
-                            for run in row["host_factors"])  # fmt: skip
+        factors = "; ".join(
+            ", ".join(f"{r} x{f:.3f}" for r, f in run.items()) for run in row["host_factors"]
+        )
         lines.append(f"{row['point']}: host checks against the calibration, run by run: {factors}")
     return lines

@@ -87,30 +87,30 @@ def workload_from_args(
     if args.trace:
         trace = wl.limit_trace(wl.read_trace(wl.trace_path(args.trace)), num, None)
         trace = wl.scale_trace(
-            trace, args.time_scale, args.length_scale, args.max_prompt_len, args.max_output_len,
+            trace,
+            args.time_scale,
+            args.length_scale,
+            args.max_prompt_len,
+            args.max_output_len,
             rate,
-        )  # fmt: skip
+        )
         trace = wl.limit_trace(trace, None, duration)
         arrival, prompt_len, output_len = trace.arrival_s, trace.prompt_len, trace.output_len
     else:
         if rate is None:
             raise InvalidArgumentError("rate", "is required without --trace")
         arrival = wl.arrival_times(args.arrival, rate, num, duration, args.burst_size, args.seed)
-        n, seed = len(arrival), args.seed
-        prompt_len = wl.sample_lengths(
-            n, args.prompt_len, args.prompt_len_std, args.prompt_len_range, 1,
-            args.max_prompt_len, seed, "prompt_len",
-        )  # fmt: skip
-        output_len = wl.sample_lengths(
-            n, args.output_len, args.output_len_std, args.output_len_range, 1,
-            args.max_output_len, seed + 1, "output_len",
-        )  # fmt: skip
+        prompt_len, output_len = wl.flag_lengths(args, len(arrival), args.seed)
     if prompts is not None:  # cycled over the arrivals, as the load generator does
         picks = [items[i % len(items)] for i in range(len(arrival))]
         prompt_len = np.array([len(p) for p, _ in picks], dtype=np.int64)
         output_len = np.array([m for _, m in picks], dtype=np.int64)
     homes = assign_homes(len(arrival), shares, args.seed)
     return SimWorkload(
-        np.asarray(arrival, np.float64), np.asarray(prompt_len, np.int64),
-        np.asarray(output_len, np.int64), homes, prompts, args.vocab_size,
-    )  # fmt: skip
+        np.asarray(arrival, np.float64),
+        np.asarray(prompt_len, np.int64),
+        np.asarray(output_len, np.int64),
+        homes,
+        prompts,
+        args.vocab_size,
+    )

@@ -10,7 +10,7 @@ import pytest
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.analytic import DEVICES, model_shape
 from pdserve.sim.build import ProfileBook
-from pdserve.sim.candidates import Candidates
+from pdserve.sim.candidates import Candidates, LayoutCase
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.flags import Assumptions
 from pdserve.sim.plan import (
@@ -86,8 +86,9 @@ def test_the_plan_is_the_fewest_counts_an_exhaustive_search_finds() -> None:
     mix = LengthMix(np.full(64, 1000), np.full(64, 64))
     slo, rate = PlanSlo(ttft_s=0.1, tpot_s=0.012), 150.0
     limits = PlanLimits(max_devices=40, num_requests=1000)
-    plan = plan_layout(book, "east", rate, mix, (1, 1), limits, slo, DEVICES["h100"].mem_bw)
-    search = Candidates(book, "east", rate * 1.3, mix, (1, 1), limits, slo, 1000)
+    case = LayoutCase(book, "east", mix, (1, 1), limits, slo)
+    plan = plan_layout(case, rate, DEVICES["h100"].mem_bw)
+    search = Candidates(case, rate * 1.3, 1000)
     cap = limits.max_devices - 2 - limits.spares  # one instance of the other role, two spares
     ample = min(cap, 2 * plan.textbook.prefill_bare + 1)
     d = next(n for n in range(1, cap + 1) if search.run(ample, n).meets(slo)[1])
@@ -115,10 +116,22 @@ def test_regions_and_layouts_searched_at_once_plan_what_one_process_plans(monkey
         together = plan_regions(book, forecast, mix, limits, slo, bw, pool)
     for a, b in zip(alone, together, strict=True):
         assert (a.region, a.prefill_tp, a.decode_tp, a.prefill, a.decode, a.at_forecast) == (
-            b.region, b.prefill_tp, b.decode_tp, b.prefill, b.decode, b.at_forecast,
-        )  # fmt: skip
+            b.region,
+            b.prefill_tp,
+            b.decode_tp,
+            b.prefill,
+            b.decode,
+            b.at_forecast,
+        )
         assert a.tried == b.tried and len(a.tried) == 1  # the other decode layout, priced
     # with every region infeasible, the first in the forecast's order raises, as alone
     with open_pool(2) as pool, pytest.raises(InvalidArgumentError, match="region west"):
-        plan_regions(book, {"west": 15.0, "east": 60.0}, mix, limits,
-                     PlanSlo(ttft_s=0.1, tpot_s=0.004), bw, pool)  # fmt: skip
+        plan_regions(
+            book,
+            {"west": 15.0, "east": 60.0},
+            mix,
+            limits,
+            PlanSlo(ttft_s=0.1, tpot_s=0.004),
+            bw,
+            pool,
+        )
