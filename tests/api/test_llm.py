@@ -135,9 +135,17 @@ def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "field"),
-    [([], "prompts"), ([[]], "prompt"), ([[10**9]], "prompt_token_ids"), ([3.5], "prompts[0]"),
-     (None, "prompts"), (7, "prompts"), ("\ud800", "prompts"), (["ok", "x\ud800"], "prompts[1]")],
-)  # fmt: skip
+    [
+        ([], "prompts"),
+        ([[]], "prompt"),
+        ([[10**9]], "prompt_token_ids"),
+        ([3.5], "prompts[0]"),
+        (None, "prompts"),
+        (7, "prompts"),
+        ("\ud800", "prompts"),
+        (["ok", "x\ud800"], "prompts[1]"),
+    ],
+)
 def test_bad_prompts_name_the_field_and_leave_nothing_behind(llm: LLM, prompt, field: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         llm.generate(prompt, SamplingParams(max_tokens=2))
@@ -146,9 +154,13 @@ def test_bad_prompts_name_the_field_and_leave_nothing_behind(llm: LLM, prompt, f
 
 @pytest.mark.parametrize(
     ("params", "field"),
-    [({"max_tokens": 2}, "sampling_params"), ("greedy", "sampling_params"),
-     ([SamplingParams(), {"max_tokens": 2}], "sampling_params[1]"), ([], "sampling_params")],
-)  # fmt: skip
+    [
+        ({"max_tokens": 2}, "sampling_params"),
+        ("greedy", "sampling_params"),
+        ([SamplingParams(), {"max_tokens": 2}], "sampling_params[1]"),
+        ([], "sampling_params"),
+    ],
+)
 def test_bad_sampling_params_arguments_name_the_argument(llm: LLM, params, field: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         llm.generate(["a", "b"], params)

@@ -26,8 +26,9 @@ def _fresh(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], str]:
         "from pdserve.deploy.cli import main\n"
         f"sys.exit(main({argv!r}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     loaded = next(ln for ln in done.stderr.splitlines() if ln.startswith("LOADED"))
     return done, loaded
 
@@ -76,11 +77,13 @@ def test_named_kind(argv: list[str], kind: str | None) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "why"),
-    [(["--rate", "1", "--prompt-len", "-5"], "prompt_len: must be >= 1, got -5"),
-     (["--rate", "1", "--num-requests", "0"], "num_requests: must be >= 1, got 0"),
-     (["--trace", "/nonexistent.csv"], "trace: no such file: /nonexistent.csv"),
-     ([], "rate: is required without --trace")],
-)  # fmt: skip
+    [
+        (["--rate", "1", "--prompt-len", "-5"], "prompt_len: must be >= 1, got -5"),
+        (["--rate", "1", "--num-requests", "0"], "num_requests: must be >= 1, got 0"),
+        (["--trace", "/nonexistent.csv"], "trace: no such file: /nonexistent.csv"),
+        ([], "rate: is required without --trace"),
+    ],
+)
 def test_workload_flags_are_named_before_the_target_is_dialled(
     tmp_path, capsys, flags, why
 ) -> None:  # type: ignore[no-untyped-def]
@@ -95,8 +98,18 @@ def test_workload_flags_are_named_before_the_target_is_dialled(
         server.listen()
         server.setblocking(False)
         target = f"grpc://127.0.0.1:{server.getsockname()[1]}"
-        rc = main(["bench", "serve", "--target", target, *flags, "--no-progress",
-                   "--out", str(tmp_path / "out")])  # fmt: skip
+        rc = main(
+            [
+                "bench",
+                "serve",
+                "--target",
+                target,
+                *flags,
+                "--no-progress",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
         with pytest.raises(BlockingIOError):
             server.accept()  # nobody connected
     assert rc == 2 and why in capsys.readouterr().err

@@ -12,10 +12,15 @@ from pdserve.deploy.cli import build_parser, main
 # each of these ended in a traceback at 0 (the median of no timings, the first of no
 # requests, an empty page size list)
 ONCE_CRASHED = [
-    ("offline", "--num-requests"), ("transfer", "--pages"), ("ttft", "--requests"),
-    ("peer-prefill", "--repeats"), ("quant", "--repeats"), ("multiturn", "--turns"),
-    ("weights", "--instances"), ("coldstart", "--repeats"),
-]  # fmt: skip
+    ("offline", "--num-requests"),
+    ("transfer", "--pages"),
+    ("ttft", "--requests"),
+    ("peer-prefill", "--repeats"),
+    ("quant", "--repeats"),
+    ("multiturn", "--turns"),
+    ("weights", "--instances"),
+    ("coldstart", "--repeats"),
+]
 
 
 def _bench_commands() -> dict[str, argparse.ArgumentParser]:

@@ -53,10 +53,20 @@ def test_dropped_parts_leave_the_wheel_and_its_record_and_pip_installs_the_rest(
 
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-         "--target", str(site), str(slimmed)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--target",
+            str(site),
+            str(slimmed),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     assert (site / "toyray" / "core" / "raylet.py").read_text() == "RUNS = True\n"
     assert not (site / "toyray" / "jars").exists() and not (site / "toyray" / "rllib").exists()
 

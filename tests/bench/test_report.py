@@ -22,10 +22,18 @@ from pdserve.bench.report import (
 
 def record(index: int, sent: float, ttft: float, tpot: float | None, e2e: float, ok: bool = True):
     return RequestRecord(
-        index, sent, sent, 10, 5, ok=ok, error=None if ok else "UNAVAILABLE: gone",
-        output_len=5 if ok else 0, ttft_s=ttft if ok else None, tpot_s=tpot if ok else None,
+        index,
+        sent,
+        sent,
+        10,
+        5,
+        ok=ok,
+        error=None if ok else "UNAVAILABLE: gone",
+        output_len=5 if ok else 0,
+        ttft_s=ttft if ok else None,
+        tpot_s=tpot if ok else None,
         e2e_s=e2e,
-    )  # fmt: skip
+    )
 
 
 def test_record_from_chunks_one_token_each():
@@ -121,10 +129,14 @@ def test_result_json_parses_to_the_payload_with_one_line_per_record(tmp_path):
 
     records = [record(i, 0.1 * i, 0.05, 0.01, 0.2) for i in range(3)]
     records[1].itl_s = [0.01, 0.012, float("inf")]
-    payload = {"summary": {"ttft_ms": {"p50": 50.0, "p90": None}, "errors": {}},
-               "runs": [{"rate": 2.0, "requests": records_json(records)}],
-               "counts": [{"t_s": 0.0, "prefill": 1}, {"t_s": 1.5, "prefill": 2}],
-               "labels": ("a", "b"), 3: True, "nested": [[1, 2], [{"x": {"y": 1}}]]}  # fmt: skip
+    payload = {
+        "summary": {"ttft_ms": {"p50": 50.0, "p90": None}, "errors": {}},
+        "runs": [{"rate": 2.0, "requests": records_json(records)}],
+        "counts": [{"t_s": 0.0, "prefill": 1}, {"t_s": 1.5, "prefill": 2}],
+        "labels": ("a", "b"),
+        3: True,
+        "nested": [[1, 2], [{"x": {"y": 1}}]],
+    }
     text = write_json(tmp_path / "r.json", payload).read_text()
     assert json.loads(text) == json.loads(json.dumps(payload))
     assert json.loads(text)["runs"][0]["requests"] == [asdict(r) for r in records]

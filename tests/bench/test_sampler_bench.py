@@ -23,8 +23,25 @@ def test_penalised_rows_carry_their_prompt_once_then_a_token_a_step() -> None:
 
 
 def test_the_command_writes_a_row_per_vocabulary_and_batch(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    argv = ["bench", "sampler", "--batch", "1", "3", "--vocab", "64", "--context", "8",
-            "--steps", "3", "--repeat", "1", "--out", str(tmp_path), "--name", "s"]  # fmt: skip
+    argv = [
+        "bench",
+        "sampler",
+        "--batch",
+        "1",
+        "3",
+        "--vocab",
+        "64",
+        "--context",
+        "8",
+        "--steps",
+        "3",
+        "--repeat",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "s",
+    ]
     assert main(argv) == 0
     payload = json.loads((tmp_path / "s.json").read_text())
     assert [(r["vocab"], r["batch"]) for r in payload["rows"]] == [(64, 1), (64, 3)]

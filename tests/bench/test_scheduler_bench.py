@@ -22,8 +22,23 @@ def test_measure_steps_a_whole_batch() -> None:
 
 
 def test_this_tree_against_itself_as_the_baseline(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    argv = ["bench", "scheduler", "--batch", "2", "5", "--steps", "20", "--repeat", "1",
-            "--baseline", str(ROOT), "--out", str(tmp_path), "--name", "s"]  # fmt: skip
+    argv = [
+        "bench",
+        "scheduler",
+        "--batch",
+        "2",
+        "5",
+        "--steps",
+        "20",
+        "--repeat",
+        "1",
+        "--baseline",
+        str(ROOT),
+        "--out",
+        str(tmp_path),
+        "--name",
+        "s",
+    ]
     assert main(argv) == 0
     payload = json.loads((tmp_path / "s.json").read_text())
     assert [row["batch"] for row in payload["rows"]] == [2, 5]

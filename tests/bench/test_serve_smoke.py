@@ -38,16 +38,43 @@ def cluster(ray_session):
     ray.kill(controller)
 
 
-COMMON = ["--prompt-len-range", "16", "48", "--output-len", "6", "--warmup", "1",
-          "--api-key", "bench-key", "--no-progress", "--ttft-slo-ms", "5000",
-          "--tpot-slo-ms", "1000"]  # fmt: skip
+COMMON = [
+    "--prompt-len-range",
+    "16",
+    "48",
+    "--output-len",
+    "6",
+    "--warmup",
+    "1",
+    "--api-key",
+    "bench-key",
+    "--no-progress",
+    "--ttft-slo-ms",
+    "5000",
+    "--tpot-slo-ms",
+    "1000",
+]
 
 
 def test_grpc_sweep_writes_records_summaries_and_plots(cluster, tmp_path):
     _, endpoints = cluster
     target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
-    argv = ["bench", "serve", "--target", target, "--rate", "4", "8", "--num-requests", "4",
-            *COMMON, "--out", str(tmp_path), "--name", "smoke"]  # fmt: skip
+    argv = [
+        "bench",
+        "serve",
+        "--target",
+        target,
+        "--rate",
+        "4",
+        "8",
+        "--num-requests",
+        "4",
+        *COMMON,
+        "--out",
+        str(tmp_path),
+        "--name",
+        "smoke",
+    ]
     assert main(argv) == 0
     result = json.loads((tmp_path / "smoke.json").read_text())
     assert result["command"].startswith(f"pdserve bench serve --target {target} --api-key")
@@ -73,9 +100,29 @@ def test_grpc_sweep_writes_records_summaries_and_plots(cluster, tmp_path):
 def test_http_trace_replay_and_auth_errors_are_recorded(cluster, tmp_path):
     _, endpoints = cluster
     target = f"http://{endpoints.host}:{endpoints.http_port}"
-    argv = ["bench", "serve", "--target", target, "--trace", "azure-conv", "--rate", "10",
-            "--length-scale", "0.05", "--max-prompt-len", "64", "--max-output-len", "8",
-            "--num-requests", "3", *COMMON, "--out", str(tmp_path), "--name", "http"]  # fmt: skip
+    argv = [
+        "bench",
+        "serve",
+        "--target",
+        target,
+        "--trace",
+        "azure-conv",
+        "--rate",
+        "10",
+        "--length-scale",
+        "0.05",
+        "--max-prompt-len",
+        "64",
+        "--max-output-len",
+        "8",
+        "--num-requests",
+        "3",
+        *COMMON,
+        "--out",
+        str(tmp_path),
+        "--name",
+        "http",
+    ]
     assert main(argv) == 0
     records = json.loads((tmp_path / "http.json").read_text())["runs"][0]["requests"]
     assert len(records) == 3 and all(r["ok"] for r in records), records
@@ -84,9 +131,27 @@ def test_http_trace_replay_and_auth_errors_are_recorded(cluster, tmp_path):
     assert all(0 < r["ttft_s"] <= r["e2e_s"] for r in records)
 
     grpc_target = f"grpc://{endpoints.host}:{endpoints.grpc_port}"
-    bad = ["bench", "serve", "--target", grpc_target, "--model", "builtin:tiny", "--rate", "10",
-           "--num-requests", "2", "--warmup", "0", "--api-key", "wrong", "--no-progress",
-           "--out", str(tmp_path), "--name", "denied"]  # fmt: skip
+    bad = [
+        "bench",
+        "serve",
+        "--target",
+        grpc_target,
+        "--model",
+        "builtin:tiny",
+        "--rate",
+        "10",
+        "--num-requests",
+        "2",
+        "--warmup",
+        "0",
+        "--api-key",
+        "wrong",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "denied",
+    ]
     assert main(bad) == 0
     denied = json.loads((tmp_path / "denied.json").read_text())["runs"][0]
     assert denied["summary"]["num_failed"] == 2 and denied["summary"]["attainment"] == 0
@@ -128,6 +193,7 @@ def test_named_cores_are_claimed_from_a_confined_parent():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", CLAIM], capture_output=True, text=True,
-                         check=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", CLAIM], capture_output=True, text=True, check=True, timeout=60
+    )
     assert f"cores: no core [{os.cpu_count()}] on this machine" in out.stdout

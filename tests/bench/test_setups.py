@@ -34,9 +34,11 @@ def test_cores_are_distinct_usable_and_two_for_disaggregated() -> None:
     # setup after the colocated one had run, and a core not on this host reached Ray
     usable = sorted(os.sched_getaffinity(0))
     check_cores(usable[:1], ["colocated"])
-    for cores, modes, message in (([0, 0], ["colocated"], "distinct"),
-                                  ([], ["colocated"], "distinct"),
-                                  ([max(usable) + 1], ["colocated"], "not usable here"),
-                                  (usable[:1], list(MODES), "needs two cores")):  # fmt: skip
+    for cores, modes, message in (
+        ([0, 0], ["colocated"], "distinct"),
+        ([], ["colocated"], "distinct"),
+        ([max(usable) + 1], ["colocated"], "not usable here"),
+        (usable[:1], list(MODES), "needs two cores"),
+    ):
         with pytest.raises(InvalidArgumentError, match=f"cores: .*{message}"):
             check_cores(cores, modes)

@@ -89,15 +89,27 @@ def test_tally_counts_outcomes_phases_codes_and_token_problems() -> None:
     references = [REF, [20, 21, 22, 23]]
     attempts = [
         attempt(index=0, finish_reason="length", tokens=REF),
-        attempt(index=1, kind="unary", prompt=1, max_tokens=3, finish_reason="length",
-                tokens=[20, 21, 22]),
+        attempt(
+            index=1,
+            kind="unary",
+            prompt=1,
+            max_tokens=3,
+            finish_reason="length",
+            tokens=[20, 21, 22],
+        ),
         attempt(index=2, finish_reason="length", tokens=[*REF[:4], *REF[3:7]]),
-        attempt(index=3, cancelled=True, cancel_at="mid_stream", tokens=REF[:4],
-                tokens_at_cancel=4, first_chunk=1),
+        attempt(
+            index=3,
+            cancelled=True,
+            cancel_at="mid_stream",
+            tokens=REF[:4],
+            tokens_at_cancel=4,
+            first_chunk=1,
+        ),
         attempt(index=4, code="UNAVAILABLE", details="instance failed", tokens=REF[:2]),
         attempt(index=5, code="DEADLINE_EXCEEDED"),
         attempt(index=6, code="INTERNAL", details="internal error: IndexError"),
-    ]  # fmt: skip
+    ]
     t = tally(attempts, references)
     assert t["sent"] == 7
     assert t["outcomes"] == {"completed": 3, "failed": 1, "cancelled": 1, "lost": 1, "unclear": 1}
@@ -122,8 +134,12 @@ def test_rss_summary_compares_the_first_minutes_with_the_whole_run() -> None:
         RssSample(200.0, "raylet", 4, 30 * MIB),  # seen only late
     ]
     s = rss_summary(samples, baseline_s=120.0)
-    assert s["router"] == {"first_peak_mib": 120.0, "peak_mib": 150.0, "growth": 1.25,
-                           "processes": 1}  # fmt: skip
+    assert s["router"] == {
+        "first_peak_mib": 120.0,
+        "peak_mib": 150.0,
+        "growth": 1.25,
+        "processes": 1,
+    }
     assert s["decode rank"]["growth"] == 1.0 and s["decode rank"]["processes"] == 2
     assert s["raylet"]["first_peak_mib"] == 0.0 and s["raylet"]["growth"] is None
 
@@ -139,8 +155,10 @@ def test_plan_alternates_kinds_and_cancels_the_asked_share() -> None:
     assert len(cancels) / len(planned) == pytest.approx(0.2, abs=0.03)
     assert {a.cancel_at for a in cancels if a.kind == "unary"} == {"unary"}
     assert {a.cancel_at for a in cancels if a.kind == "stream"} == {
-        "before_first", "after_first", "mid_stream",
-    }  # fmt: skip
+        "before_first",
+        "after_first",
+        "mid_stream",
+    }
     for a in cancels:
         if a.cancel_at == "mid_stream":
             assert 2 <= a.cancel_after < a.max_tokens
@@ -200,8 +218,11 @@ def test_log_errors_are_collected_with_their_traceback(tmp_path: Path) -> None:
     (tmp_path / "worker-1.out").write_text("12:02 ERROR not a log of errors\n")
     (record,) = log_errors(str(tmp_path), context=3)
     assert record.splitlines() == [
-        "worker-1.err:2", "12:01 ERROR pdserve.router failed", "Traceback", "  IndexError",
-    ]  # fmt: skip
+        "worker-1.err:2",
+        "12:01 ERROR pdserve.router failed",
+        "Traceback",
+        "  IndexError",
+    ]
     assert log_errors(None) == []
 
 

@@ -12,8 +12,20 @@ from pdserve.deploy.cli import main
 
 def test_both_setups_answer_and_the_report_repeats_its_command(ray_session, tmp_path) -> None:
     out = tmp_path / "ttft.json"
-    argv = ["bench", "ttft", "--model", "builtin:tiny", "--prompt-len", "32", "--output-len", "2",
-            "--requests", "2", "--out", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        "ttft",
+        "--model",
+        "builtin:tiny",
+        "--prompt-len",
+        "32",
+        "--output-len",
+        "2",
+        "--requests",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["dtype"] == "float32"

@@ -118,10 +118,12 @@ def test_lengths_and_prompts():
     assert uniform.min() >= 512 and uniform.max() <= 1024
     normal = wl.sample_lengths(2000, 50, std=40, high=80, seed=2)
     assert normal.min() >= 1 and normal.max() <= 80
-    for kwargs, message in (({"mean": 0}, "prompt_len: must be >= 1, got 0"),
-                            ({"mean": 9, "std": -1.0}, "prompt_len_std: must be >= 0"),
-                            ({"mean": 9, "high": 0}, "max_prompt_len: must be >= 1, got 0"),
-                            ({"mean": 9, "value_range": (0, 4)}, "prompt_len_range: needs 1")):  # fmt: skip
+    for kwargs, message in (
+        ({"mean": 0}, "prompt_len: must be >= 1, got 0"),
+        ({"mean": 9, "std": -1.0}, "prompt_len_std: must be >= 0"),
+        ({"mean": 9, "high": 0}, "max_prompt_len: must be >= 1, got 0"),
+        ({"mean": 9, "value_range": (0, 4)}, "prompt_len_range: needs 1"),
+    ):
         with pytest.raises(InvalidArgumentError, match=message):
             wl.sample_lengths(3, name="prompt_len", **kwargs)
     rng = np.random.default_rng(0)
@@ -158,8 +160,17 @@ def test_jsonl_prompts_are_cycled(tmp_path):
 )
 def test_bad_load_flags_are_refused_before_any_request(tmp_path, capsys, flags, message):
     # port 1: nothing listens; the flags are refused before a client is made
-    argv = ["bench", "serve", "--target", "grpc://127.0.0.1:1", "--rate", "1",
-            "--out", str(tmp_path), *flags]  # fmt: skip
+    argv = [
+        "bench",
+        "serve",
+        "--target",
+        "grpc://127.0.0.1:1",
+        "--rate",
+        "1",
+        "--out",
+        str(tmp_path),
+        *flags,
+    ]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

@@ -175,8 +175,17 @@ def planner(**overrides) -> Planner:
 
 
 def metrics(**values) -> RegionMetrics:
-    base = dict(region="east", prefill_count=1, decode_count=1, requests=50, ttft_p90_s=0.5, tpot_p90_s=0.05,
-                prefill_queue_s=0.1, decode_kv_usage=0.2, decode_batch=4.0)  # fmt: skip
+    base = dict(
+        region="east",
+        prefill_count=1,
+        decode_count=1,
+        requests=50,
+        ttft_p90_s=0.5,
+        tpot_p90_s=0.05,
+        prefill_queue_s=0.1,
+        decode_kv_usage=0.2,
+        decode_batch=4.0,
+    )
     return RegionMetrics(**{**base, **values})
 
 

@@ -46,8 +46,16 @@ def test_the_calm_clock_restarts_when_a_region_at_zero_starts_again() -> None:
     p = Planner(
         PlannerConfig(mode="on", idle_s=10, cooldown_s=0), 2.0, 0.2, {"east": config.regions[0]}
     )
-    quiet = dict(region="east", prefill_count=0, requests=0, ttft_p90_s=None, tpot_p90_s=None,
-                 prefill_queue_s=0.0, decode_kv_usage=0.0, decode_batch=0.0)  # fmt: skip
+    quiet = dict(
+        region="east",
+        prefill_count=0,
+        requests=0,
+        ttft_p90_s=None,
+        tpot_p90_s=None,
+        prefill_queue_s=0.0,
+        decode_kv_usage=0.0,
+        decode_batch=0.0,
+    )
     for t in (0.0, 50.0, 100.0):  # at zero for long: nothing to give back
         assert p.decide(RegionMetrics(decode_count=0, **quiet), now=t) is None
     woken = RegionMetrics(decode_count=1, **quiet)

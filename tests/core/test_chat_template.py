@@ -35,8 +35,16 @@ Today is {{ strftime_now('%Y') | length }} digits of year.
 {% endfor %}{% if add_generation_prompt %}<|assistant|>
 {% endif %}"""
 
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Météo <now> & then",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Météo <now> & then",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 MESSAGES = [
     {"role": "user", "content": "Weather in Oslo?"},
     {
@@ -53,8 +61,11 @@ MESSAGES = [
 def pair(folder: Path) -> tuple[Tokenizer, PreTrainedTokenizerFast]:
     ours = Tokenizer.from_dir(folder)
     ours.config = {**ours.config, "chat_template": TEMPLATE}
-    theirs = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
-                                     bos_token=ours.config["bos_token"], chat_template=TEMPLATE)  # fmt: skip
+    theirs = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        bos_token=ours.config["bos_token"],
+        chat_template=TEMPLATE,
+    )
     return ours, theirs
 
 

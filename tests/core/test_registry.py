@@ -76,9 +76,15 @@ def test_a_broken_manifest_is_named_never_taken_for_a_version(
         (good[: len(good) // 2], "is not a manifest: "),
         ("[1, 2]", "not a JSON object"),
         (good.replace('"sha256"', '"sha"', 1), "'sha256' missing or not a str"),
-        (good.replace('"version": "v2"', '"version": "v1"'), "names tiny@v1, not the folder's tiny@v2"),
-        (good.replace('"config.json"', '"../../x.json"'), "a file outside its folder: ../../x.json"),
-    ):  # fmt: skip
+        (
+            good.replace('"version": "v2"', '"version": "v1"'),
+            "names tiny@v1, not the folder's tiny@v2",
+        ),
+        (
+            good.replace('"config.json"', '"../../x.json"'),
+            "a file outside its folder: ../../x.json",
+        ),
+    ):
         manifest.write_text(text)
         with pytest.raises(InvalidArgumentError, match=why.replace("(", r"\(")):
             resolve_model("registry:tiny@v2")

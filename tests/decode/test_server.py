@@ -79,9 +79,16 @@ def hand_off(res: Reservation, first_token: int = 7, prefill_id: str = "p0") -> 
     """What the prefill instance sends once ``res``'s pages are written."""
     prefill_layout = Layout(1, 1, 1, ((0, 4),))
     return HandOff(
-        res.request_id, PROMPT, greedy(6), first_token, 1, res.block_ids, prefill_id,
-        prefill_layout, time.time(),
-    )  # fmt: skip
+        res.request_id,
+        PROMPT,
+        greedy(6),
+        first_token,
+        1,
+        res.block_ids,
+        prefill_id,
+        prefill_layout,
+        time.time(),
+    )
 
 
 def idle(server: DecodeServer) -> bool:

@@ -34,11 +34,16 @@ def test_a_bias_moves_greedy_choices_and_leaves_the_logprobs(references) -> None
 
 @pytest.mark.parametrize(
     ("bias", "why"),
-    [({1: 101}, "biases must be in [-100, 100]"), ({-1: 1}, "token ids must be in"),
-     ({1: float("nan")}, "finite"), ({"1": 1}, "must be an integer"),
-     ({i: 1 for i in range(301)}, "at most 300"), ("x", "must map token ids"),
-     ([(7, 1), (7, 2)], "more than once")],
-)  # fmt: skip
+    [
+        ({1: 101}, "biases must be in [-100, 100]"),
+        ({-1: 1}, "token ids must be in"),
+        ({1: float("nan")}, "finite"),
+        ({"1": 1}, "must be an integer"),
+        ({i: 1 for i in range(301)}, "at most 300"),
+        ("x", "must map token ids"),
+        ([(7, 1), (7, 2)], "more than once"),
+    ],
+)
 def test_bad_biases_are_refused_by_name(bias, why) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidArgumentError, match="logit_bias") as e:
         SamplingParams(logit_bias=bias)

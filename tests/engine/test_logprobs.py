@@ -9,6 +9,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.core.errors import InvalidArgumentError
+from tests.engine.speculation import SPEC
 
 K = 3  # alternatives asked for per token
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=K)
@@ -60,8 +61,7 @@ def test_greedy_and_sampled_logprobs_match_transformers(references) -> None:
 
 def test_verified_drafts_have_the_logprobs_of_one_token_steps(references) -> None:
     folder, prompts, _ = references("llama")
-    spec = LLM(str(folder), max_num_batched_tokens=64, block_size=16, speculative_method="ngram",
-               prompt_lookup_min=1, speculative_max_batch=64)  # fmt: skip
+    spec = LLM(str(folder), max_num_batched_tokens=64, block_size=16, **SPEC)
     repetitive = [p[:12] * 3 for p in prompts[:4]]
     outs = spec.generate(repetitive, GREEDY)
     assert spec.engine.scheduler.spec.stats.accepted > 0  # some rows verified drafts

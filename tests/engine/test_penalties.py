@@ -12,6 +12,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
 from pdserve.parallel.penalties import PenaltyState
+from tests.engine.speculation import SPEC
 from tests.reference import hf_greedy
 
 STEPS = 12
@@ -67,13 +68,20 @@ def test_drafted_rows_get_the_tokens_of_one_token_steps(references) -> None:
     folder, prompts, _ = references("llama")
     repetitive = [p[:12] * 3 for p in prompts[:4]]
     # penalties that favour repeats, so that n-gram drafts get accepted
-    params = [_greedy(presence_penalty=-2.0, frequency_penalty=0.5, repetition_penalty=0.8),
-              SamplingParams(max_tokens=STEPS, temperature=0.8, seed=3, ignore_eos=True,
-                             presence_penalty=-2.0, frequency_penalty=0.3)] * 2  # fmt: skip
+    params = [
+        _greedy(presence_penalty=-2.0, frequency_penalty=0.5, repetition_penalty=0.8),
+        SamplingParams(
+            max_tokens=STEPS,
+            temperature=0.8,
+            seed=3,
+            ignore_eos=True,
+            presence_penalty=-2.0,
+            frequency_penalty=0.3,
+        ),
+    ] * 2
     plain = LLM(str(folder), max_num_batched_tokens=64, block_size=16)
     want = [o.outputs[0].token_ids for o in plain.generate(repetitive, params)]
-    spec = LLM(str(folder), max_num_batched_tokens=64, block_size=16, speculative_method="ngram",
-               prompt_lookup_min=1, speculative_max_batch=64)  # fmt: skip
+    spec = LLM(str(folder), max_num_batched_tokens=64, block_size=16, **SPEC)
     got = [o.outputs[0].token_ids for o in spec.generate(repetitive, params)]
     assert spec.engine.scheduler.spec.stats.accepted > 0  # some rows verified drafts
     assert got == want
@@ -85,8 +93,11 @@ def test_preempted_rows_start_their_seen_tokens_again(references) -> None:
     recomputed: the sampling rank drops their seen tokens and is sent them again,
     and the tokens are those of a pool that holds everyone. Nothing is kept after."""
     folder, prompts, _ = references("llama")
-    params = [_greedy(repetition_penalty=1.3, frequency_penalty=0.4), _greedy(presence_penalty=0.7),
-              _greedy()]  # fmt: skip
+    params = [
+        _greedy(repetition_penalty=1.3, frequency_penalty=0.4),
+        _greedy(presence_penalty=0.7),
+        _greedy(),
+    ]
     params = [params[i % 3] for i in range(len(prompts))]
     roomy = LLM(str(folder), block_size=16, max_num_batched_tokens=128)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
@@ -106,8 +117,11 @@ def test_two_pipeline_stages_keep_the_seen_tokens_on_the_sampler_rank(
     to it (for penalties and for a JSON schema's matcher), and it gives the one-rank
     engine's tokens."""
     folder, prompts, _ = references("llama")
-    params = [_greedy(repetition_penalty=1.5), _greedy(presence_penalty=1.0, frequency_penalty=0.5),
-              SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMA)]  # fmt: skip
+    params = [
+        _greedy(repetition_penalty=1.5),
+        _greedy(presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMA),
+    ]
     params = [params[i % 3] for i in range(4)]
     one = LLM(str(folder), max_num_batched_tokens=64, block_size=16)
     want = [o.outputs[0].token_ids for o in one.generate(prompts[:4], params)]
@@ -124,8 +138,11 @@ def test_two_pipeline_stages_keep_the_seen_tokens_on_the_sampler_rank(
 def test_the_rank_keeps_what_it_was_sent_and_a_plan_run_again_adds_nothing() -> None:
     state = PenaltyState(torch.device("cpu"))
     pen = (0.5, 1.0, 1.3)
-    first = [RowSampling(penalties=pen, seen=[4, 5, 5], num_seen_prompt=2), RowSampling(),
-             RowSampling(penalties=pen, seen=[1])]  # fmt: skip
+    first = [
+        RowSampling(penalties=pen, seen=[4, 5, 5], num_seen_prompt=2),
+        RowSampling(),
+        RowSampling(penalties=pen, seen=[1]),
+    ]
     slots = state.advance(first, ["r", "plain", "q"], 8)
     assert slots[1] == -1 and len(state) == 2
     assert _dense(state, [slots[0], slots[2]]) == [
@@ -174,11 +191,16 @@ def test_a_plan_carries_the_penalties_to_other_ranks() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value", "why"),
-    [("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -3, "[-2, 2]"),
-     ("frequency_penalty", float("nan"), "finite"), ("presence_penalty", "1", "a number"),
-     ("repetition_penalty", 0, "(0, 10]"), ("repetition_penalty", 11, "(0, 10]"),
-     ("repetition_penalty", True, "a number")],
-)  # fmt: skip
+    [
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3, "[-2, 2]"),
+        ("frequency_penalty", float("nan"), "finite"),
+        ("presence_penalty", "1", "a number"),
+        ("repetition_penalty", 0, "(0, 10]"),
+        ("repetition_penalty", 11, "(0, 10]"),
+        ("repetition_penalty", True, "a number"),
+    ],
+)
 def test_bad_penalties_are_refused_by_name(field: str, value: object, why: str) -> None:
     with pytest.raises(InvalidArgumentError, match=field) as e:
         SamplingParams(**{field: value})  # type: ignore[arg-type]

@@ -45,8 +45,10 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
 
 def test_a_request_put_back_goes_to_the_front_of_its_priority() -> None:
     queue = WaitingQueue()
-    reqs = {rid: Request(rid, [1], SamplingParams(priority=p)) for rid, p in
-            [("a", 0), ("b", 0), ("c", -1), ("d", 1), ("e", 0), ("f", -1), ("g", 1)]}  # fmt: skip
+    reqs = {
+        rid: Request(rid, [1], SamplingParams(priority=p))
+        for rid, p in [("a", 0), ("b", 0), ("c", -1), ("d", 1), ("e", 0), ("f", -1), ("g", 1)]
+    }
     for rid in "abcd":
         queue.push(reqs[rid])
     queue.push_front(reqs["e"])  # preempted, say

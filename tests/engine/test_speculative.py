@@ -11,11 +11,11 @@ from pdserve import LLM, SamplingParams
 from pdserve.core.config import SpeculativeConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.engine.speculative import propose_ngram
+from tests.engine.speculation import SPEC
 from tests.reference import MAX_NEW_TOKENS
 
 FAMILIES = ["llama", "llama_untied", "qwen2", "mixtral"]
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
-SPEC = dict(speculative_method="ngram", prompt_lookup_min=1, speculative_max_batch=64)
 
 
 def _tokens(outputs) -> list[list[int]]:

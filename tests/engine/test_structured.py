@@ -12,14 +12,18 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.core.errors import InvalidArgumentError
+from tests.engine.speculation import SPEC
 
 SCHEMA = {
     "type": "object",
-    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
-                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
     "required": ["colour", "ok", "tags"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 TEXT = json.dumps(SCHEMA)
 
 
@@ -58,8 +62,7 @@ def test_preempted_and_speculative_schema_rows_give_the_same_json(references) ->
     tight = LLM(str(folder), num_blocks=24, block_size=16, max_num_batched_tokens=128)
     assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == want
     assert tight.engine.scheduler.num_preemptions > 0
-    spec = LLM(str(folder), max_num_batched_tokens=128, block_size=16, speculative_method="ngram",
-               prompt_lookup_min=1, speculative_max_batch=64)  # fmt: skip
+    spec = LLM(str(folder), max_num_batched_tokens=128, block_size=16, **SPEC)
     repetitive = [p[:12] * 3 for p in prompts[:6]]
     got = spec.generate(repetitive, params[:6])
     plain = roomy.generate(repetitive, params[:6])
@@ -73,9 +76,13 @@ def test_preempted_and_speculative_schema_rows_give_the_same_json(references) ->
 
 @pytest.mark.parametrize(
     ("schema", "why"),
-    [("{not json", "is not JSON"), ("[1, 2]", "must be a JSON object"),
-     ('{"type": "nonsense"}', "cannot guide decoding"), (7, "must be JSON text")],
-)  # fmt: skip
+    [
+        ("{not json", "is not JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"type": "nonsense"}', "cannot guide decoding"),
+        (7, "must be JSON text"),
+    ],
+)
 def test_bad_schemas_are_refused_by_name(schema: object, why: str) -> None:
     with pytest.raises(InvalidArgumentError, match="json_schema") as e:
         SamplingParams(json_schema=schema)  # type: ignore[arg-type]

@@ -16,8 +16,17 @@ from pdserve.router.frontdoor.auth import ApiKeys
 from pdserve.router.frontdoor.http_api import HttpApi
 from pdserve.router.router import Router
 
-LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                   "body": {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}}) + "\n"  # fmt: skip
+LINE = (
+    json.dumps(
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": [1, 2], "max_tokens": 2},
+        }
+    )
+    + "\n"
+)
 
 
 def _lines(size: int) -> bytes:
@@ -86,8 +95,10 @@ def test_each_key_uploads_within_its_quota_and_deletes_its_files(tmp_path: Path)
 def test_an_upload_cut_off_midway_leaves_no_file(tmp_path: Path) -> None:
     async def go() -> None:
         async with TestServer(_api(tmp_path, 64).app()) as server:
-            head = ("--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-                    "--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x\"\r\n\r\n")  # fmt: skip
+            head = (
+                '--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                '--b\r\nContent-Disposition: form-data; name="file"; filename="x"\r\n\r\n'
+            )
             request = (
                 f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice\r\n"
                 f"Content-Type: multipart/form-data; boundary=b\r\n"
@@ -144,8 +155,9 @@ def test_batch_outputs_count_toward_the_quota(tmp_path: Path) -> None:
             assert (1 << 20) - 1000 < len(data) + out["bytes"] <= 1 << 20
             status, refused = await _call(client, "POST", "/v1/batches", "alice", json=create)
             assert status == 409 and "batch_quota_mb" in refused["error"]["message"], refused
-            status, _ = await _call(client, "DELETE", f"/v1/files/{batch['output_file_id']}",
-                                    "alice")  # fmt: skip
+            status, _ = await _call(
+                client, "DELETE", f"/v1/files/{batch['output_file_id']}", "alice"
+            )
             assert status == 200
             status, again = await _call(client, "POST", "/v1/batches", "alice", json=create)
             assert status == 200, again  # room again

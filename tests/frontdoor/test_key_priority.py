@@ -19,8 +19,14 @@ from pdserve.router.router import Router
 from tests.frontdoor.test_lora_http import _run
 
 # (key, priority asked, priority the router gets): batch's key is at -1; online's has none
-CASES = [("batch", None, -1), ("batch", -5, -5), ("batch", 0, -1), ("batch", 1000, -1),
-         ("online", None, 0), ("online", 1000, 1000)]  # fmt: skip
+CASES = [
+    ("batch", None, -1),
+    ("batch", -5, -5),
+    ("batch", 0, -1),
+    ("batch", 1000, -1),
+    ("online", None, 0),
+    ("online", 1000, 1000),
+]
 
 
 def _keys() -> ApiKeys:
@@ -41,8 +47,12 @@ def test_http() -> None:
 
 def test_grpc() -> None:
     async def go() -> list[int]:
-        router = Router(RouterConfig(model_name="tiny", api_keys=("batch", "online")), None, None,
-                        vocab_size=100)  # fmt: skip
+        router = Router(
+            RouterConfig(model_name="tiny", api_keys=("batch", "online")),
+            None,
+            None,
+            vocab_size=100,
+        )
         seen: list[int] = []
         real = router.stream
 

@@ -107,8 +107,12 @@ def test_only_an_admin_key_loads_or_unloads_adapters(monkeypatch) -> None:
         ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/etc"}),
         ("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"}),
     ]
-    for key, statuses in (("client", [403, 403]), (None, [401, 401]), ("ops", [503, 404]),
-                          ("ops-env", [503, 404])):  # fmt: skip
+    for key, statuses in (
+        ("client", [403, 403]),
+        (None, [401, 401]),
+        ("ops", [503, 404]),
+        ("ops-env", [503, 404]),
+    ):
         results, _ = _run(calls, keys, key)
         assert [status for status, _ in results] == statuses, (key, results)
     results, _ = _run(calls[:1], keys, "client")

@@ -16,17 +16,39 @@ from pdserve.router.frontdoor.openai_fields import (
 )
 from tests.frontdoor.test_lora_http import _run
 
-TAKEN = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
-         "frequency_penalty": 0.0, "logprobs": None, "logit_bias": {}}  # fmt: skip
-TAKEN_CHAT = {"n": None, "logit_bias": None, "top_logprobs": None,
-              "response_format": {"type": "text"}, "tools": [], "functions": None,
-              "tool_choice": "none", "function_call": "auto", "parallel_tool_calls": False,
-              "modalities": ["text"], "service_tier": "auto", "store": False,
-              "metadata": {"team": "a"}}  # fmt: skip
+TAKEN = {
+    "n": 1,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0.0,
+    "logprobs": None,
+    "logit_bias": {},
+}
+TAKEN_CHAT = {
+    "n": None,
+    "logit_bias": None,
+    "top_logprobs": None,
+    "response_format": {"type": "text"},
+    "tools": [],
+    "functions": None,
+    "tool_choice": "none",
+    "function_call": "auto",
+    "parallel_tool_calls": False,
+    "modalities": ["text"],
+    "service_tier": "auto",
+    "store": False,
+    "metadata": {"team": "a"},
+}
 REFUSED = [("best_of", 3), ("suffix", "x")]
-REFUSED_CHAT = [("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
-                ("service_tier", "flex"), ("store", True),
-                ("modalities", ["text", "audio"])]  # fmt: skip
+REFUSED_CHAT = [
+    ("functions", [{"name": "f"}]),
+    ("function_call", {"name": "f"}),
+    ("service_tier", "flex"),
+    ("store", True),
+    ("modalities", ["text", "audio"]),
+]
 
 
 def test_do_nothing_values_pass_and_others_are_refused_by_name() -> None:
@@ -37,16 +59,21 @@ def test_do_nothing_values_pass_and_others_are_refused_by_name() -> None:
             with pytest.raises(InvalidArgumentError, match="is not supported") as e:
                 check_fields({"model": "m", name: value}, fields)
             assert e.value.field == name
-    for name, fields in (("bogus", COMPLETION_FIELDS), ("tools", COMPLETION_FIELDS),
-                         ("best_of", CHAT_FIELDS)):  # fmt: skip
+    for name, fields in (
+        ("bogus", COMPLETION_FIELDS),
+        ("tools", COMPLETION_FIELDS),
+        ("best_of", CHAT_FIELDS),
+    ):
         with pytest.raises(InvalidArgumentError, match="unknown field"):
             check_fields({name: None}, fields)
 
 
 def test_over_http_a_request_with_do_nothing_fields_reaches_the_router() -> None:
     completion = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2}
-    requests = [("POST", "/v1/completions", {**completion, **TAKEN}),
-                ("POST", "/v1/completions", {**completion, "best_of": 2})]  # fmt: skip
+    requests = [
+        ("POST", "/v1/completions", {**completion, **TAKEN}),
+        ("POST", "/v1/completions", {**completion, "best_of": 2}),
+    ]
     (taken, refused), seen = _run(requests)
     assert taken[0] == 429 and len(seen) == 1  # no instance: refused by admission, not the door
     assert refused[0] == 400 and refused[1]["error"]["param"] == "best_of"
@@ -58,9 +85,12 @@ def test_response_formats_become_a_schema_or_are_refused_by_name() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     spec = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
     assert response_schema(spec) == '{"type": "object", "properties": {"a": {"type": "integer"}}}'
-    bad = [({"type": "grammar"}, "response_format"), ("json", "response_format"),
-           ({"type": "json_schema"}, "response_format.json_schema"),
-           ({"type": "json_schema", "json_schema": {"schema": "{}"}}, "response_format.json_schema")]  # fmt: skip
+    bad = [
+        ({"type": "grammar"}, "response_format"),
+        ("json", "response_format"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"schema": "{}"}}, "response_format.json_schema"),
+    ]
     for value, field in bad:
         with pytest.raises(InvalidArgumentError) as e:
             response_schema(value)

@@ -29,14 +29,27 @@ def test_chunk_events_are_the_chunk_objects_as_json(chat: bool) -> None:
         event = shape.chunk_event(delta)
         if chat:
             content = {"content": delta.text, **({"role": "assistant"} if n == 0 else {})}
-            choice = {"index": 0, "delta": content, "finish_reason": delta.finish_reason,
-                      "logprobs": None}  # fmt: skip
+            choice = {
+                "index": 0,
+                "delta": content,
+                "finish_reason": delta.finish_reason,
+                "logprobs": None,
+            }
         else:
-            choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason,
-                      "logprobs": None}  # fmt: skip
-        want = {"id": ("chatcmpl-" if chat else "cmpl-") + "req-1", "object": kind,
-                "created": shape.created, "model": "tiny", "system_fingerprint": "tiny@v2",
-                "choices": [choice]}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": delta.text,
+                "finish_reason": delta.finish_reason,
+                "logprobs": None,
+            }
+        want = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + "req-1",
+            "object": kind,
+            "created": shape.created,
+            "model": "tiny",
+            "system_fingerprint": "tiny@v2",
+            "choices": [choice],
+        }
         assert event == b"data: " + json.dumps(want).encode() + b"\n\n"
         if not chat and delta.finish_reason is None:
             continue  # the openai client reads these unvalidated (its type wants a reason)

@@ -13,8 +13,11 @@ from pdserve.core.errors import InvalidArgumentError
 from pdserve.router.frontdoor.messages import template_message
 from pdserve.router.frontdoor.tools import ToolChoice, tool_choice
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-           "required": ["city"]}  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
 TOOLS = [
     {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "time", "description": "now"}},
@@ -199,8 +202,11 @@ def test_a_streamed_named_call_sends_its_arguments_as_they_come() -> None:
 
 
 def test_messages_carry_tool_calls_and_answers_to_the_template() -> None:
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+    }
     asked = template_message({"role": "assistant", "content": None, "tool_calls": [call]}, 1)
     assert asked == {"role": "assistant", "content": "", "tool_calls": [call]}
     answer = template_message({"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, 2)

@@ -46,10 +46,12 @@ def test_cuda_graphs_pad_batches_and_keep_kv_apart(references) -> None:
     runs = []
     for graphs in (True, False):
         llm = LLM(str(folder), device="cuda", dtype="float32", cuda_graphs=graphs)
-        runs.append([
-            [o.outputs[0].token_ids for o in llm.generate(prompts[:n], GREEDY)]
-            for n in range(1, len(prompts) + 1)
-        ])  # fmt: skip
+        runs.append(
+            [
+                [o.outputs[0].token_ids for o in llm.generate(prompts[:n], GREEDY)]
+                for n in range(1, len(prompts) + 1)
+            ]
+        )
         llm.check_idle()
     assert runs[0] == runs[1]
 
@@ -72,11 +74,13 @@ def test_cuda_bfloat16_agrees_with_float32(references, name: str) -> None:
     llm.check_idle()
     prefixes = [common_prefix(o, r) for o, r in zip(outs, reference, strict=True)]
     figure = {
-        "model": name, "prompts": len(prompts), "tokens_each": MAX_NEW_TOKENS,
+        "model": name,
+        "prompts": len(prompts),
+        "tokens_each": MAX_NEW_TOKENS,
         "identical": sum(p == MAX_NEW_TOKENS for p in prefixes),
         "first_token_agrees": sum(p > 0 for p in prefixes),
         "mean_agreeing_prefix": round(sum(prefixes) / len(prefixes), 2),
-    }  # fmt: skip
+    }
     if out := os.environ.get("PDSERVE_GPU_OUT"):
         with open(os.path.join(out, "bf16_agreement.jsonl"), "a") as f:
             f.write(json.dumps(figure) + "\n")

@@ -44,9 +44,14 @@ class RerunGraphs(DecodeGraphs):
 
 def engine(folder: str, graphs: bool) -> LLM:
     llm = LLM(
-        folder, device="cpu", dtype="float32", kernel_backend="triton",
-        attention_backend="triton", max_num_seqs=8, max_num_batched_tokens=64,
-    )  # fmt: skip
+        folder,
+        device="cpu",
+        dtype="float32",
+        kernel_backend="triton",
+        attention_backend="triton",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
     if graphs:
         r = llm.engine.executor.runner  # type: ignore[attr-defined]
         limit = r.num_blocks * r.block_size

@@ -18,10 +18,17 @@ from pdserve.parallel.model_runner import ModelRunner
 from pdserve.sim.profile import load_profile
 
 SMALL = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
-    "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048,
-}  # fmt: skip
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "max_position_embeddings": 2048,
+}
 
 
 @pytest.fixture
@@ -72,8 +79,12 @@ def test_graph_buckets_and_context_bounds() -> None:
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert batch_buckets(10) == [1, 2, 4, 8, 10]
     assert [context_bound(n, 4096) for n in (1, 256, 257, 3000, 5000)] == [
-        256, 256, 512, 4096, 4096,
-    ]  # fmt: skip
+        256,
+        256,
+        512,
+        4096,
+        4096,
+    ]
 
 
 def test_no_graphs_off_cuda(config_only: Path) -> None:

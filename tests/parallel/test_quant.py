@@ -160,10 +160,12 @@ def test_linears_are_found_where_a_static_lookup_finds_no_weight() -> None:
 
 @pytest.mark.parametrize(
     ("scheme", "shape", "problem"),
-    [("int8", (16, 40), "input size 40 is not a multiple of 16"),
-     ("int4", (40, 64), "output size 40 is not a multiple of 16"),
-     ("int4", (16, 48), "input size 48 is not a multiple of 32")],
-)  # fmt: skip
+    [
+        ("int8", (16, 40), "input size 40 is not a multiple of 16"),
+        ("int4", (40, 64), "output size 40 is not a multiple of 16"),
+        ("int4", (16, 48), "input size 48 is not a multiple of 32"),
+    ],
+)
 def test_a_model_the_cpu_path_cannot_take_is_refused_untouched(
     scheme: str, shape: tuple[int, int], problem: str
 ) -> None:

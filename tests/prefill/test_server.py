@@ -193,15 +193,21 @@ def test_a_first_token_that_ends_the_request_cancels_the_reservation(
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
-        (PrefillRequest("r1", PROMPT, greedy(8), Reservation("r1", "d9", DECODE_PAGES, 0, 30.0)),
-         "reservation.decode_id"),
-        (PrefillRequest("r1", PROMPT, greedy(8), reservation(DECODE_PAGES[:7])),
-         "reservation.block_ids"),
-        (PrefillRequest("r1", PROMPT, greedy(8), reservation([], local=True)),
-         "reservation.block_ids"),
+        (
+            PrefillRequest("r1", PROMPT, greedy(8), Reservation("r1", "d9", DECODE_PAGES, 0, 30.0)),
+            "reservation.decode_id",
+        ),
+        (
+            PrefillRequest("r1", PROMPT, greedy(8), reservation(DECODE_PAGES[:7])),
+            "reservation.block_ids",
+        ),
+        (
+            PrefillRequest("r1", PROMPT, greedy(8), reservation([], local=True)),
+            "reservation.block_ids",
+        ),
     ],
     ids=["unpaired decode", "too few pages", "local reservation"],
-)  # fmt: skip
+)
 def test_a_reservation_that_cannot_take_the_prompt_is_refused(
     server: PrefillServer, request_: PrefillRequest, field: str
 ) -> None:

@@ -24,10 +24,16 @@ def cpu_profile(
     """A measured-looking float32 profile of ``shape`` on one CPU rank: ``step`` times every
     step, ``connectors`` every transfer."""
     return Profile(
-        model=shape, tensor_parallel_size=1, pipeline_parallel_size=1, device="cpu",
-        source="measured", step=step, kv_bytes_per_token=shape.kv_bytes_per_token(4),
-        kv_capacity_tokens=kv_tokens, connectors=connectors,
-    )  # fmt: skip
+        model=shape,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        device="cpu",
+        source="measured",
+        step=step,
+        kv_bytes_per_token=shape.kv_bytes_per_token(4),
+        kv_capacity_tokens=kv_tokens,
+        connectors=connectors,
+    )
 
 
 def toy_profile(step: StepModel, kv_tokens: int = 1 << 16, latency_s: float = 0.005) -> Profile:
@@ -98,8 +104,9 @@ def step_timeline(
 # 2026-11-29). Tests that simulate a validation point's runs take it instead of measuring:
 # a measured model moves with the machine's load, and with it how well a fit separates
 # the overheads a test sets.
-TINY_STEP = StepModel(overhead_s=0.0069, s_per_token=1.34e-4, s_per_attn=2.18e-7,
-                      s_per_ctx=1.82e-6, s_per_seq=3.6e-5)  # fmt: skip
+TINY_STEP = StepModel(
+    overhead_s=0.0069, s_per_token=1.34e-4, s_per_attn=2.18e-7, s_per_ctx=1.82e-6, s_per_seq=3.6e-5
+)
 
 
 def tiny_setup(setup: str, args: argparse.Namespace) -> tuple[str, ProfileBook]:

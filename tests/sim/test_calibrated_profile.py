@@ -56,10 +56,23 @@ def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(t
     from pdserve.deploy.cli import build_parser
 
     args = build_parser().parse_args(
-        ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:2",
-         "--num-requests", "12", "--out", str(tmp_path), "--name", "cal", "--noise-draws", "2",
-         "--write-profiles"]
-    )  # fmt: skip
+        [
+            "sim-validate",
+            "--model",
+            "builtin:tiny",
+            "--points",
+            "disaggregated:long:2",
+            "--num-requests",
+            "12",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "cal",
+            "--noise-draws",
+            "2",
+            "--write-profiles",
+        ]
+    )
     point = Point.parse(args.points[0])
     text, book = tiny_setup(point.setup, args)
     model = book.profiles[0].step
@@ -86,8 +99,9 @@ def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(t
     from pdserve.sim.validate_points import sim_command
 
     command = shlex.split(sim_command(point, args, written))[1:]
-    sim = build_parser().parse_args([*command, "--out", str(tmp_path), "--name", "again",
-                                     "--no-plots"])  # fmt: skip
+    sim = build_parser().parse_args(
+        [*command, "--out", str(tmp_path), "--name", "again", "--no-plots"]
+    )
     assert sim.func(sim) == 0
     (run,) = json.loads((tmp_path / "again.json").read_text())["runs"]
     assert run["summary"]["noise_draws"] == 2  # the mean of two draws, as the validation's
@@ -103,8 +117,12 @@ def test_a_calibrated_profile_round_trips_and_its_bad_fields_are_named(tmp_path)
     step = StepModel(overhead_s=0.001, s_per_token=1e-5)
     profile = toy_profile(step)
     raw = profile.to_json()
-    raw.update(role_steps={"decode": {**raw["step"], "jitter": 0.2}}, request_overhead_s=0.02,
-               request_jitter=0.1, one_host=True)  # fmt: skip
+    raw.update(
+        role_steps={"decode": {**raw["step"], "jitter": 0.2}},
+        request_overhead_s=0.02,
+        request_jitter=0.1,
+        one_host=True,
+    )
     again = profile_from_json(raw)
     assert again.role_steps["decode"].jitter == 0.2 and again.request_overhead_s == 0.02
     path = save_profile(again, tmp_path / "p.json")

@@ -43,11 +43,24 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
     return config, profile
 
 
+def _argv(line: str, *values: object) -> list[str]:
+    """The words of ``line``, each ``{}`` in it the next of ``values`` (paths, as given)."""
+    given = iter(values)
+    return [str(next(given)) if word == "{}" else word for word in line.split()]
+
+
 def test_sim_writes_bench_compatible_json(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     config, profile = files
-    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "5", "10",
-               "--num-requests", "60", "--prompt-len", "200", "--output-len", "20",
-               "--out", str(tmp_path / "out"), "--no-plots", "--region-share", "east=3", "west=1"])  # fmt: skip
+    rc = main(
+        _argv(
+            "sim --config {} --profile {} --rate 5 10 --num-requests 60 "
+            "--prompt-len 200 --output-len 20 --out {} --no-plots "
+            "--region-share east=3 west=1",
+            config,
+            profile,
+            tmp_path / "out",
+        )
+    )
     assert rc == 0
     result = json.loads((tmp_path / "out" / "sim.json").read_text())
     assert {"command", "date", "machine", "options", "runs"} <= set(result)
@@ -65,14 +78,19 @@ def test_sim_runs_without_torch_and_still_records_the_machine(files, tmp_path) -
     """The simulator needs no torch (its import is seconds and hundreds of MiB): a
     fresh process simulates and writes its result with torch never loaded."""
     config, profile = files
-    argv = ["sim", "--config", str(config), "--profile", str(profile), "--rate", "5",
-            "--num-requests", "20", "--out", str(tmp_path / "out"), "--no-plots"]  # fmt: skip
+    argv = _argv(
+        "sim --config {} --profile {} --rate 5 --num-requests 20 --out {} --no-plots",
+        config,
+        profile,
+        tmp_path / "out",
+    )
     script = (
         "import sys\nfrom pdserve.deploy.cli import main\n"
         f"rc = main({argv!r})\nprint(rc, 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "0 False"
     machine = json.loads((tmp_path / "out" / "sim.json").read_text())["machine"]
@@ -92,7 +110,7 @@ def test_sim_rejects_a_trace_with_missing_columns(files, tmp_path, capsys) -> No
     trace.write_text(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,100,8\n"
         "2023-11-16 18:15:47,100,-3\n"
-    )  # fmt: skip
+    )
     rc = main(["sim", "--config", str(config), "--profile", str(profile), "--trace", str(trace)])
     assert rc == 2
     assert "trace.csv:3: GeneratedTokens is negative" in capsys.readouterr().err
@@ -127,25 +145,44 @@ def test_sim_noise_draws_zero_is_the_profile_without_its_noise(files, tmp_path, 
     quiet_file.write_text(json.dumps(raw | {"step": {**raw["step"], "jitter": 0, "jitter_s": 0}}))
 
     def p50s(path: Path, *flags: str) -> tuple[float, float]:
-        rc = main(["sim", "--config", str(config), "--profile", str(path), "--rate", "8",
-                   "--num-requests", "60", "--prompt-len", "200", "--output-len", "20",
-                   "--out", str(tmp_path / "out"), "--no-plots", *flags])  # fmt: skip
+        rc = main(
+            [
+                *_argv(
+                    "sim --config {} --profile {} --rate 8 --num-requests 60 "
+                    "--prompt-len 200 --output-len 20 --out {} --no-plots",
+                    config,
+                    path,
+                    tmp_path / "out",
+                ),
+                *flags,
+            ]
+        )
         assert rc == 0
         (run,) = json.loads((tmp_path / "out" / "sim.json").read_text())["runs"]
         return run["summary"]["ttft_ms"]["p50"], run["summary"]["tpot_ms"]["p50"]
 
     assert p50s(profile, "--noise-draws", "0") == p50s(quiet_file)
     assert p50s(profile) != p50s(quiet_file)  # one draw of the noise moves them
-    assert main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "1",
-                 "--noise-draws", "-1"]) == 2  # fmt: skip
+    assert (
+        main(_argv("sim --config {} --profile {} --rate 1 --noise-draws -1", config, profile)) == 2
+    )
     assert "noise_draws: must be at least 0, got -1" in capsys.readouterr().err
 
 
 def test_sim_runs_once_when_no_profile_carries_noise(files, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     config, profile = files  # measured, not calibrated: no jitter, no request overhead
-    assert main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "4",
-                 "--num-requests", "20", "--out", str(tmp_path), "--no-plots",
-                 "--noise-draws", "3"]) == 0  # fmt: skip
+    assert (
+        main(
+            _argv(
+                "sim --config {} --profile {} --rate 4 --num-requests 20 "
+                "--out {} --no-plots --noise-draws 3",
+                config,
+                profile,
+                tmp_path,
+            )
+        )
+        == 0
+    )
     assert "--noise-draws 3: no profile carries noise" in capsys.readouterr().err
     (run,) = json.loads((tmp_path / "sim.json").read_text())["runs"]
     assert run["sim"]["draws"] == 1 and "noise_draws" not in run["summary"]
@@ -163,8 +200,12 @@ def test_profile_analytic_writes_a_loadable_file(tmp_path, capsys) -> None:  # t
 
 
 def test_plan_infeasible_names_the_slo_and_the_gap(capsys) -> None:  # type: ignore[no-untyped-def]
-    rc = main(["plan", "--model", "llama-7b", "--device", "h100", "--rate", "east=5",
-               "--prompt-len", "1000", "--ttft-slo-ms", "20", "--tpot-slo-ms", "50"])  # fmt: skip
+    rc = main(
+        _argv(
+            "plan --model llama-7b --device h100 --rate east=5 "
+            "--prompt-len 1000 --ttft-slo-ms 20 --tpot-slo-ms 50"
+        )
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "TTFT SLO 20 ms cannot be met" in err and "ms over" in err
@@ -174,9 +215,13 @@ def test_plan_infeasible_names_the_slo_and_the_gap(capsys) -> None:  # type: ign
 def test_plan_refuses_a_mix_past_the_models_context(capsys) -> None:  # type: ignore[no-untyped-def]
     # llama-7b holds 4,096 tokens: every request would be refused, so no count of
     # instances meets the SLO; the error says so instead of "TTFT inf ms"
-    rc = main(["plan", "--model", "llama-7b", "--device", "h100", "--rate", "east=5",
-               "--prompt-len", "4000", "--output-len", "256", "--ttft-slo-ms", "1000",
-               "--tpot-slo-ms", "50"])  # fmt: skip
+    rc = main(
+        _argv(
+            "plan --model llama-7b --device h100 --rate east=5 "
+            "--prompt-len 4000 --output-len 256 --ttft-slo-ms 1000 "
+            "--tpot-slo-ms 50"
+        )
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert (
@@ -200,11 +245,13 @@ def test_plan_refuses_a_mix_past_the_models_context(capsys) -> None:  # type: ig
         (["--rate", "east=5", "--seed", "-1"], "seed: must be >= 0"),
         (["--rate", "east=5", "--jobs", "0"], "jobs: must be >= 1, got 0"),
         # 200 requests at 1e9 req/s are a burst: 124 devices "met" the SLOs at that rate
-        (["--rate", "east=1e9", "--num-requests", "200"],
-         "num_requests: 200 requests at 1.3e+09 req/s (with headroom) arrive within"),
+        (
+            ["--rate", "east=1e9", "--num-requests", "200"],
+            "num_requests: 200 requests at 1.3e+09 req/s (with headroom) arrive within",
+        ),
         (["--rate", "east=1e9"], "rate: region east: 1.3e+09 req/s (with headroom) needs"),
     ],
-)  # fmt: skip
+)
 def test_plan_names_a_bad_forecast_or_limit(tmp_path, capsys, flags, why) -> None:  # type: ignore[no-untyped-def]
     forecast = tmp_path / "forecast.json"
     forecast.write_text('{"east": [5, null]}')  # a JSON null was a traceback
@@ -215,9 +262,14 @@ def test_plan_names_a_bad_forecast_or_limit(tmp_path, capsys, flags, why) -> Non
 
 def test_plan_meets_the_slo_and_prints_the_textbook_beside_it(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "plan.json"
-    rc = main(["plan", "--model", "llama-7b", "--device", "h100", "--rate", "east=2,4",
-               "--prompt-len", "1000", "--output-len", "32", "--num-requests", "100",
-               "--ttft-slo-ms", "500", "--tpot-slo-ms", "40", "--out", str(out)])  # fmt: skip
+    rc = main(
+        _argv(
+            "plan --model llama-7b --device h100 --rate east=2,4 "
+            "--prompt-len 1000 --output-len 32 --num-requests 100 "
+            "--ttft-slo-ms 500 --tpot-slo-ms 40 --out {}",
+            out,
+        )
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "plan (simulated)" in text and "textbook:" in text
@@ -232,9 +284,16 @@ def test_sim_says_why_requests_failed(files, tmp_path, capsys) -> None:  # type:
     # one sequence per decode instance, three of them, at 200 req/s: most find no room
     config, profile = files
     config.write_text(CONFIG.replace("max_num_seqs: 32", "max_num_seqs: 1"))
-    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "200",
-               "--num-requests", "40", "--prompt-len", "200", "--output-len", "20",
-               "--out", str(tmp_path / "out"), "--no-plots", "--no-progress"])  # fmt: skip
+    rc = main(
+        _argv(
+            "sim --config {} --profile {} --rate 200 --num-requests 40 "
+            "--prompt-len 200 --output-len 20 --out {} --no-plots "
+            "--no-progress",
+            config,
+            profile,
+            tmp_path / "out",
+        )
+    )
     assert rc == 0
     summary = json.loads((tmp_path / "out" / "sim.json").read_text())["runs"][0]["summary"]
     failed = summary["num_failed"]
@@ -245,8 +304,10 @@ def test_sim_says_why_requests_failed(files, tmp_path, capsys) -> None:  # type:
 def test_profile_refuses_a_layout_the_model_cannot_take(capsys) -> None:  # type: ignore[no-untyped-def]
     # the analytic profile asks the engine's layout check (core/layout.py): llama-7b's
     # 32 heads do not split over 3 ranks, nor its 32 layers into 64 stages
-    for flags, why in ((["--tp", "3"], "tensor_parallel_size: 3 does not divide the model's 32 attention heads"),
-                       (["--pp", "64"], "pipeline_parallel_size: 64 stages for a model of 32 layers")):  # fmt: skip
+    for flags, why in (
+        (["--tp", "3"], "tensor_parallel_size: 3 does not divide the model's 32 attention heads"),
+        (["--pp", "64"], "pipeline_parallel_size: 64 stages for a model of 32 layers"),
+    ):
         assert main(["profile", "--model", "llama-7b", "--device", "h100", *flags]) == 2
         assert why in capsys.readouterr().err
 
@@ -272,43 +333,38 @@ def test_profile_refuses_flags_it_would_ignore_or_choke_on(tmp_path, capsys) -> 
     # --repeats 0 was a traceback (min of no timings); an analytic profile took any
     # --dtype and --block-size and wrote the device's bf16 figures
     out = str(tmp_path / "p.json")
-    for flags, why in ((["--model", "builtin:tiny", "--repeats", "0"], "repeats: must be at least 1"),
-                       (["--model", "llama-7b", "--device", "h100", "--block-size", "0"], "block_size: must be"),
-                       (["--model", "llama-7b", "--device", "h100", "--dtype", "float32"],
-                        "dtype: an analytic h100 profile is bfloat16, not float32")):  # fmt: skip
+    for flags, why in (
+        (["--model", "builtin:tiny", "--repeats", "0"], "repeats: must be at least 1"),
+        (["--model", "llama-7b", "--device", "h100", "--block-size", "0"], "block_size: must be"),
+        (
+            ["--model", "llama-7b", "--device", "h100", "--dtype", "float32"],
+            "dtype: an analytic h100 profile is bfloat16, not float32",
+        ),
+    ):
         assert main(["profile", *flags, "--out", out]) == 2
         assert why in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "profile",
-                "--model",
-                "llama-7b",
-                "--device",
-                "h100",
-                "--dtype",
-                "bfloat16",
-                "--out",
-                out,
-            ]
-        )
-        == 0
-    )
+    assert main(_argv("profile --model llama-7b --device h100 --dtype bfloat16 --out {}", out)) == 0
 
 
 def test_sim_refuses_load_flags_bench_serve_refuses(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     # the flags both share are checked as bench serve checks them
     config = str(Path(__file__).resolve().parents[2] / "sim" / "configs" / "shift.yaml")
-    base = ["sim", "--config", config, "--device", "h100", "--rate", "5",
-            "--num-requests", "20", "--no-plots", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
-    for flags, why in ((["--temperature", "-1"], "temperature: must be >= 0"),
-                       (["--max-concurrency", "0"], "max_concurrency: must be >= 1"),
-                       (["--request-timeout", "0"], "request_timeout: must be > 0"),
-                       (["--request-timeout", "nan"], "request_timeout: must be > 0"),
-                       (["--startup-s", "nan"], "startup_s: must be >= 0"),
-                       (["--seed", "-1"], "seed: must be >= 0"),  # numpy's ValueError
-                       # the simulation hung: a clock at 1e297 s no longer moves by a step
-                       (["--step-overhead-ms", "1e300"], "step_overhead_s: must be in [0, 1] s")):  # fmt: skip
+    base = _argv(
+        "sim --config {} --device h100 --rate 5 --num-requests 20 "
+        "--no-plots --no-progress --out {}",
+        config,
+        tmp_path,
+    )
+    for flags, why in (
+        (["--temperature", "-1"], "temperature: must be >= 0"),
+        (["--max-concurrency", "0"], "max_concurrency: must be >= 1"),
+        (["--request-timeout", "0"], "request_timeout: must be > 0"),
+        (["--request-timeout", "nan"], "request_timeout: must be > 0"),
+        (["--startup-s", "nan"], "startup_s: must be >= 0"),
+        (["--seed", "-1"], "seed: must be >= 0"),  # numpy's ValueError
+        # the simulation hung: a clock at 1e297 s no longer moves by a step
+        (["--step-overhead-ms", "1e300"], "step_overhead_s: must be in [0, 1] s"),
+    ):
         assert main([*base, *flags]) == 2
         assert why in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
@@ -328,8 +384,14 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_the_run(files, caps
     config, profile = files
     blocker = config.parent / "taken"
     blocker.write_text("")
-    rc = main(["sim", "--config", str(config), "--profile", str(profile), "--rate", "1",
-               "--num-requests", "5", "--out", str(blocker / "results")])  # fmt: skip
+    rc = main(
+        _argv(
+            "sim --config {} --profile {} --rate 1 --num-requests 5 --out {}",
+            config,
+            profile,
+            blocker / "results",
+        )
+    )
     assert rc == 2
     captured = capsys.readouterr()
     assert "--out: cannot create" in captured.err and "simulated" not in captured.out
@@ -337,14 +399,17 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_the_run(files, caps
 
 @pytest.mark.parametrize(
     ("flags", "why"),
-    [(["--rate", "inf"], "rate: must be > 0 and finite"),
-     (["--phase-s", "inf"], "phase_s: must be > 0 and finite"),  # OverflowError
-     (["--phase-s", "1e300"], "phase_s: 2 req/s for 1e+300 s is over 10000000")],  # it hung
-)  # fmt: skip
+    [
+        (["--rate", "inf"], "rate: must be > 0 and finite"),
+        (["--phase-s", "inf"], "phase_s: must be > 0 and finite"),  # OverflowError
+        (["--phase-s", "1e300"], "phase_s: 2 req/s for 1e+300 s is over 10000000"),
+    ],  # it hung
+)
 def test_sim_planners_names_a_phase_it_cannot_replay(tmp_path, capsys, flags, why) -> None:  # type: ignore[no-untyped-def]
     config = str(Path(__file__).resolve().parents[2] / "sim" / "configs" / "shift.yaml")
-    base = ["sim-planners", "--config", config, "--device", "h100", "--rate", "2",
-            "--phase-s", "5", "--out", str(tmp_path)]  # fmt: skip
+    base = _argv(
+        "sim-planners --config {} --device h100 --rate 2 --phase-s 5 --out {}", config, tmp_path
+    )
     assert main([*base, *flags]) == 2
     assert why in capsys.readouterr().err
 

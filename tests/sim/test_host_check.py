@@ -26,11 +26,26 @@ def sim_args(out, repeat: int = 1, around: bool = False):  # type: ignore[no-unt
     from pdserve.deploy.cli import build_parser
 
     return build_parser().parse_args(
-        ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:3",
-         "--num-requests", "12", "--calibration-requests", "3", "--out", str(out),
-         "--name", "checked", "--host-check",
-         "--repeat", str(repeat), *(["--calibrate-around"] if around else [])]
-    )  # fmt: skip
+        [
+            "sim-validate",
+            "--model",
+            "builtin:tiny",
+            "--points",
+            "disaggregated:long:3",
+            "--num-requests",
+            "12",
+            "--calibration-requests",
+            "3",
+            "--out",
+            str(out),
+            "--name",
+            "checked",
+            "--host-check",
+            "--repeat",
+            str(repeat),
+            *(["--calibrate-around"] if around else []),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +72,14 @@ def checked_row(tmp_path, checks: list[tuple[float, float]], profiles, after=Non
     real = [Measured(simulate(text, book, ns, rate, Overhead()), {}) for ns, rate in runs]
 
     def steps(prefill: float, decode: float) -> dict[str, list[StepRecord]]:
-        shapes = {"prefill0": [((1024,), (0,))] * 4,
-                  "decode1": [((1,), (1024 + i,)) for i in range(31)] * 4}  # fmt: skip
-        return {name: step_timeline(model, shape, 0.0, LiveFit(r, r), [False] * len(shape))
-                for (name, shape), r in zip(shapes.items(), (prefill, decode), strict=True)}  # fmt: skip
+        shapes = {
+            "prefill0": [((1024,), (0,))] * 4,
+            "decode1": [((1,), (1024 + i,)) for i in range(31)] * 4,
+        }
+        return {
+            name: step_timeline(model, shape, 0.0, LiveFit(r, r), [False] * len(shape))
+            for (name, shape), r in zip(shapes.items(), (prefill, decode), strict=True)
+        }
 
     base = host_check_baseline(cal)
     real[base] = Measured(real[base].summary, steps(1.0, 1.0))

@@ -80,9 +80,11 @@ def test_live_fit_measures_the_noise_of_traced_steps() -> None:
 def _closed_loop(step: StepModel, fast: bool = False, **options) -> SimCluster:  # type: ignore[no-untyped-def]
     work = workload(np.zeros(200), 100, 20)
     sim = SimCluster(
-        toy_config(0, 1), book(toy_profile(step)), work,
+        toy_config(0, 1),
+        book(toy_profile(step)),
+        work,
         SimOptions(fast=fast, max_concurrency=2, **options),
-    )  # fmt: skip
+    )
     run = sim.run()
     for inst in run.instances:
         inst.kv.assert_empty()

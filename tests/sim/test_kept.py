@@ -5,7 +5,9 @@ those."""
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,26 +17,20 @@ from pdserve.sim.validate import Measured, Point, cmd_sim_validate, workload_arg
 from tests.sim.helpers import keep_file, tiny_setup
 
 
+def _validate_args(out: Path, name: str, flag: str) -> argparse.Namespace:
+    """``pdserve sim-validate`` of one disaggregated point of the tiny model (12 requests),
+    written to ``out`` as ``name``, with ``flag``."""
+    from pdserve.deploy.cli import build_parser
+
+    point = ["--points", "disaggregated:long:0.5", "--num-requests", "12"]
+    argv = ["sim-validate", "--model", "builtin:tiny", *point, "--out", str(out), "--name", name]
+    return build_parser().parse_args([*argv, flag])
+
+
 def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # "Measured" runs that a simulated system with known overheads gave: calibrated
     # again from the kept file, the overheads come back and the point matches.
-    from pdserve.deploy.cli import build_parser
-
-    argv = [
-        "sim-validate",
-        "--model",
-        "builtin:tiny",
-        "--points",
-        "disaggregated:long:0.5",
-        "--num-requests",
-        "12",
-        "--out",
-        str(tmp_path),
-        "--name",
-        "again",
-        "--keep-traces",
-    ]
-    args = build_parser().parse_args(argv)
+    args = _validate_args(tmp_path, "again", "--keep-traces")
     point = Point.parse(args.points[0])
     text, book = tiny_setup(point.setup, args)
     truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
@@ -71,21 +67,17 @@ def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_p
     # the host sped up over the points: the calibration runs before them ran with 4 ms
     # more a step and 20 ms less a request than those after; the fit of both lands
     # between the two
-    from pdserve.deploy.cli import build_parser
-
-    args = build_parser().parse_args(
-        ["sim-validate", "--model", "builtin:tiny", "--points", "disaggregated:long:0.5",
-         "--num-requests", "12", "--out", str(tmp_path), "--name", "around",
-         "--calibrate-around"]
-    )  # fmt: skip
+    args = _validate_args(tmp_path, "around", "--calibrate-around")
     point = Point.parse(args.points[0])
     text, book = tiny_setup(point.setup, args)
     cal = calibration_args(args, point.setup)
     runs = [*cal, (workload_args(point, args), point.rate), *cal]
     slow, fast = Overhead(step_s=0.006, request_s=0.03), Overhead(step_s=0.002, request_s=0.05)
     truth = [slow] * len(cal) + [fast] * (1 + len(cal))
-    real = [Measured(simulate(text, book, ns, rate, o), {})
-            for (ns, rate), o in zip(runs, truth, strict=True)]  # fmt: skip
+    real = [
+        Measured(simulate(text, book, ns, rate, o), {})
+        for (ns, rate), o in zip(runs, truth, strict=True)
+    ]
     keep_file(args, tmp_path, point.setup, text, book, runs, real)
     assert cmd_sim_validate(args) == 0
     out = json.loads((tmp_path / "around.json").read_text())

@@ -35,10 +35,21 @@ planner: {mode: "on", policy: proactive, interval_s: 10, cooldown_s: 30, idle_s:
 
 
 def metrics(**values) -> RegionMetrics:
-    base = dict(region="east", prefill_count=2, decode_count=2, requests=100, ttft_p90_s=0.1,
-                tpot_p90_s=0.02, prefill_queue_s=0.0, decode_kv_usage=0.2, decode_batch=8.0,
-                arrival_rate=10.0, prompt_mean=1000.0, output_mean=200.0,
-                arrival_peak_rate=10.0)  # fmt: skip
+    base = dict(
+        region="east",
+        prefill_count=2,
+        decode_count=2,
+        requests=100,
+        ttft_p90_s=0.1,
+        tpot_p90_s=0.02,
+        prefill_queue_s=0.0,
+        decode_kv_usage=0.2,
+        decode_batch=8.0,
+        arrival_rate=10.0,
+        prompt_mean=1000.0,
+        output_mean=200.0,
+        arrival_peak_rate=10.0,
+    )
     return RegionMetrics(**{**base, **values})
 
 
@@ -113,8 +124,13 @@ def _drain_for(capacity: ProfileCapacity, instances: float) -> float:
 
 
 def test_a_give_back_needs_consecutive_intervals_calm_and_the_recent_peak(config, capacity) -> None:
-    light = metrics(prefill_count=6, decode_count=6, arrival_rate=2.0, arrival_peak_rate=2.0,
-                    arrival_drain_rate=1000.0)  # fmt: skip
+    light = metrics(
+        prefill_count=6,
+        decode_count=6,
+        arrival_rate=2.0,
+        arrival_peak_rate=2.0,
+        arrival_drain_rate=1000.0,
+    )
 
     def after(drain_at_30: float, last: RegionMetrics = light):
         p = proactive(config, capacity)
@@ -141,8 +157,11 @@ def test_drain_rate_is_its_definition_on_steady_bursty_and_tied_arrivals() -> No
     rng = np.random.default_rng(1)
     for trial in range(60):
         n = int(rng.integers(1, 300))
-        times = [np.sort(rng.uniform(0, 8, n)), np.repeat(np.sort(rng.uniform(0, 8, n)), 4)[:n],
-                 np.round(np.sort(rng.uniform(0, 4, n)), 1)][trial % 3]  # fmt: skip
+        times = [
+            np.sort(rng.uniform(0, 8, n)),
+            np.repeat(np.sort(rng.uniform(0, 8, n)), 4)[:n],
+            np.round(np.sort(rng.uniform(0, 4, n)), 1),
+        ][trial % 3]
         tokens = rng.integers(0, 2000, n).astype(np.float64)
         deadline = [0.01, 0.5, 2.0][trial % 3]
         cum = np.concatenate([[0.0], np.cumsum(tokens)])
@@ -167,8 +186,13 @@ def test_bursty_arrivals_size_prefill_above_poisson_of_the_same_rate(config, cap
     targets = {}
     for name, drain in (("steady", steady), ("bursty", bursty)):
         p = proactive(config, capacity)
-        m = metrics(arrival_rate=20.0, arrival_peak_rate=20.0, arrival_drain_rate=drain,
-                    prompt_mean=1000.0, prefill_count=1)  # fmt: skip
+        m = metrics(
+            arrival_rate=20.0,
+            arrival_peak_rate=20.0,
+            arrival_drain_rate=drain,
+            prompt_mean=1000.0,
+            prefill_count=1,
+        )
         p.decide(m, now=0.0)
         targets[name] = p.plans["east"].target
         assert "drain" in p.plans["east"].target.why

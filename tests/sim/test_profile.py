@@ -70,8 +70,9 @@ def test_decode_run_closed_forms_match_step_by_step_sums() -> None:
     ]
     for model in [TRUE, *models]:
         for seqs, context in ((1, 0), (3, 300), (40, 50_000)):
-            steps = [model.time(StepFeatures.of([(1, context // seqs + i)] * seqs))
-                     for i in range(300)]  # fmt: skip
+            steps = [
+                model.time(StepFeatures.of([(1, context // seqs + i)] * seqs)) for i in range(300)
+            ]
             if context % seqs:
                 continue  # the per-row split above must sum to ``context`` exactly
             times = model.decode_step_times(seqs, context, 300)

@@ -48,15 +48,21 @@ def _record(index: int, due: float, ttft: float, ok: bool = True) -> RequestReco
 def test_live_requests_give_the_figures_the_simulation_gives() -> None:
     slo = Slo(1.0, 0.1)
     # finished out of order; met: 0 (0.5 s), 2 (0.9 s); missed: 1 (2 s), 3 (failed)
-    records = [_record(2, 12.0, 0.9), _record(0, 1.0, 0.5), _record(3, 15.0, 0.2, ok=False),
-               _record(1, 5.0, 2.0)]  # fmt: skip
+    records = [
+        _record(2, 12.0, 0.9),
+        _record(0, 1.0, 0.5),
+        _record(3, 15.0, 0.2, ok=False),
+        _record(1, 5.0, 2.0),
+    ]
     met, arrival = met_and_arrivals(records, slo)
     assert met.tolist() == [True, False, True, False]
     assert arrival.tolist() == [1.0, 5.0, 12.0, 15.0]
-    counts = [{"t_s": 0.0, "local.prefill": 1, "local.decode": 1},
-              {"t_s": 10.0, "local.prefill": 1, "local.decode": 1},
-              {"t_s": 14.0, "local.prefill": 2, "local.decode": 1},
-              {"t_s": 20.0, "local.prefill": 2, "local.decode": 1}]  # fmt: skip
+    counts = [
+        {"t_s": 0.0, "local.prefill": 1, "local.decode": 1},
+        {"t_s": 10.0, "local.prefill": 1, "local.decode": 1},
+        {"t_s": 14.0, "local.prefill": 2, "local.decode": 1},
+        {"t_s": 20.0, "local.prefill": 2, "local.decode": 1},
+    ]
     decisions = [{"t_s": 4.0, "action": "add_decode"}, {"t_s": 11.0, "action": "add_prefill"}]
     f = figures(met, arrival, counts, decisions, switch_s=10.0)
     assert (f["requests"], f["slo_met"], f["slo_missed"]) == (4, 0.5, 2)
@@ -69,10 +75,15 @@ def test_live_requests_give_the_figures_the_simulation_gives() -> None:
 
 
 def test_the_startup_seen_live_is_the_median_delay_from_an_add_to_the_count_rising() -> None:
-    counts = [{"t_s": float(t), "local.prefill": p, "local.decode": d}
-              for t, p, d in [(0, 1, 1), (1, 1, 1), (2, 2, 1), (3, 2, 1), (4, 2, 1), (5, 2, 2)]]  # fmt: skip
-    decisions = [{"t_s": 1.5, "action": "add_prefill"}, {"t_s": 2.5, "action": "add_decode"},
-                 {"t_s": 4.5, "action": "remove_prefill"}]  # fmt: skip
+    counts = [
+        {"t_s": float(t), "local.prefill": p, "local.decode": d}
+        for t, p, d in [(0, 1, 1), (1, 1, 1), (2, 2, 1), (3, 2, 1), (4, 2, 1), (5, 2, 2)]
+    ]
+    decisions = [
+        {"t_s": 1.5, "action": "add_prefill"},
+        {"t_s": 2.5, "action": "add_decode"},
+        {"t_s": 4.5, "action": "remove_prefill"},
+    ]
     assert startup_seen(counts, decisions) == pytest.approx((0.5 + 2.5) / 2)
     assert startup_seen(counts, decisions[2:]) is None  # no add: the caller's default stands
     assert startup_seen(counts, [{"t_s": 5.5, "action": "add_decode"}]) is None  # never served
@@ -83,9 +94,24 @@ def test_live_replay_runs_each_policy_on_a_local_cluster(ray_session, tmp_path: 
     config = tmp_path / "shift.yaml"
     config.write_text(CONFIG)
     out = tmp_path / "out"
-    argv = ["sim-planners", "--live", "--config", str(config), "--rate", "1", "--phase-s", "8",
-            "--max-prompt-len", "256", "--max-output-len", "16", "--out", str(out),
-            "--name", "live"]  # fmt: skip
+    argv = [
+        "sim-planners",
+        "--live",
+        "--config",
+        str(config),
+        "--rate",
+        "1",
+        "--phase-s",
+        "8",
+        "--max-prompt-len",
+        "256",
+        "--max-output-len",
+        "16",
+        "--out",
+        str(out),
+        "--name",
+        "live",
+    ]
     args = build_parser().parse_args(argv)
     assert args.func(args) == 0
     payload = json.loads((out / "live.json").read_text())

@@ -27,8 +27,13 @@ def _families(n: int, seed: int = 0) -> tuple[SimWorkload, np.ndarray]:
         for i, f in enumerate(family)
     )
     lens = np.full(n, PREFIX + TAIL, dtype=np.int64)
-    work = SimWorkload(np.arange(n) * 0.5, lens, np.full(n, 4, dtype=np.int64),
-                       np.zeros(n, dtype=np.int16), prompts)  # fmt: skip
+    work = SimWorkload(
+        np.arange(n) * 0.5,
+        lens,
+        np.full(n, 4, dtype=np.int64),
+        np.zeros(n, dtype=np.int16),
+        prompts,
+    )
     return work, family
 
 
@@ -96,8 +101,9 @@ def test_a_request_spills_to_a_farther_region_only_when_that_is_faster() -> None
     n = 40
     home = np.array([0] * 30 + [1] * 10, dtype=np.int16)
     arrival = np.concatenate([np.arange(30) * 0.05, 60.0 + np.arange(10) * 5.0])
-    work = SimWorkload(arrival, np.full(n, 2000, dtype=np.int64), np.full(n, 2, dtype=np.int64),
-                       home)  # fmt: skip
+    work = SimWorkload(
+        arrival, np.full(n, 2000, dtype=np.int64), np.full(n, 2, dtype=np.int64), home
+    )
     run = SimCluster(config, book(toy_profile(PER_TOKEN)), work, SimOptions()).run()
     rec = run.recorder
     assert (rec.error == 0).all()

@@ -216,8 +216,9 @@ def test_a_step_after_idling_takes_the_cold_time(fast: bool) -> None:
     # Requests 10 s apart: each one's first step follows 10 s of idling and takes
     # twice its 10 ms; the decode steps after it follow at once and do not.
     cold = StepModel(overhead_s=0.010, cold_factor=1.0)
-    run = _run(toy_config(0, 1), toy_profile(cold), workload(np.arange(5) * 10.0, 100, 5),
-               fast=fast)  # fmt: skip
+    run = _run(
+        toy_config(0, 1), toy_profile(cold), workload(np.arange(5) * 10.0, 100, 5), fast=fast
+    )
     rec = run.recorder
     np.testing.assert_allclose(rec.first - rec.arrival, 0.020)
     np.testing.assert_allclose(rec.end - rec.arrival, 0.060)
@@ -242,8 +243,13 @@ def test_instances_on_a_host_of_few_cores_share_them(cores: float, ttft: float) 
     # take 10 (ends at 15), the second's first 10 ms of time do 5 ms of work and its
     # last 5 run alone (ends at 20). On 1.5 cores each runs at 3/4 speed while both do.
     # On two cores, or devices of their own (0), neither slows.
-    run = _run(toy_config(0, 2), toy_profile(CONSTANT), workload(np.array([0.0, 0.005]), 100, 1),
-               fast=False, host_cores=cores)  # fmt: skip
+    run = _run(
+        toy_config(0, 2),
+        toy_profile(CONSTANT),
+        workload(np.array([0.0, 0.005]), 100, 1),
+        fast=False,
+        host_cores=cores,
+    )
     assert {i.threads for i in run.instances} == {1}
     rec = run.recorder
     assert {r.instance_id for r in run.instances if r.stats.runs} == {
@@ -257,8 +263,13 @@ def test_a_negative_host_core_count_is_refused() -> None:
         SimOptions(host_cores=-1)
 
 
-@pytest.mark.parametrize(("extra", "why"), [(", max_model_len: 5000", "exceeds the model's"),
-                                            (", max_model_len: 4096, num_blocks: 100", "do not fit")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        (", max_model_len: 5000", "exceeds the model's"),
+        (", max_model_len: 4096, num_blocks: 100", "do not fit"),
+    ],
+)
 def test_an_instance_takes_the_engines_context_limit_rule(extra: str, why: str) -> None:
     # the engine's own rule (resolve_max_model_len), not a copy: past the toy model's
     # 4,096 positions, or past what the pool holds, the config is refused

@@ -70,8 +70,9 @@ def test_a_request_that_times_out_is_aborted_wherever_it_is(timeout: float, wher
     # cost (20 ms) delays the launch past the deadline. Each place gives back what the
     # request held there (_run checks every block and counter).
     overhead = 0.020 if where == "crossing to its region" else 0.0
-    sim = _run(1, workload(np.zeros(1), 100, 5), request_timeout_s=timeout,
-               request_overhead_s=overhead)  # fmt: skip
+    sim = _run(
+        1, workload(np.zeros(1), 100, 5), request_timeout_s=timeout, request_overhead_s=overhead
+    )
     rec = sim.run_info.recorder
     assert rec.error[0] == TIMED_OUT, where
     assert rec.end[0] == pytest.approx(timeout) and rec.tokens[0] == 0

@@ -66,10 +66,22 @@ from tests.sim.helpers import step_timeline, tiny_setup
 TOLERANCE = 0.50
 
 
+def _tiny_args() -> argparse.Namespace:
+    """The flags of a small validation of the tiny model: 8 requests a point after
+    calibration runs of 4, on cores 0 and 1."""
+    return argparse.Namespace(
+        model="builtin:tiny",
+        cores=[0, 1],
+        num_requests=8,
+        seed=0,
+        length_scale=0.25,
+        calibration_requests=4,
+    )
+
+
 @pytest.mark.slow
 def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
-    args = argparse.Namespace(model="builtin:tiny", cores=[0, 1], num_requests=8, seed=0,
-                              length_scale=0.25, calibration_requests=4)  # fmt: skip
+    args = _tiny_args()
     point = Point("disaggregated", "long", 0.5)
     text, book = setup_profiles(point.setup, args)
     cal, ns = calibration_args(args), workload_args(point, args)
@@ -126,8 +138,10 @@ def test_live_fit_recovers_the_scales_and_offset_of_slower_steps() -> None:
     )
     # a model with no compute terms: one scale for both parts
     flat = StepModel(overhead_s=0.003, s_per_ctx=4e-7)
-    same = [dataclasses.replace(r, seconds=1.3 * t)
-            for r, t in zip(records, predicted(flat, records), strict=True)]  # fmt: skip
+    same = [
+        dataclasses.replace(r, seconds=1.3 * t)
+        for r, t in zip(records, predicted(flat, records), strict=True)
+    ]
     one = live_fit(flat, [same])
     assert (one.compute_scale, one.memory_scale) == pytest.approx((1.3, 1.3))
     assert live_fit(model, []) == LiveFit()
@@ -156,10 +170,12 @@ def test_steps_by_kind_say_which_kind_the_model_missed() -> None:
         trace.append(dataclasses.replace(r, seconds=t))
         now += t
     kinds = kind_ratios(step_kinds(model, trace))
-    assert kinds == {"decode": {"ratio": pytest.approx(1.5), "steps": 4},
-                     "chunks": {"ratio": pytest.approx(1.0), "steps": 3},
-                     "chunks with decode": {"ratio": pytest.approx(1.2), "steps": 4},
-                     "after idling": {"ratio": pytest.approx(1.0), "steps": 1}}  # fmt: skip
+    assert kinds == {
+        "decode": {"ratio": pytest.approx(1.5), "steps": 4},
+        "chunks": {"ratio": pytest.approx(1.0), "steps": 3},
+        "chunks with decode": {"ratio": pytest.approx(1.2), "steps": 4},
+        "after idling": {"ratio": pytest.approx(1.0), "steps": 1},
+    }
     # totals add up over runs: the same trace twice gives the same ratios, twice the steps
     run = Measured({}, {"decode0": trace})
     both = Measured.kinds([run, run], {}, model)["decode0"]
@@ -176,8 +192,7 @@ def test_nonnegative_lstsq_keeps_what_it_can_and_zeroes_the_rest() -> None:
 
 
 def test_calibration_recovers_the_overheads_a_simulated_system_has() -> None:
-    args = argparse.Namespace(model="builtin:tiny", cores=[0, 1], num_requests=8, seed=0,
-                              length_scale=0.25, calibration_requests=4)  # fmt: skip
+    args = _tiny_args()
     text, book = tiny_setup("disaggregated", args)
     cal = calibration_args(args)
     truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
@@ -208,8 +223,9 @@ def test_a_repeated_point_is_compared_with_its_runs_mean_and_each_run_with_the_f
     ]
     sim = _summary((110, 180), (11, 24))
     row = point_row("colocated:conv:1", sim, runs, StepModel())
-    assert row["real_mean"] == {k: v for k, v in _summary((110, 180), (11, 20)).items()
-                                if k != "num_failed"}  # fmt: skip
+    assert row["real_mean"] == {
+        k: v for k, v in _summary((110, 180), (11, 20)).items() if k != "num_failed"
+    }
     assert row["failed"] == {"real": [0, 0], "sim": 0}
     errors = {k: c["error"] for k, c in row["compare"].items()}
     assert errors == pytest.approx({"ttft_p50": 0, "ttft_p90": 0, "tpot_p50": 0, "tpot_p90": 0.2})
@@ -236,11 +252,13 @@ def test_sim_validate_refuses_a_repeat_below_one() -> None:
     # a bad workload flag is refused before a cluster starts (no Ray here)
     from pdserve.deploy.cli import build_parser
 
-    for flags, message in ((["--num-requests", "0"], "num_requests: must be >= 1"),
-                           (["--length-scale", "0"], "length_scale: must be > 0"),
-                           (["--calibration-requests", "0"], "--calibration-requests: must be at"),
-                           (["--cores", "0", "0"], "cores: must name distinct cores"),
-                           (["--noise-draws", "-1"], "--noise-draws: must be at least 0")):  # fmt: skip
+    for flags, message in (
+        (["--num-requests", "0"], "num_requests: must be >= 1"),
+        (["--length-scale", "0"], "length_scale: must be > 0"),
+        (["--calibration-requests", "0"], "--calibration-requests: must be at"),
+        (["--cores", "0", "0"], "cores: must name distinct cores"),
+        (["--noise-draws", "-1"], "--noise-draws: must be at least 0"),
+    ):
         args = build_parser().parse_args(["sim-validate", "--points", "colocated:conv:1", *flags])
         with pytest.raises(InvalidArgumentError, match=message):
             cmd_sim_validate(args)
@@ -272,8 +290,10 @@ def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> Non
     model = StepModel(overhead_s=0.003, s_per_token=2e-4, s_per_ctx=4e-7)
     prefill = [((n,), (c,)) for n in (64, 256, 1024) for c in (0, 512)] * 4
     decode = [((1,) * b, (c,) * b) for b in (1, 4, 16) for c in (64, 1024)] * 60
-    truth = {"prefill": LiveFit(1.5, 1.1, shared_compute=0.3, shared_factor=0.2),
-             "decode": LiveFit(1.2, 1.3, shared_compute=0.4, shared_factor=0.6)}  # fmt: skip
+    truth = {
+        "prefill": LiveFit(1.5, 1.1, shared_compute=0.3, shared_factor=0.2),
+        "decode": LiveFit(1.2, 1.3, shared_compute=0.4, shared_factor=0.6),
+    }
     flags = {"prefill": [False] * len(prefill), "decode": [False] * len(decode)}
     for _ in range(20):  # until who is beside whom no longer changes the steps' times
         p = step_timeline(model, prefill, 0.0, truth["prefill"], flags["prefill"])
@@ -295,9 +315,11 @@ def test_each_role_gets_the_fit_of_its_own_steps_beside_the_other_roles() -> Non
         ), role
     # pooled, neither role's steps come out right
     pooled = live_fit(model, [p, d])
-    assert not any(pooled.compute_scale == pytest.approx(t.compute_scale, rel=0.05)
-                   and pooled.memory_scale == pytest.approx(t.memory_scale, rel=0.05)
-                   for t in truth.values())  # fmt: skip
+    assert not any(
+        pooled.compute_scale == pytest.approx(t.compute_scale, rel=0.05)
+        and pooled.memory_scale == pytest.approx(t.memory_scale, rel=0.05)
+        for t in truth.values()
+    )
     assert role_fits(model, {"decode": [d]}) == {}  # one role: the pooled fit stands
     # a live run's fits (sim-planners --live): per role where both ran steps ...
     pooled, fits = beside_fits(model, {"prefill": [p], "decode": [d]})
@@ -337,14 +359,21 @@ def test_a_closed_loop_point_holds_arrivals_in_the_simulation_as_the_load_genera
     limited = Point.parse("colocated:long:3:t6.5:c2")  # either order
     assert (limited.concurrency, limited.timeout_s) == (2, 6.5)
     assert limited.name == "colocated:long:3:c2:t6.5" and Point.parse(limited.name) == limited
-    for bad in ("colocated:conv:1:4", "colocated:conv:1:c0", "colocated:conv:inf:c2",
-                "colocated:conv:1:c2:x", "colocated:conv:1:cx", "colocated:conv:1:c2:c3",
-                "colocated:conv:1:t0", "colocated:conv:1:tinf", "colocated:conv:1:t",
-                "colocated:conv"):  # fmt: skip
+    for bad in (
+        "colocated:conv:1:4",
+        "colocated:conv:1:c0",
+        "colocated:conv:inf:c2",
+        "colocated:conv:1:c2:x",
+        "colocated:conv:1:cx",
+        "colocated:conv:1:c2:c3",
+        "colocated:conv:1:t0",
+        "colocated:conv:1:tinf",
+        "colocated:conv:1:t",
+        "colocated:conv",
+    ):
         with pytest.raises(InvalidArgumentError, match="point"):
             Point.parse(bad)
-    args = argparse.Namespace(model="builtin:tiny", cores=[0, 1], num_requests=8, seed=0,
-                              length_scale=0.25, calibration_requests=4)  # fmt: skip
+    args = _tiny_args()
     closed = workload_args(point, args)
     assert closed.max_concurrency == 1
     assert workload_args(limited, args).request_timeout == 6.5
@@ -363,8 +392,11 @@ def test_a_closed_loop_point_holds_arrivals_in_the_simulation_as_the_load_genera
 
 def test_the_report_names_failed_requests_where_either_side_had_them() -> None:
     runs = [Measured({**_summary((100, 200), (10, 20)), "num_failed": n}, {}) for n in (5, 7)]
-    sim = {**_summary((110, 180), (11, 24)), "num_failed": 6,
-           "errors": {"DEADLINE_EXCEEDED: Deadline Exceeded": 6}}  # fmt: skip
+    sim = {
+        **_summary((110, 180), (11, 24)),
+        "num_failed": 6,
+        "errors": {"DEADLINE_EXCEEDED: Deadline Exceeded": 6},
+    }
     row = point_row("colocated:long:3:t6", sim, runs, StepModel())
     once = [Measured(_summary((1, 2), (1, 2)), {})]
     quiet = point_row("colocated:long:1", _summary((1, 2), (1, 2)), once, StepModel())

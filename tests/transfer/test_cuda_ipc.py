@@ -108,8 +108,11 @@ def test_pages_reach_a_decode_rank_in_another_process_resharded() -> None:
         endpoint = to_prefill.get(timeout=120)
         assert isinstance(endpoint.address, IpcHandle)
         prefills = []
-        plan = StepPlan(1, [ScheduledSeq("r1", [3] * 60, 0, SRC_BLOCKS)],
-                        kv_sends=[KVSend("r1", "d0", SRC_BLOCKS, DST_BLOCKS, True)])  # fmt: skip
+        plan = StepPlan(
+            1,
+            [ScheduledSeq("r1", [3] * 60, 0, SRC_BLOCKS)],
+            kv_sends=[KVSend("r1", "d0", SRC_BLOCKS, DST_BLOCKS, True)],
+        )
         for rank in range(2):
             prefill = RankTransfer("p0", rank, PREFILL, KV_HEADS, "cuda_ipc")
             shape = (LAYERS, 2, BLOCKS, BLOCK_SIZE, 2, HEAD_DIM)

@@ -14,18 +14,33 @@ from pdserve.transfer.routes import kv_heads_of, plan_routes, routes_into
 
 def model(kv_heads: int, heads: int = 8, layers: int = 4) -> ModelConfig:
     return ModelConfig(
-        path="x", architecture="LlamaForCausalLM", family="llama", vocab_size=64, hidden_size=64,
-        intermediate_size=128, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=8,
-        max_position_embeddings=128, rms_norm_eps=1e-5, rope=RopeConfig(), tie_word_embeddings=False,
-        attention_bias=False, dtype="float32",
-    )  # fmt: skip
+        path="x",
+        architecture="LlamaForCausalLM",
+        family="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=8,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(),
+        tie_word_embeddings=False,
+        attention_bias=False,
+        dtype="float32",
+    )
 
 
 def moe(kv_heads: int) -> ModelConfig:
     return dataclasses.replace(
-        model(kv_heads), architecture="MixtralForCausalLM", family="mixtral", num_experts=4,
+        model(kv_heads),
+        architecture="MixtralForCausalLM",
+        family="mixtral",
+        num_experts=4,
         num_experts_per_tok=2,
-    )  # fmt: skip
+    )
 
 
 def layout(m: ModelConfig, tp: int = 1, pp: int = 1, afd: tuple[int, int] | None = None):
