@@ -13,8 +13,8 @@ os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# `make test` runs the tests that start Ray or a whole cluster in one lane, one after
-# another, and the rest beside them (tests/lanes.py).
+# `make test` runs the tests that start Ray or a whole cluster one after another in a
+# lane, the rest beside them, and the solo tests last, alone (tests/lanes.py).
 def starts_a_cluster(item: pytest.Item) -> bool:
     return "ray_session" in getattr(item, "fixturenames", ()) or "e2e" in item.path.parts
 
@@ -24,6 +24,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.cluster)
     if item.path.name == "test_readme.py":
         item.add_marker(pytest.mark.readme)
+        if item.get_closest_marker("cluster"):  # `pdserve serve` joins any Ray it finds
+            item.add_marker(pytest.mark.solo)
 
 
 @pytest.fixture(scope="session")

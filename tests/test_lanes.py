@@ -1,20 +1,29 @@
-"""The lanes of `make test` (tests/lanes.py): mypy heads the second lane."""
+"""The lanes of `make test` (tests/lanes.py): mypy heads the rest lane, the second-lane
+cluster files run in the rest lane only, the solo tests after both lanes."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from tests.lanes import lane_commands
+from tests.lanes import CLUSTER, REST, SECOND_LANE, SOLO, lane_commands
+
+PYTEST = [sys.executable, "-m", "pytest"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_typecheck_heads_the_rest_lane_and_pytest_gets_the_other_arguments() -> None:
     lanes = lane_commands(["--typecheck", "pdserve", "-q", "-x"])
-    assert lanes["cluster"] == [
-        [sys.executable, "-m", "pytest", "-m", "cluster and not readme", "-q", "-x"],
-        [sys.executable, "-m", "pytest", "-m", "cluster and readme", "-q", "-x"],
-    ]
-    typecheck, pytest = lanes["rest"]
+    ignore = [f"--ignore={path}" for path in SECOND_LANE]
+    assert lanes["cluster"] == [[*PYTEST, "-m", CLUSTER, *ignore, "-q", "-x"]]
+    typecheck, rest, second = lanes["rest"]
     assert typecheck == [sys.executable, "-m", "tests.typecheck", "pdserve"]
-    assert pytest[3:] == ["-m", "not cluster", "-q", "-x"]
-    rest = [[sys.executable, "-m", "pytest", "-m", "not cluster", "-q"]]
-    assert lane_commands(["-q"])["rest"] == rest
+    assert rest == [*PYTEST, "-m", REST, "-q", "-x"]
+    assert second == [*PYTEST, "-m", CLUSTER, "-q", "-x", *SECOND_LANE]
+    assert lanes["solo"] == [[*PYTEST, "-m", SOLO, "-q", "-x"]]
+    assert lane_commands(["-q"])["rest"][0] == [*PYTEST, "-m", REST, "-q"]
+
+
+def test_every_second_lane_path_exists() -> None:
+    """A path that moved would leave its tests in both lanes (or in none)."""
+    assert [p for p in SECOND_LANE if not (ROOT / p).exists()] == []
