@@ -273,11 +273,16 @@ class Controller:
         except Exception:
             return False
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def stop(self) -> None:
         self._stop.set()
         if self.fleet is not None:
             self.fleet.stop()
         self.pool.stop()
+        self._wait_for_starts()
         with self._lock:
             everyone = [i for r in self.regions.values() for i in r.prefill + r.decode]
             for r in self.regions.values():
@@ -290,6 +295,23 @@ class Controller:
             with contextlib.suppress(Exception):
                 ray.get(self.router.stop.remote(), timeout=CALL_TIMEOUT_S)
             ray.kill(self.router)
+
+    def _wait_for_starts(self) -> None:
+        """Let the instance starts under way end (a replacement, a scale-up, a pool's
+        refill): each shuts its instance down once up, the controller having stopped. A
+        start cut short by the controller's end would leave its ranks and their placement
+        group held in Ray until the job ends."""
+        deadline = time.monotonic() + self.health.start_timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                under_way = sum(n for roles in self.starting.values() for n in roles.values())
+                under_way += sum(self.pool.filling.values())
+            if not under_way:
+                return
+            time.sleep(0.1)
+        logger.warning(
+            "stopping with instance starts still under way after %g s", self.health.start_timeout_s
+        )
 
     # -- reconciling -----------------------------------------------------------------------
 
@@ -324,7 +346,9 @@ class Controller:
         the lock.
         """
         roles: list[Role] = []
-        leaving = []
+        leaving: list[Instance] = []
+        if self.stopping:  # no start begins once the stop waits for those under way
+            return roles, leaving
         for role in ROLES:
             missing = self._missing(region, role)
             if missing > 0:

@@ -44,6 +44,7 @@ from pdserve.cluster.instances import (
 from pdserve.cluster.status import RetryState
 from pdserve.cluster.topology import register
 from pdserve.cluster.worker import Role
+from pdserve.core.errors import InstanceFailedError
 from pdserve.parallel.instance import RankResources
 
 if TYPE_CHECKING:
@@ -134,6 +135,9 @@ class Membership:
             instance_id = self.new_id(f"{spec.name}-{role}")
             instance = self.start_new(spec, role, instance_id)
             phases, how = instance.group.start_phases, ""
+        if self.c.stopping:  # the controller stopped while it started: nobody would stop it
+            instance.shutdown()
+            raise InstanceFailedError(f"the cluster stopped while {instance.instance_id} started")
         try:
             self.join(spec.name, instance)
         except BaseException:

@@ -139,13 +139,15 @@ class WarmPool:
             self.c._event(f"warm pool {region}: starting {instance_id} failed: {first_line(e)}")
             return
         with self.c._lock:
-            self.filling[region] -= 1
             self.failures[region] = 0
-            stopped = self.stopped or self.c._stop.is_set()
+            stopped = self.stopped or self.c.stopping
             if not stopped:
                 self.ready[region].append(instance)
-        if stopped:
+                self.filling[region] -= 1
+        if stopped:  # still counted as filling: the controller's stop waits for this
             instance.shutdown()
+            with self.c._lock:
+                self.filling[region] -= 1
             return
         took = sum(instance.group.start_phases.values())
         self.c._event(f"warm pool {region}: {instance_id} ready in {took:.1f} s")
