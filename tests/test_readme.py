@@ -1,11 +1,12 @@
-"""README.md's examples, run as a user would: each block in a fresh process.
+"""The examples of README.md and the docs pages, run as a user would: each block in a
+fresh process.
 
-Every ```python and shell block (```, ```bash, ```sh) of README.md is a test,
-named by its section and the line it starts on. Python blocks run in a new
-interpreter; shell blocks run line by line with ``bash`` (the ``pdserve`` of
-this interpreter's environment first on PATH), in a scratch folder that sees
-the repository's files, with no Ray running and no fixture. An HTML comment on
-the line before a block says how to take it:
+Every ```python and shell block (```, ```bash, ```sh) of README.md and of the docs
+pages in ``PAGES`` is a test, named by its page, its section and the line it starts
+on. Python blocks run in a new interpreter; shell blocks run line by line with
+``bash`` (the ``pdserve`` of this interpreter's environment first on PATH), in a
+scratch folder that sees the repository's files, with no Ray running and no
+fixture. An HTML comment on the line before a block says how to take it:
 
 - ``<!-- readme: skip: REASON -->``: not runnable on this machine (a GPU,
   Kubernetes, a remote head, a placeholder for the user's own files); skipped
@@ -17,6 +18,9 @@ the line before a block says how to take it:
 - ``<!-- readme: server -->``: a shell block whose first line serves until it
   is stopped: it is started, the other lines run once it says it serves, then it
   gets SIGTERM and must stop cleanly (exit 0, no traceback).
+- ``<!-- readme: with server -->``: a Python or shell block that talks to the
+  cluster of the ``server`` block above it on its page: it runs while that
+  cluster serves, after the server block's own lines, in page order.
 
 `make test` runs the blocks in the lane of the tests that start no cluster (each
 block's Ray is its own), and the serving blocks after the cluster lane's tests.
@@ -37,16 +41,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The pages whose examples are run, and the docs pages that have none to run.
+PAGES = (
+    "README.md",
+    "docs/features.md",
+    "docs/parallelism.md",
+    "docs/lora.md",
+    "docs/serving.md",
+    "docs/requests.md",
+    "docs/security.md",
+    "docs/operations.md",
+    "docs/planning.md",
+    "docs/development.md",
+)
+NOT_RUN = {"docs/ARCHITECTURE.md": "its blocks are diagrams", "docs/config.md": "no examples"}
 SHELL = {"", "bash", "sh", "shell"}
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
-MARK = re.compile(r"<!-- readme: (skip: .+?|long|continues|server) -->\s*$")
+MARK = re.compile(r"<!-- readme: (skip: .+?|long|continues|server|with server) -->\s*$")
 BLOCK_LIMIT_S = 300  # one block, as written, on a loaded two-core machine
 SERVING = "pdserve: serving"  # what `pdserve serve` prints once its endpoints are up
 
 
 @dataclass(frozen=True)
 class Block:
-    line: int  # where the block opens in README.md
+    page: str  # the file, from the repository's root
+    line: int  # where the block opens in it
     section: str
     lang: str
     code: str
@@ -55,10 +74,10 @@ class Block:
     @property
     def name(self) -> str:
         slug = re.sub(r"[^a-z0-9]+", "-", self.section.lower()).strip("-")
-        return f"{slug}:{self.line}"
+        return f"{self.page}:{slug}:{self.line}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks = []
     for m in BLOCK.finditer(text):
         lang = m.group(1)
@@ -69,11 +88,13 @@ def readme_blocks(text: str) -> list[Block]:
         headings = re.findall(r"^#+ (.+)$", text[: m.start()], re.M)
         line = text[: m.start()].count("\n") + 1
         section = headings[-1] if headings else "top"
-        blocks.append(Block(line, section, lang, m.group(2), mark.group(1) if mark else None))
+        mark_name = mark.group(1) if mark else None
+        blocks.append(Block(page, line, section, lang, m.group(2), mark_name))
     return blocks
 
 
-BLOCKS = readme_blocks((ROOT / "README.md").read_text())
+BY_PAGE = {page: readme_blocks((ROOT / page).read_text(), page) for page in PAGES}
+BLOCKS = [block for blocks in BY_PAGE.values() for block in blocks]
 
 
 def commands(code: str) -> list[str]:
@@ -83,15 +104,37 @@ def commands(code: str) -> list[str]:
 
 
 def python_source(block: Block) -> str:
-    """The block's code, after the Python blocks it continues."""
-    i = BLOCKS.index(block)
+    """The block's code, after the Python blocks it continues on its page."""
+    blocks = BY_PAGE[block.page]
+    i = blocks.index(block)
     parts = [block.code]
-    while BLOCKS[i].mark == "continues":
+    while blocks[i].mark == "continues":
         i -= 1
-        while BLOCKS[i].lang != "python":
+        while blocks[i].lang != "python":
             i -= 1
-        parts.insert(0, BLOCKS[i].code)
+        parts.insert(0, blocks[i].code)
     return "\n".join(parts)
+
+
+def served_with(server: Block) -> list[Block]:
+    """The ``with server`` blocks after ``server`` on its page, up to the next server."""
+    blocks = BY_PAGE[server.page]
+    found = []
+    for block in blocks[blocks.index(server) + 1 :]:
+        if block.mark == "server":
+            break
+        if block.mark == "with server":
+            found.append(block)
+    return found
+
+
+def run_block(block: Block, cwd: Path) -> None:
+    """A Python block in a new interpreter, or a shell block line by line."""
+    if block.lang == "python":
+        check(run([sys.executable, "-c", python_source(block)], cwd), block.name)
+    else:
+        for command in commands(block.code):
+            check(run(["bash", "-c", command], cwd), command)
 
 
 @pytest.fixture
@@ -148,6 +191,8 @@ def serve_and_run(block: Block, cwd: Path) -> None:
             lines.append(line)
         for command in rest:
             check(run(["bash", "-c", command], cwd), command)
+        for client in served_with(block):
+            run_block(client, cwd)
         server.send_signal(signal.SIGTERM)
         out, _ = server.communicate(timeout=120)
     finally:
@@ -164,17 +209,15 @@ def ids(block: Block) -> str:
 
 
 @pytest.mark.timeout(BLOCK_LIMIT_S * 3)
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.mark != "server"], ids=ids)
+@pytest.mark.parametrize(
+    "block", [b for b in BLOCKS if b.mark not in ("server", "with server")], ids=ids
+)
 def test_readme_block_runs_as_written(block: Block, scratch: Path) -> None:
     if block.mark and block.mark.startswith("skip: "):
         pytest.skip(block.mark.removeprefix("skip: "))
     if block.mark == "long" and not os.environ.get("PDSERVE_README_LONG"):
         pytest.skip("runs for minutes: `make readme` runs it")
-    if block.lang == "python":
-        check(run([sys.executable, "-c", python_source(block)], scratch), block.name)
-    else:
-        for command in commands(block.code):
-            check(run(["bash", "-c", command], scratch), command)
+    run_block(block, scratch)
 
 
 # `pdserve serve` joins any Ray it finds on the machine (Ray's "auto" address): make
@@ -186,9 +229,20 @@ def test_readme_serving_block_runs_as_written(block: Block, scratch: Path) -> No
     serve_and_run(block, scratch)
 
 
-def test_every_block_is_found_and_marks_are_known() -> None:
-    text = (ROOT / "README.md").read_text()
-    assert len(BLOCKS) >= 5
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_found_and_marks_are_known(page: str) -> None:
+    text = (ROOT / page).read_text()
+    blocks = BY_PAGE[page]
     marks = re.findall(r"<!-- readme: .*?-->", text)
     assert all(MARK.match(m) for m in marks), marks  # a misspelt mark runs nothing silently
-    assert sum(b.mark is not None for b in BLOCKS) == len(marks)  # each mark sits on a block
+    assert sum(b.mark is not None for b in blocks) == len(marks)  # each mark sits on a block
+    served = {c.line for b in blocks if b.mark == "server" for c in served_with(b)}
+    clients = {b.line for b in blocks if b.mark == "with server"}
+    assert clients == served, "a `with server` block needs a `server` block above it"
+
+
+def test_every_docs_page_is_run_or_says_why_not() -> None:
+    assert len(BLOCKS) >= 5
+    pages = {f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}
+    left = pages - set(PAGES) - set(NOT_RUN)
+    assert not left, f"add {sorted(left)} to PAGES (or NOT_RUN) in tests/test_readme.py"
