@@ -45,8 +45,6 @@ from pdserve.bench.report import (
 )
 from pdserve.core.errors import InvalidArgumentError
 
-DEFAULT_NUM_REQUESTS = 100
-
 
 @dataclass
 class RunResult:
@@ -72,28 +70,12 @@ def build_workload(
     token ids follow ``--prompt-seed`` and the run's index, so no run finds the
     prompts of another in the server's prefix cache.
     """
-    num, duration = args.num_requests, args.duration
-    if num is None and duration is None:
-        num = DEFAULT_NUM_REQUESTS
     prompts = wl.read_jsonl(args.prompts, args.output_len) if args.prompts else None
+    sched = wl.flag_schedule(args, rate)
+    arrivals, prompt_lens, output_lens = sched.arrival_s, sched.prompt_len, sched.output_len
     if args.trace:
-        trace = wl.limit_trace(wl.read_trace(wl.trace_path(args.trace)), num, None)
-        trace = wl.scale_trace(
-            trace,
-            args.time_scale,
-            args.length_scale,
-            args.max_prompt_len,
-            args.max_output_len,
-            rate,
-        )
-        trace = wl.limit_trace(trace, None, duration)
-        arrivals, prompt_lens, output_lens = trace.arrival_s, trace.prompt_len, trace.output_len
         warm_prompt, warm_output = prompt_lens[: args.warmup], output_lens[: args.warmup]
     else:
-        if rate is None:
-            raise InvalidArgumentError("rate", "is required without --trace")
-        arrivals = wl.arrival_times(args.arrival, rate, num, duration, args.burst_size, args.seed)
-        prompt_lens, output_lens = wl.flag_lengths(args, len(arrivals), args.seed)
         warm_prompt, warm_output = wl.flag_lengths(args, args.warmup, args.seed + 1)
     if args.prompt_seed is None:
         args.prompt_seed = secrets.randbelow(2**31)  # recorded with the options
@@ -341,7 +323,7 @@ def _add_count_flags(g: argparse._ArgumentGroup) -> None:
         "--num-requests",
         type=int,
         default=None,
-        help=f"measured requests per rate (default {DEFAULT_NUM_REQUESTS} unless --duration)",
+        help=f"measured requests per rate (default {wl.DEFAULT_NUM_REQUESTS} unless --duration)",
     )
     g.add_argument(
         "--duration", type=float, default=None, help="send for this many seconds per rate"

@@ -38,6 +38,7 @@ SHIPPED_TRACES = {
     "azure-conv": "azure-llm-inference-2023/conv.csv",
 }
 FIRST_TOKEN_ID = 3  # ids 0..2 may be special (pad, bos, eos) in the built-in tokenizer
+DEFAULT_NUM_REQUESTS = 100  # measured requests when neither a count nor a duration is given
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,31 @@ def limit_trace(trace: Trace, num_requests: int | None, duration_s: float | None
     if duration_s is not None:
         keep = min(keep, int(np.searchsorted(trace.arrival_s, duration_s, side="left")))
     return Trace(trace.arrival_s[:keep], trace.prompt_len[:keep], trace.output_len[:keep])
+
+
+def flag_schedule(args: argparse.Namespace, rate: float | None) -> Trace:
+    """Arrival offsets and lengths of the measured requests the workload flags ask for at
+    ``rate``: the ``--trace`` (its first requests, scaled, cut at ``--duration``), or
+    ``--arrival`` times with lengths drawn from the length flags (``rate`` required)."""
+    num, duration = args.num_requests, args.duration
+    if num is None and duration is None:
+        num = DEFAULT_NUM_REQUESTS
+    if args.trace:
+        trace = limit_trace(read_trace(trace_path(args.trace)), num, None)
+        trace = scale_trace(
+            trace,
+            args.time_scale,
+            args.length_scale,
+            args.max_prompt_len,
+            args.max_output_len,
+            rate,
+        )
+        return limit_trace(trace, None, duration)
+    if rate is None:
+        raise InvalidArgumentError("rate", "is required without --trace")
+    arrival = arrival_times(args.arrival, rate, num, duration, args.burst_size, args.seed)
+    prompt_len, output_len = flag_lengths(args, len(arrival), args.seed)
+    return Trace(arrival, prompt_len, output_len)
 
 
 def read_jsonl(path: str | Path, default_max_tokens: int) -> list[tuple[str | list[int], int]]:

@@ -23,8 +23,6 @@ import numpy as np
 from pdserve.bench import workload as wl
 from pdserve.core.errors import InvalidArgumentError
 
-DEFAULT_NUM_REQUESTS = 100
-
 
 @dataclass(frozen=True)
 class SimWorkload:
@@ -73,9 +71,6 @@ def workload_from_args(
     args: argparse.Namespace, rate: float | None, shares: list[float]
 ) -> SimWorkload:
     """The measured requests ``pdserve bench serve`` would send with these flags at ``rate``."""
-    num, duration = args.num_requests, args.duration
-    if num is None and duration is None:
-        num = DEFAULT_NUM_REQUESTS
     prompts: tuple[tuple[int, ...], ...] | None = None
     if args.prompts:
         items = wl.read_jsonl(args.prompts, args.output_len)
@@ -84,23 +79,8 @@ def workload_from_args(
                 "prompts", "the simulator needs token ids, not text, in --prompts"
             )
         prompts = tuple(tuple(int(t) for t in p) for p, _ in items)
-    if args.trace:
-        trace = wl.limit_trace(wl.read_trace(wl.trace_path(args.trace)), num, None)
-        trace = wl.scale_trace(
-            trace,
-            args.time_scale,
-            args.length_scale,
-            args.max_prompt_len,
-            args.max_output_len,
-            rate,
-        )
-        trace = wl.limit_trace(trace, None, duration)
-        arrival, prompt_len, output_len = trace.arrival_s, trace.prompt_len, trace.output_len
-    else:
-        if rate is None:
-            raise InvalidArgumentError("rate", "is required without --trace")
-        arrival = wl.arrival_times(args.arrival, rate, num, duration, args.burst_size, args.seed)
-        prompt_len, output_len = wl.flag_lengths(args, len(arrival), args.seed)
+    schedule = wl.flag_schedule(args, rate)
+    arrival, prompt_len, output_len = schedule.arrival_s, schedule.prompt_len, schedule.output_len
     if prompts is not None:  # cycled over the arrivals, as the load generator does
         picks = [items[i % len(items)] for i in range(len(arrival))]
         prompt_len = np.array([len(p) for p, _ in picks], dtype=np.int64)
