@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
 import ray
 
-from pdserve.bench.flags import count
+from pdserve.bench.flags import add_embedded_ray_flags
 from pdserve.bench.local import local_cluster
-from pdserve.bench.report import write_json
+from pdserve.bench.report import write_with_args
 
 CONFIG = """\
 model: {model}
@@ -122,15 +121,10 @@ def run(args: argparse.Namespace) -> int:
         s = case["ttft_s"]
         start = case["last_start"].split(" ", 1)[-1] if name != "running" else "-"
         print(f"{name:<10} {statistics.median(s):>11.2f}s {min(s):>7.2f}s {max(s):>7.2f}s  {start}")
-    path = write_json(Path(args.out), {"args": vars(args) | {"func": None}, "cases": cases})
-    print(f"wrote {path}")
+    write_with_args(args, {"cases": cases})
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:tiny")
-    p.add_argument("--repeats", type=count, default=3)
-    p.add_argument("--max-tokens", type=count, default=8)
-    p.add_argument("--num-cpus", type=count, default=4, help="the embedded Ray instance's CPUs")
-    p.add_argument("--out", default="bench/out/coldstart.json")
-    p.set_defaults(func=run)
+    counts = {"--repeats": 3, "--max-tokens": 8}
+    add_embedded_ray_flags(p, run, counts, "bench/out/coldstart.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
 def count(text: str) -> int:
@@ -31,3 +32,19 @@ def file_stem(text: str) -> str:
             f"must be a file name without '/' (files go in --out), got {text!r}"
         )
     return text
+
+
+def add_embedded_ray_flags(
+    p: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], int],
+    counts: dict[str, int],
+    out: str,
+) -> None:
+    """The flags of a benchmark on one embedded Ray instance: ``--model``, the count
+    flags ``counts`` (flag -> default) in their order, ``--num-cpus`` and ``--out``."""
+    p.add_argument("--model", default="builtin:tiny")
+    for flag, default in counts.items():
+        p.add_argument(flag, type=count, default=default)
+    p.add_argument("--num-cpus", type=count, default=4, help="the embedded Ray instance's CPUs")
+    p.add_argument("--out", default=out)
+    p.set_defaults(func=run)

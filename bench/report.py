@@ -19,6 +19,7 @@ matplotlib (Agg) only when called.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import platform
@@ -289,6 +290,13 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     """``payload`` as JSON: indented, each request record or data row on one line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps(payload))
+    return path
+
+
+def write_with_args(args: argparse.Namespace, results: dict[str, Any]) -> Path:
+    """``results`` after the command's flags, as JSON at ``--out``; says where."""
+    path = write_json(Path(args.out), {"args": vars(args) | {"func": None}, **results})
+    print(f"wrote {path}")
     return path
 
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
 
-from pdserve.bench.flags import count
-from pdserve.bench.report import write_json
+from pdserve.bench.flags import add_embedded_ray_flags
+from pdserve.bench.report import write_with_args
 
 if TYPE_CHECKING:
     from pdserve.cluster.worker import Role
@@ -110,15 +109,10 @@ def run(args: argparse.Namespace) -> int:
         f"median ratio {statistics.median(r['ratio'] for r in rows):.2f}x; median cluster "
         f"start {statistics.median(r['cluster_s'] for r in rows):.2f} s"
     )
-    path = write_json(Path(args.out), {"args": vars(args) | {"func": None}, "repeats": rows})
-    print(f"wrote {path}")
+    write_with_args(args, {"repeats": rows})
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:tiny")
-    p.add_argument("--instances", type=count, default=3)
-    p.add_argument("--repeats", type=count, default=3)
-    p.add_argument("--num-cpus", type=count, default=4, help="the embedded Ray instance's CPUs")
-    p.add_argument("--out", default="bench/out/startup.json")
-    p.set_defaults(func=run)
+    counts = {"--instances": 3, "--repeats": 3}
+    add_embedded_ray_flags(p, run, counts, "bench/out/startup.json")
