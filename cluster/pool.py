@@ -63,7 +63,7 @@ class WarmPool:
         with self.c._lock:
             lacking = self.c.specs[region].warm_pool - len(self.ready[region])
             lacking -= self.filling[region]
-            if lacking <= 0 or self.stopped or self.c._stop.is_set():
+            if lacking <= 0 or self.stopped or self.c.stopping:
                 return
             self.filling[region] += lacking
         for _ in range(lacking):

@@ -32,7 +32,7 @@ def _controller(gate: threading.Event) -> Any:
     return SimpleNamespace(
         specs={"east": SimpleNamespace(warm_pool=1)},
         _lock=threading.RLock(),
-        _stop=threading.Event(),
+        stopping=False,
         membership=membership,
         started=started,
         health=SimpleNamespace(backoff=lambda n: 0.0),
