@@ -19,7 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.parallel.kernels.support import check_dtype, linear_launch
+from pdserve.parallel.kernels.support import (
+    check_dtype,
+    linear_dot,
+    linear_launch,
+    linear_tile,
+    store_linear_tile,
+)
 
 _BLOCK_K = 32  # bytes (column pairs) per step
 
@@ -44,9 +50,7 @@ def _int4_linear_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    dtype = out_ptr.dtype.element_ty
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows, cols = linear_tile(BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HALF, BLOCK_K):
@@ -68,14 +72,9 @@ def _int4_linear_kernel(
         )
         w_lo = ((b & 15) - 8).to(tl.float32) * s_lo
         w_hi = ((b >> 4) - 8).to(tl.float32) * s_hi
-        if UPCAST:
-            acc = tl.dot(x_lo.to(tl.float32), w_lo, acc, input_precision=PRECISION)
-            acc = tl.dot(x_hi.to(tl.float32), w_hi, acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(x_lo, w_lo.to(x_lo.dtype), acc, input_precision=PRECISION)
-            acc = tl.dot(x_hi, w_hi.to(x_hi.dtype), acc, input_precision=PRECISION)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], acc.to(dtype), mask=mask)
+        acc = linear_dot(x_lo, w_lo, acc, UPCAST, PRECISION)
+        acc = linear_dot(x_hi, w_hi, acc, UPCAST, PRECISION)
+    store_linear_tile(out_ptr, rows, cols, M, N, stride_o, acc)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

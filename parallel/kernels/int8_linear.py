@@ -18,7 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.parallel.kernels.support import check_dtype, linear_launch
+from pdserve.parallel.kernels.support import (
+    check_dtype,
+    linear_dot,
+    linear_launch,
+    linear_tile,
+    store_linear_tile,
+)
 
 _BLOCK_K = 64
 
@@ -41,9 +47,7 @@ def _int8_linear_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    dtype = out_ptr.dtype.element_ty
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows, cols = linear_tile(BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -53,14 +57,9 @@ def _int8_linear_kernel(
         w_mask = (kk < K)[:, None] & (cols < N)[None, :]
         # w: [BLOCK_K, BLOCK_N], the transposed tile of q [N, K]
         w = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=w_mask, other=0)
-        if UPCAST:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
+        acc = linear_dot(x, w, acc, UPCAST, PRECISION)
     scale = tl.load(s_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    out = acc * scale[None, :]
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(dtype), mask=mask)
+    store_linear_tile(out_ptr, rows, cols, M, N, stride_o, acc * scale[None, :])
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
