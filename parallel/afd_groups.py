@@ -11,39 +11,29 @@ order, as torch requires.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from pdserve.core.layout import Layout
 from pdserve.parallel.context import ParallelContext
-from pdserve.parallel.groups import InstanceGroups, _shared_memory, join_world
+from pdserve.parallel.groups import BuiltGroups, GroupShm
 
 
-def init_afd_groups(
-    layout: Layout,
-    rank: int,
-    address: str,
-    device: torch.device,
-    timeout_s: float,
-    store: dist.TCPStore | None = None,
-    shm_collectives: bool = True,
-) -> InstanceGroups:
-    """Join the afd instance through the leader's store at ``address``; build its groups."""
-    backend, timeout, cpu_group = join_world(layout, rank, address, device, timeout_s, store)
+def afd_groups(layout: Layout, rank: int, timeout: timedelta) -> BuiltGroups:
+    """The attention and the expert group: what ``init_groups`` builds for an afd instance."""
     attention, experts = list(range(layout.tp)), layout.expert_ranks()
     attention_group = dist.new_group(attention, timeout=timeout)
     expert_group = dist.new_group(experts, timeout=timeout)
-    world = list(range(layout.world_size))
     expert = layout.is_expert_rank(rank)
     mine = experts if expert else attention
-    wanted = [(world, cpu_group), (mine, expert_group if expert else attention_group)]
-    use_shm = shm_collectives and backend == "gloo"
-    shm = _shared_memory(wanted, rank, timeout_s) if use_shm else {}
-    ctx = _context(layout, rank, attention_group, expert_group, shm.get(tuple(mine)))
-    comms = list({id(c): c for c in shm.values() if c is not None}.values())
-    return InstanceGroups(layout, rank, ctx, cpu_group, shm.get(tuple(world)), comms)
+    wanted = [(mine, expert_group if expert else attention_group)]
+
+    def context(shm: GroupShm) -> ParallelContext:
+        return _context(layout, rank, attention_group, expert_group, shm.get(tuple(mine)))
+
+    return wanted, context
 
 
 def _context(

@@ -17,6 +17,7 @@ Point-to-point transfers, all-to-all and the flag reductions stay on gloo.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -31,6 +32,16 @@ from pdserve.parallel.shm_comm import ShmCommunicator, open_group_shm
 logger = logging.getLogger(__name__)
 
 STOP = -1  # plan length that tells followers to leave their loop
+
+# (ranks, group) pairs that may run over shared memory, and the communicator (or
+# None: gloo) each got, by ranks.
+WantedGroups = list[tuple[list[int], Any]]
+GroupShm = dict[tuple[int, ...], ShmCommunicator | None]
+# An instance's groups past the whole: those that may run over shared memory, and
+# how this rank's context follows from their communicators.
+BuiltGroups = tuple[WantedGroups, Callable[[GroupShm], ParallelContext]]
+# Makes them (every rank, in one order) from the layout, the rank and the timeout.
+GroupBuilder = Callable[[Layout, int, timedelta], BuiltGroups]
 
 
 def _node_ip() -> str:
@@ -125,52 +136,63 @@ def init_groups(
     timeout_s: float,
     store: dist.TCPStore | None = None,
     shm_collectives: bool = True,
+    build: GroupBuilder | None = None,
 ) -> InstanceGroups:
     """Join the instance through the leader's store at ``address``; build every group.
 
-    ``shm_collectives``: CPU groups on one host may use shared memory."""
+    ``shm_collectives``: CPU groups on one host may use shared memory. ``build``
+    makes the groups past the whole instance's: by default its TP and stage groups
+    (an afd instance: :func:`pdserve.parallel.afd_groups.afd_groups`)."""
     backend, timeout, cpu_group = join_world(layout, rank, address, device, timeout_s, store)
-    tp_group = _member_group(layout.tp_groups(), rank, timeout)
-    stage_group = _member_group(layout.stage_groups(), rank, timeout)
+    wanted, context = (build or _stage_groups)(layout, rank, timeout)
     world = list(range(layout.world_size))
-    tp_ranks, stage_ranks = _mine(layout.tp_groups(), rank), _mine(layout.stage_groups(), rank)
-    wanted = [(world, cpu_group), (tp_ranks, tp_group)]
-    wanted += [(stage_ranks, stage_group)] if layout.ep > 1 else []
+    wanted = [(world, cpu_group), *wanted]
     shm = _shared_memory(wanted, rank, timeout_s) if shm_collectives and backend == "gloo" else {}
-    if not shm and rank == 0:
+    if build is None and not shm and rank == 0:
         why = "shared memory off" if not shm_collectives else f"{backend} on {device}"
         logger.info("instance %s: collectives over %s (%s)", layout.describe(), backend, why)
-    coords = layout.coords(rank)
-    ctx = ParallelContext(
-        tp_rank=coords.tp_rank,
-        tp_size=layout.tp,
-        pp_rank=coords.stage,
-        pp_size=layout.pp,
-        ep_rank=coords.ep_rank,
-        ep_size=layout.ep,
-        tp_group=tp_group,
-        ep_group=stage_group if layout.ep > 1 else None,
-        pp_group=dist.group.WORLD,
-        tp_shm=shm.get(tuple(tp_ranks)),
-        ep_shm=shm.get(tuple(stage_ranks)) if layout.ep > 1 else None,
-    )
     comms = list({id(c): c for c in shm.values() if c is not None}.values())
-    return InstanceGroups(layout, rank, ctx, cpu_group, shm.get(tuple(world)), comms)
+    return InstanceGroups(layout, rank, context(shm), cpu_group, shm.get(tuple(world)), comms)
+
+
+def _stage_groups(layout: Layout, rank: int, timeout: timedelta) -> BuiltGroups:
+    """The TP groups and the pipeline-stage groups (EP groups when ``ep > 1``)."""
+    tp_group = _member_group(layout.tp_groups(), rank, timeout)
+    stage_group = _member_group(layout.stage_groups(), rank, timeout)
+    tp_ranks, stage_ranks = _mine(layout.tp_groups(), rank), _mine(layout.stage_groups(), rank)
+    wanted = [(tp_ranks, tp_group)]
+    wanted += [(stage_ranks, stage_group)] if layout.ep > 1 else []
+
+    def context(shm: GroupShm) -> ParallelContext:
+        coords = layout.coords(rank)
+        return ParallelContext(
+            tp_rank=coords.tp_rank,
+            tp_size=layout.tp,
+            pp_rank=coords.stage,
+            pp_size=layout.pp,
+            ep_rank=coords.ep_rank,
+            ep_size=layout.ep,
+            tp_group=tp_group,
+            ep_group=stage_group if layout.ep > 1 else None,
+            pp_group=dist.group.WORLD,
+            tp_shm=shm.get(tuple(tp_ranks)),
+            ep_shm=shm.get(tuple(stage_ranks)) if layout.ep > 1 else None,
+        )
+
+    return wanted, context
 
 
 def _mine(all_groups: list[list[int]], rank: int) -> list[int]:
     return next(ranks for ranks in all_groups if rank in ranks)
 
 
-def _shared_memory(
-    wanted: list[tuple[list[int], Any]], rank: int, timeout_s: float
-) -> dict[tuple[int, ...], ShmCommunicator | None]:
+def _shared_memory(wanted: WantedGroups, rank: int, timeout_s: float) -> GroupShm:
     """A communicator (or None: gloo) for each group of two or more ranks in ``wanted``.
 
     Groups with the same ranks share one. Collective: every rank asks for its
     groups in the same order.
     """
-    found: dict[tuple[int, ...], ShmCommunicator | None] = {}
+    found: GroupShm = {}
     for ranks, group in wanted:
         key = tuple(ranks)
         if len(ranks) < 2 or key in found:

@@ -39,7 +39,7 @@ from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.executor import Executor
 from pdserve.parallel.afd import afd_role, stage_executor
-from pdserve.parallel.afd_groups import init_afd_groups
+from pdserve.parallel.afd_groups import afd_groups
 from pdserve.parallel.context import CommStats
 from pdserve.parallel.draft_runner import DraftRunner
 from pdserve.parallel.elastic import ElasticLeader, ElasticRank
@@ -213,8 +213,7 @@ class RankWorker(ElasticRank):
     def join(self, address: str) -> int:
         """Join the process groups, load this rank's shard; return its KV capacity."""
         spec = self.spec
-        init = init_afd_groups if spec.layout.afd_experts else init_groups
-        self.groups = init(
+        self.groups = init_groups(
             spec.layout,
             spec.rank,
             address,
@@ -222,6 +221,7 @@ class RankWorker(ElasticRank):
             spec.collective_timeout_s,
             self._store,
             spec.shm_collectives,
+            afd_groups if spec.layout.afd_experts else None,
         )
         coords = spec.layout.coords(spec.rank)
         self.runner = ModelRunner(
