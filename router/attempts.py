@@ -43,12 +43,10 @@ from pdserve.core.messages import (
     Reservation,
     TokenBatch,
 )
-from pdserve.router.admission import RetryBudget
-from pdserve.router.config import RouterConfig
 from pdserve.router.observe import Observer
-from pdserve.router.placement import Choice, CompletionInput, RegionChooser
-from pdserve.router.reservation import Reserver, cause_of
-from pdserve.router.state import ClusterView, InstanceView
+from pdserve.router.placement import Choice, CompletionInput
+from pdserve.router.reservation import Reserver, RouterParts, cause_of
+from pdserve.router.state import InstanceView
 from pdserve.router.stream import RequestStream, StreamFailed
 
 logger = logging.getLogger(__name__)
@@ -84,22 +82,12 @@ class Attempts:
 
     def __init__(
         self,
-        config: RouterConfig,
-        cluster: ClusterView,
-        chooser: RegionChooser,
-        retries: RetryBudget,
+        parts: RouterParts,
         obs: Observer,
-        sink: Any,
-        unregister: Callable[[str], None],
         place_moved: Callable[[CompletionInput], Awaitable[tuple[CompletionInput, Choice]]],
     ) -> None:
-        self.config = config
-        self.cluster = cluster
-        self.chooser = chooser
-        self.retries = retries
+        self.parts = parts
         self.obs = obs
-        self.sink = sink  # the router's actor handle: decode instances push tokens to it
-        self.unregister = unregister
         # Where a moving request goes: its version (the one that took its traffic once
         # a rollout retired its own) and a pair, after a wait for its region to start one.
         self.place_moved = place_moved
@@ -107,7 +95,7 @@ class Attempts:
         self.hedged = 0
         self.migrations = 0
         self.tasks: set[asyncio.Future[None]] = set()  # migrations, first tokens, releases
-        self.reserver = Reserver(config, cluster, chooser, retries, sink, unregister, self.spawn)
+        self.reserver = Reserver(parts, self.spawn)
 
     # -- events from instances ---------------------------------------------------------------
 
@@ -185,7 +173,7 @@ class Attempts:
         attempt.decode = decode
         if attempt.closed:  # closed while the reservation was being made: free it now
             decode.inflight -= 1
-            self.cluster.touch(decode)
+            self.parts.cluster.touch(decode)
             await self._abort(attempt)
             raise RequestAbortedError(f"{stream.request_id}: the request ended")
         if stream.finished and not stream.completed:  # its client left while we reserved
@@ -211,7 +199,7 @@ class Attempts:
         attempt.prefill = prefill
         prefill.inflight += 1
         prefill.pending_prompt_tokens += len(inp.prompt_token_ids)
-        self.cluster.touch(prefill)
+        self.parts.cluster.touch(prefill)
         request = PrefillRequest(
             attempt.attempt_id,
             inp.prompt_token_ids,
@@ -241,17 +229,19 @@ class Attempts:
         except Exception as e:
             cause = cause_of(e)
             if isinstance(cause, InstanceFailedError):
-                self.unregister(prefill.instance_id)
+                self.parts.unregister(prefill.instance_id)
                 self.instance_lost(prefill.instance_id)  # moves this attempt and its siblings
             elif isinstance(cause, RequestFailedError):
                 attempt.stream.fail(cause)  # never retried: it would fail again
-            elif isinstance(cause, TransferError) and self.config.on_transfer_failure == "fail":
+            elif (
+                isinstance(cause, TransferError) and self.parts.config.on_transfer_failure == "fail"
+            ):
                 attempt.stream.fail(cause)
             elif not attempt.closed and not isinstance(cause, RequestAbortedError):
                 await self.migrate(attempt, f"prefill {prefill.instance_id} failed: {cause}")
         finally:
             prefill.pending_prompt_tokens -= tokens
-            self.cluster.touch(prefill)
+            self.parts.cluster.touch(prefill)
 
     # -- moving, hedging, closing --------------------------------------------------------------
 
@@ -282,7 +272,7 @@ class Attempts:
                 )
             )
             return
-        if stream.migrations >= self.config.max_migrations:
+        if stream.migrations >= self.parts.config.max_migrations:
             stream.fail(StreamFailed(f"{stream.request_id}: {why}; no attempt left"))
             return
         stream.migrations += 1
@@ -303,7 +293,7 @@ class Attempts:
         inp = dataclasses.replace(
             original, prompt_token_ids=stream.prompt_token_ids + stream.tokens, params=params
         )
-        deadline = time.monotonic() + self.config.migration_wait_s
+        deadline = time.monotonic() + self.parts.config.migration_wait_s
         while not stream.finished:  # a client that left ends the retries
             try:
                 moved, choice = await self.place_moved(inp)
@@ -320,12 +310,15 @@ class Attempts:
 
     async def hedge(self, first: Attempt, hashes: dict[int, list[bytes]]) -> None:
         """Start a second attempt if the first token is late; keep whichever answers first."""
-        assert self.config.hedge_after_s is not None
+        assert self.parts.config.hedge_after_s is not None
         stream = first.stream
-        if await stream.wait_first_token(self.config.hedge_after_s) or not self.retries.try_spend():
+        if (
+            await stream.wait_first_token(self.parts.config.hedge_after_s)
+            or not self.parts.retries.try_spend()
+        ):
             return
         try:
-            choice = self.chooser.place(first.inp, first.region, hashes)
+            choice = self.parts.chooser.place(first.inp, first.region, hashes)
             second = await self.launch(stream, first.inp, choice, 0)
         except PdserveError as e:  # no second pair now: the first attempt carries on
             logger.info("hedge of %s not started: %s", stream.request_id, e)
@@ -346,7 +339,7 @@ class Attempts:
         for view in (attempt.prefill, attempt.decode):
             if view is not None:
                 view.inflight -= 1
-                self.cluster.touch(view)
+                self.parts.cluster.touch(view)
         if not attempt.stream.completed:
             await self._abort(attempt)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.core.errors import InstanceFailedError, OverloadedError, PdserveError
@@ -32,25 +33,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RouterParts:
+    """The parts of one router that its attempts act through (runs on the router's loop)."""
+
+    config: RouterConfig
+    cluster: ClusterView
+    chooser: RegionChooser
+    retries: RetryBudget
+    sink: Any  # the router's actor handle: decode instances push tokens to it
+    unregister: Callable[[str], None]  # drops an instance found dead
+
+
 class Reserver:
     """Reserves an attempt's decode pages on some pair; runs on the router's loop."""
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        cluster: ClusterView,
-        chooser: RegionChooser,
-        retries: RetryBudget,
-        sink: Any,
-        unregister: Callable[[str], None],
-        spawn: Callable[[Any], None],
-    ) -> None:
-        self.config = config
-        self.cluster = cluster
-        self.chooser = chooser
-        self.retries = retries
-        self.sink = sink  # the router's actor handle: decode instances push tokens to it
-        self.unregister = unregister
+    def __init__(self, parts: RouterParts, spawn: Callable[[Any], None]) -> None:
+        self.parts = parts
         self.spawn = spawn  # runs a coroutine as a task the attempts keep
 
     async def reserve(
@@ -70,36 +69,36 @@ class Reserver:
                 continue
             if decode.instance_id in refused:  # the region is full: another one, or 429
                 full.add(choice.region)
-                choice = self.chooser.choose(attempt.inp, frozenset(full))
+                choice = self.parts.chooser.choose(attempt.inp, frozenset(full))
                 attempt.region = choice.region
                 continue
             # Counted from the choice on, so arrivals placed before this reservation
             # returns see it (and spread).
             decode.inflight += 1
-            self.cluster.touch(decode)
+            self.parts.cluster.touch(decode)
             try:
                 return prefill, decode, await self._reserve(attempt, choice)
             except BaseException as e:
                 decode.inflight -= 1
-                self.cluster.touch(decode)
+                self.parts.cluster.touch(decode)
                 if not isinstance(e, OverloadedError | InstanceFailedError):
                     raise
                 if isinstance(e, InstanceFailedError):
-                    self.unregister(decode.instance_id)  # dead: the controller replaces it
+                    self.parts.unregister(decode.instance_id)  # dead: the controller replaces it
                 refused.add(decode.instance_id)
-                if not self.retries.try_spend():
+                if not self.parts.retries.try_spend():
                     raise
                 choice = self._replace(attempt, choice)
 
     def _usable(self, view: InstanceView) -> bool:
-        return self.cluster.instances.get(view.instance_id) is view and view.available
+        return self.parts.cluster.instances.get(view.instance_id) is view and view.available
 
     def _replace(self, attempt: Attempt, choice: Choice) -> Choice:
         """Another placement in the region; another region when its last decode is gone."""
         try:
-            return self.chooser.place(attempt.inp, choice.region, choice.hashes)
+            return self.parts.chooser.place(attempt.inp, choice.region, choice.hashes)
         except OverloadedError:
-            choice = self.chooser.choose(attempt.inp)
+            choice = self.parts.chooser.choose(attempt.inp)
             attempt.region = choice.region
             return choice
 
@@ -109,14 +108,14 @@ class Reserver:
             attempt.attempt_id,
             inp.prompt_token_ids,
             inp.params,
-            self.config.reservation_ttl_s,
+            self.parts.config.reservation_ttl_s,
             attempt.offset,
             prefill_here=prefill is None,  # nobody would send the KV: decode computes it
-            peer=self.chooser.peer_prefix(choice),
+            peer=self.parts.chooser.peer_prefix(choice),
         )
         attempt.peer = request.peer
         prefill_id = prefill.instance_id if prefill is not None else None
-        ref = decode.handle.reserve.remote(request, prefill_id, self.sink)
+        ref = decode.handle.reserve.remote(request, prefill_id, self.parts.sink)
         pending = asyncio.wrap_future(ref.future())
         try:
             reservation: Reservation = await asyncio.shield(pending)

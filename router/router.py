@@ -40,6 +40,7 @@ from pdserve.router.observe import Observer
 from pdserve.router.placement import Choice, CompletionInput, RegionChooser, RegionUnservedError
 from pdserve.router.policies import make_policy
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.reservation import RouterParts
 from pdserve.router.state import ClusterView, InstanceView
 from pdserve.router.stream import RequestStream, StreamDelta
 
@@ -94,16 +95,8 @@ class Router:
             self.region_inflight,
         )
         self.obs = Observer([r.name for r in config.regions])
-        self.attempts = Attempts(
-            config,
-            self.cluster,
-            self.chooser,
-            self.retries,
-            self.obs,
-            sink,
-            self.unregister,
-            self._place_moved,
-        )
+        parts = RouterParts(config, self.cluster, self.chooser, self.retries, sink, self.unregister)
+        self.attempts = Attempts(parts, self.obs, self._place_moved)
         self.lora = LoraAdmin(self.cluster, self.catalog, metrics=self.obs.metrics)
         self.finished: dict[str, int] = defaultdict(int)
         self.placed: dict[str, int] = defaultdict(int)  # requests placed per region
