@@ -24,6 +24,7 @@ from pdserve.parallel.kernels.support import (
     linear_dot,
     linear_launch,
     linear_tile,
+    load_x_tile,
     store_linear_tile,
 )
 
@@ -50,16 +51,11 @@ def _int4_linear_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    rows, cols = linear_tile(BLOCK_M, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rows, cols, ks, acc = linear_tile(BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in range(0, HALF, BLOCK_K):
         kk = k0 + ks
-        x_mask = (rows < M)[:, None] & (kk < HALF)[None, :]
-        x_lo = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=x_mask, other=0.0)
-        x_hi = tl.load(
-            x_ptr + rows[:, None] * stride_x + (kk + HALF)[None, :], mask=x_mask, other=0.0
-        )
+        x_lo = load_x_tile(x_ptr, rows, kk, M, HALF, stride_x)
+        x_hi = load_x_tile(x_ptr + HALF, rows, kk, M, HALF, stride_x)  # columns kk + HALF
         w_mask = (kk < HALF)[:, None] & (cols < N)[None, :]
         # byte tile [BLOCK_K, BLOCK_N] of packed [N, HALF], transposed
         b = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=w_mask, other=0).to(
@@ -105,11 +101,10 @@ def int4_linear(
             f"each half, got {packed.dtype} {tuple(packed.shape)}"
         )
     x = x if x.stride(-1) == 1 else x.contiguous()
-    m, n = x.shape[0], packed.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    out, grid, tiles = linear_launch(x, packed.shape[0], _BLOCK_K)
+    if out.numel() == 0:
         return out
-    grid, tiles = linear_launch(m, n, x.dtype, _BLOCK_K)
+    m, n = out.shape
     _int4_linear_kernel[grid](
         x,
         packed,

@@ -23,6 +23,7 @@ from pdserve.parallel.kernels.support import (
     linear_dot,
     linear_launch,
     linear_tile,
+    load_x_tile,
     store_linear_tile,
 )
 
@@ -47,13 +48,10 @@ def _int8_linear_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    rows, cols = linear_tile(BLOCK_M, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rows, cols, ks, acc = linear_tile(BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
-        x_mask = (rows < M)[:, None] & (kk < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=x_mask, other=0.0)
+        x = load_x_tile(x_ptr, rows, kk, M, K, stride_x)
         w_mask = (kk < K)[:, None] & (cols < N)[None, :]
         # w: [BLOCK_K, BLOCK_N], the transposed tile of q [N, K]
         w = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=w_mask, other=0)
@@ -72,11 +70,10 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     if x.stride(-1) != 1:
         x = x.contiguous()
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
-    m, n, k = x.shape[0], qweight.shape[0], qweight.shape[1]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    out, grid, tiles = linear_launch(x, qweight.shape[0], _BLOCK_K)
+    if out.numel() == 0:
         return out
-    grid, tiles = linear_launch(m, n, x.dtype, _BLOCK_K)
+    m, n, k = x.shape[0], qweight.shape[0], qweight.shape[1]
     _int8_linear_kernel[grid](
         x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **tiles
     )

@@ -71,23 +71,36 @@ def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def linear_launch(
-    m: int, n: int, dtype: torch.dtype, block_k: int
-) -> tuple[tuple[int, int], dict[str, Any]]:
-    """(grid, tile settings) of a quantized linear kernel: ``m`` rows by ``n`` outputs of
-    ``dtype`` activations, ``block_k`` of the weight's columns a step."""
+    x: torch.Tensor, n: int, block_k: int
+) -> tuple[torch.Tensor, tuple[int, int], dict[str, Any]]:
+    """(output, grid, tile settings) of a quantized linear kernel on activations ``x``
+    [m, k] with ``n`` outputs, ``block_k`` of the weight's columns a step: the output is
+    [m, n] in ``x``'s dtype, left unwritten (there is nothing to launch when it is empty)."""
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = min(_LINEAR_MAX_BLOCK_M, max(_LINEAR_MIN_BLOCK_M, next_pow2(m)))
-    upcast, precision = dot_settings(dtype)
+    upcast, precision = dot_settings(x.dtype)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, _LINEAR_BLOCK_N))
     tiles = {"BLOCK_M": block_m, "BLOCK_N": _LINEAR_BLOCK_N, "BLOCK_K": block_k}
-    return grid, {**tiles, "UPCAST": upcast, "PRECISION": precision}
+    return out, grid, {**tiles, "UPCAST": upcast, "PRECISION": precision}
 
 
 @triton.jit
-def linear_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The output rows and columns of this program's tile of a quantized linear kernel."""
+def linear_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's tile of a quantized linear kernel: its output rows and columns,
+    the offsets of one step along K, and a zero float32 accumulator."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    return rows, cols
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return rows, cols, ks, acc
+
+
+@triton.jit
+def load_x_tile(x_ptr, rows, kk, M, K, stride_x):
+    """The activations at ``rows`` and columns ``kk`` of ``x`` [M, K] (zeros outside)."""
+    mask = (rows < M)[:, None] & (kk < K)[None, :]
+    return tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
