@@ -19,14 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.parallel.kernels.support import (
-    check_dtype,
-    linear_dot,
-    linear_launch,
-    linear_tile,
-    load_x_tile,
-    store_linear_tile,
-)
+from pdserve.parallel.kernels.linear_tile import dot, load_x, store, tile_start
+from pdserve.parallel.kernels.support import check_dtype, linear_launch
 
 _BLOCK_K = 32  # bytes (column pairs) per step
 
@@ -51,11 +45,11 @@ def _int4_linear_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    rows, cols, ks, acc = linear_tile(BLOCK_M, BLOCK_N, BLOCK_K)
+    rows, cols, ks, acc = tile_start(BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in range(0, HALF, BLOCK_K):
         kk = k0 + ks
-        x_lo = load_x_tile(x_ptr, rows, kk, M, HALF, stride_x)
-        x_hi = load_x_tile(x_ptr + HALF, rows, kk, M, HALF, stride_x)  # columns kk + HALF
+        x_lo = load_x(x_ptr, rows, kk, M, HALF, stride_x)
+        x_hi = load_x(x_ptr + HALF, rows, kk, M, HALF, stride_x)  # columns kk + HALF
         w_mask = (kk < HALF)[:, None] & (cols < N)[None, :]
         # byte tile [BLOCK_K, BLOCK_N] of packed [N, HALF], transposed
         b = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=w_mask, other=0).to(
@@ -68,9 +62,9 @@ def _int4_linear_kernel(
         )
         w_lo = ((b & 15) - 8).to(tl.float32) * s_lo
         w_hi = ((b >> 4) - 8).to(tl.float32) * s_hi
-        acc = linear_dot(x_lo, w_lo, acc, UPCAST, PRECISION)
-        acc = linear_dot(x_hi, w_hi, acc, UPCAST, PRECISION)
-    store_linear_tile(out_ptr, rows, cols, M, N, stride_o, acc)
+        acc = dot(x_lo, w_lo, acc, UPCAST, PRECISION)
+        acc = dot(x_hi, w_hi, acc, UPCAST, PRECISION)
+    store(out_ptr, rows, cols, M, N, stride_o, acc)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.parallel.kernels.support import (
-    check_dtype,
-    linear_dot,
-    linear_launch,
-    linear_tile,
-    load_x_tile,
-    store_linear_tile,
-)
+from pdserve.parallel.kernels.linear_tile import dot, load_x, store, tile_start
+from pdserve.parallel.kernels.support import check_dtype, linear_launch
 
 _BLOCK_K = 64
 
@@ -48,16 +42,16 @@ def _int8_linear_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    rows, cols, ks, acc = linear_tile(BLOCK_M, BLOCK_N, BLOCK_K)
+    rows, cols, ks, acc = tile_start(BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
-        x = load_x_tile(x_ptr, rows, kk, M, K, stride_x)
+        x = load_x(x_ptr, rows, kk, M, K, stride_x)
         w_mask = (kk < K)[:, None] & (cols < N)[None, :]
         # w: [BLOCK_K, BLOCK_N], the transposed tile of q [N, K]
         w = tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=w_mask, other=0)
-        acc = linear_dot(x, w, acc, UPCAST, PRECISION)
+        acc = dot(x, w, acc, UPCAST, PRECISION)
     scale = tl.load(s_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    store_linear_tile(out_ptr, rows, cols, M, N, stride_o, acc * scale[None, :])
+    store(out_ptr, rows, cols, M, N, stride_o, acc * scale[None, :])
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -85,42 +85,6 @@ def linear_launch(
     return out, grid, {**tiles, "UPCAST": upcast, "PRECISION": precision}
 
 
-@triton.jit
-def linear_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's tile of a quantized linear kernel: its output rows and columns,
-    the offsets of one step along K, and a zero float32 accumulator."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return rows, cols, ks, acc
-
-
-@triton.jit
-def load_x_tile(x_ptr, rows, kk, M, K, stride_x):
-    """The activations at ``rows`` and columns ``kk`` of ``x`` [M, K] (zeros outside)."""
-    mask = (rows < M)[:, None] & (kk < K)[None, :]
-    return tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def linear_dot(x, w, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc + x @ w``, the weights in the activations' type (float32 when ``UPCAST``)."""
-    if UPCAST:
-        out = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
-    else:
-        out = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
-    return out
-
-
-@triton.jit
-def store_linear_tile(out_ptr, rows, cols, M, N, stride_o, tile):
-    """Write the float32 ``tile`` at ``rows`` and ``cols`` of ``out`` [M, N], in its dtype."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], tile.to(dtype), mask=mask)
-
-
 def attention_tile(dtype: torch.dtype) -> int:
     """Keys (and prefill queries) per attention tile: float32 tiles take twice the memory."""
     return 64 if dtype in (torch.bfloat16, torch.float16) else 32
