@@ -29,9 +29,7 @@ MAX_FUNCTION_LINES = 50
 KERNELS = ROOT / "parallel" / "kernels"
 
 # Where a formatter-off comment may stay (a file, or a folder and all below it): why.
-FORMAT_KEPT: dict[str, str] = {
-    "tests/e2e": "pending: the end-to-end tests are being edited; their markers go next",
-}
+FORMAT_KEPT: dict[str, str] = {}
 FORMAT_OFF = re.compile(r"#\s*(fmt:\s*(off|skip)|yapf:\s*disable)\b")
 NOT_SOURCE = {"__pycache__", "build", "dist", "node_modules"}  # besides hidden and egg-info
 

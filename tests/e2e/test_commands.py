@@ -97,9 +97,11 @@ def test_serve_status_scale_and_stop(tmp_path) -> None:
     config, grpc_port = config_with_ports(tmp_path)
     proc = subprocess.Popen(
         [str(BIN / "pdserve"), "serve", "--config", str(config), "--ray-address", "local"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**ENV, "PDSERVE_API_KEYS": "key-that-auth-disabled-ignores"},
-    )  # fmt: skip
+    )
     try:
         lines, address = [], None
         deadline = time.monotonic() + 180
@@ -189,11 +191,24 @@ def ray_head(tmp_path_factory):
     # Ports of its own: the test session's Ray may hold the defaults (agent: 52365).
     gcs, dashboard, agent = free_port(), free_port(), free_port()
     started = subprocess.run(
-        [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dashboard}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent}", "--num-cpus=4",
-         "--labels=pdserve/region=here", f"--temp-dir={temp}", "--disable-usage-stats"],
-        capture_output=True, text=True, timeout=120, env=ENV,
-    )  # fmt: skip
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={gcs}",
+            f"--dashboard-port={dashboard}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-agent-listen-port={agent}",
+            "--num-cpus=4",
+            "--labels=pdserve/region=here",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     assert started.returncode == 0, started.stderr[-2000:]
     try:
         yield f"http://127.0.0.1:{dashboard}"

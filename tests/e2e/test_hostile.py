@@ -56,19 +56,35 @@ HTTP_CASES = [
     ("/v1/completions", body(region="mars"), "region"),
     ("/v1/completions", body(region="r").replace(b'"r"', SURROGATE.encode()), "region"),
     ("/v1/completions", body(prompt=""), "prompt"),
-    ("/v1/completions", body().replace(b'"max_tokens": 2', b'"temperature": Infinity'), "temperature"),
+    (
+        "/v1/completions",
+        body().replace(b'"max_tokens": 2', b'"temperature": Infinity'),
+        "temperature",
+    ),
     ("/v1/completions", body(top_k=2**70), "top_k"),
     ("/v1/completions", body(stop_token_ids=[10**6]), "stop_token_ids"),
     ("/v1/completions", body(stop=["ab"] * 100_000), "stop"),
     ("/v1/completions", body(max_tokens=10**6), "max_tokens"),
     ("/v1/completions", body(prompt=[1] * 5000), "prompt"),  # past the 4,096-token context
     ("/v1/completions", body(stream=True, stream_options="yes"), "stream_options"),
-    ("/v1/completions", body(stream=True, stream_options={"include_usage": "x"}), "stream_options.include_usage"),
+    (
+        "/v1/completions",
+        body(stream=True, stream_options={"include_usage": "x"}),
+        "stream_options.include_usage",
+    ),
     ("/v1/completions", json.dumps({"prompt": "hi"}).encode(), "model"),
     ("/v1/completions", NESTED, "body"),
-    ("/v1/chat/completions", json.dumps(CHAT).encode().replace(b'"hi"', SURROGATE.encode()), "messages[0].content"),
-    ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "root", "content": "x"}]}).encode(), "messages[0].role"),
-]  # fmt: skip
+    (
+        "/v1/chat/completions",
+        json.dumps(CHAT).encode().replace(b'"hi"', SURROGATE.encode()),
+        "messages[0].content",
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "messages": [{"role": "root", "content": "x"}]}).encode(),
+        "messages[0].role",
+    ),
+]
 
 
 @pytest.mark.parametrize(("path", "data", "param"), HTTP_CASES)
@@ -121,14 +137,33 @@ def sampling(**options) -> pb.SamplingOptions:
 @pytest.mark.parametrize(
     ("req", "field"),
     [
-        (pb.CompletionRequest(model="tiny", prompt="hi", request_id="a\nb", sampling=sampling()), "request_id"),
-        (pb.CompletionRequest(model="tiny", prompt="hi", region="mars", sampling=sampling()), "region"),
-        (pb.CompletionRequest(model="tiny", prompt="hi", sampling=sampling(temperature=float("inf"))), "temperature"),
-        (pb.CompletionRequest(model="tiny", prompt="hi", sampling=sampling(stop_token_ids=[10**6])), "stop_token_ids"),
-        (pb.CompletionRequest(model="tiny", prompt="hi", sampling=sampling(max_tokens=10**6)), "max_tokens"),
+        (
+            pb.CompletionRequest(model="tiny", prompt="hi", request_id="a\nb", sampling=sampling()),
+            "request_id",
+        ),
+        (
+            pb.CompletionRequest(model="tiny", prompt="hi", region="mars", sampling=sampling()),
+            "region",
+        ),
+        (
+            pb.CompletionRequest(
+                model="tiny", prompt="hi", sampling=sampling(temperature=float("inf"))
+            ),
+            "temperature",
+        ),
+        (
+            pb.CompletionRequest(
+                model="tiny", prompt="hi", sampling=sampling(stop_token_ids=[10**6])
+            ),
+            "stop_token_ids",
+        ),
+        (
+            pb.CompletionRequest(model="tiny", prompt="hi", sampling=sampling(max_tokens=10**6)),
+            "max_tokens",
+        ),
         (pb.CompletionRequest(model="tiny", prompt="", sampling=sampling()), "prompt"),
     ],
-)  # fmt: skip
+)
 def test_grpc_refuses_with_the_field(doors, req, field) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub(doors).Complete(req, metadata=AUTH)
@@ -193,23 +228,64 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ANY_TEXT, inner, max_size=4),
     max_leaves=12,
 )
-FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop", "stop_token_ids", "stream", "stream_options", "region", "request_id", "n",
-          "min_tokens", "ignore_eos", "user", "logprobs", "tools", "tool_choice",
-          "parallel_tool_calls"]  # fmt: skip
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "region",
+    "request_id",
+    "n",
+    "min_tokens",
+    "ignore_eos",
+    "user",
+    "logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+]
 SMALL = st.integers(min_value=-2, max_value=6)
 VALUES = {
     "model": st.just("tiny") | JSON,
     "prompt": st.just("hi") | ANY_TEXT | st.lists(st.integers(-5, 2000), max_size=6) | JSON,
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "bot", "assistant", "tool"]) | JSON,
-                                                "content": ANY_TEXT | JSON},
-                                               optional={"tool_calls": JSON, "tool_call_id": ANY_TEXT}), max_size=3) | JSON,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "bot", "assistant", "tool"]) | JSON,
+                "content": ANY_TEXT | JSON,
+            },
+            optional={"tool_calls": JSON, "tool_call_id": ANY_TEXT},
+        ),
+        max_size=3,
+    )
+    | JSON,
     "max_tokens": SMALL | JSON,
     "stream": st.booleans() | JSON,
-    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-        {"name": st.sampled_from(["f", "g"]) | JSON}, optional={"parameters": JSON})}), max_size=2) | JSON,
-    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]) | JSON,
-}  # fmt: skip
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries(
+                    {"name": st.sampled_from(["f", "g"]) | JSON}, optional={"parameters": JSON}
+                ),
+            }
+        ),
+        max_size=2,
+    )
+    | JSON,
+    "tool_choice": st.sampled_from(
+        ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]
+    )
+    | JSON,
+}
 FUZZ_BODY = st.fixed_dictionaries(
     {"model": VALUES["model"], "max_tokens": VALUES["max_tokens"]},
     optional={f: VALUES.get(f, JSON) for f in FIELDS if f not in ("model", "max_tokens")},

@@ -106,8 +106,13 @@ def test_two_models_each_served_by_its_own_instances(ray_session, want) -> None:
             ("builtin:tiny", [{"version": "v1", "traffic": 1.0}]),
             ("code", [{"version": "v1", "traffic": 1.0}]),
         ]
-        body = {"model": "code", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": "code",
+            "prompt": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         request = urllib.request.Request(
             f"{base}/v1/completions",
             json.dumps(body).encode(),

@@ -192,10 +192,15 @@ def test_prometheus_scrapes_the_cluster(cluster: Cluster, tmp_path: Path) -> Non
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     proc = subprocess.Popen(
-        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         query = urllib.parse.urlencode(
             {"query": 'sum(pdserve_requests_total{region="east",status="length"})'}
@@ -313,8 +318,12 @@ def test_grafana_dashboard_queries_only_catalog_metrics() -> None:
     used = {m for e in exprs for m in re.findall(r"\bpdserve_[a-z_]+", e)}
     assert used and used <= exported_names(), sorted(used - exported_names())
     # What the issue asks the dashboard to show is there.
-    for needed in ("pdserve_instances", "pdserve_time_to_first_token_seconds_bucket",
-                   "pdserve_kv_usage_ratio", "pdserve_transfer_bytes_total"):  # fmt: skip
+    for needed in (
+        "pdserve_instances",
+        "pdserve_time_to_first_token_seconds_bucket",
+        "pdserve_kv_usage_ratio",
+        "pdserve_transfer_bytes_total",
+    ):
         assert needed in used
     scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics"

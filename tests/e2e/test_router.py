@@ -226,8 +226,14 @@ def test_http_errors_name_the_field_and_the_server_keeps_serving(
 
 def test_http_client_disconnect_mid_stream_frees_pages(cluster, doors) -> None:
     client = openai_client(doors)
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3000, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=3000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for _, _chunk in zip(range(3), stream, strict=False):
         pass
     stream.close()

@@ -52,8 +52,14 @@ def test_openai_n_choices_are_the_seeded_requests_one_by_one(cluster, doors, ref
     )
     greedy = client.completions.create(**{**ask, "temperature": 0, "max_tokens": 12}, n=2)
     assert [c.text for c in greedy.choices] == [reference.text] * 2
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
-            "temperature": 1.0, "seed": 3, "n": 3}  # fmt: skip
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 3,
+    }
     whole = client.chat.completions.create(**chat)
     chunks = list(
         client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True})
@@ -65,8 +71,9 @@ def test_openai_n_choices_are_the_seeded_requests_one_by_one(cluster, doors, ref
         texts[choice.index] += choice.delta.content or ""
     assert texts == [c.message.content for c in whole.choices] and roles == ["assistant"] * 3
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
-    stream = client.completions.create(**{**ask, "max_tokens": 3000}, n=4, stream=True,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        **{**ask, "max_tokens": 3000}, n=4, stream=True, extra_body={"ignore_eos": True}
+    )
     for _, _chunk in zip(range(6), stream, strict=False):
         pass
     stream.close()  # the client leaves: every choice is aborted
@@ -94,8 +101,14 @@ def test_openai_logprobs_through_prefill_and_decode_match_the_engine(
     chunks = list(client.completions.create(**ask, stream=True))
     assert [v for c in chunks for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
     assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 5
     assert all(c.top_logprobs[0].logprob == c.logprob and len(c.top_logprobs) == 2 for c in content)
@@ -164,17 +177,25 @@ def test_penalties_through_prefill_and_decode_match_the_engine(cluster, doors, r
 def test_response_format_json_schema_through_prefill_and_decode(cluster, doors) -> None:
     """The prefill instance samples the first token under the schema's grammar, decode
     the rest (its matcher fed the first): valid JSON, the offline engine's tokens."""
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
-              "colour": {"enum": ["red", "blue"]}}, "required": ["ok", "colour"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "blue"]}},
+        "required": ["ok", "colour"],
+        "additionalProperties": False,
+    }
     params = SamplingParams(max_tokens=40, temperature=0, json_schema=json.dumps(schema))
     want = LLM("builtin:tiny").generate(PROMPT, params)[0].outputs[0]
     assert want.finish_reason == "stop"
     jsonschema.validate(json.loads(want.text), schema)
     client = openai_client(doors)
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
-                                          max_tokens=40, temperature=0, response_format=fmt)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=40,
+        temperature=0,
+        response_format=fmt,
+    )
     jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
     assert chat.choices[0].finish_reason == "stop"
     ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
@@ -218,8 +239,13 @@ def test_openai_echo_returns_the_prompt_and_its_logprobs(cluster, doors) -> None
     chunks = list(client.completions.create(**ask, echo=True, stream=True))
     streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs and "".join(c.choices[0].text for c in chunks) == out.text
-    text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
-                                     echo=True).choices[0].text  # fmt: skip
+    text = (
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True
+        )
+        .choices[0]
+        .text
+    )
     assert text.startswith(PROMPT) and len(text) > len(PROMPT)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**ask, echo="yes")
@@ -227,12 +253,25 @@ def test_openai_echo_returns_the_prompt_and_its_logprobs(cluster, doors) -> None
     cluster.assert_idle()
 
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
-           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "clock", "parameters": {
-             "type": "object", "properties": {}, "additionalProperties": False}}}]  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "clock",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
+]
 
 
 def test_openai_tool_calls_through_prefill_and_decode(cluster, doors) -> None:
@@ -260,8 +299,10 @@ def test_openai_tool_calls_through_prefill_and_decode(cluster, doors) -> None:
     assert out.message.content is None and out.finish_reason == want.finish_reason == "stop"
     assert call.function.name == "weather" and call.function.arguments == want.text
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-    calls = [c.choices[0].delta.tool_calls for c in client.chat.completions.create(
-        **ask, tool_choice=named, stream=True)]  # fmt: skip
+    calls = [
+        c.choices[0].delta.tool_calls
+        for c in client.chat.completions.create(**ask, tool_choice=named, stream=True)
+    ]
     assert calls[0][0].id.startswith("call_") and calls[0][0].function.name == "weather"
     assert "".join(c[0].function.arguments for c in calls if c) == want.text
 
@@ -273,8 +314,11 @@ def test_openai_tool_calls_through_prefill_and_decode(cluster, doors) -> None:
     (call,) = choice.message.tool_calls
     schema = {"weather": WEATHER, "clock": TOOLS[1]["function"]["parameters"]}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), schema)
-    chunks = list(client.chat.completions.create(**ask, tool_choice="required",
-                                                 parallel_tool_calls=False, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            **ask, tool_choice="required", parallel_tool_calls=False, stream=True
+        )
+    )
     streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
     assert [(c.function.name, c.function.arguments) for c in streamed] == [
         (call.function.name, call.function.arguments)
@@ -284,17 +328,34 @@ def test_openai_tool_calls_through_prefill_and_decode(cluster, doors) -> None:
     plain = client.chat.completions.create(**{**ask, "tools": None, "max_tokens": 8}).choices[0]
     auto = client.chat.completions.create(**{**ask, "max_tokens": 8}).choices[0]
     assert auto.message.content == plain.message.content and auto.message.tool_calls is None
-    history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]  # fmt: skip
+    history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "clock", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+    ]
     answer = client.chat.completions.create(**{**ask, "messages": history, "max_tokens": 4})
     assert answer.choices[0].message.content
-    for bad, field in [({"tool_choice": {"type": "function", "function": {"name": "rain"}}},
-                        "tool_choice.function.name"),
-                       ({"messages": [*history[:2], {"role": "tool", "content": "noon"}]},
-                        "messages[2].tool_call_id"),
-                       ({"tool_choice": named, "response_format": {"type": "json_object"}},
-                        "tool_choice")]:  # fmt: skip
+    for bad, field in [
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "rain"}}},
+            "tool_choice.function.name",
+        ),
+        (
+            {"messages": [*history[:2], {"role": "tool", "content": "noon"}]},
+            "messages[2].tool_call_id",
+        ),
+        ({"tool_choice": named, "response_format": {"type": "json_object"}}, "tool_choice"),
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{**ask, **bad})
         assert e.value.body["param"] == field

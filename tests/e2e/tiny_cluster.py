@@ -44,10 +44,17 @@ class Cluster:
         ]
         first = RouterConfig(model_name="tiny", api_keys=(KEY,))  # instances register with it
         starts = [partial(self.router, first, register_all=False)] + [
-            partial(start_instance, role, self.model, self.engine, "shm",
-                    RankResources(num_cpus=0.25), REMOTE)
+            partial(
+                start_instance,
+                role,
+                self.model,
+                self.engine,
+                "shm",
+                RankResources(num_cpus=0.25),
+                REMOTE,
+            )
             for _, role in plan
-        ]  # fmt: skip
+        ]
         self._bootstrap, *started = in_parallel(lambda start: start(), starts, "tiny-cluster")
         for (name, _), instance in zip(plan, started, strict=True):
             join_region(self._bootstrap[0], self.regions[name], instance)
