@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # the planner's types; pdserve.sim.plan imports this module
 
 @dataclass(frozen=True)
 class Outcome:
-    """One simulated candidate: its percentiles (s), failures and goodput."""
+    """One simulated candidate: its percentiles (s), failures, goodput (requests/s within
+    both SLOs) and SLO attainment (the share of requests within both)."""
 
     prefill: int
     decode: int
@@ -43,6 +44,7 @@ class Outcome:
     tpot_s: float
     failed: int
     goodput_rps: float
+    attainment: float = math.nan
 
     def meets(self, slo: PlanSlo) -> tuple[bool, bool]:
         """(TTFT met, TPOT met); a refused request (no decode instance had room for its
@@ -220,4 +222,5 @@ def simulate_candidate(text: str, book: ProfileBook, work: SimWorkload, slo: Pla
         float(np.percentile(tpot, q)) if len(tpot) else 0.0,
         int((~ok).sum()),
         float(meets.sum()) / window if window > 0 else 0.0,
+        float(meets.mean()) if len(meets) else 0.0,
     )

@@ -15,7 +15,12 @@ observed length mix): for each allowed (prefill TP, decode TP) layout it
    its goodput per device.
 
 The cheapest feasible layout (fewest devices, then most goodput per device)
-wins. With none, :class:`InvalidArgumentError` says which SLO cannot be met,
+wins. :func:`plan_colocated` plans the other layout: the fewest colocated
+instances (no prefill role; each prefills its own prompts with chunked prefill)
+meeting both SLOs, searched from the textbook's two counts together, with the
+same headroom, spares and device limit; ``plan_region(..., layout="colocated")``
+prices it at each allowed tensor-parallel size (:mod:`pdserve.sim.plan_choice`
+compares the two layouts). With none, :class:`InvalidArgumentError` says which SLO cannot be met,
 by how much, and at which limit. :func:`plan_regions` plans every region of a
 forecast. Given a :class:`~pdserve.sim.candidates.Pool` of worker processes,
 regions and layouts are searched at once, each on its share of the workers,
@@ -28,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
@@ -46,7 +51,10 @@ from pdserve.sim.candidates import (
 from pdserve.sim.search import smallest_near
 from pdserve.sim.textbook import SingleInstance, TextbookPlan, single_instance, textbook_plan
 
+LAYOUTS = ("disaggregated", "colocated")
+
 __all__ = [
+    "LAYOUTS",
     "Infeasible",
     "LengthMix",
     "Outcome",
@@ -56,6 +64,7 @@ __all__ = [
     "RegionPlan",
     "cluster_yaml",
     "open_pool",
+    "plan_colocated",
     "plan_layout",
     "plan_region",
     "plan_regions",
@@ -156,6 +165,14 @@ class RegionPlan:
     textbook_devices: int
     simulations: int
     tried: list[str] = field(default_factory=list)  # why other layouts lost
+    layout: str = "disaggregated"  # or "colocated": prefill 0, decode instances prefill too
+
+    @property
+    def label(self) -> str:
+        """The layout in words: ``tp=1/2`` (prefill/decode) or ``colocated tp=1``."""
+        if self.layout == "colocated":
+            return f"colocated tp={self.decode_tp}"
+        return f"tp={self.prefill_tp}/{self.decode_tp}"
 
 
 class Infeasible(InvalidArgumentError):
@@ -239,6 +256,81 @@ def plan_layout(
     )
 
 
+def plan_colocated(
+    case: LayoutCase, rate: float, peak_bw: float, pool: Pool | None = None
+) -> RegionPlan:
+    """The fewest colocated instances at tensor-parallel size ``case.tp[1]`` meeting both
+    SLOs: a region with no prefill role, each instance prefilling its own prompts (chunked
+    prefill, beside its decodes). The same headroom, spares (added once: one role) and
+    device limit as :func:`plan_layout`; Infeasible names the SLO and the gap."""
+    book, mix, limits, slo = case.book, case.mix, case.limits, case.slo
+    tp = case.tp[1]
+    case = replace(case, tp=(tp, tp))
+    inst = book.get(tp, 1)
+    output = float(np.mean(mix.output))
+    one = single_instance(
+        inst, inst, float(np.mean(mix.prompt)), output, slo.tpot_s, limits.max_num_seqs, peak_bw
+    )
+    why = _alone(one, slo, case.tp, mix)
+    if why is not None:
+        raise Infeasible("slo", why)
+    book_plan = textbook_plan(rate, one, output, slo.ttft_s, limits.headroom, limits.spares)
+    cap = limits.max_devices // tp - limits.spares
+    if cap < 1:
+        raise Infeasible(
+            "max_devices",
+            f"{limits.max_devices} devices cannot hold one colocated instance plus spares "
+            f"at tp={tp}",
+        )
+    n = simulated_requests(case.region, rate * (1 + limits.headroom), one, output, slo, limits)
+    search = Candidates(case, rate * (1 + limits.headroom), n, pool)
+    # an instance does both roles' work: the textbook's two counts (spares out) start the search
+    d = _fewest_colocated(search, book_plan.prefill + book_plan.decode - 2 * limits.spares, cap)
+    d += limits.spares
+    final = Candidates(case, rate, n, pool).run(0, d)
+    tb_devices = (book_plan.prefill + book_plan.decode) * tp
+    simulations = search.simulations + 1
+    return RegionPlan(
+        case.region,
+        rate,
+        tp,
+        tp,
+        0,
+        d,
+        d * tp,
+        final,
+        one,
+        book_plan,
+        tb_devices,
+        simulations,
+        layout="colocated",
+    )
+
+
+def _fewest_colocated(search: Candidates, hint: int, cap: int) -> int:
+    """The fewest colocated instances up to ``cap`` meeting both SLOs, searched from
+    ``hint``; Infeasible if even ``cap`` misses."""
+    slo, limits = search.slo, search.limits
+    try:
+        d = smallest_near(
+            1,
+            hint,
+            cap,
+            lambda k: all(search.run(0, k).meets(slo)),
+            lambda ks: search.prefetch([(0, k) for k in ks]),
+            search.width,
+        )
+        if d is None:
+            raise Infeasible(
+                "slo",
+                f"{_shortfall(search.run(0, cap), slo)} with {cap} colocated instances "
+                f"(tp={search.tp[1]}), the most {limits.max_devices} devices allow",
+            )
+    finally:
+        search.close()  # a candidate started for a search that ended is not needed
+    return d
+
+
 def _fewest_of(
     search: Candidates, role: int, other: int, bare: int, hint: int, cap: int
 ) -> int | None:
@@ -316,26 +408,30 @@ def simulated_requests(
     return given if given is not None else max(MIN_REQUESTS, needed)
 
 
-def _missed(
-    o: Outcome, slo: PlanSlo, role: str, cap: int, tp: tuple[int, int], limits: PlanLimits
-) -> None:
+def _shortfall(o: Outcome, slo: PlanSlo) -> str:
+    """Which SLO a candidate misses, and by how much."""
     q = f"p{slo.percentile:g}"
     if o.ttft_s > slo.ttft_s:
-        what = (
+        return (
             f"TTFT {q} SLO {_ms(slo.ttft_s)} cannot be met: {_ms(o.ttft_s)} "
             f"({_ms(o.ttft_s - slo.ttft_s)} over)"
         )
-    elif o.failed:
-        what = f"{o.failed} requests were refused (no decode instance had room for their KV)"
-    else:
-        what = (
-            f"TPOT {q} SLO {_ms(slo.tpot_s)} cannot be met: {_ms(o.tpot_s)} "
-            f"({_ms(o.tpot_s - slo.tpot_s)} over)"
-        )
+    if o.failed:
+        return f"{o.failed} requests were refused (no decode instance had room for their KV)"
+    return (
+        f"TPOT {q} SLO {_ms(slo.tpot_s)} cannot be met: {_ms(o.tpot_s)} "
+        f"({_ms(o.tpot_s - slo.tpot_s)} over)"
+    )
+
+
+def _missed(
+    o: Outcome, slo: PlanSlo, role: str, cap: int, tp: tuple[int, int], limits: PlanLimits
+) -> None:
     raise Infeasible(
         "slo",
-        f"{what} with {o.prefill} prefill (tp={tp[0]}) and {o.decode} decode (tp={tp[1]}) "
-        f"instances, the most {limits.max_devices} devices allow ({role} at its limit of {cap})",
+        f"{_shortfall(o, slo)} with {o.prefill} prefill (tp={tp[0]}) and {o.decode} decode "
+        f"(tp={tp[1]}) instances, the most {limits.max_devices} devices allow ({role} at its "
+        f"limit of {cap})",
     )
 
 
@@ -348,31 +444,55 @@ def plan_region(
     slo: PlanSlo,
     peak_bw: float,
     pool: Pool | None = None,
+    layout: str = "disaggregated",
 ) -> RegionPlan:
-    """The cheapest feasible layout and counts for ``rate`` requests/s of ``mix``; with a
-    ``pool``, the layouts are searched at once, each on its share of the workers."""
+    """The cheapest feasible tensor-parallel sizes and counts of ``layout`` (disaggregated:
+    each (prefill, decode) pair allowed; colocated: each size allowed to either role) for
+    ``rate`` requests/s of ``mix``; with a ``pool``, the sizes are searched at once, each
+    on its share of the workers."""
     if not rate > 0:
         raise InvalidArgumentError("rate", f"region {region}: forecast rate must be > 0")
-    layouts = [(tp_p, tp_d) for tp_p in limits.prefill_tp for tp_d in limits.decode_tp]
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError("layout", f"must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     _profiles(book, limits)
+    plan_one = plan_colocated if layout == "colocated" else plan_layout
+    sizes = sorted({*limits.prefill_tp, *limits.decode_tp})
+    layouts = (
+        [(t, t) for t in sizes]
+        if layout == "colocated"
+        else [(tp_p, tp_d) for tp_p in limits.prefill_tp for tp_d in limits.decode_tp]
+    )
 
     def attempt(tp: tuple[int, int], share: Pool | None) -> RegionPlan:
-        return plan_layout(LayoutCase(book, region, mix, tp, limits, slo), rate, peak_bw, share)
+        return plan_one(LayoutCase(book, region, mix, tp, limits, slo), rate, peak_bw, share)
 
+    plans = side_by_side(attempt, layouts, pool, Infeasible)
+    return _cheapest(region, rate, layout, layouts, plans)
+
+
+def _cheapest(
+    region: str,
+    rate: float,
+    layout: str,
+    layouts: list[tuple[int, int]],
+    plans: list[RegionPlan | Infeasible],
+) -> RegionPlan:
+    """The plan of fewest devices (then most goodput per device); the others, and why
+    they lost, in its ``tried``."""
     best: RegionPlan | None = None
     errors: list[str] = []
-    plans = side_by_side(attempt, layouts, pool, Infeasible)
-    for (tp_p, tp_d), plan in zip(layouts, plans, strict=True):
+    for tp, plan in zip(layouts, plans, strict=True):
         if isinstance(plan, Infeasible):
-            errors.append(f"tp={tp_p}/{tp_d}: {plan.message}")
+            name = f"colocated tp={tp[1]}" if layout == "colocated" else f"tp={tp[0]}/{tp[1]}"
+            errors.append(f"{name}: {plan.message}")
             continue
         key = (plan.devices, -plan.at_forecast.goodput_rps)
         if best is None or key < (best.devices, -best.at_forecast.goodput_rps):
             if best is not None:
-                errors.append(f"tp={best.prefill_tp}/{best.decode_tp}: {best.devices} devices")
+                errors.append(f"{best.label}: {best.devices} devices")
             best = plan
         else:
-            errors.append(f"tp={tp_p}/{tp_d}: {plan.devices} devices")
+            errors.append(f"{plan.label}: {plan.devices} devices")
     if best is None:
         raise Infeasible("slo", f"region {region} at {rate:g} req/s: " + "; ".join(errors))
     best.tried.extend(errors)
@@ -387,12 +507,13 @@ def plan_regions(
     slo: PlanSlo,
     peak_bw: float,
     pool: Pool | None = None,
+    layout: str = "disaggregated",
 ) -> list[RegionPlan]:
     """:func:`plan_region` for each region's peak rate (at once, with a ``pool``); the
     first infeasible region, in the forecast's order, raises."""
 
     def attempt(region: str, share: Pool | None) -> RegionPlan:
-        return plan_region(book, region, forecast[region], mix, limits, slo, peak_bw, share)
+        return plan_region(book, region, forecast[region], mix, limits, slo, peak_bw, share, layout)
 
     _profiles(book, limits)
     plans = []

@@ -6,6 +6,9 @@
 A region's forecast is one rate or rates over the day (comma-separated, or a
 JSON file ``{"east": [r0, r1, ...]}``); the plan covers the peak. The length
 mix is ``--prompt-len``/``--output-len`` (with spreads) or a trace's lengths.
+``--layout both`` (the default) plans each region disaggregated and colocated,
+prints the two side by side and recommends the cheaper (fewer devices; at a tie,
+the higher SLO attainment); ``--out``'s cluster YAML is the recommended plan's.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from pdserve.sim.plan import (
     RegionPlan,
     cluster_yaml,
     open_pool,
-    plan_regions,
 )
+from pdserve.sim.plan_choice import LayoutChoice, choose_regions, layouts_from
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +50,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--forecast", default=None, help='JSON file {"region": [rates]}')
     _add_length_mix_flags(p)
     _add_slo_and_limit_flags(p)
+    p.add_argument(
+        "--layout",
+        choices=("colocated", "disaggregated", "both"),
+        default="both",
+        help="plan colocated instances (each prefilling its own prompts), disaggregated "
+        "prefill and decode instances, or both side by side and recommend the cheaper",
+    )
     p.add_argument("--out", default=None, help="write the plan (JSON, with each region's YAML)")
     p.add_argument(
         "--jobs",
@@ -202,19 +212,69 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mix = mix_from(args)
     mix.check_context(shape.max_position_embeddings)
     peaks = {region: max(rates) for region, rates in forecast_from(args).items()}
+    layouts = layouts_from(args.layout)
     with open_pool(args.jobs) as pool:
-        plans = plan_regions(book, peaks, mix, limits, slo, peak_bw, pool)
-    for plan in plans:
-        print(describe_plan(plan, slo, mix))
+        choices = choose_regions(book, peaks, mix, limits, slo, peak_bw, pool, layouts)
+    for choice in choices:
+        if len(choice.plans) > 1:
+            print(describe_choice(choice, slo))
+        print(describe_plan(choice.chosen, slo, mix))
     if args.out:
         payload = {
             "model": shape.name,
             "device": device,
-            "regions": [plan_json(p, shape.name, limits, slo) for p in plans],
+            "regions": [choice_json(c, shape.name, limits, slo) for c in choices],
         }
         Path(args.out).write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.out}")
     return 0
+
+
+def describe_choice(c: LayoutChoice, slo: PlanSlo) -> str:
+    """The layouts of one region side by side, and the recommendation."""
+    q = f"p{slo.percentile:g}"
+    lines = [
+        f"== region {c.region}: layouts compared at {c.chosen.rate:g} req/s (SLO {q} TTFT "
+        f"{slo.ttft_s * 1e3:g} ms, TPOT {slo.tpot_s * 1e3:g} ms)",
+        f"  {'layout':<14}{'plan':<26}{'devices':>8}{'goodput/device':>17}{'SLO attainment':>16}",
+    ]
+    for layout, p in c.plans.items():
+        if isinstance(p, RegionPlan):
+            o = p.at_forecast
+            lines.append(
+                f"  {layout:<14}{_counts(p):<26}{p.devices:>8}"
+                f"{o.goodput_rps / p.devices:>11.3f} req/s{o.attainment:>15.1%}"
+            )
+        else:
+            lines.append(f"  {layout:<14}infeasible: {p.message}")
+    lines.append(f"recommended: {c.chosen.layout} ({'; '.join(c.why)})")
+    return "\n".join(lines)
+
+
+def _counts(p: RegionPlan) -> str:
+    if p.layout == "colocated":
+        return f"{p.decode} x tp={p.decode_tp}"
+    return f"{p.prefill} x tp={p.prefill_tp} + {p.decode} x tp={p.decode_tp}"
+
+
+def choice_json(c: LayoutChoice, model: str, limits: PlanLimits, slo: PlanSlo) -> dict[str, Any]:
+    """The recommended plan (its cluster YAML the one to serve), each layout compared, and
+    why the others lost."""
+    compared: dict[str, Any] = {}
+    for layout, p in c.plans.items():
+        if isinstance(p, RegionPlan):
+            compared[layout] = {
+                "prefill": p.prefill,
+                "decode": p.decode,
+                "prefill_tp": p.prefill_tp,
+                "decode_tp": p.decode_tp,
+                "devices": p.devices,
+                "goodput_per_device": p.at_forecast.goodput_rps / p.devices,
+                "attainment": p.at_forecast.attainment,
+            }
+        else:
+            compared[layout] = {"infeasible": p.message}
+    return plan_json(c.chosen, model, limits, slo) | {"compared": compared, "why": list(c.why)}
 
 
 def describe_plan(p: RegionPlan, slo: PlanSlo, mix: LengthMix) -> str:
@@ -228,18 +288,31 @@ def describe_plan(p: RegionPlan, slo: PlanSlo, mix: LengthMix) -> str:
         f"{one.decode_floor_s * 1e3:.2f} ms (weights at full bandwidth: {one.bandwidth_floor_s * 1e3:.2f} ms); "
         f"KV holds {one.max_batch} requests; largest batch within the TPOT SLO {one.batch} "
         f"(step {one.step_at_batch_s * 1e3:.1f} ms)",
-        f"plan (simulated): prefill {p.prefill} x tp={p.prefill_tp}, decode {p.decode} x tp={p.decode_tp} "
-        f"= {p.devices} devices; at the forecast: TTFT {q} {o.ttft_s * 1e3:.0f} ms, TPOT {q} "
-        f"{o.tpot_s * 1e3:.1f} ms, goodput {o.goodput_rps:.2f} req/s = "
-        f"{o.goodput_rps / p.devices:.3f} req/s per device ({p.simulations} simulations)",
-        f"textbook: prefill rho={tb.prefill_rho:.2f} (M/D/1), {tb.prefill_rate:.1f} req/s each -> "
-        f"{tb.prefill_bare} (+30%, N+1: {tb.prefill}); decode {tb.decode_rate:.2f} req/s each at batch "
-        f"{one.batch} -> {tb.decode_bare} (+30%, N+1: {tb.decode}) = {p.textbook_devices} devices",
-        "why they differ: " + _why(p),
+        f"plan (simulated): {_roles(p)} = {p.devices} devices; at the forecast: TTFT {q} "
+        f"{o.ttft_s * 1e3:.0f} ms, TPOT {q} {o.tpot_s * 1e3:.1f} ms, goodput {o.goodput_rps:.2f} "
+        f"req/s = {o.goodput_rps / p.devices:.3f} req/s per device, SLO attainment "
+        f"{o.attainment:.1%} ({p.simulations} simulations)",
     ]
+    if p.layout != "colocated":  # the textbook sizes each role apart
+        lines += [
+            f"textbook: prefill rho={tb.prefill_rho:.2f} (M/D/1), {tb.prefill_rate:.1f} req/s each "
+            f"-> {tb.prefill_bare} (+30%, N+1: {tb.prefill}); decode {tb.decode_rate:.2f} req/s "
+            f"each at batch {one.batch} -> {tb.decode_bare} (+30%, N+1: {tb.decode}) = "
+            f"{p.textbook_devices} devices",
+            "why they differ: " + _why(p),
+        ]
     if p.tried:
-        lines.append("other layouts: " + "; ".join(p.tried))
+        lines.append("other tensor-parallel sizes: " + "; ".join(p.tried))
     return "\n".join(lines)
+
+
+def _roles(p: RegionPlan) -> str:
+    if p.layout == "colocated":
+        return (
+            f"colocated {p.decode} x tp={p.decode_tp} (no prefill instances: each prefills its "
+            "own prompts, chunked, beside its decodes)"
+        )
+    return f"prefill {p.prefill} x tp={p.prefill_tp}, decode {p.decode} x tp={p.decode_tp}"
 
 
 def _why(p: RegionPlan) -> str:
@@ -266,6 +339,7 @@ def plan_json(p: RegionPlan, model: str, limits: PlanLimits, slo: PlanSlo) -> di
 
     return {
         "region": p.region,
+        "layout": p.layout,
         "rate": p.rate,
         "prefill": p.prefill,
         "decode": p.decode,

@@ -266,7 +266,7 @@ def test_plan_meets_the_slo_and_prints_the_textbook_beside_it(tmp_path, capsys) 
         _argv(
             "plan --model llama-7b --device h100 --rate east=2,4 "
             "--prompt-len 1000 --output-len 32 --num-requests 100 "
-            "--ttft-slo-ms 500 --tpot-slo-ms 40 --out {}",
+            "--ttft-slo-ms 500 --tpot-slo-ms 40 --layout disaggregated --out {}",
             out,
         )
     )
