@@ -98,7 +98,15 @@ def test_ranks_the_cluster_cannot_place_fail_with_what_they_asked(ray_session) -
     with pytest.raises(InvalidArgumentError, match="this layout needs 200 CPUs, the cluster has 4"):
         RankGroup.start(model, config, RankResources(num_cpus=100, start_timeout_s=2))
     assert live() == before
-    hog = placement_group([{"CPU": ray_session.available_resources()["CPU"] - 1}])
+    # Every CPU back from the tests before (Ray returns them asynchronously), then a hog
+    # of all but one: sized by what was free at one moment, the hog left room for both
+    # ranks once an earlier test's CPU came back, and the ranks were placed.
+    total = ray_session.cluster_resources()["CPU"]
+    deadline = time.monotonic() + 120
+    while ray_session.available_resources().get("CPU", 0) < total:
+        assert time.monotonic() < deadline, f"CPUs held: {ray_session.available_resources()}"
+        time.sleep(0.2)
+    hog = placement_group([{"CPU": total - 1}])
     ray_session.get(hog.ready(), timeout=60)
     try:
         with pytest.raises(
