@@ -85,10 +85,39 @@ def fit_error(model: StepModel, samples: Sequence[Sample]) -> dict[str, float]:
     return out
 
 
-def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:
+def nonnegative_lstsq(
+    a: np.ndarray, b: np.ndarray, upper: Sequence[float | None] | None = None
+) -> list[float]:
     """``x >= 0`` minimising ``|a x - b|``, for a few columns: the best least-squares
     answer over the subsets of columns whose answer is non-negative (columns without
-    effect, all zero, stay 0)."""
+    effect, all zero, stay 0). With ``upper`` (a bound or None per column), a
+    coefficient that comes out above its bound is held at it and the others refitted,
+    the largest excess first: a factor fitted on a few rows can run off to any size,
+    and a model must stay within what it checks."""
+    n = a.shape[1]
+    bounds = list(upper) if upper is not None else [None] * n
+    held: dict[int, float] = {}
+    while True:
+        free = [j for j in range(n) if j not in held]
+        rest = b - sum((a[:, j] * v for j, v in held.items()), np.zeros_like(b))
+        x = _nonnegative_subsets(a[:, free], rest)
+        full = [0.0] * n
+        for j, v in held.items():
+            full[j] = v
+        for j, v in zip(free, x, strict=True):
+            full[j] = v
+        over = [(v / bounds[j], j) for j, v in zip(free, x, strict=True) if _over(v, bounds[j])]
+        if not over:
+            return full
+        j = max(over)[1]
+        held[j] = float(bounds[j])  # type: ignore[arg-type]
+
+
+def _over(value: float, bound: float | None) -> bool:
+    return bound is not None and value > bound
+
+
+def _nonnegative_subsets(a: np.ndarray, b: np.ndarray) -> list[float]:
     n = a.shape[1]
     live = [j for j in range(n) if np.abs(a[:, j]).max() > 1e-9]
     best: tuple[float, list[float]] = (float(np.sum(b**2)), [0.0] * n)

@@ -39,7 +39,7 @@ import numpy as np
 from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.jitter import fit_jitter
-from pdserve.sim.profile import StepFeatures, StepModel
+from pdserve.sim.profile import MAX_FACTOR, StepFeatures, StepModel
 
 TRACE_STEPS = 200_000  # steps an instance keeps between two reads
 SLOW_WINDOW_S = 20.0  # slow_share: the windows a run's steps are grouped in
@@ -188,12 +188,14 @@ def live_fit(
             shared * warm_r,
         ]
         c, m, offset, kc, kr, sc, sr = nonnegative_lstsq(
-            np.column_stack([x * w for x in columns]), live * w
+            np.column_stack([x * w for x in columns]), live * w, [None] * 3 + [MAX_FACTOR] * 4
         )
         if not (c > 0 and m > 0):  # one kind of step: one scale, one factor of each
             both = warm_c + warm_r
             c, offset, kr, sr = nonnegative_lstsq(
-                np.column_stack([model * w, w, cold * both * w, shared * both * w]), live * w
+                np.column_stack([model * w, w, cold * both * w, shared * both * w]),
+                live * w,
+                [None, None, MAX_FACTOR, MAX_FACTOR],
             )
             m, kc, sc = c, kr, sr
         if c <= 0:  # steps unrelated to their shape: keep the profile's proportions

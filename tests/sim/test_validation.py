@@ -47,7 +47,7 @@ from pdserve.sim.live import (
     slow_share,
     step_kinds,
 )
-from pdserve.sim.profile import StepModel
+from pdserve.sim.profile import MAX_FACTOR, StepModel
 from pdserve.sim.validate import (
     Measured,
     Point,
@@ -189,6 +189,27 @@ def test_nonnegative_lstsq_keeps_what_it_can_and_zeroes_the_rest() -> None:
     assert nonnegative_lstsq(a, a @ np.array([2.0, 3.0, 0.0])) == pytest.approx([2, 3, 0])
     # The unconstrained answer has a negative second part: it is 0, the first refitted.
     assert nonnegative_lstsq(a, np.array([2.0, -1.0, 1.5])) == pytest.approx([1.75, 0, 0])
+    # A bound: the first part wants 5; held at 4, the second takes up what it can.
+    b = np.array([5.0, 1.0, 6.0])
+    assert nonnegative_lstsq(a, b) == pytest.approx([5, 1, 0])
+    assert nonnegative_lstsq(a, b, [4.0, None, None]) == pytest.approx([4, 1.5, 0])
+
+
+def test_a_cold_factor_fitted_on_steps_with_no_compute_stays_within_bounds() -> None:
+    # decode steps of almost no compute whose cold turns take 5 ms more: unbounded, the
+    # cold compute factor explains that with hundreds of times the tiny compute part
+    model = StepModel(overhead_s=0.002, s_per_token=1e-7, s_per_ctx=4e-7)
+    trace, now = [], 0.0
+    for i in range(40):
+        cold = i % 5 == 0
+        now += 1.0 if cold else 0.0
+        r = StepRecord(now, 0.0, (1, 1), (400, 300) if i % 2 else (100, 50))
+        t = predicted(model, [r])[0] + (0.005 if cold else 0.0)
+        trace.append(dataclasses.replace(r, seconds=t))
+        now += t
+    fit = live_fit(model, [trace])
+    assert 0 <= fit.cold_compute <= MAX_FACTOR and 0 <= fit.cold_factor <= MAX_FACTOR
+    scaled(model, fit)  # a model the profile's checks accept
 
 
 def test_calibration_recovers_the_overheads_a_simulated_system_has() -> None:
