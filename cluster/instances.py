@@ -7,18 +7,16 @@ routes reach, and each leader learns the other's actor handle.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import remove_placement_group
 
 from pdserve.cluster.worker import InstanceSpec, InstanceWorker, Role
 from pdserve.core.config import DisaggregationConfig, EngineConfig
 from pdserve.core.model_config import ModelConfig
-from pdserve.parallel.instance import RankGroup, RankResources
+from pdserve.parallel.instance import RankGroup, RankResources, release
 from pdserve.transfer.handshake import check_compatible
 
 
@@ -40,10 +38,7 @@ class Instance:
 
     def kill(self) -> None:
         """Stop at once (an unhealthy instance): kill every rank, free its placement group."""
-        for worker in self.group.workers:
-            ray.kill(worker)
-        with contextlib.suppress(Exception):  # already removed
-            remove_placement_group(self.group.placement_group)
+        release(self.group.all_workers, self.group.placement_group)
 
 
 def start_instance(

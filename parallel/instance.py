@@ -8,6 +8,7 @@ multi-node cluster the group lands where Ray finds room.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -102,9 +103,7 @@ class RankGroup:
             _get(workers[0].attach_peers.remote(workers), res.start_timeout_s)  # elastic EP
             clock.mark("warmup")
         except BaseException:
-            for w in workers:
-                ray.kill(w)
-            remove_placement_group(pg)
+            release(workers, pg)
             raise
         logger.info(
             "instance %s up in %.2f s (%s): %d KV blocks per rank",
@@ -149,9 +148,22 @@ class RankGroup:
             _get([w.shutdown.remote() for w in self.workers[1:]], 60)
         except (InstanceFailedError, GetTimeoutError):
             pass
-        for w in self.all_workers:
-            ray.kill(w)
-        remove_placement_group(self.placement_group)
+        release(self.all_workers, self.placement_group)
+
+
+def release(workers: list[Any], pg: Any, timeout_s: float = 10.0) -> None:
+    """Kill ``workers`` and, once Ray reports each dead, remove their placement group
+    (one already removed is no error). Removing a group while a rank in it is still
+    being created or torn down can leave that rank's bundle held in Ray; the wait is a
+    few milliseconds."""
+    for w in workers:
+        ray.kill(w)
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        with contextlib.suppress(ray.exceptions.RayError):  # dead (or lost): as wanted
+            ray.get(w.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+    with contextlib.suppress(Exception):  # already removed
+        remove_placement_group(pg)
 
 
 def _spawn(

@@ -193,7 +193,7 @@ def _assert_nothing_held(before: set[str], cpus: float) -> None:
     # two loaded cores with the groups already removed; 120 s is the margin for that
     deadline = time.monotonic() + 120
     while not gone():
-        assert time.monotonic() < deadline, (ray.available_resources(), _live_groups())
+        assert time.monotonic() < deadline, (cpus, ray.available_resources(), _live_groups())
         time.sleep(0.2)
 
 
