@@ -106,15 +106,15 @@ def nonnegative_lstsq(
             full[j] = v
         for j, v in zip(free, x, strict=True):
             full[j] = v
-        over = [(v / bounds[j], j) for j, v in zip(free, x, strict=True) if _over(v, bounds[j])]
+        over = [
+            (v / bound, j)
+            for j, v in zip(free, x, strict=True)
+            if (bound := bounds[j]) is not None and v > bound
+        ]
         if not over:
             return full
         j = max(over)[1]
-        held[j] = float(bounds[j])  # type: ignore[arg-type]
-
-
-def _over(value: float, bound: float | None) -> bool:
-    return bound is not None and value > bound
+        held[j] = float(bounds[j] or 0.0)
 
 
 def _nonnegative_subsets(a: np.ndarray, b: np.ndarray) -> list[float]:

@@ -17,7 +17,9 @@ it finds. ``--typecheck PREFIX`` runs ``tests.typecheck PREFIX`` at the head of
 the rest lane.
 
 Every lane shares one cache folder. Each lane's lines are printed as they come,
-prefixed with its name; the exit status is the worst step's.
+prefixed with its name; the exit status is the worst step's. Each pytest step writes
+a JUnit report under ``test-artifacts/lanes/``, every test's time in it
+(``python -m tests.durations`` sums them by file and lists the slowest).
 
     python -m tests.lanes [--typecheck PREFIX] [PYTEST ARGS ...]
 """
@@ -47,6 +49,7 @@ SECOND_LANE = (
     "tests/sim/test_profile.py",
 )
 NO_TESTS = 5  # pytest's exit status when a step selected nothing
+REPORTS = "test-artifacts/lanes"  # each step's JUnit report (tests/durations.py reads them)
 
 
 def _run_lane(
@@ -74,14 +77,18 @@ def lane_commands(args: list[str]) -> dict[str, list[list[str]]]:
         typecheck, args = [[sys.executable, "-m", "tests.typecheck", args[1]]], args[2:]
     pytest = [sys.executable, "-m", "pytest"]
     ignore = [f"--ignore={path}" for path in SECOND_LANE]
+
+    def report(step: str) -> str:
+        return f"--junitxml={REPORTS}/{step}.xml"
+
     return {
-        "cluster": [[*pytest, "-m", CLUSTER, *ignore, *args]],
+        "cluster": [[*pytest, "-m", CLUSTER, *ignore, report("cluster"), *args]],
         "rest": [
             *typecheck,
-            [*pytest, "-m", REST, *args],
-            [*pytest, "-m", CLUSTER, *args, *SECOND_LANE],
+            [*pytest, "-m", REST, report("rest"), *args],
+            [*pytest, "-m", CLUSTER, report("second"), *args, *SECOND_LANE],
         ],
-        "solo": [[*pytest, "-m", SOLO, *args]],
+        "solo": [[*pytest, "-m", SOLO, report("solo"), *args]],
     }
 
 
