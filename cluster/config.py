@@ -162,8 +162,10 @@ class ClusterConfig:
         and its groups'); a role's ``engine`` goes over them.
     regions: the regions, each with its prefill and decode pools.
     connector: how KV pages move between prefill and decode instances: ``auto``,
-        ``shm``, ``cuda_ipc``, ``object_store`` or ``p2p`` (auto: ``cuda_ipc`` for a
-        KV cache on a GPU, ``shm`` for one in host memory).
+        ``shm``, ``cuda_ipc``, ``object_store`` or ``p2p`` (auto, per pair of ranks:
+        between ranks on one Ray node ``cuda_ipc`` for a KV cache on a GPU, ``shm`` for
+        one in host memory; between nodes ``object_store``). A named connector is used
+        for every pair: ``shm`` and ``cuda_ipc`` reach only their own node.
     router: the router and its front doors (the slo, server, auth and router sections).
     planner: how the planner sizes each region's pools.
     health: how the controller watches instances.

@@ -52,7 +52,9 @@ def start_instance(
 ) -> Instance:
     instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:6]}"
     spec = InstanceSpec(instance_id, role, connector, disaggregation or DisaggregationConfig())
-    group = RankGroup.start(model, engine, resources, InstanceWorker, (spec,))
+    group = RankGroup.start(
+        model, engine, resources, InstanceWorker, (spec,), name=f"pdserve-{instance_id}"
+    )
     return Instance(instance_id, role, group)
 
 

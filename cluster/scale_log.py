@@ -59,6 +59,7 @@ class ScaleLog:
         transfers = [
             {**stats.sent, "direction": "sent"},
             {**stats.received, "direction": "received"},
+            *stats.across_nodes,  # the leader's only, as the two above
         ]
         return InstanceCounters(
             stats.instance_id,

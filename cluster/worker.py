@@ -46,11 +46,10 @@ from pdserve.decode.server import DecodeServer
 from pdserve.parallel.model_runner import resolve_device
 from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
 from pdserve.prefill.server import PrefillServer
-from pdserve.transfer import resolve_connector
+from pdserve.transfer import across_nodes, resolve_connector
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.handshake import KVSpec, adapter_fingerprints, model_fingerprint
-from pdserve.transfer.object_store import ObjectStoreReceiver
 from pdserve.transfer.p2p import P2PReceiver
 from pdserve.transfer.rank import RankTransfer
 from pdserve.transfer.wire import dtype_name
@@ -81,6 +80,7 @@ class InstanceStats:
     prefix_hits: int = 0
     kv_tiers: KVTierCounters | None = None
     speculation: SpeculationCounters | None = None
+    across_nodes: tuple[dict[str, Any], ...] = ()  # ``auto``'s connector between nodes
 
 
 HEALTH = "health"  # concurrency group of ping and health
@@ -98,6 +98,8 @@ class InstanceWorker(RankWorker):
             spec.layout,
             spec.model.num_kv_heads,
             resolve_connector(instance.connector, resolve_device(spec.engine.device).type),
+            across_nodes=across_nodes(instance.connector),
+            node_id=ray.get_runtime_context().get_node_id(),
         )
         self.step_hooks = self.transfer
         # Both roles receive pages (decode: prompts; prefill: a peer's prefix), so
@@ -187,16 +189,16 @@ class InstanceWorker(RankWorker):
         self.server.loop.call(lambda e: e.unload_adapter(name)).result()
 
     def kv_endpoint(self) -> PeerEndpoint:
-        return self.transfer.receiver.endpoint(ray.get_runtime_context().current_actor)
+        context = ray.get_runtime_context()
+        return self.transfer.endpoint(context.current_actor, context.get_node_id())
 
     def pair_ranks(self, decode_layout: Layout, endpoints: list[PeerEndpoint]) -> None:
         self.transfer.pair(decode_layout, endpoints)
 
     def receive_pages(self, header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
-        """Object-store connector: one message of pages (K part, V part) for this rank."""
-        receiver = self.transfer.receiver
-        assert isinstance(receiver, ObjectStoreReceiver), "not an object-store connector rank"
-        receiver.receive(header, keys, values)
+        """Object-store connector (or ``auto``'s across nodes): one message of pages (K
+        part, V part) for this rank."""
+        self.transfer.receive_message(header, keys, values)
 
     def kv_accept(self, pair_id: str) -> None:
         """Point-to-point connector: join a sender's pair group."""
@@ -205,7 +207,16 @@ class InstanceWorker(RankWorker):
         receiver.accept(pair_id)
 
     def transfer_stats(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's own connector's counters: (sent, received)."""
         return self.transfer.sender.stats.as_dict(), self.transfer.receiver.stats.as_dict()
+
+    def transfers_across_nodes(self) -> tuple[dict[str, Any], ...]:
+        """Counters of ``auto``'s across-nodes connector, each with its direction (none
+        until a peer on another node needed it)."""
+        return tuple(
+            {**stats.as_dict(), "direction": direction}
+            for direction, stats in self.transfer.stats()[2:]
+        )
 
     # -- prefill role (leader) ---------------------------------------------------------------
 
@@ -292,6 +303,7 @@ class InstanceWorker(RankWorker):
                 engine.kv.stats.hits,
                 engine.tier_counters(),
                 engine.spec_counters(),
+                self.transfers_across_nodes(),
             )
 
         return server.loop.call(read).result()

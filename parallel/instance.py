@@ -75,12 +75,14 @@ class RankGroup:
         resources: RankResources | None = None,
         worker_cls: type[RankWorker] = RankWorker,
         worker_args: tuple[Any, ...] = (),
+        name: str = "pdserve",
     ) -> RankGroup:
-        """Start every rank; ``worker_cls(spec, *worker_args)`` is each rank's actor."""
+        """Start every rank; ``worker_cls(spec, *worker_args)`` is each rank's actor; the
+        ranks' placement group is ``name`` and a unique suffix (as `ray status` shows it)."""
         res = resources or RankResources()
         layout = plan_layout(model, engine.parallel)  # refuse before any actor starts
         clock = PhaseClock()
-        pg = _reserve_ranks(layout.world_size, res)
+        pg = _reserve_ranks(layout.world_size, res, name)
         clock.mark("schedule")
         workers: list[Any] = []
         try:
@@ -206,11 +208,11 @@ class PhaseClock:
         self._last = now
 
 
-def _reserve_ranks(world_size: int, res: RankResources) -> Any:
+def _reserve_ranks(world_size: int, res: RankResources, name: str) -> Any:
     """The ranks' placement group, once placed (Ray started by :func:`ensure_ray`)."""
     ensure_ray(rank_needs(world_size, res))
     bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
-    pg = _placement_group([bundle] * world_size, res.labels)
+    pg = _placement_group([bundle] * world_size, res.labels, name)
     try:
         ray.get(pg.ready(), timeout=res.start_timeout_s)
     except GetTimeoutError:
@@ -270,8 +272,10 @@ def _check_same_adapters(read: list[dict[str, str]]) -> None:
                 )
 
 
-def _placement_group(bundles: list[dict[str, float]], labels: dict[str, str] | None) -> Any:
-    name = f"pdserve-{uuid.uuid4().hex[:8]}"
+def _placement_group(
+    bundles: list[dict[str, float]], labels: dict[str, str] | None, stem: str
+) -> Any:
+    name = f"{stem}-{uuid.uuid4().hex[:8]}"
     if not labels:
         return placement_group(bundles, strategy="PACK", name=name)
     return placement_group(

@@ -10,6 +10,10 @@ ranks and engines without cluster-wide deadlines, chosen by measured time so
 the lanes end together. A cluster test mostly waits on its actors, so two at
 once share the two cores without passing their deadlines.
 
+The tests marked ``multinode`` (tests/e2e/test_multinode.py: a Ray cluster of three
+nodes on this machine, to which their process connects) end the rest lane in a
+pytest process of their own, since a process holds one Ray connection.
+
 Tests marked ``solo`` (tests/conftest.py: the commands that look for a running Ray
 with Ray's "auto" address, as ``pdserve serve`` does, and README's serving
 examples) run last, when no other Ray runs on the machine: "auto" joins any Ray
@@ -33,9 +37,10 @@ import tempfile
 import threading
 import time
 
-CLUSTER = "cluster and not solo"
-REST = "not cluster and not solo"
+CLUSTER = "cluster and not solo and not multinode"
+REST = "not cluster and not solo and not multinode"
 SOLO = "solo"
+MULTINODE = "multinode"
 # Cluster test files the rest lane runs after its own tests (measured 2026-12-02: ~400 s
 # of the cluster lane's ~1,400 s, against the rest lane's ~500 s).
 SECOND_LANE = (
@@ -87,6 +92,7 @@ def lane_commands(args: list[str]) -> dict[str, list[list[str]]]:
             *typecheck,
             [*pytest, "-m", REST, report("rest"), *args],
             [*pytest, "-m", CLUSTER, report("second"), *args, *SECOND_LANE],
+            [*pytest, "-m", MULTINODE, report("multinode"), *args],
         ],
         "solo": [[*pytest, "-m", SOLO, report("solo"), *args]],
     }

@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # the names below are checked where torch is not imported (co
 # imported (object_store and p2p need Ray, cuda_ipc and shm do not).
 KNOWN = ("cuda_ipc", "object_store", "p2p", "shm")
 AUTO = "auto"  # a rank's own node: cuda_ipc for a KV cache on a GPU, shm for one in host memory
+# ... and between ranks on different Ray nodes, this one (any receiver takes its messages)
+ACROSS_NODES = "object_store"
 
 
 def check_connector(name: str) -> None:
@@ -36,6 +38,13 @@ def resolve_connector(name: str, device_type: str) -> str:
     return "cuda_ipc" if device_type == "cuda" else "shm"
 
 
+def across_nodes(name: str) -> str | None:
+    """The connector ``name`` uses to a rank on another Ray node when it is not the one
+    it uses on its own: ``auto`` picks per peer, a named connector is used for all."""
+    check_connector(name)
+    return ACROSS_NODES if name == AUTO else None
+
+
 def connector_classes(name: str) -> tuple[type[KVSender], type[KVReceiver]]:
     """The (sender, receiver) classes of the connector called ``name``."""
     check_connector(name)
@@ -47,4 +56,4 @@ def connector_classes(name: str) -> tuple[type[KVSender], type[KVReceiver]]:
     return CONNECTORS[name]
 
 
-__all__ = ["check_connector", "connector_classes", "resolve_connector"]
+__all__ = ["across_nodes", "check_connector", "connector_classes", "resolve_connector"]

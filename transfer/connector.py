@@ -46,6 +46,8 @@ class PeerEndpoint:
     kv_shape: tuple[int, ...]  # [local layers, 2, blocks, block_size, local heads, head_dim]
     dtype: str
     address: Any  # connector-specific: a file path, an actor handle, a store address
+    node_id: str = ""  # the Ray node the rank runs on ("" unknown: taken as the sender's)
+    actor: Any = None  # the rank's actor: object-store messages reach any rank through it
 
 
 class KVReceiver(abc.ABC):

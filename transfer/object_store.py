@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.core.errors import TransferError
 from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
+from pdserve.transfer.stats import TransferStats
 from pdserve.transfer.wire import (
     PageRun,
     dtype_name,
@@ -45,24 +46,33 @@ class ObjectStoreReceiver(KVReceiver):
         )
 
     def receive(self, header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
-        """Called by the rank's actor for each message (``receive_pages``).
+        """Called by the rank's actor for each message (``receive_pages``)."""
+        write_message(self, self.stats, header, keys, values)
 
-        ``keys``/``values``: the runs' K (V) parts back to back, as bytes.
-        """
-        start = time.perf_counter()
-        runs, _ = unpack_message(header)
-        flat_keys, flat_values = keys.reshape(-1), values.reshape(-1)
-        offset = 0
-        for run in runs:
-            half = run.nbytes // 2
-            parts = (flat_keys[offset : offset + half], flat_values[offset : offset + half])
-            offset += half
-            dtype = torch_dtype(run.dtype)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # read-only buffers: only read here
-                k, v = (torch.from_numpy(a).view(dtype).view(run.shape[1:]) for a in parts)
-            self.write(run, k, v)
-        self.stats.add(2 * offset, time.perf_counter() - start)
+
+def write_message(
+    receiver: KVReceiver, stats: TransferStats, header: bytes, keys: np.ndarray, values: np.ndarray
+) -> None:
+    """One object-store message into ``receiver``'s cache, counted in ``stats``: that
+    connector's own receiver, or another's (``auto`` between nodes: a decode rank with a
+    shared-memory cache takes a remote prefill's pages this way).
+
+    ``keys``/``values``: the runs' K (V) parts back to back, as bytes.
+    """
+    start = time.perf_counter()
+    runs, _ = unpack_message(header)
+    flat_keys, flat_values = keys.reshape(-1), values.reshape(-1)
+    offset = 0
+    for run in runs:
+        half = run.nbytes // 2
+        parts = (flat_keys[offset : offset + half], flat_values[offset : offset + half])
+        offset += half
+        dtype = torch_dtype(run.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffers: only read here
+            k, v = (torch.from_numpy(a).view(dtype).view(run.shape[1:]) for a in parts)
+        receiver.write(run, k, v)
+    stats.add(2 * offset, time.perf_counter() - start)
 
 
 class ObjectStoreSender(KVSender):

@@ -16,12 +16,20 @@
 
 An afd expert rank (``parallel/afd.py``) holds no KV cache: no route starts or
 ends there (``routes.py``) and its executor runs none of these hooks.
+
+With ``across_nodes`` (the ``auto`` connector), a decode rank on another Ray node
+than this rank's is sent to over that connector instead (the object store: a
+same-node connector such as shm cannot reach it), and any rank takes that
+connector's messages into its cache whatever its own connector is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.core.errors import TransferError
@@ -30,6 +38,7 @@ from pdserve.core.step import KVSend, StepPlan
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint
 from pdserve.transfer.routes import Route, plan_routes
+from pdserve.transfer.stats import TransferStats
 from pdserve.transfer.wire import PageHeader, PageRun, PageSource, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -46,9 +55,15 @@ class RankTransfer:
         num_kv_heads: int,
         connector: str,
         arrival_timeout_s: float = 60.0,
+        across_nodes: str | None = None,
+        node_id: str = "",
     ) -> None:
         sender_cls, receiver_cls = connector_classes(connector)
         self.instance_id = instance_id
+        self.node_id = node_id  # the Ray node this rank runs on
+        self.across_nodes = across_nodes
+        self.remote: KVSender | None = None  # the across-nodes sender, once a peer needs it
+        self.remote_received: TransferStats | None = None  # its messages into this rank
         self.rank = rank
         self.layout = layout
         self.num_kv_heads = num_kv_heads
@@ -79,9 +94,54 @@ class RankTransfer:
         ]
         by_rank = {e.rank: e for e in endpoints}
         for dst in sorted({r.dst_rank for r in mine}):
-            if self.sender.endpoints.get((instance_id, dst)) != by_rank[dst]:
-                self.sender.connect(by_rank[dst])
+            sender, endpoint = self._way_to(by_rank[dst])
+            if sender.endpoints.get((instance_id, dst)) != endpoint:
+                for other in self.senders():  # a rank that moved between nodes
+                    other.endpoints.pop((instance_id, dst), None)
+                sender.connect(endpoint)
         self.routes[instance_id] = mine
+
+    def _way_to(self, endpoint: PeerEndpoint) -> tuple[KVSender, PeerEndpoint]:
+        """The sender that reaches the rank of ``endpoint``, and the endpoint it connects to."""
+        remote = endpoint.node_id and self.node_id and endpoint.node_id != self.node_id
+        if not (remote and self.across_nodes and endpoint.connector != self.across_nodes):
+            return self.sender, endpoint
+        if endpoint.actor is None:
+            raise TransferError(
+                f"decode rank {endpoint.instance_id}/{endpoint.rank} is on another node and "
+                f"publishes no actor for the {self.across_nodes} connector"
+            )
+        if self.remote is None:
+            self.remote = connector_classes(self.across_nodes)[0]()
+        moved = dataclasses.replace(endpoint, connector=self.across_nodes, address=endpoint.actor)
+        return self.remote, moved
+
+    def senders(self) -> list[KVSender]:
+        return [self.sender] if self.remote is None else [self.sender, self.remote]
+
+    def _sender_of(self, peer: tuple[str, int]) -> KVSender:
+        if self.remote is not None and peer in self.remote.endpoints:
+            return self.remote
+        return self.sender
+
+    def endpoint(self, actor: Any, node_id: str) -> PeerEndpoint:
+        """This rank's endpoint for senders: its connector's, with its node and actor."""
+        return dataclasses.replace(self.receiver.endpoint(actor), node_id=node_id, actor=actor)
+
+    def receive_message(self, header: bytes, keys: np.ndarray, values: np.ndarray) -> None:
+        """An object-store message: this rank's connector, or ``auto``'s across nodes."""
+        from pdserve.transfer.object_store import ObjectStoreReceiver, write_message
+
+        if isinstance(self.receiver, ObjectStoreReceiver):
+            self.receiver.receive(header, keys, values)
+            return
+        if self.across_nodes is None:
+            raise TransferError(
+                f"rank {self.rank} takes pages over {self.receiver.name}, not the object store"
+            )
+        if self.remote_received is None:
+            self.remote_received = TransferStats(self.across_nodes)
+        write_message(self.receiver, self.remote_received, header, keys, values)
 
     def renumber(self, rank: int, layout: Layout) -> None:
         """This rank's number and instance layout after its instance regrouped (elastic EP).
@@ -95,7 +155,8 @@ class RankTransfer:
 
     def unpair(self, instance_id: str) -> None:
         self.routes.pop(instance_id, None)
-        self.sender.disconnect(instance_id)
+        for sender in self.senders():
+            sender.disconnect(instance_id)
 
     # -- prefill side hooks -------------------------------------------------------
 
@@ -139,7 +200,7 @@ class RankTransfer:
                 messages.setdefault((send.peer, route.dst_rank), []).append(run)
         for peer, runs in messages.items():
             try:
-                self.sender.send(peer, runs)
+                self._sender_of(peer).send(peer, runs)
             except (TransferError, RuntimeError) as e:  # e.g. that decode rank died
                 self._send_error = self._send_error or e  # the step runs on; after_step fails
 
@@ -151,8 +212,10 @@ class RankTransfer:
             for send in plan.kv_sends if error is None else ():
                 if send.final:
                     for route in self.routes.get(send.peer, ()):
-                        self.sender.finish((send.peer, route.dst_rank), send.request_id)
-            self.sender.flush()  # what was sent lands before its pages change
+                        peer = (send.peer, route.dst_rank)
+                        self._sender_of(peer).finish(peer, send.request_id)
+            for sender in self.senders():
+                sender.flush()  # what was sent lands before its pages change
             if error is not None:
                 raise error
         except (TransferError, RuntimeError) as e:
@@ -182,6 +245,17 @@ class RankTransfer:
             self.receiver.forget(arrival.request_id)
             self._landed[1].add(arrival.request_id)
 
+    def stats(self) -> list[tuple[str, TransferStats]]:
+        """(direction, counters) of each connector this rank used: its own, both ways,
+        then the across-nodes one's where a peer needed it."""
+        out = [("sent", self.sender.stats), ("received", self.receiver.stats)]
+        if self.remote is not None:
+            out.append(("sent", self.remote.stats))
+        if self.remote_received is not None:
+            out.append(("received", self.remote_received))
+        return out
+
     def close(self) -> None:
-        self.sender.close()
+        for sender in self.senders():
+            sender.close()
         self.receiver.close()

@@ -109,12 +109,16 @@ class Running:
 
 
 def generate(
-    stub, prompt: str | list[int], max_tokens: int, progress: list[int] | None = None
+    stub,
+    prompt: str | list[int],
+    max_tokens: int,
+    progress: list[int] | None = None,
+    region: str = "",
 ) -> list[int]:
     if isinstance(prompt, str):
-        request = pb.CompletionRequest(prompt=prompt)
+        request = pb.CompletionRequest(prompt=prompt, region=region)
     else:
-        request = pb.CompletionRequest(prompt_token_ids=pb.TokenIds(ids=prompt))
+        request = pb.CompletionRequest(prompt_token_ids=pb.TokenIds(ids=prompt), region=region)
     request.sampling.CopyFrom(
         pb.SamplingOptions(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     )

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,25 +38,32 @@ def no_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(p2p, "ray", FAKE_RAY)
 
 
-@pytest.fixture(params=["shm", "object_store", "p2p"])
+# "auto": both sides' own connector is shm, the decode rank is on another node
+@pytest.fixture(params=["shm", "object_store", "p2p", "auto"])
 def ranks(
     request: pytest.FixtureRequest, no_ray: None
 ) -> Iterator[tuple[list[RankTransfer], RankTransfer]]:
     """Two paired prefill ranks, each with a cache of distinct values, and the decode rank."""
-    connector = request.param
-    decode = RankTransfer("d0", 0, DECODE, KV_HEADS, connector, arrival_timeout_s=30)
+    connector, across = request.param, None
+    if connector == "auto":
+        connector, across = "shm", "object_store"
+    decode = RankTransfer(
+        "d0", 0, DECODE, KV_HEADS, connector, 30, across_nodes=across, node_id="node-b"
+    )
     shape = (LAYERS, 2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     decode.receiver.allocate(shape, torch.float32, torch.device("cpu"))
     # The decode rank's actor methods the object-store and p2p connectors call.
     receiver: Any = decode.receiver
     actor = FakeActor(
-        receive_pages=lambda *args: receiver.receive(*args),
+        receive_pages=lambda *args: decode.receive_message(*args),
         kv_accept=lambda pair_id: receiver.accept(pair_id),
     )
-    endpoint = decode.receiver.endpoint(actor)
+    endpoint = decode.endpoint(actor, "node-b")
     prefills = []
     for rank in range(2):
-        prefill = RankTransfer("p0", rank, PREFILL, KV_HEADS, connector)
+        prefill = RankTransfer(
+            "p0", rank, PREFILL, KV_HEADS, connector, across_nodes=across, node_id="node-a"
+        )
         numel = LAYERS * 2 * BLOCKS * BLOCK_SIZE * 2 * HEAD_DIM
         cache = torch.arange(float(numel)) + rank * numel
         prefill.kv_cache = cache.view(LAYERS, 2, BLOCKS, BLOCK_SIZE, 2, HEAD_DIM)
@@ -108,7 +116,7 @@ def test_requests_of_one_step_share_one_message_per_layer_and_rank(ranks) -> Non
         for layer in range(LAYERS):
             prefill.on_layer(layer, plan)
         assert prefill.after_step(plan)
-        assert prefill.sender.stats.messages == LAYERS
+        assert sum(sender.stats.messages for sender in prefill.senders()) == LAYERS
     if decode.receiver.needs_arrival_marks:
         arrivals = [KVArrival(r, [2]) for r in ("r1", "r2")]
         decode.before_step(StepPlan(2, [], kv_arrivals=arrivals))
@@ -169,3 +177,69 @@ def test_requests_that_end_while_nothing_runs_reach_the_ranks_with_the_next_step
     assert scheduler.schedule().is_empty  # nothing runs: this plan is never executed
     scheduler.add_request(Request("next", [4, 5, 6], SamplingParams()))
     assert scheduler.schedule().finished_request_ids == ["gone"]
+
+
+def test_auto_sends_to_its_own_node_over_shm_and_to_another_over_the_object_store(
+    no_ray: None,
+) -> None:
+    """``auto`` picks per decode rank by the Ray node each runs on; a named connector is
+    used for every rank, wherever it runs."""
+    prefill = RankTransfer(
+        "p0", 0, DECODE, KV_HEADS, "shm", across_nodes="object_store", node_id="a"
+    )
+    decodes = {
+        node: RankTransfer(f"d-{node}", 0, DECODE, KV_HEADS, "shm", 30, "object_store", node)
+        for node in ("a", "b")
+    }
+    shape = (LAYERS, 2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    prefill.kv_cache = torch.arange(float(torch.Size(shape).numel())).view(shape)
+    try:
+        for node, decode in decodes.items():
+            decode.receiver.allocate(shape, torch.float32, torch.device("cpu"))
+            actor = FakeActor(receive_pages=decode.receive_message)
+            prefill.pair(DECODE, [decode.endpoint(actor, node)])
+        assert prefill.remote is not None
+        assert set(prefill.sender.endpoints) == {("d-a", 0)}
+        assert set(prefill.remote.endpoints) == {("d-b", 0)}
+        seq = ScheduledSeq("r1", [3] * 10, 0, SRC_BLOCKS)
+        sends = [KVSend("r1", f"d-{n}", SRC_BLOCKS, DST_BLOCKS, True) for n in "ab"]
+        plan = StepPlan(1, [seq], kv_sends=sends)
+        for layer in range(LAYERS):
+            prefill.on_layer(layer, plan)
+        assert prefill.after_step(plan)
+        for decode in decodes.values():
+            got = decode.receiver.kv_cache
+            assert got is not None
+            assert torch.equal(got[:, :, DST_BLOCKS], prefill.kv_cache[:, :, SRC_BLOCKS])
+        counted = {(d, s.connector): s.messages for d, s in prefill.stats()}
+        assert counted == {
+            ("sent", "shm"): LAYERS,
+            ("received", "shm"): 0,
+            ("sent", "object_store"): LAYERS,
+        }
+        assert [(d, s.connector, s.messages) for d, s in decodes["b"].stats()][-1] == (
+            "received",
+            "object_store",
+            LAYERS,
+        )
+        # the rank on node b comes back on node a: shm again, the object store's entry gone
+        prefill.pair(DECODE, [decodes["b"].endpoint(FakeActor(), "a")])
+        assert set(prefill.sender.endpoints) == {("d-a", 0), ("d-b", 0)}
+        assert prefill.remote.endpoints == {}
+        # a named connector: the same for every node (shm refuses one it cannot reach)
+        named = RankTransfer("p1", 0, DECODE, KV_HEADS, "shm", node_id="a")
+        named.pair(DECODE, [decodes["b"].endpoint(FakeActor(), "b")])
+        assert named.remote is None and set(named.sender.endpoints) == {("d-b", 0)}
+        named.close()
+    finally:
+        for transfer in [prefill, *decodes.values()]:
+            transfer.close()
+
+
+def test_a_rank_of_a_named_connector_refuses_object_store_messages(no_ray: None) -> None:
+    decode = RankTransfer("d0", 0, DECODE, KV_HEADS, "shm")
+    try:
+        with pytest.raises(TransferError, match="takes pages over shm, not the object store"):
+            decode.receive_message(b"", np.zeros(0, np.uint8), np.zeros(0, np.uint8))
+    finally:
+        decode.close()
