@@ -50,7 +50,7 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.fleet import Fleet
 from pdserve.cluster.health import HealthChecks
 from pdserve.cluster.instances import CALL_TIMEOUT_S, Instance, best_effort
-from pdserve.cluster.membership import Membership
+from pdserve.cluster.membership import Membership, in_parallel
 from pdserve.cluster.planning import Planning
 from pdserve.cluster.pool import WarmPool
 from pdserve.cluster.proactive import CapacityModel, make_planner
@@ -288,8 +288,8 @@ class Controller:
             for r in self.regions.values():
                 r.prefill.clear()
                 r.decode.clear()
-        for instance in everyone:
-            instance.shutdown()
+        if everyone:  # at once: each waits on its ranks' shutdown calls
+            in_parallel(lambda instance: instance.shutdown(), everyone, "stop")
         if self.router is not None and self.owns_router:
             # a router that is restarting (or gone) has no servers to stop gracefully
             with contextlib.suppress(Exception):

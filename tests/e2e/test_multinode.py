@@ -15,6 +15,7 @@ tests/lanes.py), since a process holds one Ray connection.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
@@ -22,6 +23,7 @@ import time
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -55,6 +57,7 @@ slo: {ttft_ms: 5000, tpot_ms: 1000}
 server: {host: "127.0.0.1", grpc_port: 0, http_port: 0}
 auth: {disabled: true}
 disaggregation: {local_prefill_max_tokens: 4}
+health: {start_timeout_s: 20}
 """
 PROMPTS = [[3 + (seed * 7919 + i * 104729) % 1000 for i in range(40)] for seed in range(4)]
 TOKENS = 12
@@ -166,16 +169,88 @@ def _sent_bytes(metrics: str) -> dict[tuple[str, str], float]:
 def test_a_node_lost_under_load_moves_its_streams_and_its_instance_comes_back(
     cluster, served
 ) -> None:
-    """East's decode node dies whole (raylet and every process on it) while streams run
+    """East's decode node dies whole (its raylet and every process it started) while streams run
     in east: each stream ends with exactly the tokens of an undisturbed run, and the
     decode instance comes back on the spare east node added before."""
     controller, _, stub = served
     spare = cluster.add_node(num_cpus=1, labels={LABEL: "east"})
     cluster.wait_for_nodes()
-    [doomed] = {node for name, node in _bundles() if name.startswith("pdserve-east-decode")}
-    victim = next(n for n in cluster.list_all_nodes() if n.node_id == doomed)
+    victim = _node_of(cluster, "pdserve-east-decode")
 
-    prompts, tokens = PROMPTS[:3], 120
+    outage = _kill_under_load(cluster, controller, victim, stub)
+    print(f"\nnode lost: the last stream resumed {outage:.2f} s after the kill")
+    router = ray.get(ray.get(controller.router_handle.remote()).stats.remote())
+    assert router.migrations >= 1
+
+    def back() -> bool:  # east's decode instance, serving again, placed on the spare
+        placed = {node for name, node in _bundles() if name.startswith("pdserve-east-decode")}
+        return placed == {spare.node_id} and _region(controller, "east").decode == 1
+
+    deadline = time.monotonic() + 120
+    while not back():
+        assert time.monotonic() < deadline, (_bundles(), spare.node_id)
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not ray.get(controller.all_idle.remote()):  # no page or request held anywhere
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    events = "\n".join(ray.get(controller.status.remote()).events)
+    assert re.search(r"east-decode-\d+ is unhealthy \(.*\): replacing it", events), events
+
+
+def test_a_region_whose_nodes_cannot_hold_it_spills_and_says_why(cluster, served) -> None:
+    """East's decode node dies again, and no east node has room left: the streams move
+    to west's decode instance, east's requests are served there, and the region's status
+    names the start that cannot be placed."""
+    controller, _, stub = served
+    outage = _kill_under_load(cluster, controller, _node_of(cluster, "pdserve-east-decode"), stub)
+    print(f"\nnode lost, no room in east: the last stream resumed {outage:.2f} s after")
+
+    deadline = time.monotonic() + 90
+    while not (region := _region(controller, "east")).failed_starts:
+        assert time.monotonic() < deadline, region
+        time.sleep(0.5)
+    assert region.decode == 0 and region.target_decode == 1
+    assert "were not placed within 20 s" in region.last_error, region
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    want = LLM("builtin:tiny").generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    assert generate(stub, PROMPTS[0], TOKENS, region="east") == want  # served in west
+    assert ray.get(controller.all_idle.remote())
+
+
+def _region(controller, name: str):
+    """The region's line of the cluster status (as `pdserve status` prints it)."""
+    return next(r for r in ray.get(controller.status.remote()).regions if r.name == name)
+
+
+def _node_of(cluster, group: str):
+    """The node that holds the placement group whose name starts with ``group``."""
+    [node_id] = {node for name, node in _bundles() if name.startswith(group)}
+    return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+
+
+def _kill_node(cluster, node) -> None:
+    """The node's raylet and every process it started (its workers: the ranks of the
+    instances placed there), all at once, as a machine that is lost."""
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    workers = raylet.children(recursive=True)
+    for p in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    cluster.remove_node(node, allow_graceful=False)
+    psutil.wait_procs(workers, timeout=10)
+
+
+def _decode_stats(controller) -> list:
+    leaders = [h for role, h in ray.get(controller.instance_handles.remote()) if role == "decode"]
+    return ray.get([h.stats.remote() for h in leaders])
+
+
+def _kill_under_load(cluster, controller, victim, stub, tokens: int = 120) -> float:
+    """Kill node ``victim`` whole while three streams decode in east; each stream ends
+    with the tokens of an undisturbed run. Seconds from the kill until the last stream
+    that paused resumed."""
+    prompts = PROMPTS[:3]
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     want = [LLM("builtin:tiny").generate([p], params)[0].outputs[0].token_ids for p in prompts]
     arrivals: list[list[float]] = [[] for _ in prompts]  # when each stream's chunks came
@@ -195,36 +270,17 @@ def test_a_node_lost_under_load_moves_its_streams_and_its_instance_comes_back(
     while min(len(a) for a in arrivals) < 5:  # every stream is decoding
         assert time.monotonic() < deadline, arrivals
         time.sleep(0.05)
+    # the streams decode on the node about to die (east's decode instance holds them)
+    held = {s.instance_id: s.num_blocks - s.free_blocks for s in _decode_stats(controller)}
+    assert [i for i, used in held.items() if used and i.startswith("east-")], held
     killed = time.monotonic()
-    cluster.remove_node(victim, allow_graceful=False)
+    _kill_node(cluster, victim)
     for t in threads:
         t.join(timeout=180)
     assert errors == []
     assert [results[i] for i in range(len(prompts))] == want
-    # each stream's longest pause after the kill, and when it ended: the last to end is
-    # when the last stream the lost node held resumed
-    pauses = [_pause_after(a, killed) for a in arrivals]
-    outage = max(end for _, end in pauses)
-    print(
-        f"\nnode lost: pauses {[round(p, 2) for p, _ in pauses]} s; all resumed {outage:.2f} s after"
-    )
-    router = ray.get(ray.get(controller.router_handle.remote()).stats.remote())
-    assert router.migrations >= 1
-
-    def back() -> bool:  # east's decode instance, placed again, on the spare
-        placed = {node for name, node in _bundles() if name.startswith("pdserve-east-decode")}
-        return placed == {spare.node_id}
-
-    deadline = time.monotonic() + 120
-    while not back():
-        assert time.monotonic() < deadline, (_bundles(), spare.node_id)
-        time.sleep(0.5)
-    deadline = time.monotonic() + 30
-    while not ray.get(controller.all_idle.remote()):  # no page or request held anywhere
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    events = "\n".join(ray.get(controller.status.remote()).events)
-    assert re.search(r"east-decode-\d+ is unhealthy \(.*\): replacing it", events), events
+    # each stream's longest pause after the kill ends when it resumed
+    return max(end for _, end in (_pause_after(a, killed) for a in arrivals))
 
 
 def _stream(stub, prompt: list[int], max_tokens: int, arrivals: list[float]) -> list[int]:
