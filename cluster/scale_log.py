@@ -71,6 +71,8 @@ class ScaleLog:
             dict(stats.leases),
             stats.kv_tiers,
             speculation=stats.speculation,
+            node_id=stats.node_id,
+            node_ip=stats.node_ip,
         )
 
     def snapshot(

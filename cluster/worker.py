@@ -81,6 +81,8 @@ class InstanceStats:
     kv_tiers: KVTierCounters | None = None
     speculation: SpeculationCounters | None = None
     across_nodes: tuple[dict[str, Any], ...] = ()  # ``auto``'s connector between nodes
+    node_id: str = ""  # the Ray node the leader runs on
+    node_ip: str = ""
 
 
 HEALTH = "health"  # concurrency group of ping and health
@@ -304,6 +306,8 @@ class InstanceWorker(RankWorker):
                 engine.tier_counters(),
                 engine.spec_counters(),
                 self.transfers_across_nodes(),
+                self.transfer.node_id,
+                ray.util.get_node_ip_address(),
             )
 
         return server.loop.call(read).result()

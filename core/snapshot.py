@@ -33,6 +33,8 @@ class InstanceCounters:
     kv_tiers: KVTierCounters | None = None
     expert_load: ExpertLoad | None = None
     speculation: SpeculationCounters | None = None
+    node_id: str = ""  # the Ray node its leader runs on
+    node_ip: str = ""
 
 
 @dataclass

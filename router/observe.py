@@ -235,6 +235,17 @@ class Observer:
             "slo": {"ttft_s": router.config.ttft_slo_s, "tpot_s": router.config.tpot_slo_s},
             "regions": [r.name for r in router.config.regions],
             "series": [p for p in self.history if p["t"] > since],
+            # where each instance runs, as its leader last reported
+            "instances": [
+                {
+                    "instance": i.instance_id,
+                    "region": i.region,
+                    "role": i.role,
+                    "node_id": i.node_id,
+                    "node_ip": i.node_ip,
+                }
+                for i in (snap.instances if snap else [])
+            ],
             "events": [
                 {
                     "t": e.at,

@@ -2,7 +2,8 @@
 
     GET /metrics          Prometheus exposition of every metric in pdserve.core.metrics
     GET /dashboard        the live P:D dashboard (a static page; it reads the data below)
-    GET /dashboard/data   JSON: SLOs, per-region time series, scaling decisions (?since=<unix s>)
+    GET /dashboard/data   JSON: SLOs, per-region time series, the instances and the Ray
+                          node each runs on, scaling decisions (?since=<unix s>)
 
 ``/metrics`` and ``/dashboard/data`` take the same API keys as the
 completion routes (``Authorization: Bearer <key>``; Prometheus sends it with

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import re
 import threading
 import time
@@ -151,6 +152,11 @@ def test_each_region_runs_on_its_nodes_and_kv_crosses_nodes_over_the_object_stor
     assert sent.get(("east", "object_store"), 0) > 0, sent
     assert sent.get(("west", "shm"), 0) > 0, sent
     assert sent.get(("west", "object_store"), 0) == 0, sent  # one node: no detour
+
+    # the dashboard names the node each instance runs on: the node Ray placed it on
+    ray_says = {name.rsplit("-", 1)[0].removeprefix("pdserve-"): n for name, n in _bundles()}
+    data = json.loads(urllib.request.urlopen(f"{url[: -len('/metrics')]}/dashboard/data").read())
+    assert {i["instance"]: i["node_id"] for i in data["instances"]} == ray_says
 
 
 def _sent_bytes(metrics: str) -> dict[tuple[str, str], float]:

@@ -251,6 +251,14 @@ def test_dashboard_draws_and_shows_a_scale_in_chromium(cluster: Cluster) -> None
         assert int(ttft.get_attribute("data-points")) > 0  # requests ran before the page opened
         tiers = browser.find_element(By.CSS_SELECTOR, 'canvas[data-chart="tiers"]')
         assert int(tiers.get_attribute("data-points")) > 0  # the instances' host tiers
+        # each instance with the Ray node it runs on (one node here)
+        [node] = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+
+        def placed() -> list[tuple[str, str | None]]:
+            rows = browser.find_elements(By.CSS_SELECTOR, "#instances tr.instance")
+            return sorted((r.text.split()[2], r.get_attribute("data-node")) for r in rows)
+
+        wait_for(lambda: placed() == [("decode", node), ("prefill", node)], what="nodes shown")
 
         # `pdserve scale` (the controller call behind it) shows up within seconds,
         # while the new instance is still starting.

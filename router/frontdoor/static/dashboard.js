@@ -109,6 +109,18 @@ function render(data) {
       `${last.prefill}P : ${last.decode}D   (target ${last.target_prefill ?? "?"}P : ${last.target_decode ?? "?"}D)`;
     for (const c of CHARTS) draw(charts[name][c.id], c, name, data.slo);
   }
+  const rows = document.querySelector("#instances tbody");
+  rows.innerHTML = "";
+  for (const i of data.instances || []) {
+    const tr = document.createElement("tr");
+    tr.className = "instance";
+    tr.dataset.node = i.node_id;
+    // a Ray node id is 56 hex digits: its first 12 tell the nodes of a cluster apart
+    for (const v of [i.instance, i.region, i.role, i.node_id.slice(0, 12), i.node_ip]) {
+      const td = document.createElement("td"); td.textContent = v; tr.appendChild(td);
+    }
+    rows.appendChild(tr);
+  }
   const body = document.querySelector("#events tbody");
   body.innerHTML = "";
   for (const e of data.events.slice().reverse()) {
