@@ -13,6 +13,14 @@ TTFT is measured by this client, from sending the request to receiving its
 first token (for colocated, the first token reaches a small subscriber actor
 that records when it arrived).
 
+With ``--nodes 2`` (on the CPU) the run has two Ray nodes on this machine
+(``bench/nodes.py``) and a second decode instance on the other node, paired with
+the same prefill instance: ``disaggregated`` is then the pair on one node, and
+``across nodes`` the pair whose pages cross between nodes, over the connector
+``--connector`` names (``auto``: shm on one node, the object store across). Each
+disaggregated mode also reports the time to the second token, the first one the
+decode instance makes: it waits for the pages.
+
 On a GPU the three instances share it (``--gpus-per-instance 0.3``), each with
 its own KV pool (``--kv-cache-mib``), and pair over ``cuda_ipc``; ``bench/gpu_check.py``
 runs it so on an 8B-shaped model with dummy weights when Ray is importable.
@@ -21,6 +29,8 @@ runs it so on an 8B-shaped model with dummy weights when Ray is importable.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -30,9 +40,14 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from pdserve.bench.flags import count
+from pdserve.bench.nodes import local_nodes
 from pdserve.bench.report import write_json
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import PrefillRequest, ReserveRequest, TokenBatch
 from pdserve.core.sampling_params import SamplingParams
+
+NODE = "pdserve/bench-node"  # the label of the second node (--nodes 2)
+ACROSS = "across nodes"  # the mode whose pair spans two nodes
 
 if TYPE_CHECKING:
     from pdserve.cluster.instances import Instance
@@ -80,15 +95,22 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.core.model_config import ModelConfig
 
     device = _device(args.gpus_per_instance)
-    if not ray.is_initialized():
-        gpus = 1 if args.gpus_per_instance else None  # None: as many as Ray detects
-        ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-    model = ModelConfig.from_dir(resolve_model(args.model))
-    colocated, prefill, decode = _start_instances(args, model)
-    # Ray types ``.remote()`` as a handle or the class itself (whose methods have
-    # no ``remote``), so actor handles are held as Any.
-    clock: Any = ray.remote(FirstTokenClock).options(num_cpus=0).remote()
-    ttft = _measure(args, model.vocab_size, colocated, prefill, decode, clock)
+    if args.nodes == 2 and args.gpus_per_instance:
+        raise InvalidArgumentError("nodes", "two nodes run on the CPU (no --gpus-per-instance)")
+    with contextlib.ExitStack() as stack:
+        if args.nodes == 2:  # this node (the head) and another
+            stack.enter_context(local_nodes([(1, {NODE: "other"})], 3, {NODE: "head"}))
+        elif not ray.is_initialized():
+            gpus = 1 if args.gpus_per_instance else None  # None: as many as Ray detects
+            ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+        model = ModelConfig.from_dir(resolve_model(args.model))
+        colocated, prefill, decodes = _start_instances(args, model)
+        # Ray types ``.remote()`` as a handle or the class itself (whose methods have
+        # no ``remote``), so actor handles are held as Any.
+        clock: Any = ray.remote(FirstTokenClock).options(num_cpus=0).remote()
+        ttft, second = _measure(args, model.vocab_size, colocated, prefill, decodes, clock)
+        for instance in (prefill, *decodes.values(), colocated):
+            instance.shutdown()
     rows = {mode: round(statistics.median(v) * 1e3, 1) for mode, v in ttft.items()}
     report = {
         "command": " ".join(["pdserve bench ttft", *_flags(args)]),
@@ -96,10 +118,13 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "median_ttft_ms": rows,
         "overhead": round(rows["disaggregated"] / rows["colocated"] - 1, 3),
+        "median_second_token_ms": {
+            m: round(statistics.median(v) * 1e3, 1) for m, v in second.items()
+        },
     }
+    if args.nodes == 2:
+        report["across_nodes_overhead"] = round(rows[ACROSS] / rows["disaggregated"] - 1, 3)
     print(json.dumps(report))
-    for instance in (prefill, decode, colocated):
-        instance.shutdown()
     if args.out:
         write_json(Path(args.out), report)
     return 0
@@ -107,8 +132,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_instances(
     args: argparse.Namespace, model: ModelConfig
-) -> tuple[Instance, Instance, Instance]:
-    """The colocated decode instance, then a prefill and a decode instance paired together."""
+) -> tuple[Instance, Instance, dict[str, Instance]]:
+    """The colocated decode instance, a prefill instance, and the decode instances it is
+    paired with, by mode (with ``--nodes 2``, the second on the other node)."""
     from pdserve.cluster.instances import pair, start_instance
     from pdserve.core.config import DisaggregationConfig
     from pdserve.llm import build_engine_config
@@ -122,14 +148,21 @@ def _start_instances(
         max_num_batched_tokens=args.prompt_len,
         **memory,
     )
-    res = RankResources(num_cpus=1, num_gpus=args.gpus_per_instance)
+    here = {NODE: "head"} if args.nodes == 2 else None  # the head's three, then the other
+    res = RankResources(num_cpus=1, num_gpus=args.gpus_per_instance, labels=here)
     remote = DisaggregationConfig(local_prefill_max_tokens=0, local_prefill_cached_fraction=1.0)
     local = DisaggregationConfig(local_prefill_max_tokens=10**9)
     colocated = start_instance("decode", model, engine, args.connector, res, local)
     prefill = start_instance("prefill", model, engine, args.connector, res, remote)
-    decode = start_instance("decode", model, engine, args.connector, res, remote)
-    pair(prefill, decode)
-    return colocated, prefill, decode
+    decodes = {
+        "disaggregated": start_instance("decode", model, engine, args.connector, res, remote)
+    }
+    if args.nodes == 2:
+        there = dataclasses.replace(res, labels={NODE: "other"})
+        decodes[ACROSS] = start_instance("decode", model, engine, args.connector, there, remote)
+    for decode in decodes.values():
+        pair(prefill, decode)
+    return colocated, prefill, decodes
 
 
 def _measure(
@@ -137,25 +170,31 @@ def _measure(
     vocab_size: int,
     colocated: Instance,
     prefill: Instance,
-    decode: Instance,
+    decodes: dict[str, Instance],
     clock: Any,
-) -> dict[str, list[float]]:
-    """Seconds to the first token of each request, per mode, one request at a time."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds to the first token of each request, per mode, one request at a time; and
+    to the second token (the decode instance's first), per disaggregated mode."""
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    ttft: dict[str, list[float]] = {"colocated": [], "disaggregated": []}
-    for i in range(args.requests + 1):  # request 0 warms both paths up
+    ttft: dict[str, list[float]] = {"colocated": [], **{m: [] for m in decodes}}
+    second: dict[str, list[float]] = {m: [] for m in decodes}
+    for i in range(args.requests + 1):  # request 0 warms every path up
         prompt = _prompt(i, args.prompt_len, vocab_size)
-        for mode in ("colocated", "disaggregated"):
+        for mode in ttft:
             rid = f"{mode}-{i}"
             start = time.monotonic()
             if mode == "colocated":
                 first = _first_token_colocated(colocated, clock, rid, prompt, params)
             else:
-                first = _first_token_disaggregated(prefill, decode, clock, rid, prompt, params)
+                first = _first_token_disaggregated(
+                    prefill, decodes[mode], clock, rid, prompt, params
+                )
+                if i > 0:  # the decode instance's first token reaches the clock
+                    second[mode].append(ray.get(clock.wait_first.remote(rid)) - start)
             if i > 0:
                 ttft[mode].append(first - start)
             ray.get(clock.wait_done.remote(rid), timeout=120)
-    return ttft
+    return ttft, second
 
 
 def _first_token_colocated(
@@ -211,6 +250,8 @@ def _flags(args: argparse.Namespace) -> list[str]:
         flags.append(f"--gpus-per-instance {args.gpus_per_instance:g}")
     if args.kv_cache_mib:
         flags.append(f"--kv-cache-mib {args.kv_cache_mib}")
+    if args.nodes != 1:
+        flags.append(f"--nodes {args.nodes}")
     return flags
 
 
@@ -234,6 +275,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="each instance's KV pool (default: 256 MiB on a CPU, 85%% of "
         "a GPU's free memory, which leaves none for the next instance)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: a second decode instance on a second Ray node started on this machine",
     )
     p.add_argument("--out", default="bench/out/ttft.json")
     p.set_defaults(func=run)

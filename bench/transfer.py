@@ -14,11 +14,17 @@ pdserve in the way:
 - object_store: a Ray call carrying the same bytes as one numpy array, which
   the actor copies into a buffer of its own (the connector copies them into
   the KV cache).
+
+With ``--nodes 2`` the actor runs on a second Ray node (a raylet and object store
+of its own, on this machine: ``ray.cluster_utils.Cluster``), so the object store
+moves every message between nodes; shm, which reaches only its own node, is left
+out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -30,9 +36,12 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as NodeAffinity
 
 from pdserve.bench.flags import count
+from pdserve.bench.nodes import local_nodes
 from pdserve.bench.report import write_json
+from pdserve.core.errors import InvalidArgumentError
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.object_store import ObjectStoreReceiver
@@ -107,11 +116,13 @@ def _batch_rate(one_round: Callable[[], object], nbytes: int, rounds: int) -> fl
     return _rate(nbytes * rounds, time.perf_counter() - start)
 
 
-def _start_stand_in(connector: str, num_blocks: int) -> Any:
-    """Start the decode rank's actor; Ray types the handle as handle-or-class, so Any."""
+def _start_stand_in(connector: str, num_blocks: int, node_id: str | None = None) -> Any:
+    """Start the decode rank's actor (on node ``node_id`` when given); Ray types the
+    handle as handle-or-class, so Any."""
+    where = {} if node_id is None else {"scheduling_strategy": NodeAffinity(node_id, soft=False)}
     return (
         ray.remote(DecodeRankStandIn)
-        .options(num_cpus=0, max_concurrency=8)
+        .options(num_cpus=0, max_concurrency=8, **where)
         .remote(connector, num_blocks)
     )
 
@@ -144,11 +155,18 @@ def _runs(src: torch.Tensor, pages: int, requests: int, apart: bool = False) -> 
 
 
 def measure(
-    connector: str, pages: int, rounds: int, repeats: int, requests: int = 1, apart: bool = False
+    connector: str,
+    pages: int,
+    rounds: int,
+    repeats: int,
+    requests: int = 1,
+    apart: bool = False,
+    node_id: str | None = None,
 ) -> dict[str, Any]:
-    """Median GB/s of the connector and of its raw channel, ``repeats`` batches each."""
+    """Median GB/s of the connector and of its raw channel, ``repeats`` batches each
+    (the decode rank on Ray node ``node_id`` when given)."""
     num_blocks = pages * 2 + (requests if apart else 0)
-    actor = _start_stand_in(connector, num_blocks)
+    actor = _start_stand_in(connector, num_blocks, node_id)
     endpoint: PeerEndpoint = ray.get(actor.endpoint.remote())
     sender_cls, _ = connector_classes(connector)
     sender = sender_cls()
@@ -173,6 +191,7 @@ def measure(
     ray.kill(actor)
     return {
         "connector": connector,
+        "nodes": 1 if node_id is None else 2,
         "message_mib": round(nbytes / 2**20, 2),
         "requests": requests,
         "apart": apart,
@@ -205,19 +224,29 @@ def _raw_channel(
 
 
 def run(args: argparse.Namespace) -> int:
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    rows = []
-    for connector in args.connectors:
-        for pages in args.pages:
-            row = measure(connector, pages, args.rounds, args.repeats, args.requests, args.apart)
-            rows.append(row)
-            print(json.dumps(row))
+    if args.nodes == 2 and "shm" in args.connectors:
+        raise InvalidArgumentError(
+            "connectors", "shm reaches only its own node: not with --nodes 2"
+        )
+    with contextlib.ExitStack() as stack:
+        node_id = stack.enter_context(local_nodes([(1, {})]))[0] if args.nodes == 2 else None
+        if not ray.is_initialized():
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        rows = []
+        for connector in args.connectors:
+            for pages in args.pages:
+                row = measure(
+                    connector, pages, args.rounds, args.repeats, args.requests, args.apart, node_id
+                )
+                rows.append(row)
+                print(json.dumps(row))
     if args.out:
         cmd = (
-            f"pdserve bench transfer --pages {' '.join(map(str, args.pages))} "
+            f"pdserve bench transfer --connectors {' '.join(args.connectors)} "
+            f"--pages {' '.join(map(str, args.pages))} "
             f"--rounds {args.rounds} --repeats {args.repeats} --requests {args.requests}"
             + (" --apart" if args.apart else "")
+            + (f" --nodes {args.nodes}" if args.nodes != 1 else "")
         )
         write_json(Path(args.out), {"command": cmd, "results": rows})
     return 0
@@ -235,6 +264,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--apart",
         action="store_true",
         help="a free page between the requests' destination pages (no runs merge)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: the decode rank on a second Ray node started on this machine",
     )
     p.add_argument("--out", default="bench/out/transfer.json")
     p.set_defaults(func=run)
