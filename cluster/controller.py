@@ -120,7 +120,7 @@ class Controller:
         )
         self.router: Any = router
         self.owns_router = router is None  # the root: it runs the router and the fleet
-        self._router_up = _router_up_future(self.owns_router)
+        self.router_up = _router_up_future(self.owns_router)
         self.router_incarnation: str | None = None  # the router's, as this controller last saw it
         self.retired = False  # its version takes no traffic any more: all targets 0
         self.endpoints: Endpoints | None = None
@@ -130,10 +130,9 @@ class Controller:
         self.retries: dict[str, RetryState] = {}  # region -> its failed starts
         self.events: list[str] = []
         self.scale_log = ScaleLog()  # for the metrics and the dashboard
-        self._lock = threading.RLock()
-        self._topology = threading.RLock()
+        self.lock = threading.RLock()
+        self.topology = threading.RLock()
         self._stop = threading.Event()
-        self._ids = 0
         self.health_checks = HealthChecks(self)
         self.planning = Planning(self)
         self.membership = Membership(self)
@@ -162,7 +161,7 @@ class Controller:
         if self.config.planner.mode != "off":
             plan = (self.config.planner.interval_s, self.planning.plan)
             threading.Thread(target=self._loop, args=plan, daemon=True).start()
-        self._event("cluster started" if self.owns_router else f"{self.key} started")
+        self.event("cluster started" if self.owns_router else f"{self.key} started")
         return self.endpoints
 
     def _router_started(self, started: ray.ObjectRef) -> None:
@@ -173,9 +172,9 @@ class Controller:
             ray.get(self.router.watch_demand.remote(ray.get_runtime_context().current_actor))
             self.router_incarnation = ray.get(self.router.incarnation.remote())
         except BaseException as e:
-            self._router_up.set_exception(e)
+            self.router_up.set_exception(e)
             raise
-        self._router_up.set_result(None)
+        self.router_up.set_result(None)
         if self.fleet is not None:
             self.fleet.start()
 
@@ -197,13 +196,13 @@ class Controller:
 
     def retire(self) -> None:
         """Drain and remove every instance: this version takes no new request any more."""
-        with self._lock:
+        with self.lock:
             self.retired = True
             for targets in self.targets.values():
                 targets.update(prefill=0, decode=0)
         self.pool.stop()
         for name in self.regions:
-            self._converge(name)
+            self.converge(name)
 
     def scale(
         self,
@@ -220,8 +219,8 @@ class Controller:
                 "region", f"unknown region {region!r}; known: {sorted(self.regions)}"
             )
         spec = self.specs[region]
-        used = self._pages_used(self._listed(region))  # RPCs: before the lock
-        with self._lock:
+        used = self.pages_used(self._listed(region))  # RPCs: before the lock
+        with self.lock:
             wanted = {name: dict(t) for name, t in self.targets.items()}
             for role, want in (("prefill", prefill), ("decode", decode)):
                 if want is None:
@@ -236,13 +235,13 @@ class Controller:
             check_fits(self.config.needs(wanted), ray.cluster_resources())
             self.targets[region] = wanted[region]
             t = self.targets[region]
-            self._event(f"scale {region} to {t['prefill']}P:{t['decode']}D ({reason})")
+            self.event(f"scale {region} to {t['prefill']}P:{t['decode']}D ({reason})")
             if source == "operator":
-                self._decision(region, "set", cause, reason, source)
+                self.decision(region, "set", cause, reason, source)
             # Claimed with the targets, so the health loop's retries never take them.
             roles, leaving = self._plan_region(region, used)
         self.membership.reach(region, roles, leaving, raise_errors=True)  # status and health go on
-        with self._lock:
+        with self.lock:
             return region_status(self, region)
 
     def wake(self, region: str, roles: list[Role]) -> None:
@@ -255,17 +254,17 @@ class Controller:
             raise InvalidArgumentError("region", f"unknown region {region!r}")
         if not self.planning.flip(region, src, dst):
             return False
-        self._decision(region, f"flip_to_{dst}", "operator", "pdserve flip", "operator")
+        self.decision(region, f"flip_to_{dst}", "operator", "pdserve flip", "operator")
         return True
 
     def instance_handles(self) -> list[tuple[str, Any]]:
         """(role, leader actor handle) of every instance."""
-        with self._lock:
+        with self.lock:
             return [(i.role, i.leader) for r in self.regions.values() for i in r.prefill + r.decode]
 
     def all_idle(self) -> bool:
         """Every instance holds no request and no page (a check for tests and drains)."""
-        with self._lock:
+        with self.lock:
             leaders = [i.leader for r in self.regions.values() for i in r.prefill + r.decode]
         try:
             ray.get([leader.check_idle.remote() for leader in leaders])
@@ -283,7 +282,7 @@ class Controller:
             self.fleet.stop()
         self.pool.stop()
         self._wait_for_starts()
-        with self._lock:
+        with self.lock:
             everyone = [i for r in self.regions.values() for i in r.prefill + r.decode]
             for r in self.regions.values():
                 r.prefill.clear()
@@ -303,7 +302,7 @@ class Controller:
         group held in Ray until the job ends."""
         deadline = time.monotonic() + self.health.start_timeout_s
         while time.monotonic() < deadline:
-            with self._lock:
+            with self.lock:
                 under_way = sum(n for roles in self.starting.values() for n in roles.values())
                 under_way += sum(self.pool.filling.values())
             if not under_way:
@@ -315,23 +314,23 @@ class Controller:
 
     # -- reconciling -----------------------------------------------------------------------
 
-    def _converge(self, region: str, raise_errors: bool = False) -> None:
+    def converge(self, region: str, raise_errors: bool = False) -> None:
         """Start what is missing, then drain and remove the surplus (lock not held)."""
-        used = self._pages_used(self._listed(region))
-        with self._lock:
+        used = self.pages_used(self._listed(region))
+        with self.lock:
             roles, leaving = self._plan_region(region, used)
         self.membership.reach(region, roles, leaving, raise_errors)
 
     def _listed(self, region: str) -> list[Instance]:
-        with self._lock:
+        with self.lock:
             return self.regions[region].prefill + self.regions[region].decode
 
-    def _staying(self, region: str, role: Role) -> list[Instance]:
+    def staying(self, region: str, role: Role) -> list[Instance]:
         gone = self.draining | self.unhealthy.keys()
         return [i for i in self.regions[region].of(role) if i.instance_id not in gone]
 
     def _missing(self, region: str, role: Role) -> int:
-        have = len(self._staying(region, role)) + self.starting[region][role]
+        have = len(self.staying(region, role)) + self.starting[region][role]
         return self.targets[region][role] - have
 
     def _plan_region(
@@ -354,24 +353,24 @@ class Controller:
             if missing > 0:
                 self.starting[region][role] += missing
                 roles += [role] * missing
-            while len(staying := self._staying(region, role)) > self.targets[region][role]:
+            while len(staying := self.staying(region, role)) > self.targets[region][role]:
                 instance = min(staying, key=lambda i: (used or {}).get(i.instance_id, 0))
                 self.draining.add(instance.instance_id)
                 leaving.append(instance)
         return roles, leaving
 
-    def _short(self, region: str) -> bool:
+    def short(self, region: str) -> bool:
         return any(self._missing(region, role) > 0 for role in ROLES)
 
-    def _retry_due(self) -> None:
+    def retry_due(self) -> None:
         """Start what regions below their targets miss, once their backoff has passed."""
         now = time.monotonic()
         self.pool.fill_due()
         for region in self.regions:
-            with self._lock:
+            with self.lock:
                 retry = self.retries.get(region)
                 replacing = any(u.region == region for u in self.unhealthy.values())
-                if self._stop.is_set() or replacing or not self._short(region):
+                if self._stop.is_set() or replacing or not self.short(region):
                     continue  # (a replacement converges its region itself)
                 if retry is not None and now < retry.next_at:
                     continue
@@ -385,7 +384,7 @@ class Controller:
                 ).start()
 
     @staticmethod
-    def _pages_used(instances: list[Instance]) -> dict[str, int]:
+    def pages_used(instances: list[Instance]) -> dict[str, int]:
         """KV pages each instance holds (0 when it does not answer)."""
         stats = best_effort([i.leader.stats.remote() for i in instances])
         return {
@@ -393,10 +392,10 @@ class Controller:
             for i, s in zip(instances, stats, strict=True)
         }
 
-    def _push_snapshot(self) -> None:
+    def push_snapshot(self) -> None:
         """Send the router the cluster's state (metrics, dashboard); never waits for it."""
         if self.router is not None:
-            with self._lock:
+            with self.lock:
                 snapshot = self.scale_log.snapshot(self.regions, self.targets, self.draining)
             self.router.cluster_snapshot.remote(snapshot)
 
@@ -409,15 +408,15 @@ class Controller:
             except Exception:
                 logger.exception("controller loop %s failed", getattr(step, "__name__", step))
 
-    def _decision(self, region: str, action: str, cause: str, reason: str, source: str) -> None:
+    def decision(self, region: str, action: str, cause: str, reason: str, source: str) -> None:
         """Count a scaling decision and keep it for the dashboard's log."""
-        with self._lock:
+        with self.lock:
             self.scale_log.decision(region, action, cause, reason, source, self.targets[region])
-        self._push_snapshot()  # on the dashboard now, not after the change completes
+        self.push_snapshot()  # on the dashboard now, not after the change completes
 
-    def _event(self, text: str) -> None:
+    def event(self, text: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {text}"
         logger.info(line)
-        with self._lock:
+        with self.lock:
             self.events.append(line)
             del self.events[:-500]

@@ -163,7 +163,7 @@ class Fleet:
                     del self.models[name][version]
             raise
         mode = "blue/green" if blue_green else f"canary {canary:g}%"
-        self.root._event(f"rollout {name} to {version} ({mode}): instances up")
+        self.root.event(f"rollout {name} to {version} ({mode}): instances up")
         if blue_green:
             self._switch(name, new, stable, "blue/green")
         else:
@@ -190,7 +190,7 @@ class Fleet:
                 raise InvalidArgumentError("model", f"{name} has no canary to roll back")
             canary.state = "retiring"
         self._traffic(name, {stable.spec.version: 1.0})
-        self.root._event(f"rollback {name} from {canary.spec.version}: {reason}")
+        self.root.event(f"rollback {name} from {canary.spec.version}: {reason}")
         self._retire(canary)
         return self.status()
 
@@ -249,7 +249,7 @@ class Fleet:
         deployment = Deployment(spec, controller, state)
         with self._lock:
             self.models.setdefault(spec.name, {})[spec.version] = deployment
-        self.root._event(f"serving {spec.key} from {spec.model}")
+        self.root.event(f"serving {spec.key} from {spec.model}")
         return deployment
 
     def _switch(self, name: str, new: Deployment, old: Deployment, why: str) -> None:
@@ -257,7 +257,7 @@ class Fleet:
         old.state = "retiring"
         self._traffic(name, {new.spec.version: 1.0})
         new.state = "stable"
-        self.root._event(f"rollout {name}: {new.spec.version} takes all traffic ({why})")
+        self.root.event(f"rollout {name}: {new.spec.version} takes all traffic ({why})")
         self._retire(old)
 
     def _retire(self, deployment: Deployment) -> None:
@@ -270,7 +270,7 @@ class Fleet:
         ray.get(self.root.router.remove_version.remote(spec.name, spec.version))
         with self._lock:
             self.models[spec.name].pop(spec.version, None)
-        self.root._event(f"retired {spec.key}")
+        self.root.event(f"retired {spec.key}")
 
     def _traffic(self, name: str, shares: dict[str, float]) -> None:
         ray.get(self.root.router.set_traffic.remote(name, shares))

@@ -46,7 +46,7 @@ class HealthChecks:
 
     def check(self) -> None:
         self._rejoin_restarted_router()
-        with self.c._lock:
+        with self.c.lock:
             everyone = [
                 (name, i)
                 for name, r in self.c.regions.items()
@@ -69,8 +69,8 @@ class HealthChecks:
         ]
         self._expert_load(everyone, read)
         self.c.scale_log.counters = read
-        self.c._retry_due()
-        self.c._push_snapshot()
+        self.c.retry_due()
+        self.c.push_snapshot()
 
     def _rejoin_restarted_router(self) -> None:
         """Ray restarted the router (it died): it knows no instance, so every instance of
@@ -87,14 +87,14 @@ class HealthChecks:
             return
         if c.owns_router and c.fleet is not None:
             c.fleet.rejoin_router()
-        with c._lock:
+        with c.lock:
             listed = [(name, i) for name, r in c.regions.items() for i in r.prefill + r.decode]
         for name, instance in listed:
             register(c.router, instance, name, c.key)
         if c.owns_router:
             ray.get(c.router.watch_demand.remote(ray.get_runtime_context().current_actor))
         c.router_incarnation = now
-        c._event(f"the router restarted: {len(listed)} instance(s) registered with it again")
+        c.event(f"the router restarted: {len(listed)} instance(s) registered with it again")
 
     def _expert_load(self, everyone: list[tuple[str, Instance]], read: list[Any]) -> None:
         """Every ``EXPERT_LOAD_EVERY`` rounds, MoE instances' expert counters from all ranks."""
@@ -119,14 +119,14 @@ class HealthChecks:
 
     def _unhealthy(self, region: str, instance: Instance, reason: str) -> None:
         """Mark an instance unhealthy (status shows why) and replace it on a thread of its own."""
-        with self.c._lock:
+        with self.c.lock:
             listed = instance in self.c.regions[region].of(instance.role)
             if not listed or instance.instance_id in self.c.unhealthy:
                 return
             self.c.unhealthy[instance.instance_id] = InstanceStatus(
                 instance.instance_id, region, instance.role, False, False, reason
             )
-        self.c._event(f"{instance.instance_id} is unhealthy ({reason}): replacing it")
+        self.c.event(f"{instance.instance_id} is unhealthy ({reason}): replacing it")
         threading.Thread(target=self._replace, args=(region, instance, reason), daemon=True).start()
 
     def _replace(self, region: str, instance: Instance, reason: str) -> None:
@@ -140,9 +140,9 @@ class HealthChecks:
             self.c.membership.detach(region, instance)
         except Exception:
             logger.exception("taking out %s failed", instance.instance_id)
-        with self.c._lock:
+        with self.c.lock:
             self.c.scale_log.restarted(region, instance.role)
-            self.c._decision(
+            self.c.decision(
                 region,
                 f"replace_{instance.role}",
                 "instance_lost",
@@ -150,8 +150,8 @@ class HealthChecks:
                 "health",
             )
         try:
-            if not self.c._stop.is_set():
-                self.c._converge(region)  # a failed start is retried by the health loop
+            if not self.c.stopping:
+                self.c.converge(region)  # a failed start is retried by the health loop
         finally:
-            with self.c._lock:
+            with self.c.lock:
                 self.c.unhealthy.pop(instance.instance_id, None)

@@ -72,6 +72,7 @@ class Membership:
 
     def __init__(self, controller: Controller) -> None:
         self.c = controller
+        self._ids = 0  # instances started, for their ids
 
     def reach(
         self, region: str, roles: list[Role], leaving: list[Instance], raise_errors: bool
@@ -86,7 +87,7 @@ class Membership:
         """At start-up: every region's instances at once (only starts, nothing to drain
         yet), beside ``also`` (the config's further models)."""
         starts: list[Callable[[], None]] = [
-            partial(self.c._converge, r, True) for r in self.c.regions
+            partial(self.c.converge, r, True) for r in self.c.regions
         ]
         in_parallel(lambda start: start(), [*starts, *also], "start")
 
@@ -96,10 +97,10 @@ class Membership:
         start, not of N starts one after another."""
         errors = in_parallel(lambda role: self._start_one(region, role), roles, f"start-{region}")
         error = next((e for e in errors if e is not None), None)
-        with self.c._lock:
-            if error is None and region in self.c.retries and not self.c._short(region):
+        with self.c.lock:
+            if error is None and region in self.c.retries and not self.c.short(region):
                 retry = self.c.retries.pop(region)
-                self.c._event(f"{region} is whole again after {retry.failures} failed start(s)")
+                self.c.event(f"{region} is whole again after {retry.failures} failed start(s)")
         if error is not None and raise_errors:
             raise error
 
@@ -112,18 +113,18 @@ class Membership:
             self._start_failed(region, role, e)
             return e
         finally:
-            with self.c._lock:
+            with self.c.lock:
                 self.c.starting[region][role] -= 1
 
     def _start_failed(self, region: str, role: Role, error: Exception) -> None:
-        with self.c._lock:
+        with self.c.lock:
             retry = self.c.retries.setdefault(region, RetryState())
             retry.failures += 1
             wait = self.c.health.backoff(retry.failures)
             retry.next_at = time.monotonic() + wait
             retry.error = f"starting a {role} instance failed: {first_line(error)}"
-            self.c._event(f"{region}: {retry.error}; retrying in {wait:.0f} s")
-            self.c._decision(region, f"retry_{role}", "start_failed", retry.error, "health")
+            self.c.event(f"{region}: {retry.error}; retrying in {wait:.0f} s")
+            self.c.decision(region, f"retry_{role}", "start_failed", retry.error, "health")
 
     def _add(self, spec: RegionConfig, role: Role) -> Instance:
         """A warm instance of the region's pool, else a new one; paired and registered."""
@@ -143,10 +144,10 @@ class Membership:
         except BaseException:
             instance.kill()
             raise
-        with self.c._lock:
+        with self.c.lock:
             self.c.scale_log.started(spec.name, role, phases)
         took = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
-        self.c._event(
+        self.c.event(
             f"started {instance.instance_id}{how} in {sum(phases.values()):.1f} s ({took})"
         )
         self.c.pool.fill(spec.name)  # after the join: a refill's start competes for CPUs
@@ -154,9 +155,9 @@ class Membership:
 
     def join(self, region: str, instance: Instance) -> None:
         """Pair a started instance with the region's other role, register it, list it."""
-        self.c._router_up.result()  # raises the router's start error
-        with self.c._topology:
-            with self.c._lock:
+        self.c.router_up.result()  # raises the router's start error
+        with self.c.topology:
+            with self.c.lock:
                 r = self.c.regions[region]
                 prefills, decodes = (
                     [p for p in role if p.instance_id not in self.c.unhealthy]
@@ -164,13 +165,13 @@ class Membership:
                 )
             pair_in_region(instance, prefills, decodes)
             register(self.c.router, instance, region, self.c.key)
-            with self.c._lock:
+            with self.c.lock:
                 r.of(instance.role).append(instance)
 
     def detach(self, region: str, instance: Instance) -> bool:
         """Take an instance out of the region and the router; False if it was out already."""
-        with self.c._topology:
-            with self.c._lock:
+        with self.c.topology:
+            with self.c.lock:
                 r = self.c.regions[region]
                 if instance not in r.of(instance.role):
                     return False
@@ -192,9 +193,9 @@ class Membership:
     def new_id(self, stem: str) -> str:
         """A new instance id, unique in the cluster: a further model version's instances
         carry its deployment key (``code@v1-east-decode-3``)."""
-        with self.c._lock:
-            self.c._ids += 1
-            return f"{self.c.key}-{stem}-{self.c._ids}" if self.c.key else f"{stem}-{self.c._ids}"
+        with self.c.lock:
+            self._ids += 1
+            return f"{self.c.key}-{stem}-{self._ids}" if self.c.key else f"{stem}-{self._ids}"
 
     def start_new(self, spec: RegionConfig, role: Role, instance_id: str) -> Instance:
         """Start an instance of ``role`` with the region's resources (not joined to it)."""
@@ -232,8 +233,8 @@ class Membership:
                 self.move_off(instance, timeout_s)
             if self.detach(region, instance):
                 instance.shutdown()
-                self.c._event(f"removed {instance.instance_id} after draining")
-            with self.c._lock:
+                self.c.event(f"removed {instance.instance_id} after draining")
+            with self.c.lock:
                 self.c.draining.discard(instance.instance_id)
 
     def move_off(self, instance: Instance, timeout_s: float) -> None:
@@ -245,7 +246,5 @@ class Membership:
             done = f"moved {ray.get(ref, timeout=CALL_TIMEOUT_S)} request(s) to other instances"
         except Exception as e:
             done = f"moving its requests failed: {first_line(e)}"
-        self.c._event(
-            f"{instance.instance_id} still busy after {timeout_s:g} s of draining: {done}"
-        )
+        self.c.event(f"{instance.instance_id} still busy after {timeout_s:g} s of draining: {done}")
         best_effort([instance.leader.wait_idle.remote(CALL_TIMEOUT_S / 2)])

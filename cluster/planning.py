@@ -43,7 +43,7 @@ class Planning:
         for m in metrics:
             if m["region"] not in self.c.regions:
                 continue  # a region this model version has no pools in
-            with self.c._lock:
+            with self.c.lock:
                 starting = dict(self.c.starting[m["region"]])
             values = {k: m[k] for k in RegionMetrics.__dataclass_fields__ if k in m}
             decision = self.c.planner.decide(
@@ -57,12 +57,12 @@ class Planning:
                 continue
             what = decision.action + (f" x{decision.count}" if decision.count > 1 else "")
             logger.info("planner: %s %s: %s", decision.region, what, decision.reason)
-            self.c._event(
+            self.c.event(
                 f"planner {decision.region} {what} ({decision.reason}){'' if decision.applied else ' [advisory]'}"
             )
             if decision.applied:
                 self._apply(decision)
-            self.c._decision(
+            self.c.decision(
                 decision.region,
                 decision.action,
                 decision.cause,
@@ -73,14 +73,14 @@ class Planning:
     def wake(self, region: str, roles: list[Role]) -> None:
         """Raise the region's target of each of ``roles`` that is at 0 to 1 (cold start)."""
         spec = self.c.specs[region]
-        with self.c._lock:
+        with self.c.lock:
             targets = dict(self.c.targets[region])
         want = {role: 1 for role in roles if targets[role] < 1 and spec.role(role).max >= 1}
         if not want:  # already wanted (starting, or retried by the health loop), or max 0
             return
         reason = f"cold start: a request waits for a {' and '.join(want)} instance"
         for role in want:
-            self.c._decision(region, f"add_{role}", "cold_start", reason, "router")
+            self.c.decision(region, f"add_{role}", "cold_start", reason, "router")
         try:
             self.c.scale(
                 region, want.get("prefill"), want.get("decode"), reason=reason, source="router"
@@ -95,7 +95,7 @@ class Planning:
         other: Role = "decode" if role == "prefill" else "prefill"
         if verb == "add" and not self._room_for(region, role) and self.flip(region, other, role):
             return
-        with self.c._lock:
+        with self.c.lock:
             targets = dict(self.c.targets[region])
         targets[role] += decision.count if verb == "add" else -decision.count
         self.c.scale(
@@ -119,16 +119,16 @@ class Planning:
         a ``src`` to replace it; they move back if it does not go idle.
         """
         r, spec = self.c.regions[region], self.c.specs[region]
-        with self.c._lock:
+        with self.c.lock:
             if len(r.of(src)) <= spec.role(src).min or len(r.of(dst)) >= spec.role(dst).max:
                 return False
-            candidates = self.c._staying(region, src)
+            candidates = self.c.staying(region, src)
         if not candidates:
             return False
-        used = self.c._pages_used(candidates)
+        used = self.c.pages_used(candidates)
         instance = min(candidates, key=lambda i: used[i.instance_id])
-        with self.c._lock:
-            if instance not in self.c._staying(region, src):
+        with self.c.lock:
+            if instance not in self.c.staying(region, src):
                 return False
             self.c.draining.add(instance.instance_id)
             self._move_target(region, src, dst, 1)
@@ -138,7 +138,7 @@ class Planning:
             if not ray.get(instance.leader.wait_idle.remote(FLIP_IDLE_WAIT_S)):
                 ray.get(self.c.router.set_draining.remote(instance.instance_id, False))
                 return False
-            with self.c._topology:
+            with self.c.topology:
                 self.c.membership.detach(region, instance)
                 ray.get([w.flip_role.remote(dst) for w in instance.group.workers])
                 instance.role = dst
@@ -150,13 +150,13 @@ class Planning:
             instance.kill()  # the region, one short, is refilled by the health loop
             return False
         finally:
-            with self.c._lock:
+            with self.c.lock:
                 self.c.draining.discard(instance.instance_id)
                 self.c.starting[region][dst] -= 1
                 if not flipped:
                     self.c.targets[region][src] += 1
                     self.c.targets[region][dst] -= 1
-        self.c._event(
+        self.c.event(
             f"flipped {instance.instance_id} from {src} to {dst} (no room for a new instance)"
         )
         return True

@@ -55,12 +55,12 @@ class WarmPool:
         self.stopped = False  # stop() ran (the controller stops, or its version retired)
 
     def size(self, region: str) -> int:
-        with self.c._lock:
+        with self.c.lock:
             return len(self.ready[region])
 
     def fill(self, region: str) -> None:
         """Start, each on a thread of its own, what the region's pool lacks."""
-        with self.c._lock:
+        with self.c.lock:
             lacking = self.c.specs[region].warm_pool - len(self.ready[region])
             lacking -= self.filling[region]
             if lacking <= 0 or self.stopped or self.c.stopping:
@@ -86,7 +86,7 @@ class WarmPool:
         the slow way, as configured."""
         if not self.fits(region, role):
             return None
-        with self.c._lock:
+        with self.c.lock:
             instance = self.ready[region].pop(0) if self.ready[region] else None
         if instance is None:
             return None
@@ -97,10 +97,10 @@ class WarmPool:
                 instance.role = role
         except Exception as e:
             instance.kill()
-            self.c._event(f"warm pool {region}: {instance.instance_id} lost ({first_line(e)})")
+            self.c.event(f"warm pool {region}: {instance.instance_id} lost ({first_line(e)})")
             self.fill(region)
             return None
-        with self.c._lock:
+        with self.c.lock:
             self.taken += 1
         return instance
 
@@ -118,7 +118,7 @@ class WarmPool:
     def stop(self) -> None:
         """Shut every pooled instance down, for good: the controller is stopping, or its
         version retired (no refill, and a start still under way is shut down when up)."""
-        with self.c._lock:
+        with self.c.lock:
             self.stopped = True
             everyone = [i for pool in self.ready.values() for i in pool]
             for pool in self.ready.values():
@@ -131,14 +131,14 @@ class WarmPool:
         try:
             instance = self.c.membership.start_new(self.c.specs[region], POOL_ROLE, instance_id)
         except Exception as e:
-            with self.c._lock:
+            with self.c.lock:
                 self.filling[region] -= 1
                 self.failures[region] += 1
                 wait = self.c.health.backoff(self.failures[region])
                 self.next_at[region] = time.monotonic() + wait
-            self.c._event(f"warm pool {region}: starting {instance_id} failed: {first_line(e)}")
+            self.c.event(f"warm pool {region}: starting {instance_id} failed: {first_line(e)}")
             return
-        with self.c._lock:
+        with self.c.lock:
             self.failures[region] = 0
             stopped = self.stopped or self.c.stopping
             if not stopped:
@@ -146,8 +146,8 @@ class WarmPool:
                 self.filling[region] -= 1
         if stopped:  # still counted as filling: the controller's stop waits for this
             instance.shutdown()
-            with self.c._lock:
+            with self.c.lock:
                 self.filling[region] -= 1
             return
         took = sum(instance.group.start_phases.values())
-        self.c._event(f"warm pool {region}: {instance_id} ready in {took:.1f} s")
+        self.c.event(f"warm pool {region}: {instance_id} ready in {took:.1f} s")

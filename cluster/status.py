@@ -65,7 +65,7 @@ class RetryState:
 
 
 def region_status(c: Controller, name: str) -> RegionStatus:
-    """A region of ``c``'s model version against its targets (``c._lock`` held)."""
+    """A region of ``c``'s model version against its targets (``c.lock`` held)."""
     r, t, retry = c.regions[name], c.targets[name], c.retries.get(name)
     return RegionStatus(
         name,
@@ -83,7 +83,7 @@ def region_status(c: Controller, name: str) -> RegionStatus:
 
 def cluster_status(c: Controller) -> ClusterStatus:
     models = c.fleet.status() if c.fleet is not None else []
-    with c._lock:
+    with c.lock:
         regions = [region_status(c, name) for name in c.regions]
         instances = [
             InstanceStatus(i.instance_id, name, i.role, True, i.instance_id in c.draining)

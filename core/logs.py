@@ -22,10 +22,10 @@ def setup_logging(level: str | None = None) -> None:
     name = (level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")).upper()
     known = isinstance(logging.getLevelName(name), int)
     log.setLevel(name if known else "INFO")
-    if not any(getattr(h, "_pdserve", False) for h in log.handlers):
+    if not any(getattr(h, "pdserve", False) for h in log.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(FORMAT))
-        handler._pdserve = True  # type: ignore[attr-defined]
+        handler.pdserve = True  # type: ignore[attr-defined]
         log.addHandler(handler)
         log.propagate = False
     if not known:  # an actor would die of it, and with it the cluster's start

@@ -196,10 +196,11 @@ class SparseMoE(nn.Module):
         if self.ctx.ep_size > 1:
             return expert_parallel_forward(self, x)
         weights, experts = self.ops.route(F.linear(x, self.gate), self.top_k)
-        self._count(experts)
+        self.count(experts)
         return self.ctx.tp_all_reduce(self.expert_outputs(x, weights, experts))
 
-    def _count(self, experts: torch.Tensor) -> None:
+    def count(self, experts: torch.Tensor) -> None:
+        """Add the tokens routed to each expert (``experts``: each token's picks) to ``routed``."""
         self.routed += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
 
     @property

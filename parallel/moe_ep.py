@@ -39,7 +39,7 @@ def route_and_combine(moe: SparseMoE, mine: torch.Tensor, lo: int) -> torch.Tens
     ctx = moe.ctx
     ep, rank, per_rank = ctx.ep_size, ctx.ep_rank, moe.local_experts
     weights, experts = moe.ops.route(F.linear(mine, moe.gate), moe.top_k)  # [t, k]
-    moe._count(experts)
+    moe.count(experts)
     pair_token = torch.arange(mine.shape[0], device=mine.device).repeat_interleave(moe.top_k)
     pair_expert = experts.reshape(-1)  # [P]
     pick = (pair_token + lo) % moe.replica_count[pair_expert]

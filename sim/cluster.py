@@ -148,16 +148,16 @@ class SimCluster:
         seed = self.options.noise_seed
         self.request_noise = Jitter(self.options.request_jitter, 0.0, f"requests/{seed}")
         self._serial, self.max_model_len = 0, 1 << 62
-        self._next = 0  # the next arrival's index
+        self.next_arrival = 0  # the next arrival's index
         self.scaling = SimScaling(self)
         for g in config.regions:
             for role in ("prefill", "decode"):
                 for _ in range(g.role(role).count):
-                    self._join(self._new_instance(g.name, role))
+                    self.join(self.new_instance(g.name, role))
 
     # -- instances -------------------------------------------------------------------
 
-    def _new_instance(self, region: str, role: str) -> SimInstance:
+    def new_instance(self, region: str, role: str) -> SimInstance:
         self._serial += 1
         g = next(x for x in self.config.regions if x.name == region)
         inst, profile = make_instance(
@@ -171,13 +171,13 @@ class SimCluster:
             inst.peers, inst.host_cores = self.all, self.options.host_cores
         return inst
 
-    def _join(self, inst: SimInstance) -> None:
+    def join(self, inst: SimInstance) -> None:
         self.instances[inst.instance_id] = inst
         if inst.role == "decode":  # the router's limit: the least of its decode instances'
             self.max_model_len = min(self.max_model_len, inst.scheduler.max_model_len)
         self.view.add(inst.view)
 
-    def _refresh(self, inst: SimInstance) -> None:
+    def refresh(self, inst: SimInstance) -> None:
         inst.view.report = inst.report()
         self.view.touch(inst.view)
         if inst.role == "prefill" and inst.kv.pool.enable_caching:  # its KV events
@@ -185,7 +185,7 @@ class SimCluster:
             if ev.added or ev.removed:
                 self.prefixes.apply(inst.instance_id, ev.added, ev.removed, ev.lower, ev.device)
 
-    def _kick(self, inst: SimInstance) -> None:
+    def kick(self, inst: SimInstance) -> None:
         """Start the instance's next step once every event of this instant is in (an
         engine loop picks up everything queued when it schedules)."""
         if not inst.busy and not inst.kick_pending:
@@ -207,7 +207,7 @@ class SimCluster:
             if peer.reshare(self.clock.now()):
                 self.queue.push(peer.pending_end, "step", (peer, peer.generation))
 
-    def _interrupt(self, inst: SimInstance) -> None:
+    def interrupt(self, inst: SimInstance) -> None:
         if inst.interrupt(self.clock.now()):
             self.queue.push(inst.pending_end, "step", (inst, inst.generation))
 
@@ -237,10 +237,10 @@ class SimCluster:
         done, deadlines = self.run_info.recorder.done, self.deadlines
         while True:
             t_next, due = self.queue.peek_time(), deadlines.next_at(done)
-            i = self._next
+            i = self.next_arrival
             if i < n and arrivals[i] <= min(t_next, due):
                 self.clock.advance_to(float(arrivals[i]))
-                self._next += 1
+                self.next_arrival += 1
                 if self.gate.admit(i):
                     self._arrive(i)
                 continue
@@ -311,11 +311,11 @@ class SimCluster:
             probe.block_hashes = list(hashes)  # the router hashed the prompt already
         prefill = None if choice.prefill is None else self.instances.get(choice.prefill.instance_id)
         if prefill is None or prefills_locally(self.config, decode, probe):
-            self._interrupt(decode)
+            self.interrupt(decode)
             decode.scheduler.add_request(probe)
             self.tracks[rid] = _Track(i, region, decode, None, len(prompt))
             self._placed(decode)
-            self._kick(decode)
+            self.kick(decode)
             return
         reserved = reserve(self.instances, self.view, self.retries, region, decode, probe)
         if reserved is None:
@@ -323,7 +323,7 @@ class SimCluster:
             self.run_info.recorder.fail(i, 2, now)
             return
         decode, cached = reserved
-        self._interrupt(prefill)
+        self.interrupt(prefill)
         request = Request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), (), now)
         request.hold_kv_on_finish = True
         if prefill.kv.block_size == decode.kv.block_size:
@@ -333,11 +333,11 @@ class SimCluster:
         prefill.view.pending_prompt_tokens += len(prompt)
         self._placed(prefill)
         self._placed(decode)
-        self._kick(prefill)
+        self.kick(prefill)
 
     def _placed(self, inst: SimInstance) -> None:
         inst.view.inflight += 1
-        self._refresh(inst)
+        self.refresh(inst)
 
     # -- steps and hand-offs ------------------------------------------------------------
 
@@ -362,7 +362,7 @@ class SimCluster:
                 if not per_token:  # only first tokens were counted
                     rec.tokens[track.index] = request.num_output_tokens
                 self._finished(request.request_id, done.end, refresh=False)
-        self._refresh(inst)  # the decode instance of every request that finished here
+        self.refresh(inst)  # the decode instance of every request that finished here
         if inst.draining and inst.idle:
             self.scaling.remove(inst)
             if self.options.host_cores:
@@ -396,15 +396,15 @@ class SimCluster:
         prefill, decode = track.prefill, track.decode
         prefill.scheduler.release(rid)
         prefill.view.inflight -= 1
-        self._refresh(prefill)
+        self.refresh(prefill)
         if prefill.draining and prefill.idle:
             self.scaling.remove(prefill)
-        self._interrupt(decode)
+        self.interrupt(decode)
         request = decode.scheduler.activate(rid, TOKEN)
         if request.num_output_tokens >= request.sampling_params.max_tokens:
             decode.scheduler.finish(rid, RequestStatus.FINISHED_LENGTH)
             self._finished(rid, self.clock.now())
-        self._kick(decode)
+        self.kick(decode)
 
     def _finished(self, rid: str, at: float, refresh: bool = True) -> None:
         track = self.tracks.pop(rid)
@@ -413,7 +413,7 @@ class SimCluster:
         self.inflight[track.region] -= 1
         track.decode.view.inflight -= 1
         if refresh:
-            self._refresh(track.decode)
+            self.refresh(track.decode)
         i = track.index
         ttft = float(rec.first[i] - rec.sent[i])
         n = int(rec.tokens[i])

@@ -38,7 +38,7 @@ class SimScaling:
             decision = c.planner.decide(m, now)
             if decision is not None:
                 self.apply(decision, now)
-        if c.tracks or c._next < len(c.work) or c.queue.peek_time() < math.inf:
+        if c.tracks or c.next_arrival < len(c.work) or c.queue.peek_time() < math.inf:
             c.queue.push(now + c.config.planner.interval_s, "plan")
 
     def apply(self, d: PlannerDecision, now: float) -> None:
@@ -58,7 +58,7 @@ class SimScaling:
         verb, role = d.action.split("_", 1)
         for _ in range(d.count):
             if verb == "add":
-                inst = c._new_instance(d.region, role)
+                inst = c.new_instance(d.region, role)
                 c.starting[(d.region, role)] += 1
                 c.queue.push(now + c.options.startup_s, "ready", inst)
             else:
@@ -82,7 +82,7 @@ class SimScaling:
 
     def on_ready(self, inst: SimInstance) -> None:
         self.c.starting[(inst.region, inst.role)] -= 1
-        self.c._join(inst)
+        self.c.join(inst)
         self.count("ready")
 
     def remove(self, inst: SimInstance) -> None:

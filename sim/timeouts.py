@@ -77,13 +77,13 @@ def _abort(cluster: SimCluster, track: _Track) -> None:
         prefill.view.inflight -= 1
         _settle(cluster, prefill)
     elif prefill is not None and rid in prefill.scheduler.requests:  # not prefilled yet
-        cluster._interrupt(prefill)
+        cluster.interrupt(prefill)
         prefill.scheduler.finish(rid, ABORTED)
         prefill.view.inflight -= 1
         prefill.view.pending_prompt_tokens -= track.prompt_len
         _settle(cluster, prefill)
     else:  # on its decode instance (the only one, or after the hand-off)
-        cluster._interrupt(decode)
+        cluster.interrupt(decode)
     decode.scheduler.finish(rid, ABORTED)  # its blocks there, or the reservation
     _settle(cluster, decode)
 
@@ -91,8 +91,8 @@ def _abort(cluster: SimCluster, track: _Track) -> None:
 def _settle(cluster: SimCluster, inst: SimInstance) -> None:
     """An instance lost a request: the router hears of it, a draining instance left
     idle goes, and one with work left schedules its next step."""
-    cluster._refresh(inst)
+    cluster.refresh(inst)
     if inst.draining and inst.idle:
         cluster.scaling.remove(inst)
     else:
-        cluster._kick(inst)
+        cluster.kick(inst)

@@ -1,4 +1,5 @@
-"""The house rules: no function over 50 lines, and ruff format owns the layout.
+"""The house rules: no function over 50 lines, ruff format owns the layout, and no
+object reaches into another one's private members.
 
 Short functions keep each step of the request path readable in one screen. Every
 function and method of the source folders (read from pyproject's package map) is
@@ -128,3 +129,66 @@ def test_the_format_rule_sees_each_marker_and_leaves_generated_code(tmp_path: Pa
     assert formatter_off(tmp_path) == {
         Path("a.py"): [f"a.py:1: x = [1,  2]  {skip}", f"a.py:3: {off}"]
     }
+
+
+# -- no reach into another object's private members --------------------------------------
+
+# A private member (``_name``) is read or called only on ``self`` or ``cls``: what an
+# object's collaborators may use is public, so it is what the object answers for. The
+# library internals pdserve leans on, each with why: the leftmost name of the
+# expression, or the whole expression.
+LIBRARY_PRIVATE: dict[str, str] = {
+    "argparse": "argparse types its subparser and group objects only under private names",
+    "parser._actions": "argparse: the options a parser has, to list them in help",
+    "torch": "torch's packed int4/int8 matmuls and oneDNN ops are private ops",
+    "ctypes": "ctypes types its function pointers only under private names",
+    "transformers": "the reference model is built from a config without weights",
+    "config._attn_implementation": "transformers: the attention the reference model runs",
+    "site._server": "aiohttp: the port a site bound to port 0 got",
+}
+
+
+def private_reaches(folders: list[Path]) -> list[str]:
+    """``X._name`` in the source folders where X is not ``self`` or ``cls`` (dunders
+    and LIBRARY_PRIVATE aside)."""
+    return private_reaches_in(
+        [p for p in python_files(folders) if not generated(p.relative_to(ROOT))]
+    )
+
+
+def private_reaches_in(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            if node.attr.startswith("__") or (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
+                continue
+            text = ast.unparse(node)
+            if text in LIBRARY_PRIVATE or text.split(".")[0] in LIBRARY_PRIVATE:
+                continue
+            where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            found.append(f"{where}:{node.lineno}: {text}")
+    return found
+
+
+def test_no_object_reaches_into_another_ones_private_members() -> None:
+    found = private_reaches(source_folders())
+    assert not found, (
+        f"{len(found)} reach(es) into another object's private members; make what a "
+        "collaborator uses public (or, for a library's, name it in LIBRARY_PRIVATE "
+        "with why):\n" + "\n".join(found)
+    )
+
+
+def test_the_private_rule_sees_a_reach_and_leaves_self_alone(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "class A:\n"
+        "    def f(self, other):\n"
+        "        self._x = other._y\n"
+        "        return cls._z, argparse._SubParsersAction, self.__class__\n"
+    )
+    got = [line.split(": ", 1)[1] for line in private_reaches_in([tmp_path / "m.py"])]
+    assert got == ["other._y"]

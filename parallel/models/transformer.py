@@ -262,7 +262,7 @@ class CausalLM(nn.Module):
     # -- checkpoint names -> (module, shard) ----------------------------------
 
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-    _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+    EXPERT_WEIGHT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 
     def weight_targets(self, name: str) -> list[tuple[nn.Module, object, bool]]:
         """Where checkpoint tensor ``name`` goes on this rank: (module, shard, is_bias)."""
@@ -319,7 +319,7 @@ def _layer_target(layer: DecoderLayer, rest: str) -> list[tuple[nn.Module, objec
 def _moe_target(moe: SparseMoE, rest: str) -> list[tuple[nn.Module, object, bool]]:
     if rest in ("block_sparse_moe.gate.weight", "mlp.gate.weight"):
         return [(moe, ("router",), False)]
-    m = CausalLM._EXPERT.fullmatch(rest)
+    m = CausalLM.EXPERT_WEIGHT.fullmatch(rest)
     if m is not None:
         expert = int(m.group(1))
         return [(moe, ("expert", expert, m.group(2)), False)] if moe.owns(expert) else []

@@ -31,12 +31,12 @@ def _controller(gate: threading.Event) -> Any:
     membership = SimpleNamespace(new_id=lambda prefix: f"{prefix}-1", start_new=start_new)
     return SimpleNamespace(
         specs={"east": SimpleNamespace(warm_pool=1)},
-        _lock=threading.RLock(),
+        lock=threading.RLock(),
         stopping=False,
         membership=membership,
         started=started,
         health=SimpleNamespace(backoff=lambda n: 0.0),
-        _event=lambda text: None,
+        event=lambda text: None,
     )
 
 
