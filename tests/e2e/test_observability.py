@@ -137,10 +137,16 @@ def wait_for(check, timeout_s: float = 30.0, what: str = "condition"):
 def test_metrics_endpoint_serves_the_catalog(cluster: Cluster) -> None:
     assert cluster.get("/metrics", key=None)[0] == 401
     assert cluster.get("/metrics", key="wrong")[0] == 401
-    # The instances' counters come with the controller's next health round.
+    # The instances' counters come with the controller's health rounds: a round taken
+    # while the fixture's requests ran carries only some of them, so wait for the round
+    # that carries all four.
     wait_for(
-        lambda: cluster.value("pdserve_transfer_bytes_total", direction="sent") > 0,
-        what="transfer bytes",
+        lambda: (
+            cluster.value("pdserve_transfer_bytes_total", direction="sent") > 0
+            and cluster.value("pdserve_leases_total", role="decode", outcome="committed") >= 4
+            and cluster.value("pdserve_prefix_cache_queries_total", role="prefill") >= 4 * 40
+        ),
+        what="the instances' counters of the four requests",
     )
     samples = cluster.samples()
     names = {n for n, _ in samples}
