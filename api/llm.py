@@ -21,7 +21,6 @@ from pdserve.backends import (
     InstanceBackend,
     LocalBackend,
 )
-from pdserve.core.builtin_models import resolve_model
 from pdserve.core.config import DisaggregationConfig, build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
@@ -29,6 +28,7 @@ from pdserve.core.request import RequestOutput
 from pdserve.core.sampling_params import SamplingParams, check_text
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.engine.engine import EngineCore
+from pdserve.models.builtin import resolve_model
 
 Prompt = str | list[int]
 

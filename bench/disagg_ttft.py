@@ -91,8 +91,8 @@ def _prompt(i: int, length: int, vocab: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.model_config import ModelConfig
+    from pdserve.models.builtin import resolve_model
 
     device = _device(args.gpus_per_instance)
     if args.nodes == 2 and args.gpus_per_instance:

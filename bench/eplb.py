@@ -2,14 +2,14 @@
 
     pdserve bench eplb
 
-One MoE layer (:class:`~pdserve.parallel.moe.SparseMoE`) over two EP ranks,
+One MoE layer (:class:`~pdserve.models.moe.SparseMoE`) over two EP ranks,
 each a process of one torch thread with a gloo group (no Ray, no engine: the
 layer alone). The router is skewed: every token carries a constant feature
 and the gate gives experts 6 and 7 a bias (``--bias``) on it, so most tokens
 pick them; statically they share rank 1. Each step is one forward of
 ``--tokens`` tokens. One copy of the layer keeps the static placement (its
 ``--redundant`` slots hold replicas of experts 0, 1, ...); a second copy counts
-one step's tokens, is re-placed from them (:func:`pdserve.parallel.eplb.place`),
+one step's tokens, is re-placed from them (:func:`pdserve.models.eplb.place`),
 and then both copies run ``--steps`` steps in turn, so a busy spell of the
 shared host hits both alike. Reported side by side: the imbalance ratio by
 rank (max over mean of the rows each rank's slots computed), the median step
@@ -35,10 +35,10 @@ import torch.multiprocessing as mp
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
-from pdserve.parallel.context import ParallelContext
-from pdserve.parallel.eplb import imbalance, place, static_placement
-from pdserve.parallel.layers import TensorSource
-from pdserve.parallel.moe import W2_DOWN, SparseMoE
+from pdserve.distributed.context import ParallelContext
+from pdserve.models.eplb import imbalance, place, static_placement
+from pdserve.models.layers import TensorSource
+from pdserve.models.moe import W2_DOWN, SparseMoE
 
 
 @dataclass(frozen=True)

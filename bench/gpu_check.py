@@ -60,8 +60,8 @@ REQUIRED = {
 OPTIONAL = {"transformers": "transformers (the parity tests' reference)"}
 TESTS = [
     "tests/parallel/test_cuda.py",
-    "tests/parallel/test_kernels.py",
-    "tests/parallel/test_quant_kernels.py",
+    "tests/kernels/test_kernels.py",
+    "tests/kernels/test_quant_kernels.py",
     "tests/transfer/test_cuda_ipc.py",
 ]
 # Modules the GPU steps but ttft import: none of them may need Ray.

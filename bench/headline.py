@@ -185,7 +185,7 @@ def tpot_sweep(
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.core.builtin_models import resolve_model
+    from pdserve.models.builtin import resolve_model
 
     if args.quick:
         args.rate = args.rate or list(QUICK_RATES)

@@ -31,8 +31,8 @@ from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 
 if TYPE_CHECKING:
-    from pdserve.parallel.attention.backend import AttentionMetadata
-    from pdserve.parallel.attention.torch_ref import TorchAttention
+    from pdserve.kernels.attention.backend import AttentionMetadata
+    from pdserve.kernels.attention.torch_ref import TorchAttention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 LAYERS, VOCAB, EXPERTS, TOP_K = 32, 128256, 8, 2
@@ -70,7 +70,7 @@ def paged_meta(
     query_lens: list[int], seq_lens: list[int], device: torch.device
 ) -> tuple[AttentionMetadata, int]:
     """Attention metadata of one step over scattered pages, and the pages it needs."""
-    from pdserve.parallel.attention.backend import AttentionMetadata
+    from pdserve.kernels.attention.backend import AttentionMetadata
 
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
     order = torch.randperm(sum(blocks)).tolist()
@@ -105,8 +105,8 @@ def paged_meta(
 
 
 def layer_cases(tokens: int, dtype: torch.dtype, device: torch.device) -> list[Case]:
-    from pdserve.parallel.kernels import triton_ops
-    from pdserve.parallel.kernels.torch_ops import TorchKernels
+    from pdserve.kernels import triton_ops
+    from pdserve.kernels.torch_ops import TorchKernels
 
     fast, ref = triton_ops.TritonKernels(), TorchKernels()
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -155,7 +155,7 @@ def attention_cases(
     args: argparse.Namespace, dtype: torch.dtype, device: torch.device
 ) -> list[Case]:
     """Paged decode attention (a batch, then one long sequence), prefill attention, KV writes."""
-    from pdserve.parallel.attention import torch_ref
+    from pdserve.kernels.attention import torch_ref
 
     ref = torch_ref.TorchAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     cases = [
@@ -173,7 +173,7 @@ def decode_attention_case(
     batch: int, context: int, dtype: torch.dtype, device: torch.device, ref: TorchAttention
 ) -> Case:
     """Paged decode attention over ``batch`` sequences of ``context`` tokens each."""
-    from pdserve.parallel.kernels import decode_attention
+    from pdserve.kernels import decode_attention
 
     elem = _element_size(dtype)
     kv_row = KV_HEADS * HEAD_DIM * elem  # one token's K (or V) in one layer
@@ -205,8 +205,8 @@ def prefill_cases(
     chunk: int, prefix: int, dtype: torch.dtype, device: torch.device, ref: TorchAttention
 ) -> list[Case]:
     """Paged prefill attention of 4 chunks after ``prefix`` cached tokens, and their KV write."""
-    from pdserve.parallel.attention import torch_ref
-    from pdserve.parallel.kernels import kv_cache, prefill_attention
+    from pdserve.kernels import kv_cache, prefill_attention
+    from pdserve.kernels.attention import torch_ref
 
     elem = _element_size(dtype)
     kv_row = KV_HEADS * HEAD_DIM * elem  # one token's K (or V) in one layer
@@ -261,10 +261,10 @@ def time_case(case: Case, bandwidth: float) -> dict[str, Any]:
 def random_model(kernels: str, attention: str, dtype: torch.dtype, device: torch.device) -> Any:
     """The 8B-shaped model with random weights, its layers built on ``kernels``."""
     from pdserve.core.model_config import ModelConfig, RopeConfig
-    from pdserve.parallel.attention import select_backend
-    from pdserve.parallel.context import SINGLE_RANK
-    from pdserve.parallel.kernels import select_kernels
-    from pdserve.parallel.models import build_model
+    from pdserve.distributed.context import SINGLE_RANK
+    from pdserve.kernels import select_kernels
+    from pdserve.kernels.attention import select_backend
+    from pdserve.models.families import build_model
 
     config = ModelConfig(
         path="random",
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
             "pdserve bench kernels needs a CUDA GPU: the Triton kernels it times run on the "
             "GPU only, and no CUDA device is visible here"
         )
-    from pdserve.parallel.kernels.support import INTERPRETED
+    from pdserve.kernels.support import INTERPRETED
 
     if INTERPRETED:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter's timings mean nothing")

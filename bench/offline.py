@@ -15,7 +15,7 @@ Both run greedy in the same dtype on the same threads. Needs ``transformers``
 
 ``--dtype`` defaults to the fastest dtype this CPU runs natively: bfloat16
 where it has AVX-512 BF16 or AMX, else float32 (see
-:mod:`pdserve.parallel.cpu_features`). Several dtypes (``--dtype
+:mod:`pdserve.kernels.cpu_features`). Several dtypes (``--dtype
 float32,bfloat16``) run interleaved, ``--repeats`` rounds of each in turn, so
 a shared machine's load hits them alike. The batch-1 run also reports its
 decode step against the memory-bandwidth floor: the bytes one step reads
@@ -93,7 +93,7 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
 
 def decode_floor(llm: Any, outputs: list[Any], bandwidth: float) -> dict[str, float]:
     """Batch 1: the measured decode step against the bytes it must read over ``bandwidth``."""
-    from pdserve.parallel.cpu_linear import duplicate_bytes
+    from pdserve.kernels.cpu_linear import duplicate_bytes
 
     runner = llm.engine.executor.runner
     out = outputs[0]
@@ -218,8 +218,8 @@ def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.model_config import ModelConfig
+    from pdserve.models.builtin import resolve_model
 
     torch.manual_seed(0)
     folder = resolve_model(args.model)
@@ -262,7 +262,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.parallel.cpu_features import fastest_cpu_dtype
+    from pdserve.kernels.cpu_features import fastest_cpu_dtype
 
     p.add_argument("--model", default="builtin:small")
     fastest = fastest_cpu_dtype()

@@ -132,7 +132,7 @@ def _apply_defaults(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.core.builtin_models import resolve_model
+    from pdserve.models.builtin import resolve_model
 
     _apply_defaults(args)
     check_cores(args.cores, [args.pdserve_mode])

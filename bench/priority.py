@@ -143,8 +143,8 @@ async def _capacity(base: str, args: argparse.Namespace) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.local import local_cluster
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.model_config import ModelConfig
+    from pdserve.models.builtin import resolve_model
 
     args.vocab = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
     slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)

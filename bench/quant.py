@@ -71,8 +71,8 @@ def linear_shapes(model_config: Any) -> dict[str, tuple[int, int]]:
 
 def matmul_timings(w: torch.Tensor, x: torch.Tensor, iters: int) -> dict[str, float]:
     """Microseconds per call of ``x @ w.T`` on each path; w [out, in], x [rows, in]."""
-    from pdserve.parallel.cpu_linear import _pack, packed_linear
-    from pdserve.parallel.quant import QUANT_PATHS, cpu_int8pack_matmul, quantize_weight
+    from pdserve.kernels.cpu_linear import _pack, packed_linear
+    from pdserve.models.quant import QUANT_PATHS, cpu_int8pack_matmul, quantize_weight
 
     packed, (q, scale) = _pack(w), quantize_weight(w)
     int4 = QUANT_PATHS["int4", "torch"]
@@ -142,8 +142,8 @@ def held_out_texts(folder: Path, files: list[str]) -> tuple[str, list[str]]:
         names = data["held_out_files"]
         texts = [(root / n).read_text("utf-8", errors="replace") for n in names]
         return f"{len(names)} held-out files of {data['source']}", texts
-    corpus = resources.files("pdserve.core").joinpath("data/tiny_corpus.txt").read_text()
-    return "the built-in tokenizer corpus (core/data/tiny_corpus.txt)", [corpus]
+    corpus = resources.files("pdserve.models").joinpath("data/tiny_corpus.txt").read_text()
+    return "the built-in tokenizer corpus (models/data/tiny_corpus.txt)", [corpus]
 
 
 def token_windows(folder: Path, texts: list[str], context: int, count: int) -> list[list[int]]:
@@ -237,8 +237,8 @@ def versus(base: dict[str, Any], quant: dict[str, Any]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.model_config import ModelConfig
+    from pdserve.models.builtin import resolve_model
 
     torch.manual_seed(args.seed)
     folder = resolve_model(args.model)

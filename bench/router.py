@@ -92,8 +92,8 @@ def validation_cost(rounds: int) -> dict[str, Any]:
     Unicode and range checks, tokenizing, the context check, the id and region
     checks) and, separately, the checks alone (no tokenizing), per request.
     """
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.tokenizer import Tokenizer
+    from pdserve.models.builtin import resolve_model
     from pdserve.router.frontdoor.requests import (
         completion_input,
         fit_context,

@@ -37,9 +37,9 @@ def _tiny_cluster(code: str | None) -> tuple[Any, Any, Any]:
     import ray
 
     from pdserve.cluster.topology import RegionInstances, add_instance, start_router
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.config import DisaggregationConfig, build_engine_config
     from pdserve.core.model_config import ModelConfig
+    from pdserve.models.builtin import resolve_model
     from pdserve.parallel.instance import RankResources
 
     if not ray.is_initialized():

@@ -141,8 +141,8 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.tokenizer import Tokenizer
+    from pdserve.models.builtin import resolve_model
 
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer.from_dir(resolve_model(args.model))

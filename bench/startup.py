@@ -73,9 +73,9 @@ def _cluster(args: argparse.Namespace) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.cluster.instances import start_instance
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.config import build_engine_config
     from pdserve.core.model_config import ModelConfig
+    from pdserve.models.builtin import resolve_model
     from pdserve.parallel.instance import RankResources
 
     model = ModelConfig.from_dir(str(resolve_model(args.model)))

@@ -29,12 +29,12 @@ from pdserve.bench.report import write_json
 def _load(model: str, queue: Any, done: Any) -> None:
     import torch
 
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.model_config import ModelConfig
-    from pdserve.parallel.attention import select_backend
-    from pdserve.parallel.context import ParallelContext
-    from pdserve.parallel.loader import load_checkpoint
-    from pdserve.parallel.models import build_model
+    from pdserve.distributed.context import ParallelContext
+    from pdserve.kernels.attention import select_backend
+    from pdserve.models.builtin import resolve_model
+    from pdserve.models.families import build_model
+    from pdserve.models.loader import load_checkpoint
 
     torch.set_num_threads(1)
     config = ModelConfig.from_dir(resolve_model(model))

@@ -65,11 +65,11 @@ from pdserve.cluster.status import (
 )
 from pdserve.cluster.topology import RegionInstances, launch_router
 from pdserve.cluster.worker import Role
-from pdserve.core.builtin_models import resolve_model
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.layout import check_fits
 from pdserve.core.logs import setup_logging
 from pdserve.core.model_config import ModelConfig
+from pdserve.models.builtin import resolve_model
 from pdserve.router.actor import Endpoints
 
 logger = logging.getLogger(__name__)

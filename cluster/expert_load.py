@@ -1,7 +1,7 @@
 """Expert load of MoE instances: per-layer token counts from every rank, and imbalance.
 
 Each rank counts, on its device, the tokens it routed to each expert
-(:func:`pdserve.parallel.moe.expert_load`); the controller reads every rank
+(:func:`pdserve.models.moe.expert_load`); the controller reads every rank
 now and then (the counters are never read in the step loop), sums them per
 layer and, from the tokens routed since its previous read, computes per
 layer::
@@ -11,7 +11,7 @@ layer::
                 (1.0 when the experts are not split over ranks)
 
 Ranks count the rows their slots computed themselves
-(:func:`pdserve.parallel.moe.expert_rows`), so the ratio stays right when
+(:func:`pdserve.models.moe.expert_rows`), so the ratio stays right when
 EPLB replicates hot experts and splits their tokens.
 """
 

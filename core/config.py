@@ -117,7 +117,7 @@ class ParallelConfig:
         expert_parallel_size: ranks that split the MoE experts.
         pipeline_layers: layers per stage (None: even split).
         redundant_experts: extra expert slots over the EP ranks, each holding a
-            replica of a hot expert (EPLB, ``parallel/eplb.py``); ``experts +
+            replica of a hot expert (EPLB, ``models/eplb.py``); ``experts +
             redundant_experts`` must divide by ``expert_parallel_size`` (checked
             against the model when the instance starts).
         rebalance_interval_s: with redundant experts, the leader re-places them
@@ -292,7 +292,7 @@ class EngineConfig:
         dtype: weight, activation and KV cache dtype; "auto" takes the checkpoint's (on
             the CPU too). "bfloat16" accumulates in float32; on a CPU it is fast with
             AVX-512 BF16 or AMX and emulated, with a warning, elsewhere
-            (``parallel/cpu_features.py``).
+            (``kernels/cpu_features.py``).
         max_model_len: longest prompt + output; None takes the model's limit.
         seed: seed for requests sampled without their own seed.
         attention_backend: attention implementation by registry name ("auto": the
@@ -302,11 +302,11 @@ class EngineConfig:
         device: "cpu", "cuda" or "auto".
         quantization: "none"; "int8": weight-only int8 of the dense linears (one
             symmetric scale per output channel); "int4": 4-bit, one scale per
-            output channel and group of 32 inputs. See ``parallel/quant.py``.
+            output channel and group of 32 inputs. See ``models/quant.py``.
         speculative: speculative decoding of running requests (off by default).
         lora_adapters: (name, folder) of each PEFT LoRA adapter served over the base
             model; a request picks one by name (``SamplingParams.lora``). See
-            ``parallel/lora.py``.
+            ``models/lora.py``.
         max_lora_rank: largest LoRA rank ``r`` an adapter may have.
         max_loras: most LoRA adapters the instance holds at once, start-up and
             runtime loads (``LLM.load_lora_adapter``) together.

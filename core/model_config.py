@@ -4,7 +4,7 @@
 present) into one frozen dataclass. It reads both spellings of RoPE settings:
 ``rope_scaling`` plus a top-level ``rope_theta`` (released Llama 3.x checkpoints)
 and ``rope_parameters`` with ``rope_theta`` inside (written by transformers 5).
-Nothing here touches weights; :mod:`pdserve.parallel.loader` does that.
+Nothing here touches weights; :mod:`pdserve.models.loader` does that.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from pdserve.core import registry
 from pdserve.core.errors import InvalidArgumentError, ModelNotFoundError, UnsupportedError
 
-# Architecture name in config.json -> model family implemented in pdserve.parallel.models.
+# Architecture name in config.json -> model family implemented in pdserve.models.families.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",

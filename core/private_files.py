@@ -11,6 +11,7 @@ another user is left as it is (``is_private_dir`` says whether to trust it).
     write_private(path, data)     path holds data whole or not at all (aside, then renamed)
     make_private(folder)          a folder written earlier narrowed: 0700, its files 0600
     is_private_dir(path)          ours and not group- or world-writable
+    cache_dir()                   where pdserve caches what it makes ($PDSERVE_CACHE_DIR)
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from typing import IO, Any
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+
+
+def cache_dir() -> Path:
+    """Where pdserve caches what it makes (built-in models, compiled kernels, shared
+    weights): ``$PDSERVE_CACHE_DIR``, else ``~/.cache/pdserve``."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 
 def private_dir(path: str | Path) -> Path:

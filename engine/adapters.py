@@ -3,7 +3,7 @@
 An :class:`AdapterSet` is owned by the engine core and read and changed only on
 the engine's thread (between steps), so a step never sees an adapter half
 loaded. Each adapter holds one of ``max_loras`` slots; the executor keeps the
-weights of slot ``i`` on every rank (``parallel/lora_loader.py``) and a plan
+weights of slot ``i`` on every rank (``models/lora_loader.py``) and a plan
 names adapters, which each rank maps to its slot.
 
     load(name, folder):   checks (name free, a slot free) -> executor loads the

@@ -3,7 +3,7 @@
 An afd instance of a MoE model has ``A`` attention ranks (``[0, A)``: the
 attention split by heads, the KV cache, embeddings, norms and LM head; rank 0
 leads) and ``F`` expert ranks (``[A, A + F)``: each MoE layer's router and a
-``1/F`` share of its experts, :class:`~pdserve.parallel.afd_model.ExpertStack`).
+``1/F`` share of its experts, :class:`~pdserve.models.afd_model.ExpertStack`).
 Every rank receives the step's plan and cuts it into the same micro-batches
 (``afd_micro_batches``, by sequences). Per MoE layer and micro-batch of ``T``
 tokens, attention rank 0 sends rows ``split_evenly(T, F, j)`` of the
@@ -39,13 +39,13 @@ import torch.distributed as dist
 
 from pdserve.core.layout import Layout
 from pdserve.core.step import StepPlan
-from pdserve.parallel.afd_model import ExpertStack
+from pdserve.distributed.context import split_evenly
+from pdserve.models.afd_model import ExpertStack
+from pdserve.models.moe_ep import route_and_combine
+from pdserve.models.transformer import DecoderLayer, RemoteExperts
 from pdserve.parallel.batch import PreparedBatch
-from pdserve.parallel.context import split_evenly
 from pdserve.parallel.groups import InstanceGroups
 from pdserve.parallel.model_runner import ModelRunner
-from pdserve.parallel.models.transformer import DecoderLayer, RemoteExperts
-from pdserve.parallel.moe_ep import route_and_combine
 from pdserve.parallel.pipeline import StageExecutor, StepHooks, split_micro_batches
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pdserve.core.layout import Layout
-from pdserve.parallel.context import ParallelContext
+from pdserve.distributed.context import ParallelContext
 from pdserve.parallel.groups import BuiltGroups, GroupShm
 
 

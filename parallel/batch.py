@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
-from pdserve.parallel.attention.backend import AttentionMetadata
-from pdserve.parallel.lora import LoRABatch, adapter_indices
+from pdserve.kernels.attention.backend import AttentionMetadata
+from pdserve.models.lora import LoRABatch, adapter_indices
 
 
 @dataclass

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from pdserve.parallel.attention.backend import AttentionMetadata
+from pdserve.kernels.attention.backend import AttentionMetadata
 
 if TYPE_CHECKING:
+    from pdserve.models.families import CausalLM
     from pdserve.parallel.batch import PreparedBatch
-    from pdserve.parallel.models import CausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -24,19 +24,19 @@ from pathlib import Path
 
 import torch
 
-from pdserve.core.builtin_models import resolve_model
 from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import RowSampling, ScheduledSeq, StepPlan
+from pdserve.distributed.context import SINGLE_RANK
 from pdserve.engine.draft import DraftProposer, DraftRow
-from pdserve.parallel.attention import select_backend
+from pdserve.kernels import select_kernels
+from pdserve.kernels.attention import select_backend
+from pdserve.kernels.cpu_linear import pack_linears, packing_available
+from pdserve.models.builtin import resolve_model
+from pdserve.models.families import build_model
+from pdserve.models.loader import load_checkpoint
 from pdserve.parallel.batch import prepare_batch
-from pdserve.parallel.context import SINGLE_RANK
-from pdserve.parallel.cpu_linear import pack_linears, packing_available
-from pdserve.parallel.kernels import select_kernels
-from pdserve.parallel.loader import load_checkpoint
-from pdserve.parallel.models import build_model
 
 logger = logging.getLogger(__name__)
 

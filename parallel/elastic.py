@@ -15,7 +15,7 @@ failed (:class:`ElasticLeader`, called by the leader's ``GroupExecutor``)::
               raises), opens a fresh TCP store; every survivor (followers in
               ``RankWorker.regroup``) builds new groups over the survivors,
               renumbered in order, and swaps its layers' ``ParallelContext``
-    re-place  every MoE layer over the survivors (:func:`pdserve.parallel.eplb.shrink`):
+    re-place  every MoE layer over the survivors (:func:`pdserve.models.eplb.shrink`):
               a slot keeps its expert, copies it from a local slot, or reads it
               from the checkpoint
     re-pair   every survivor's KV transfer layer takes its new number and
@@ -52,8 +52,9 @@ from torch import nn
 from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.layout import Layout
-from pdserve.parallel.context import ParallelContext
-from pdserve.parallel.eplb import shrink
+from pdserve.distributed.context import ParallelContext
+from pdserve.models.eplb import shrink
+from pdserve.models.moe import SparseMoE
 from pdserve.parallel.expert_slots import moe_layers, reload_slots
 from pdserve.parallel.groups import (
     InstanceGroups,
@@ -62,7 +63,6 @@ from pdserve.parallel.groups import (
     leader_store,
     store_address,
 )
-from pdserve.parallel.moe import SparseMoE
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ it itself; each follower runs it when its loop reads it. On every rank,
 1. takes the tokens per expert to place by: the ones given in the message, or
    the ones this stage's EP ranks routed since the last placement, summed over
    the EP group (one all-reduce);
-2. computes the placement with :func:`pdserve.parallel.eplb.place`, which is
+2. computes the placement with :func:`pdserve.models.eplb.place`, which is
    deterministic, so every rank of the stage arrives at the same one;
 3. reloads from the checkpoint on disk only the local slots whose expert
    changed (the loader's lazy slices: a rank reads only those experts).
@@ -29,10 +29,10 @@ from torch import nn
 
 from pdserve.core import registry
 from pdserve.core.errors import ModelNotFoundError
-from pdserve.parallel.eplb import Placement, place, static_placement
-from pdserve.parallel.loader import iter_checkpoint
-from pdserve.parallel.models.transformer import CausalLM
-from pdserve.parallel.moe import W2_DOWN, SparseMoE
+from pdserve.models.eplb import Placement, place, static_placement
+from pdserve.models.loader import iter_checkpoint
+from pdserve.models.moe import W2_DOWN, SparseMoE
+from pdserve.models.transformer import CausalLM
 
 logger = logging.getLogger(__name__)
 

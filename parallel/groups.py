@@ -9,7 +9,7 @@ rank surfaces as an error on the others, never a hang.
 
 On CPU, a group whose ranks all share one host (the whole instance, its TP
 group, its EP group) runs its all-reduces, all-gathers and plan broadcasts
-through a :class:`~pdserve.parallel.shm_comm.ShmCommunicator` instead of gloo,
+through a :class:`~pdserve.distributed.shm_comm.ShmCommunicator` instead of gloo,
 unless ``PDSERVE_SHM_COLLECTIVES=0``; which one each group uses is logged.
 Point-to-point transfers, all-to-all and the flag reductions stay on gloo.
 """
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from pdserve.core.layout import Layout
-from pdserve.parallel.context import ParallelContext
-from pdserve.parallel.shm_comm import ShmCommunicator, open_group_shm
+from pdserve.distributed.context import ParallelContext
+from pdserve.distributed.shm_comm import ShmCommunicator, open_group_shm
 
 logger = logging.getLogger(__name__)
 

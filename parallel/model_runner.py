@@ -22,25 +22,25 @@ from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import StepPlan, StepResult
-from pdserve.parallel.afd_model import ExpertStack
-from pdserve.parallel.attention import select_backend
-from pdserve.parallel.batch import PreparedBatch, prepare_batch
-from pdserve.parallel.context import SINGLE_RANK, ParallelContext
-from pdserve.parallel.cpu_features import warn_if_emulated
-from pdserve.parallel.cpu_linear import pack_linears, packing_available
-from pdserve.parallel.cuda_graphs import DecodeGraphs
-from pdserve.parallel.kernels import select_kernels
-from pdserve.parallel.kv_tiers import TierStore, tier_slots
-from pdserve.parallel.loader import fill_random, load_checkpoint
-from pdserve.parallel.lora_loader import (
+from pdserve.distributed.context import SINGLE_RANK, ParallelContext
+from pdserve.kernels import select_kernels
+from pdserve.kernels.attention import select_backend
+from pdserve.kernels.cpu_features import warn_if_emulated
+from pdserve.kernels.cpu_linear import pack_linears, packing_available
+from pdserve.models.afd_model import ExpertStack
+from pdserve.models.families import CausalLM, build_model
+from pdserve.models.loader import fill_random, load_checkpoint
+from pdserve.models.lora_loader import (
     PeftAdapter,
     attach_adapters,
     install_adapter,
     read_adapter,
     remove_adapter,
 )
-from pdserve.parallel.models import CausalLM, build_model
-from pdserve.parallel.quant import quantize_linears, select_path, weights_bytes
+from pdserve.models.quant import quantize_linears, select_path, weights_bytes
+from pdserve.parallel.batch import PreparedBatch, prepare_batch
+from pdserve.parallel.cuda_graphs import DecodeGraphs
+from pdserve.parallel.kv_tiers import TierStore, tier_slots
 from pdserve.parallel.sampler import Sampler, prompt_logprobs
 
 logger = logging.getLogger(__name__)

@@ -36,11 +36,13 @@ from pdserve.core.request import RequestOutput
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.step import StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.distributed.context import CommStats
+from pdserve.distributed.shm_comm import shm_enabled_by_env
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.executor import Executor
+from pdserve.models.moe import expert_load, expert_rows
 from pdserve.parallel.afd import afd_role, stage_executor
 from pdserve.parallel.afd_groups import afd_groups
-from pdserve.parallel.context import CommStats
 from pdserve.parallel.draft_runner import DraftRunner
 from pdserve.parallel.elastic import ElasticLeader, ElasticRank
 from pdserve.parallel.executor import StepTimes, time_plans
@@ -64,9 +66,7 @@ from pdserve.parallel.groups import (
 )
 from pdserve.parallel.lora_control import apply_lora, encode_lora, is_lora
 from pdserve.parallel.model_runner import KVAllocator, ModelRunner, resolve_device
-from pdserve.parallel.moe import expert_load, expert_rows
 from pdserve.parallel.pipeline import StageExecutor, StepHooks
-from pdserve.parallel.shm_comm import shm_enabled_by_env
 
 logger = logging.getLogger(__name__)
 

@@ -94,8 +94,8 @@ def model_shape(name: str) -> ModelShape:
     """A preset (``llama-7b`` ...) or any model pdserve can load (builtin:<name>, a folder)."""
     if name in MODELS:
         return MODELS[name]
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.model_config import ModelConfig
+    from pdserve.models.builtin import resolve_model
 
     try:
         cfg = ModelConfig.from_dir(resolve_model(name))

@@ -118,7 +118,7 @@ def measure_steps(config: EngineConfig, grid: MeasureGrid) -> tuple[list[Sample]
     executor; a tensor, pipeline or expert parallel layout starts its ranks as Ray
     actors and times each step at the leader, the plan sent through every rank as a
     served step's is."""
-    from pdserve.core.builtin_models import resolve_model
+    from pdserve.models.builtin import resolve_model
 
     model = ModelConfig.from_dir(resolve_model(config.model))
     bs = config.cache.block_size

@@ -413,7 +413,7 @@ def checked_points(args: argparse.Namespace) -> list[Point]:
 
 
 def cmd_sim_validate(args: argparse.Namespace) -> int:
-    from pdserve.core.builtin_models import resolve_model
+    from pdserve.models.builtin import resolve_model
 
     points = checked_points(args)
     kept = read_kept(Path(args.from_traces)) if getattr(args, "from_traces", None) else None

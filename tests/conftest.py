@@ -30,7 +30,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
-    from pdserve.core.builtin_models import resolve_model
+    from pdserve.models.builtin import resolve_model
 
     return resolve_model("builtin:tiny")
 

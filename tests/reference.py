@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pdserve.core.builtin_models import resolve_model
+from pdserve.models.builtin import resolve_model
 
 MAX_NEW_TOKENS = 12
 

@@ -26,9 +26,16 @@ from tests.package_map import package_dirs, source_modules
 # pdserve.llm, pdserve.backends); ``bench`` is a client of the cluster and the
 # API; ``sim`` drives the real engine, router and planner objects and replays
 # bench's workloads into bench's reports, so it sits above both; ``deploy`` (the
-# command line) above everything it runs.
+# command line) above everything it runs. Below the engine, what a rank computes:
+# ``kernels`` (C and Triton ops, attention backends), ``distributed`` (a rank's place in
+# its instance and the collectives its layers call), ``models`` (families, layers,
+# weight loading, the built-in models); ``parallel`` (groups, the rank worker and its
+# instance) runs the engine's plans on a model.
 LEVELS: list[set[str]] = [
     {"core"},
+    {"kernels"},
+    {"distributed"},
+    {"models"},
     {"engine"},
     {"parallel"},
     {"transfer"},
@@ -44,7 +51,9 @@ LEVELS: list[set[str]] = [
 # The router reaches workers only through Ray actor handles and core messages,
 # never through the code that runs them (it may use the engine's pure helpers:
 # block hashing for its prefix index, the detokenizer for its streams).
-FORBIDDEN: dict[str, set[str]] = {"router": {"parallel", "transfer", "prefill", "decode"}}
+FORBIDDEN: dict[str, set[str]] = {
+    "router": {"kernels", "distributed", "models", "parallel", "transfer", "prefill", "decode"}
+}
 
 # Upward imports that exist today: (importer, imported module) -> what should change.
 # Remove an entry when its import goes; the test fails on an entry that no longer

@@ -15,6 +15,7 @@ imports resolve); only the selected modules' errors are reported.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -48,7 +49,16 @@ def main(argv: list[str]) -> int:
     )
     # A cache of its own: runs with another module list must not share its entries.
     options.cache_dir = str(ROOT / ".mypy_cache" / "package-map")
-    result = build.build(sources, options)
+    # mypy searches the working directory for imports too, where a third-party import of
+    # a top-level name pdserve has a folder for (transformers imports ``kernels``, Hugging
+    # Face's package) would find pdserve's folder under a second name: build from elsewhere.
+    here = os.getcwd()
+    (ROOT / ".mypy_cache").mkdir(exist_ok=True)
+    os.chdir(ROOT / ".mypy_cache")
+    try:
+        result = build.build(sources, options)
+    finally:
+        os.chdir(here)
     lines = [line for line in result.errors if Path(line.split(":", 1)[0]).resolve() in wanted]
     for line in lines:
         print(line)

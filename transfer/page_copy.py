@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.parallel.kernels.cpu_build import compile_library, declare
+from pdserve.kernels.cpu_build import compile_library, declare
 from pdserve.transfer.wire import PageHeader, PageRun, PageSource, block_runs
 
 Group = tuple[PageHeader, PageSource, list[int], list[int]]  # header, source, src ids, dst ids

@@ -11,7 +11,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster.expert_load import ExpertLoadReader, imbalance
 from pdserve.core.layout import Layout
 from pdserve.core.snapshot import ClusterSnapshot, ExpertLoad, InstanceCounters, SnapshotCollector
-from pdserve.parallel.moe import expert_load
+from pdserve.models.moe import expert_load
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 

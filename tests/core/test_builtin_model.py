@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from pdserve.core.builtin_models import BUILTIN_MODELS, write_builtin
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.models.builtin import BUILTIN_MODELS, write_builtin
 
 
 def digest(folder) -> dict[str, str]:
@@ -31,7 +31,7 @@ def test_generation_is_deterministic(tmp_path) -> None:
 
 
 def test_cached_model_is_reused(tiny_path) -> None:
-    from pdserve.core.builtin_models import resolve_model
+    from pdserve.models.builtin import resolve_model
 
     before = (tiny_path / "model.safetensors").stat().st_mtime_ns
     assert resolve_model("builtin:tiny") == tiny_path

@@ -10,9 +10,9 @@ import pytest
 from torch import nn
 
 from pdserve.core.env import OFF, ON
-from pdserve.parallel import shm_comm
-from pdserve.parallel.kernels import cpu_gemv
-from pdserve.parallel.shared_weights import shareable
+from pdserve.distributed import shm_comm
+from pdserve.kernels import cpu_gemv
+from pdserve.models.shared_weights import shareable
 from tests.core.log_records import Records
 
 

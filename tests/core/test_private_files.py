@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.core import builtin_models
 from pdserve.core.private_files import (
     is_private_dir,
     make_private,
@@ -19,6 +18,7 @@ from pdserve.core.private_files import (
     private_dir,
     write_private,
 )
+from pdserve.models import builtin as builtin_models
 
 
 def _mode(path: Path) -> int:

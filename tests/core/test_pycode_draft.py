@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.core.builtin_models import builtin_names, resolve_model
 from pdserve.core.model_config import ModelConfig
-from pdserve.core.pycode_train import PRESETS, parse_args
+from pdserve.models.builtin import builtin_names, resolve_model
+from pdserve.models.pycode_train import PRESETS, parse_args
 from tests.reference import hf_greedy
 
 # The shipped draft scores about 147 per token on every held-out token; the same

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
-from pdserve.core.builtin_models import resolve_model
 from pdserve.core.model_config import ModelConfig
-from pdserve.core.pycode_train import is_held_out
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.models.builtin import resolve_model
+from pdserve.models.pycode_train import is_held_out
 from tests.reference import hf_greedy
 
 PROMPTS = [

@@ -10,9 +10,9 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.core import registry
-from pdserve.core.builtin_models import resolve_model
 from pdserve.core.errors import InvalidArgumentError, ModelNotFoundError
 from pdserve.deploy.cli import main
+from pdserve.models.builtin import resolve_model
 
 
 @pytest.fixture

@@ -486,7 +486,7 @@ def test_a_crashed_router_restarts_and_serves_again(ray_session, tmp_path) -> No
     import socket
 
     from pdserve.cluster.topology import start_router
-    from pdserve.core.builtin_models import resolve_model
+    from pdserve.models.builtin import resolve_model
 
     with socket.socket() as s:  # a free port, the same one after the restart
         s.bind(("127.0.0.1", 0))

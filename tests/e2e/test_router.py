@@ -15,7 +15,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import LLM, SamplingParams
-from pdserve.core.builtin_models import resolve_model
+from pdserve.models.builtin import resolve_model
 from pdserve.router.config import RegionSpec, RouterConfig
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
 from tests.e2e.tiny_cluster import AUTH, KEY, Cluster, stub

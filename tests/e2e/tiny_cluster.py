@@ -12,9 +12,9 @@ import ray
 from pdserve.cluster.instances import start_instance
 from pdserve.cluster.membership import in_parallel
 from pdserve.cluster.topology import RegionInstances, join_region, register, start_router
-from pdserve.core.builtin_models import resolve_model
 from pdserve.core.config import DisaggregationConfig, build_engine_config
 from pdserve.core.model_config import ModelConfig
+from pdserve.models.builtin import resolve_model
 from pdserve.parallel.instance import RankResources
 from pdserve.router.config import RouterConfig
 from pdserve.router.frontdoor.proto.gen import completion_pb2_grpc as pb_grpc

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from pdserve import LLM, SamplingParams
 from pdserve.parallel.cuda_graphs import DecodeGraphs
-from tests.parallel.triton_check import triton_problem
+from tests.kernels.triton_check import triton_problem
 
 _PROBLEM = triton_problem(torch.device("cpu"))
 if _PROBLEM is not None or torch.cuda.is_available():

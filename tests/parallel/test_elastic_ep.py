@@ -16,7 +16,7 @@ from pdserve.core.config import DisaggregationConfig
 from pdserve.core.errors import InvalidArgumentError, TransferError
 from pdserve.core.layout import Layout
 from pdserve.core.step import KVArrival, StepPlan
-from pdserve.parallel.eplb import Placement, shrink, static_placement
+from pdserve.models.eplb import Placement, shrink, static_placement
 from pdserve.parallel.worker import GenerateItem
 from pdserve.transfer.rank import RankTransfer
 from tests.reference import MAX_NEW_TOKENS

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.core.config import ParallelConfig
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.parallel.eplb import (
+from pdserve.models.eplb import (
     Placement,
     imbalance,
     place,

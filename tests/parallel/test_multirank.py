@@ -10,10 +10,10 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.core.errors import InstanceFailedError, InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
-from pdserve.parallel.attention import select_backend
-from pdserve.parallel.context import ParallelContext
-from pdserve.parallel.loader import SafeSliceSource, load_checkpoint
-from pdserve.parallel.models import build_model
+from pdserve.distributed.context import ParallelContext
+from pdserve.kernels.attention import select_backend
+from pdserve.models.families import build_model
+from pdserve.models.loader import SafeSliceSource, load_checkpoint
 from tests.reference import MAX_NEW_TOKENS
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -82,9 +82,9 @@ def test_ranks_the_cluster_cannot_place_fail_with_what_they_asked(ray_session) -
     # timeout passes (it used to be Ray's GetTimeoutError), and the placement group is gone
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from pdserve.core.builtin_models import resolve_model
     from pdserve.core.config import build_engine_config
     from pdserve.core.model_config import ModelConfig
+    from pdserve.models.builtin import resolve_model
     from pdserve.parallel.instance import RankGroup, RankResources
 
     config = build_engine_config("builtin:tiny", tensor_parallel_size=2)
@@ -203,7 +203,7 @@ def test_each_tp_rank_reads_only_its_slice(references, monkeypatch) -> None:
 
 
 def _shapes(folder):
-    from pdserve.parallel.loader import iter_checkpoint
+    from pdserve.models.loader import iter_checkpoint
 
     return dict(iter_checkpoint(folder))
 

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from pdserve.core.builtin_models import resolve_model
 from pdserve.core.messages import Reservation, TokenBatch, TokenUpdate
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.tokenizer import Tokenizer
+from pdserve.models.builtin import resolve_model
 from pdserve.router.config import RouterConfig
 from pdserve.router.placement import CompletionInput
 from pdserve.router.router import InstanceInfo, Router

@@ -10,11 +10,11 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from pdserve.core.builtin_models import resolve_model
 from pdserve.core.config import build_engine_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import StepPlan
+from pdserve.models.builtin import resolve_model
 from pdserve.parallel.executor import LocalExecutor, time_plans
 from pdserve.sim.analytic import Assumptions, analytic_profile, measured_efficiency, model_shape
 from pdserve.sim.fit import fit_error, fit_step_model
