@@ -73,14 +73,17 @@ def pdserve(
     )
 
 
-def stop(proc: subprocess.Popen[str], sig: int) -> str:
-    """Send ``sig`` to a serving command; what it printed after, once it exits (60 s)."""
+def stop(proc: subprocess.Popen[str], sig: int, timeout_s: float = 120) -> str:
+    """Send ``sig`` to a serving command; what it printed after, once it exits. A stop takes
+    ~3 s on a quiet machine; one took over 60 s once on a loaded 2-core CI machine, so the
+    bound is 120 s, and a stop past it fails with what the command printed."""
     proc.send_signal(sig)
     try:
-        return proc.communicate(timeout=60)[0]
+        return proc.communicate(timeout=timeout_s)[0]
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise
+        out = proc.communicate()[0]
+    raise AssertionError(f"no exit {timeout_s:.0f} s after {sig!r}; it printed:\n{out[-3000:]}")
 
 
 def one_line_error(result: subprocess.CompletedProcess[str], command: str) -> str:
