@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -10,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -31,11 +34,16 @@ def free_port() -> int:
 
 
 def config_with_ports(folder: Path, node_labels: str | None = None) -> tuple[Path, int]:
-    """The local example on free ports; ``node_labels``: YAML mapping every region requires."""
+    """The local example on free ports; ``node_labels``: YAML mapping every region requires,
+    REGION in it standing for the region's name."""
     grpc_port, http_port = free_port(), free_port()
     text = example_config("local.yaml").read_text()
     if node_labels is not None:
-        text = re.sub(r"(\n    latency_ms: .*\n)", rf"\1    node_labels: {node_labels}\n", text)
+        text = re.sub(
+            r"(\n  - name: (\w+)\n    latency_ms: .*\n)",
+            lambda m: f"{m.group(1)}    node_labels: {node_labels.replace('REGION', m.group(2))}\n",
+            text,
+        )
         assert text.count("node_labels") == 2
     text = text.replace(
         "grpc_port: 50051, http_port: 8000", f"grpc_port: {grpc_port}, http_port: {http_port}"
@@ -187,34 +195,52 @@ def test_bad_config_names_the_line(tmp_path) -> None:
     )
 
 
-@pytest.fixture
-def ray_head(tmp_path_factory):
-    """A Ray head started with `ray start`; torn down by killing exactly its processes."""
-    temp = Path(f"/tmp/pdserve-test-head-{os.getpid()}")
-    # Ports of its own: the test session's Ray may hold the defaults (agent: 52365).
-    gcs, dashboard, agent = free_port(), free_port(), free_port()
+def ray_start(*flags: str) -> None:
     started = subprocess.run(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            f"--port={gcs}",
-            f"--dashboard-port={dashboard}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-agent-listen-port={agent}",
-            "--num-cpus=4",
-            "--labels=pdserve/region=here",
-            f"--temp-dir={temp}",
-            "--disable-usage-stats",
-        ],
+        [str(BIN / "ray"), "start", *flags, "--disable-usage-stats"],
         capture_output=True,
         text=True,
         timeout=120,
         env=ENV,
     )
     assert started.returncode == 0, started.stderr[-2000:]
+
+
+@dataclass(frozen=True)
+class RayNodes:
+    dashboard: str  # the Jobs API and state API address
+    gcs: str  # what `pdserve status/scale --ray-address` take
+
+
+@pytest.fixture
+def ray_nodes():
+    """A Ray cluster of three nodes started with `ray start` as on three machines: a head with
+    no CPU (the job's driver, controller and router need none) and two worker nodes of two
+    CPUs, one labelled for each region. Torn down by killing exactly their processes."""
+    temp = Path(f"/tmp/pdserve-test-head-{os.getpid()}")
+    # Ports of their own: the test session's Ray may hold the defaults (agent: 52365).
+    gcs, dashboard = free_port(), free_port()
     try:
-        yield f"http://127.0.0.1:{dashboard}"
+        ray_start(
+            "--head",
+            f"--port={gcs}",
+            f"--dashboard-port={dashboard}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--num-cpus=0",
+            f"--temp-dir={temp}",
+        )
+        for region in ("east", "west"):
+            ray_start(
+                f"--address=127.0.0.1:{gcs}",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--metrics-export-port={free_port()}",
+                f"--runtime-env-agent-port={free_port()}",
+                "--num-cpus=2",
+                f"--labels=pdserve/region={region}",
+                f"--temp-dir={temp}",
+            )
+        yield RayNodes(f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}")
     finally:
         roots = [
             p
@@ -227,6 +253,14 @@ def ray_head(tmp_path_factory):
                 p.kill()
         psutil.wait_procs(list(doomed), timeout=30)
         subprocess.run(["rm", "-rf", str(temp)], check=False)
+
+
+def ray_cli(*args: str) -> str:
+    out = subprocess.run(
+        [str(BIN / "ray"), *args], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 def job_status(address: str, job_id: str) -> str:
@@ -242,20 +276,68 @@ def job_status(address: str, job_id: str) -> str:
     return found.group(1) if found else "UNKNOWN"
 
 
-def test_ray_job_submit_reaches_running_and_answers(tmp_path, ray_head) -> None:
-    # The head carries the region label (ray_head), so placement by label is exercised.
-    config, grpc_port = config_with_ports(tmp_path, "{pdserve/region: here}")
+def placement(address: str) -> dict[str, set[str]]:
+    """Instance id -> the region labels of the nodes Ray placed its ranks on, read from Ray's
+    state API (placement groups are named pdserve-<instance id>-<suffix>)."""
+    nodes = json.loads(ray_cli("list", "nodes", "--address", address, "--format", "json"))
+    label = {n["node_id"]: n.get("labels", {}).get("pdserve/region") for n in nodes}
+    groups = json.loads(
+        ray_cli("list", "placement-groups", "--address", address, "--detail", "--format", "json")
+    )
+    placed: dict[str, set[str]] = {}
+    for group in groups:
+        if group["state"] == "CREATED" and group["name"].startswith("pdserve-"):
+            instance = group["name"].removeprefix("pdserve-").rsplit("-", 1)[0]
+            placed[instance] = {label[b["node_id"]] for b in group["bundles"]}
+    return placed
+
+
+def test_ray_job_submit_serves_and_scales_across_the_nodes(tmp_path, ray_nodes) -> None:
+    """`pdserve submit` to the head of a three-node cluster: each region's instances run on
+    the node labelled for it (as Ray placed them), a scale-up lands on that node too, and the
+    dashboard names the node of every instance."""
+    config, grpc_port = config_with_ports(tmp_path, "{pdserve/region: REGION}")
+    http_port = int(re.search(r"http_port: (\d+)", config.read_text()).group(1))  # type: ignore[union-attr]
+    head = ray_nodes.dashboard
     submitted = pdserve(
-        "submit", "--address", ray_head, "--config", str(config), "--job-id", "pdserve-test-job"
+        "submit", "--address", head, "--config", str(config), "--job-id", "pdserve-test-job"
     )
     assert submitted.returncode == 0, submitted.stderr
     deadline = time.monotonic() + 120
-    while (status := job_status(ray_head, "pdserve-test-job")) != "RUNNING":
+    while (status := job_status(head, "pdserve-test-job")) != "RUNNING":
         assert status == "PENDING" and time.monotonic() < deadline, status
         time.sleep(1.0)
     assert len(answer(grpc_port)) == 5
+    placed = placement(head)
+    assert len(placed) == 4 and all(
+        labels == {instance.split("-")[0]} for instance, labels in placed.items()
+    ), placed
+
+    scaled = pdserve("scale", "--region", "east", "--decode", "2", "--ray-address", ray_nodes.gcs)
+    assert scaled.returncode == 0, scaled.stderr
+    deadline = time.monotonic() + 120
+    while len(placed := placement(head)) < 5:
+        assert time.monotonic() < deadline, placed
+        time.sleep(1.0)
+    east_decode = [i for i in placed if i.startswith("east-decode")]
+    assert len(east_decode) == 2 and all(placed[i] == {"east"} for i in east_decode), placed
+    assert len(answer(grpc_port)) == 5
+
+    # The dashboard's instance table names the node Ray placed each instance on.
+    nodes = json.loads(ray_cli("list", "nodes", "--address", head, "--format", "json"))
+    region_of = {n["node_id"]: n.get("labels", {}).get("pdserve/region") for n in nodes}
+    deadline = time.monotonic() + 30
+    while True:  # the new instance's counters come with the next health round
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/dashboard/data") as r:
+            rows = json.load(r)["instances"]
+        shown = {row["instance"]: region_of.get(row["node_id"]) for row in rows}
+        if set(shown) == set(placed) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert shown == {i: next(iter(labels)) for i, labels in placed.items()}, (shown, placed)
+
     stopped = subprocess.run(
-        [str(BIN / "ray"), "job", "stop", "--address", ray_head, "pdserve-test-job"],
+        [str(BIN / "ray"), "job", "stop", "--address", head, "pdserve-test-job"],
         capture_output=True,
         text=True,
         env=ENV,
