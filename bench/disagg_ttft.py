@@ -97,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args.gpus_per_instance)
     if args.nodes == 2 and args.gpus_per_instance:
         raise InvalidArgumentError("nodes", "two nodes run on the CPU (no --gpus-per-instance)")
+    if args.nodes == 2 and args.connector == "shm":  # it would reach the other node only
+        # because both share this machine's memory, which nodes of a cluster do not
+        raise InvalidArgumentError(
+            "connector", "shm reaches only its own node: with --nodes 2 give auto or p2p"
+        )
     with contextlib.ExitStack() as stack:
         if args.nodes == 2:  # this node (the head) and another
             stack.enter_context(local_nodes([(1, {NODE: "other"})], 3, {NODE: "head"}))
@@ -179,8 +184,10 @@ def _measure(
     ttft: dict[str, list[float]] = {"colocated": [], **{m: [] for m in decodes}}
     second: dict[str, list[float]] = {m: [] for m in decodes}
     for i in range(args.requests + 1):  # request 0 warms every path up
-        prompt = _prompt(i, args.prompt_len, vocab_size)
-        for mode in ttft:
+        for k, mode in enumerate(ttft):
+            # a prompt of its own per mode: the disaggregated modes share one prefill
+            # instance, whose prefix cache would serve a later mode's repeat of the prompt
+            prompt = _prompt(i * len(ttft) + k, args.prompt_len, vocab_size)
             rid = f"{mode}-{i}"
             start = time.monotonic()
             if mode == "colocated":

@@ -44,3 +44,10 @@ def test_a_share_of_the_gpu_is_checked_before_anything_starts(capsys) -> None:  
         return
     with pytest.raises(SystemExit, match="--gpus-per-instance: needs a CUDA GPU"):
         main(["bench", "ttft", "--gpus-per-instance", "0.3"])
+
+
+def test_two_nodes_refuse_shm_before_anything_starts(capsys) -> None:  # type: ignore[no-untyped-def]
+    """shm between two Ray nodes of one machine works only because they share its memory:
+    the cross-node figure must come from a connector that crosses nodes."""
+    assert main(["bench", "ttft", "--nodes", "2"]) == 2  # the default connector is shm
+    assert "connector: shm reaches only its own node" in capsys.readouterr().err
