@@ -131,6 +131,14 @@ def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
     return stop
 
 
+def wait_for_stop(stop: threading.Event) -> None:
+    """Block until ``stop`` is set, waking twice a second. A signal's Python handler runs on
+    the main thread only once that thread runs again; a process signal delivered to one of
+    Ray's or gRPC's threads does not wake a main thread blocked in ``Event.wait()``."""
+    while not stop.wait(0.5):
+        pass
+
+
 def serve(
     config: ClusterConfig,
     address: str,
@@ -152,7 +160,7 @@ def serve(
         f"ray       {ray.get_runtime_context().gcs_address} (pdserve status --ray-address ...)",
         flush=True,
     )
-    stop.wait()
+    wait_for_stop(stop)
     print("pdserve: stopping", flush=True)
     ray.get(controller.stop.remote())
     ray.kill(controller)

@@ -204,7 +204,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Start the local two-region cluster, stream a few requests over gRPC, keep serving."""
     from pdserve.cluster.config import load_config
     from pdserve.cluster.connect import connect
-    from pdserve.cluster.serve import describe, start_controller, stop_on_signals
+    from pdserve.cluster.serve import describe, start_controller, stop_on_signals, wait_for_stop
 
     config = load_config(args.config or example_config(LOCAL_CONFIG))
     print(f"pdserve demo: {config.model} continues four Python prompts, streamed over gRPC;")
@@ -224,7 +224,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.once or stop.is_set():
         if not stop.is_set():
             print("serving; Ctrl-C to stop", flush=True)
-            stop.wait()
+            wait_for_stop(stop)
         print("pdserve demo: stopping", flush=True)
     import ray
 
