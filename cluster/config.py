@@ -119,9 +119,13 @@ class HealthConfig:
     retry_backoff_s: the wait before retrying a failed instance start; it doubles
         with each failure in a row.
     retry_backoff_max_s: the longest wait between two retries.
-    start_timeout_s: how long starting an instance (room for its ranks, loading
-        the model, allocating the KV cache) may take before the start counts as
-        failed and is retried.
+    start_timeout_s: how long each step of starting an instance (loading the model,
+        allocating the KV cache, ...) may take before the start counts as failed and
+        is retried.
+    place_timeout_s: how long a start waits for Ray to find room for its ranks (an
+        autoscaler may add a node meanwhile) before it counts as failed and is
+        retried; default: ``start_timeout_s``. A cluster of fixed size can say "no
+        room" sooner than its slowest rank start.
     drain_timeout_s: how long an instance leaving its region (scale-down, scale to
         zero, a version retired by a rollout) may take to finish the requests it
         holds; past it the router moves them to other instances, as it moves a lost
@@ -134,6 +138,7 @@ class HealthConfig:
     retry_backoff_s: float = 1.0
     retry_backoff_max_s: float = 60.0
     start_timeout_s: float = 300.0
+    place_timeout_s: float | None = None
     drain_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -141,6 +146,8 @@ class HealthConfig:
         for name in (*positive, "start_timeout_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"health.{name}", "must be > 0")
+        if self.place_timeout_s is not None and self.place_timeout_s <= 0:
+            raise InvalidArgumentError("health.place_timeout_s", "must be > 0")
         if self.retry_backoff_max_s < self.retry_backoff_s:
             raise InvalidArgumentError(
                 "health.retry_backoff_max_s", "must be >= health.retry_backoff_s"

@@ -205,6 +205,7 @@ class Membership:
             num_gpus=role_spec.num_gpus_per_rank,
             labels=dict(spec.node_labels) or None,
             start_timeout_s=self.c.health.start_timeout_s,
+            place_timeout_s=self.c.health.place_timeout_s,
         )
         engine = self.c.config.engine_config(role, spec)
         return start_instance(

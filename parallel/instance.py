@@ -41,6 +41,8 @@ class RankResources:
     num_gpus: float = 0.0
     torch_threads: int | None = None
     start_timeout_s: float = 300.0
+    # how long the ranks' placement group may wait for room (None: start_timeout_s)
+    place_timeout_s: float | None = None
     collective_timeout_s: float = 60.0
     # Ray node labels the ranks must land on (a region's nodes), e.g. {"region": "east"}.
     labels: dict[str, str] | None = None
@@ -213,12 +215,13 @@ def _reserve_ranks(world_size: int, res: RankResources, name: str) -> Any:
     ensure_ray(rank_needs(world_size, res))
     bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
     pg = _placement_group([bundle] * world_size, res.labels, name)
+    wait_s = res.start_timeout_s if res.place_timeout_s is None else res.place_timeout_s
     try:
-        ray.get(pg.ready(), timeout=res.start_timeout_s)
+        ray.get(pg.ready(), timeout=wait_s)
     except GetTimeoutError:
         remove_placement_group(pg)
         raise InstanceFailedError(
-            f"{world_size} ranks of {bundle} each were not placed within {res.start_timeout_s:g} s "
+            f"{world_size} ranks of {bundle} each were not placed within {wait_s:g} s "
             f"(the Ray cluster has {ray.cluster_resources()})"
         ) from None
     return pg

@@ -136,6 +136,10 @@ def test_shipped_configs_load() -> None:
             "cfg.yaml:2: health.drain_timeout_s: must be > 0",
         ),
         (
+            ("model: builtin:tiny", "model: builtin:tiny\nhealth: {place_timeout_s: -1}"),
+            "cfg.yaml:2: health.place_timeout_s: must be > 0",
+        ),
+        (
             ("latency_ms: {west: 20}", "latency_ms: {west: -.inf}"),
             "regions[0].latency_ms.west: must be a finite number, got -inf",
         ),

@@ -58,7 +58,7 @@ slo: {ttft_ms: 5000, tpot_ms: 1000}
 server: {host: "127.0.0.1", grpc_port: 0, http_port: 0}
 auth: {disabled: true}
 disaggregation: {local_prefill_max_tokens: 4}
-health: {start_timeout_s: 20}
+health: {start_timeout_s: 20, place_timeout_s: 6}
 """
 PROMPTS = [[3 + (seed * 7919 + i * 104729) % 1000 for i in range(40)] for seed in range(4)]
 TOKENS = 12
@@ -217,7 +217,7 @@ def test_a_region_whose_nodes_cannot_hold_it_spills_and_says_why(cluster, served
         assert time.monotonic() < deadline, region
         time.sleep(0.5)
     assert region.decode == 0 and region.target_decode == 1
-    assert "were not placed within 20 s" in region.last_error, region
+    assert "were not placed within 6 s" in region.last_error, region
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     want = LLM("builtin:tiny").generate([PROMPTS[0]], params)[0].outputs[0].token_ids
     assert generate(stub, PROMPTS[0], TOKENS, region="east") == want  # served in west
