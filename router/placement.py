@@ -31,9 +31,13 @@ from pdserve.core.messages import PeerPrefix
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
-from pdserve.router.policies import Placement, RoutingPolicy, RoutingRequest
+from pdserve.router.policies import CachedBlocks, Placement, RoutingPolicy, RoutingRequest
 from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
-from pdserve.router.state import ClusterView, InstanceView
+from pdserve.router.state import ClusterView, InstanceView, RegionTable
+
+# Up to this many instances holding a prompt's first block, every holder's cached prefix
+# is walked (a few microseconds each); past it rows are looked up as a policy reads them.
+FEW_HOLDERS = 16
 
 
 @dataclass(frozen=True)
@@ -251,13 +255,27 @@ class RegionChooser:
             hashes[bs] = prompt_block_hashes(
                 inp.prompt_token_ids, bs, lora, fingerprint, inp.params.cache_salt
             )
-        cached = np.zeros(len(prefills))
-        for instance, blocks in self.prefixes.cached_prefixes(hashes[bs]).items():
-            row = prefills.index.get(instance)
-            if row is not None:
-                cached[row] = blocks
+        cached = self._cached(prefills, hashes[bs])
         req = RoutingRequest(len(inp.prompt_token_ids), inp.params.max_tokens, cached, bs)
         return self.policy.place(req, prefills, decodes)
+
+    def _cached(self, prefills: RegionTable, hashes: list[bytes]) -> CachedBlocks:
+        """Each prefill row's cached prefix of the prompt: walked for every holder when
+        few instances hold the prompt's first block, else looked up row by row as the
+        policy reads them (a prompt every instance holds part of would cost a walk of
+        every holder)."""
+        if hashes and self.prefixes.holder_count(hashes[0]) > FEW_HOLDERS:
+            held = hashes[: self.prefixes.held_depth(hashes)]
+            views = prefills.views
+            return CachedBlocks(
+                len(held), lambda row: self.prefixes.cached_blocks(views[row].instance_id, held)
+            )
+        counts = np.zeros(len(prefills))
+        for instance, blocks in self.prefixes.cached_prefixes(hashes).items():
+            row = prefills.index.get(instance)
+            if row is not None:
+                counts[row] = blocks
+        return CachedBlocks.of(counts)
 
     def peer_prefix(self, choice: Choice) -> PeerPrefix | None:
         """A prefill instance of the region holding, on its device, more of the prompt than
@@ -268,15 +286,23 @@ class RegionChooser:
             return None
         own = self.prefixes.cached_blocks(chosen.instance_id, hashes)
         best, blocks = None, own
-        for instance, held in self.prefixes.cached_prefixes(hashes).items():
-            view = self.cluster.instances.get(instance)
-            if held <= blocks or view is None or view is chosen or not view.available:
-                continue
-            if view.region != choice.region or view.model != decode.model:  # paired ones only
-                continue
-            on_device = self.prefixes.device_blocks(instance, hashes)
-            if on_device > blocks:
-                best, blocks = view, on_device
+        # Deepest block first: a holder of block k can offer at most k + 1 blocks, so the
+        # search ends at the first level no deeper than the best found; each holder is
+        # priced once (lower down it could offer no more than it did).
+        seen: set[str] = set()
+        for k in range(self.prefixes.held_depth(hashes) - 1, blocks - 1, -1):
+            if k + 1 <= blocks:
+                break
+            for instance in self.prefixes.holders(hashes[k]) - seen:
+                seen.add(instance)
+                view = self.cluster.instances.get(instance)
+                if view is None or view is chosen or not view.available:
+                    continue
+                if view.region != choice.region or view.model != decode.model:  # paired only
+                    continue
+                on_device = self.prefixes.device_blocks(instance, hashes[: k + 1])
+                if on_device > blocks:
+                    best, blocks = view, on_device
         gain = (blocks - own) * decode.block_size
         if best is None or gain < self.config.peer_prefill_min_tokens:
             return None

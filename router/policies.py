@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import abc
 import itertools
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,11 +28,39 @@ import numpy as np
 from pdserve.router.state import RegionTable
 
 
+class CachedBlocks:
+    """The prompt's leading blocks each prefill row of a region holds: known for every
+    row up front (``counts``: when few instances hold the prompt, walking them is
+    cheap), or looked up when a policy reads the row (when many do: a policy then
+    reads the rows it considers, not every holder). ``depth`` bounds every row's count
+    (the blocks some instance holds)."""
+
+    def __init__(self, depth: int, lookup: Callable[[int], int]) -> None:
+        self.depth = depth
+        self.counts: np.ndarray | None = None
+        self._lookup = lookup
+        self._rows: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, counts: Sequence[int] | np.ndarray) -> CachedBlocks:
+        """Counts known up front, one per row."""
+        known = np.asarray(counts, dtype=np.float64)
+        cached = cls(int(known.max(initial=0)), lambda row: int(known[row]))
+        cached.counts = known
+        return cached
+
+    def __getitem__(self, row: int) -> int:
+        n = self._rows.get(row)
+        if n is None:
+            n = self._rows[row] = self._lookup(row)
+        return n
+
+
 @dataclass(frozen=True)
 class RoutingRequest:
     prompt_len: int
     max_tokens: int
-    cached_blocks: np.ndarray  # per prefill instance of the region: leading blocks cached there
+    cached_blocks: CachedBlocks  # per prefill row of the region: leading blocks cached there
     block_size: int
 
 
@@ -52,15 +82,20 @@ class RoutingPolicy(abc.ABC):
 
     @staticmethod
     def estimate(
-        req: RoutingRequest, prefills: RegionTable, decodes: RegionTable, p: int | None, d: int
+        req: RoutingRequest,
+        prefills: RegionTable,
+        decodes: RegionTable,
+        p: int | None,
+        d: int,
+        tpot: np.ndarray | None = None,  # decodes.decode_tpot(), where the caller has it
     ) -> Placement:
-        cached = 0 if p is None else int(req.cached_blocks[p]) * req.block_size
+        cached = 0 if p is None else req.cached_blocks[p] * req.block_size
         if p is None:
             ttft = float((decodes.queued[d] + req.prompt_len) * decodes.per_token[d])
         else:
             ttft = float((prefills.queued[p] + req.prompt_len - cached) * prefills.per_token[p])
-        tpot = float(decodes.decode_tpot()[d])
-        return Placement(p, d, ttft, tpot, cached)
+        tpots = decodes.decode_tpot() if tpot is None else tpot
+        return Placement(p, d, ttft, float(tpots[d]), cached)
 
 
 class RoundRobin(RoutingPolicy):
@@ -88,14 +123,45 @@ class CostModel(RoutingPolicy):
     name = "cost_model"
 
     def place(self, req: RoutingRequest, prefills: RegionTable, decodes: RegionTable) -> Placement:
-        p = None
-        if len(prefills):
-            work = prefills.queued + req.prompt_len - req.cached_blocks * req.block_size
-            p = int(np.argmin(work * prefills.per_token))
+        p = self.fastest_prefill(req, prefills) if len(prefills) else None
         need = (req.prompt_len + req.max_tokens) / max(decodes.block_tokens, 1)
         tpot = decodes.decode_tpot()
-        tpot = np.where(decodes.free_blocks >= need, tpot, tpot + 1e6)  # no room: last resort
-        return self.estimate(req, prefills, decodes, p, int(np.argmin(tpot)))
+        ranked = np.where(decodes.free_blocks >= need, tpot, tpot + 1e6)  # no room: last resort
+        return self.estimate(req, prefills, decodes, p, int(np.argmin(ranked)), tpot)
+
+    @staticmethod
+    def fastest_prefill(req: RoutingRequest, prefills: RegionTable) -> int:
+        """The row of least estimated time to first token: queued tokens plus the prompt,
+        less what the row has cached, times its seconds per token (the lowest row of
+        equal ones). Counts known up front price every row at once; counts looked up
+        are read in the order of each row's lowest possible price (every block some
+        instance holds cached there), and the search stops at a row whose lowest
+        price is no better than the best found, so its cost follows the few rows that
+        can win, not the number of instances that hold the prompt."""
+        bs, cached = req.block_size, req.cached_blocks
+        base = prefills.queued + req.prompt_len
+        per_token = prefills.per_token
+        if cached.counts is not None:  # every row's count known: price them all at once
+            return int(np.argmin((base - cached.counts * bs) * per_token))
+        floor = (base - cached.depth * bs) * per_token  # no row costs less
+        best, best_cost = -1, math.inf
+
+        def cost(row: int) -> float:
+            return float((base[row] - cached[row] * bs) * per_token[row])
+
+        for row in np.argsort(floor, kind="stable").tolist():
+            if floor[row] >= best_cost:
+                break
+            c = cost(row)
+            if c < best_cost or (c == best_cost and row < best):
+                best, best_cost = row, c
+        if best < 0:  # prices that are not numbers: the first row
+            return 0
+        # an unpriced row can at most tie the best, and wins a tie with a lower row
+        for row in np.flatnonzero(floor[:best] == best_cost).tolist():
+            if cost(row) == best_cost:
+                return row
+        return best
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {c.name: c for c in (RoundRobin, LeastLoaded, CostModel)}

@@ -91,6 +91,24 @@ class PrefixIndex:
                 break
         return counts
 
+    def holder_count(self, block: bytes) -> int:
+        """How many instances hold ``block``."""
+        holders = self._holders.get(block)
+        return len(holders) if holders else 0
+
+    def holders(self, block: bytes) -> frozenset[str]:
+        """The instances that hold ``block`` (any tier)."""
+        return frozenset(self._holders.get(block, ()))
+
+    def held_depth(self, hashes: list[bytes]) -> int:
+        """Leading blocks of ``hashes`` that some instance holds: no instance holds more."""
+        n = 0
+        for h in hashes:
+            if h not in self._holders:
+                break
+            n += 1
+        return n
+
     def cached_blocks(self, instance_id: str, hashes: list[bytes]) -> int:
         """Leading blocks of ``hashes`` the instance holds."""
         held = self._held.get(instance_id)

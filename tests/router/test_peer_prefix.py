@@ -113,3 +113,22 @@ def test_the_index_keeps_each_instances_tier_per_block() -> None:
     index.apply("p", [], [], lower=HASHES[20:])  # not held: no effect
     index.forget("p")
     assert index.device_blocks("p", HASHES) == 0 and index.size("p") == 0
+
+
+def test_the_peer_is_the_one_whose_device_holds_the_most_of_the_prompt() -> None:
+    """Of several busy peers, the one with the longest prefix on its device is named,
+    whichever holds the deepest block: p1 holds 24 blocks but only 10 on its device,
+    p2 holds 18 there, p3 holds 24 there but drains, p4 holds another prompt."""
+    router, sent, _ = make_router()
+    other = prompt_block_hashes(list(range(5000, 5400)), 16)
+    peers = {"p2": HASHES[:18], "p3": HASHES[:24], "p4": other}
+    for name, held in peers.items():
+        router.register(InstanceInfo(name, "prefill", "local", FakeActor(), 16, 4096, ("d0",)))
+        router.on_report(report(name, 50_000, kv_added=held))
+    router.on_report(report("p1", 50_000, kv_lower=HASHES[10:24]))
+    router.cluster.instances["p3"].draining = True
+    launch(router)
+    assert sent[-1].peer == PeerPrefix("p2", 18)
+    router.cluster.instances["p3"].draining = False
+    launch(router)
+    assert sent[-1].peer == PeerPrefix("p3", 24)

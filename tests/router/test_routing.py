@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import numpy as np
 
 from pdserve.core.messages import LoadReport
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission, RetryBudget
-from pdserve.router.policies import RoutingRequest, make_policy
+from pdserve.router.config import RouterConfig
+from pdserve.router.placement import FEW_HOLDERS, CompletionInput
+from pdserve.router.policies import CachedBlocks, RoutingRequest, make_policy
 from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
+from pdserve.router.router import InstanceInfo, Router
 from pdserve.router.state import InstanceView, RegionTable
 from pdserve.router.stream import RequestStream
 
@@ -40,16 +44,48 @@ def test_cost_model_follows_the_cache_unless_the_queue_outweighs_it() -> None:
     prefills = RegionTable([view("p0", "prefill"), view("p1", "prefill")])
     decodes = RegionTable([view("d0", "decode")])
     policy = make_policy("cost_model")
-    cached = np.array([0, 20])  # p1 holds 20 blocks (320 tokens) of this 400-token prompt
+    cached = CachedBlocks.of([0, 20])  # p1 holds 20 blocks (320 tokens) of this 400-token prompt
     assert policy.place(RoutingRequest(400, 16, cached, 16), prefills, decodes).prefill == 1
     busy = RegionTable([view("p0", "prefill"), view("p1", "prefill", waiting_tokens=5000)])
     assert policy.place(RoutingRequest(400, 16, cached, 16), busy, decodes).prefill == 0
 
 
+def test_cost_model_prices_few_rows_and_chooses_as_pricing_every_row_would() -> None:
+    """The search that stops at rows which cannot win picks the row an exhaustive argmin
+    over every row's price picks (the lowest of equal ones), on tables with many equal
+    loads and prefixes (ties); when loads differ it reads a few rows of tens."""
+    rng = np.random.default_rng(7)
+    policy = make_policy("cost_model")
+    decodes = RegionTable([view("d0", "decode")])
+    most_read = 0  # rows read for tables of 20 rows or more whose loads differ
+    for trial in range(300):
+        n = int(rng.integers(1, 60))
+        ties = trial % 3 == 0  # few distinct values: many equal prices
+        waiting = rng.integers(0, 3 if ties else 4000, n) * (2000 if ties else 1)
+        steps = rng.choice([0.01, 0.02], n) if ties else rng.uniform(0.005, 0.05, n)
+        blocks = rng.integers(0, 3 if ties else 26, n) * (12 if ties else 1)
+        prefills = RegionTable(
+            [view(f"p{i}", "prefill", int(waiting[i]), step=float(steps[i])) for i in range(n)]
+        )
+        read: list[int] = []
+        known = CachedBlocks.of(blocks)
+        cached = CachedBlocks(
+            known.depth, lambda row, read=read, known=known: (read.append(row), known[row])[1]
+        )
+        prompt = 400
+        want = int(np.argmin((prefills.queued + prompt - blocks * 16) * prefills.per_token))
+        assert (
+            policy.place(RoutingRequest(prompt, 16, cached, 16), prefills, decodes).prefill == want
+        )
+        if not ties and n >= 20:
+            most_read = max(most_read, len(set(read)))
+    assert 0 < most_read <= 8  # seen: 5 (waiting up to 4,000 tokens, 25 blocks cached)
+
+
 def test_cost_model_avoids_a_decode_without_room() -> None:
     decodes = RegionTable([view("d0", "decode", free=2), view("d1", "decode", free=900, step=0.05)])
     placement = make_policy("cost_model").place(
-        RoutingRequest(400, 64, np.zeros(0), 16), RegionTable([]), decodes
+        RoutingRequest(400, 64, CachedBlocks.of([]), 16), RegionTable([]), decodes
     )
     assert placement.decode == 1 and placement.prefill is None
 
@@ -60,7 +96,9 @@ def test_cost_model_spreads_a_burst_onto_an_instance_that_has_not_stepped_yet() 
     policy, chosen = make_policy("cost_model"), []
     for _ in range(6):  # arrivals faster than the next load report
         decodes = RegionTable([busy, fresh])
-        d = policy.place(RoutingRequest(64, 600, np.zeros(0), 16), RegionTable([]), decodes).decode
+        d = policy.place(
+            RoutingRequest(64, 600, CachedBlocks.of([]), 16), RegionTable([]), decodes
+        ).decode
         (busy, fresh)[d].inflight += 1
         chosen.append(d)
     assert sorted(chosen) == [0, 0, 0, 1, 1, 1], chosen
@@ -69,7 +107,7 @@ def test_cost_model_spreads_a_burst_onto_an_instance_that_has_not_stepped_yet() 
 def test_round_robin_takes_turns_and_least_loaded_picks_the_idlest() -> None:
     prefills = RegionTable([view("p0", "prefill", 300), view("p1", "prefill", 10)])
     decodes = RegionTable([view("d0", "decode"), view("d1", "decode")])
-    req = RoutingRequest(100, 16, np.zeros(2), 16)
+    req = RoutingRequest(100, 16, CachedBlocks.of([0, 0]), 16)
     rr = make_policy("round_robin")
     assert [rr.place(req, prefills, decodes).prefill for _ in range(4)] == [0, 1, 0, 1]
     assert make_policy("least_loaded").place(req, prefills, decodes).prefill == 1
@@ -293,3 +331,28 @@ def test_requests_naming_unknown_regions_leave_no_entry_in_any_table() -> None:
         return found
 
     assert not [n for n in names(router) if "made-up" in n]
+
+
+def test_a_prompt_many_instances_hold_is_placed_as_pricing_every_holder_would() -> None:
+    """Past FEW_HOLDERS holders the router looks rows up as the policy reads them; the
+    prefill it picks is the one an exhaustive pricing of every holder's prefix picks."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 2000) for _ in range(512)]
+    hashes = prompt_block_hashes(prompt, 16)
+    for trial in range(20):
+        router = Router(RouterConfig(auth_disabled=True), None, None)  # type: ignore[arg-type]
+        router.register(InstanceInfo("d0", "decode", "local", None, 16, 4096))
+        names = [f"p{i}" for i in range(FEW_HOLDERS + 8 + trial)]
+        for name in names:
+            router.register(InstanceInfo(name, "prefill", "local", None, 16, 4096))
+            held = hashes[: rng.randrange(1, len(hashes))]
+            waiting = rng.randrange(0, 3) * 300 if trial % 2 else rng.randrange(4000)
+            router.on_report(
+                LoadReport(name, "prefill", 0, 1, waiting, 900, 1000, 0.02, 100.0, held)
+            )
+        choice = router.chooser.choose(CompletionInput("c", prompt, SamplingParams(max_tokens=8)))
+        table = router.cluster.table("prefill", "local", "", None)
+        counts = router.prefixes.cached_prefixes(hashes)
+        cached = np.array([counts.get(v.instance_id, 0) for v in table.views])
+        want = table.views[int(np.argmin((table.queued + 512 - cached * 16) * table.per_token))]
+        assert choice.prefill is want, (trial, choice.prefill, want)
