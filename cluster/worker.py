@@ -4,8 +4,13 @@ Every rank carries its share of the KV transfer layer (a
 :class:`~pdserve.transfer.rank.RankTransfer`: a receiver whose endpoint
 senders connect to, a sender with routes to paired decode ranks). The leader
 (rank 0) also runs the role server: :class:`~pdserve.prefill.server.PrefillServer`
-or :class:`~pdserve.decode.server.DecodeServer`. All methods are typed; the
-role methods are served by the leader only.
+or :class:`~pdserve.decode.server.DecodeServer`, and serves that role's calls
+(:mod:`pdserve.prefill.actor`, :mod:`pdserve.decode.actor`: an instance that
+flips role keeps its actors, so one actor class carries both roles' calls and
+each fails naming the role it needs). This module keeps what every rank does
+(the transfer plumbing), the calls of either role (health, stats, drain), and
+the role flip, which swaps the server and the engine's
+:class:`~pdserve.engine.role.RolePolicy` together.
 
 Calls reach a rank on three Ray concurrency groups (declared in
 :mod:`pdserve.parallel.instance`): the default group serves the data path
@@ -30,25 +35,21 @@ from pdserve.core.errors import InstanceFailedError
 from pdserve.core.layout import Layout
 from pdserve.core.logs import setup_logging
 from pdserve.core.messages import (
-    DecodeRequest,
-    FirstToken,
     LoadReport,
-    PeerExport,
-    PrefillRequest,
-    Reservation,
-    ReserveRequest,
     StepRecord,
 )
-from pdserve.core.request import RequestOutput
 from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
+from pdserve.decode.actor import DecodeSurface
 from pdserve.decode.elastic import republish
 from pdserve.decode.server import DecodeServer
+from pdserve.engine.role import COLOCATED
+from pdserve.parallel.instance import CONTROL, HEALTH
 from pdserve.parallel.model_runner import resolve_device
 from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
+from pdserve.prefill.actor import PrefillSurface
 from pdserve.prefill.server import PrefillServer
 from pdserve.transfer import across_nodes, resolve_connector
 from pdserve.transfer.connector import PeerEndpoint
-from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.handshake import KVSpec, adapter_fingerprints, model_fingerprint
 from pdserve.transfer.p2p import P2PReceiver
 from pdserve.transfer.rank import RankTransfer
@@ -85,11 +86,7 @@ class InstanceStats:
     node_ip: str = ""
 
 
-HEALTH = "health"  # concurrency group of ping and health
-CONTROL = "control"  # concurrency group of short control calls through the engine loop
-
-
-class InstanceWorker(RankWorker):
+class InstanceWorker(RankWorker, PrefillSurface, DecodeSurface):
     def __init__(self, spec: RankSpec, instance: InstanceSpec) -> None:
         super().__init__(spec)
         setup_logging()
@@ -220,64 +217,16 @@ class InstanceWorker(RankWorker):
             for direction, stats in self.transfer.stats()[2:]
         )
 
-    # -- prefill role (leader) ---------------------------------------------------------------
-
-    def _prefill(self) -> PrefillServer:
-        assert isinstance(self.server, PrefillServer), "not the leader of a prefill instance"
-        return self.server
-
-    def register_decode(self, decode_id: str, leader: Any) -> None:
-        self._prefill().register_decode(decode_id, leader)
+    # -- prefill role: pairing every rank (the leader's calls: prefill/actor.py) ------------
 
     def repair_decode(
         self, decode_id: str, decode_layout: Layout, endpoints: list[PeerEndpoint]
     ) -> None:
         """Leader: a paired decode instance regrouped (elastic EP); every rank re-plans its
         routes to it from its new layout and its survivors' endpoints."""
-        assert decode_id in self._prefill().decodes, f"not paired with {decode_id}"
+        assert decode_id in self.prefill_server().decodes, f"not paired with {decode_id}"
         refs = [w.pair_ranks.remote(decode_layout, endpoints) for w in self.serving_peers()]
         ray.get(refs, timeout=self.spec.collective_timeout_s)
-
-    def register_peer(self, prefill_id: str, leader: Any, layout: Layout) -> None:
-        self._prefill().register_peer(prefill_id, leader, layout)
-
-    def prefill(self, request: PrefillRequest) -> FirstToken:
-        return self._prefill().prefill(request).result()
-
-    @ray.method(concurrency_group=CONTROL)
-    def drop(self, request_id: str) -> bool:
-        return self._prefill().drop(request_id)
-
-    @ray.method(concurrency_group=CONTROL)
-    def export(self, request: PeerExport) -> int:
-        return self._prefill().export(request)
-
-    # -- decode role (leader) ------------------------------------------------------------------
-
-    def _decode(self) -> DecodeServer:
-        assert isinstance(self.server, DecodeServer), "not the leader of a decode instance"
-        return self.server
-
-    def register_prefill(self, prefill_id: str, leader: Any, layout: Layout) -> None:
-        self._decode().register_prefill(prefill_id, leader, layout)
-
-    def reserve(self, request: ReserveRequest, prefill_id: str | None, sink: Any) -> Reservation:
-        return self._decode().reserve(request, prefill_id, sink)
-
-    def commit(self, handoff: HandOff) -> bool:
-        return self._decode().commit(handoff)
-
-    def cancel(self, request_id: str) -> None:
-        self._decode().cancel(request_id)
-
-    def submit(self, request: DecodeRequest, sink: Any) -> None:
-        self._decode().submit(request, sink)
-
-    def abort(self, request_id: str) -> bool:
-        return self._decode().abort(request_id)
-
-    def wait(self, request_ids: list[str], timeout_s: float | None = None) -> list[RequestOutput]:
-        return self._decode().wait(request_ids, timeout_s)
 
     # -- any role (leader) ------------------------------------------------------------------------
 
@@ -388,8 +337,7 @@ class InstanceWorker(RankWorker):
         self.transfer.receiver.kv_cache = self.runner.kv_cache
         if self.engine is not None:
             self.engine.kv.reset_prefix_cache()
-            self.engine.plan_hook = None
-            self.engine.on_transfer_failure = None
+            self.engine.use_role(COLOCATED)
             self._start_server()
 
     @ray.method(concurrency_group=CONTROL)

@@ -46,6 +46,7 @@ from pdserve.core.step import KVArrival, StepPlan
 from pdserve.decode.peer import start_peer_fill
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.loop import EngineLoop, LoadReporter
+from pdserve.engine.role import RolePolicy
 from pdserve.transfer.handoff import HandOff, LeaseTable
 from pdserve.transfer.peer_pull import PeerPull
 from pdserve.transfer.routes import plan_routes, routes_into
@@ -80,7 +81,7 @@ class DecodeServer:
         self._transfer_s: dict[str, float] = {}  # request id -> exposed transfer seconds
         self._done: dict[str, Future[RequestOutput]] = {}
         self._done_lock = threading.Lock()
-        engine.plan_hook = self._annotate
+        engine.use_role(RolePolicy(plan=self._annotate))
         self.loop = EngineLoop(
             engine, self.on_outputs, self._on_fatal, name=f"pdserve-decode-{instance_id}"
         )

@@ -34,6 +34,7 @@ from pdserve.engine.isolation import execute_isolating
 from pdserve.engine.kv_cache_manager import KVCacheManager, resolve_max_model_len
 from pdserve.engine.kv_tiers import TIERS
 from pdserve.engine.outputs import request_output
+from pdserve.engine.role import COLOCATED, RolePolicy
 from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -72,14 +73,15 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self.eos_token_ids = model.eos_token_ids or (tokenizer.eos_token_ids if tokenizer else ())
-        # A role may annotate each plan before it runs (the prefill role adds
-        # the KV pages to stream); None leaves plans as scheduled.
-        self.plan_hook: Callable[[StepPlan], StepPlan] | None = None
-        # Called with the plan when its KV pages did not all reach their decode instance.
-        self.on_transfer_failure: Callable[[StepPlan], None] | None = None
+        self.role = COLOCATED  # what a serving role changes in each step (engine/role.py)
         self.last_step_tokens = 0
         # This step's plan, time.monotonic() start and seconds; None when it ran nothing.
         self.last_step: tuple[StepPlan, float, float] | None = None
+
+    def use_role(self, role: RolePolicy) -> None:
+        """Serve as ``role`` from the next step on (a server starting on this engine;
+        ``COLOCATED`` when its role ends)."""
+        self.role = role
 
     # -- requests in --------------------------------------------------------
 
@@ -279,15 +281,16 @@ class EngineCore:
             return []
         if self.adapters:  # each row runs under its request's adapter
             plan = plan.with_lora(self._adapter_of)
-        if self.plan_hook is not None:
-            plan = self.plan_hook(plan)
+        role = self.role  # one policy for the whole step, even if a flip swaps it meanwhile
+        if role.plan is not None:
+            plan = role.plan(plan)
         self.last_step_tokens = plan.num_tokens
         started, start = time.monotonic(), time.perf_counter()
         result, failed = self._execute(plan)
         self.last_step = (plan, started, time.perf_counter() - start)
         self.scheduler.spec.observe_step(self.last_step[2])
-        if not result.kv_transfer_ok and self.on_transfer_failure is not None:
-            self.on_transfer_failure(plan)
+        if not result.kv_transfer_ok and role.on_transfer_failure is not None:
+            role.on_transfer_failure(plan)
         self.scheduler.loads_done(plan, result.loads_ok)
         outputs = [out for rid in failed if (out := self._fail(rid)) is not None]
         requests = self.scheduler.requests

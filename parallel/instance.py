@@ -33,6 +33,11 @@ from pdserve.parallel.worker import EngineInfo, GenerateItem, RankSpec, RankWork
 logger = logging.getLogger(__name__)
 
 
+# Ray concurrency groups of a rank's calls besides the data path (the default group):
+HEALTH = "health"  # ping and health, which never touch the engine loop
+CONTROL = "control"  # short control calls that go through the engine loop
+
+
 @dataclass(frozen=True)
 class RankResources:
     """Ray resources of each rank, and its torch thread count (default: its CPUs)."""
@@ -181,7 +186,7 @@ def _spawn(
     # Control and health calls never queue behind the data path (see
     # pdserve.cluster.worker); RankWorker itself uses neither group.
     # (Ray's typed overloads of ray.remote omit concurrency_groups.)
-    actor = ray.remote(concurrency_groups={"control": 16, "health": 4})(  # type: ignore[call-overload]
+    actor = ray.remote(concurrency_groups={CONTROL: 16, HEALTH: 4})(  # type: ignore[call-overload]
         worker_cls
     )
     return [

@@ -43,6 +43,7 @@ from pdserve.core.request import RequestOutput
 from pdserve.core.step import KVSend, StepPlan
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.loop import EngineLoop, LoadReporter
+from pdserve.engine.role import RolePolicy
 from pdserve.transfer.handoff import HandOff
 from pdserve.transfer.peer_pull import PeerPull
 from pdserve.transfer.stats import LeaseStats
@@ -78,8 +79,7 @@ class PrefillServer:
         # Recently dropped request ids: an export that arrives after its drop
         # must not write into pages the decode instance freed.
         self._dropped: OrderedDict[str, None] = OrderedDict()
-        engine.plan_hook = self._annotate
-        engine.on_transfer_failure = self._transfer_failed
+        engine.use_role(RolePolicy(plan=self._annotate, on_transfer_failure=self._transfer_failed))
         self.loop = EngineLoop(
             engine, self._on_outputs, self._on_fatal, name=f"pdserve-prefill-{instance_id}"
         )
