@@ -23,7 +23,9 @@ the rest lane.
 Every lane shares one cache folder. Each lane's lines are printed as they come,
 prefixed with its name; the exit status is the worst step's. Each pytest step writes
 a JUnit report under ``test-artifacts/lanes/``, every test's time in it
-(``python -m tests.durations`` sums them by file and lists the slowest).
+(``python -m tests.durations`` sums them by file and lists the slowest). Last it
+prints how busy the machine's cores were over the run (``/proc/stat``): near 100%,
+the run is as long as its CPU time over the cores, however the lanes are cut.
 
     python -m tests.lanes [--typecheck PREFIX] [PYTEST ARGS ...]
 """
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 CLUSTER = "cluster and not solo and not multinode"
 REST = "not cluster and not solo and not multinode"
@@ -104,7 +107,7 @@ def lane_commands(args: list[str]) -> dict[str, list[list[str]]]:
 
 
 def main(args: list[str]) -> int:
-    started = time.monotonic()
+    started, cpu = time.monotonic(), cpu_times()
     # one cache of built-in models and compiled kernels for all (each is written atomically)
     os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
     commands = lane_commands(args)
@@ -123,8 +126,36 @@ def main(args: list[str]) -> int:
     for thread in threads:
         thread.join()
     _run_lane("solo", commands["solo"], codes["solo"], started, None)
+    print(cpu_line(cpu, time.monotonic() - started), flush=True)
     ran = [c for lane in codes.values() for c in lane if c != NO_TESTS]
     return max(ran) if ran else NO_TESTS
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """(busy, idle) CPU-seconds of this machine since boot, all cores (Linux's
+    /proc/stat; None elsewhere)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / hz, idle / hz
+
+
+def cpu_line(before: tuple[float, float] | None, wall_s: float) -> str:
+    """How busy the machine's cores were since ``before`` (:func:`cpu_times`): a run that
+    kept them busy lasts its CPU time over the cores, however its lanes are cut."""
+    after = cpu_times()
+    if before is None or after is None:
+        return "lanes: no /proc/stat here to count the CPU time"
+    busy, idle = after[0] - before[0], after[1] - before[1]
+    cores = os.cpu_count() or 1
+    return (
+        f"lanes: the machine's {cores} cores were busy {busy:.0f} CPU-s and idle {idle:.0f} "
+        f"in {wall_s:.0f} s ({busy / max(busy + idle, 1e-9):.0%} busy)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,10 +3,21 @@ cluster files run in the rest lane only, the solo tests after both lanes."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
-from tests.lanes import CLUSTER, MULTINODE, REPORTS, REST, SECOND_LANE, SOLO, lane_commands
+from tests.lanes import (
+    CLUSTER,
+    MULTINODE,
+    REPORTS,
+    REST,
+    SECOND_LANE,
+    SOLO,
+    cpu_line,
+    cpu_times,
+    lane_commands,
+)
 
 PYTEST = [sys.executable, "-m", "pytest"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,3 +43,15 @@ def _report(step: str) -> str:
 def test_every_second_lane_path_exists() -> None:
     """A path that moved would leave its tests in both lanes (or in none)."""
     assert [p for p in SECOND_LANE if not (ROOT / p).exists()] == []
+
+
+def test_the_cpu_line_says_how_busy_the_cores_were() -> None:
+    before = cpu_times()
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+    after = cpu_times()
+    if before is None or after is None:
+        assert cpu_line(before, 1.0) == "lanes: no /proc/stat here to count the CPU time"
+        return
+    assert after[0] > before[0]  # the child's work is counted, as any process's would be
+    line = cpu_line(before, 1.0)
+    assert line.startswith("lanes: the machine's ") and "% busy)" in line
