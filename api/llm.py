@@ -50,7 +50,8 @@ class LLM:
     ``disaggregated=True`` runs a prefill instance and a decode instance paired
     for KV transfer: ``prefill`` and ``decode`` are dicts of per-role options
     (layouts, scheduler, cache) over the shared ones; ``connector`` picks the
-    transfer ("auto": "cuda_ipc" on GPUs, "shm" on the CPU; or "object_store", "p2p");
+    transfer ("auto": "cuda_ipc" on GPUs, "shm" on the CPU; or "object_store", "p2p",
+    "nccl");
     ``disaggregation`` sets when the decode instance prefills a request itself.
     """
 

@@ -10,7 +10,8 @@ until they landed. The raw channel moves the same bytes with nothing of
 pdserve in the way:
 
 - shm: one ``copy_`` between two tensors of this process (a memory copy);
-- p2p: a plain gloo send/recv of a byte tensor between the same two processes;
+- p2p and nccl: a plain gloo send/recv of a byte tensor between the same two
+  processes (nccl's pair groups are gloo for caches in host memory);
 - object_store: a Ray call carrying the same bytes as one numpy array, which
   the actor copies into a buffer of its own (the connector copies them into
   the KV cache).
@@ -44,6 +45,7 @@ from pdserve.bench.report import write_json
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import PeerEndpoint
+from pdserve.transfer.nccl import NcclReceiver
 from pdserve.transfer.object_store import ObjectStoreReceiver
 from pdserve.transfer.p2p import P2PReceiver
 from pdserve.transfer.wire import PageHeader, PageRun, PageSource
@@ -72,7 +74,7 @@ class DecodeRankStandIn:
         self.receiver.receive(header, keys, values)
 
     def kv_accept(self, pair_id: str) -> None:
-        assert isinstance(self.receiver, P2PReceiver), "not the point-to-point connector"
+        assert isinstance(self.receiver, P2PReceiver | NcclReceiver), "not a pair connector"
         self.receiver.accept(pair_id)
 
     def land(self, payload: np.ndarray) -> int:

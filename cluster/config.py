@@ -169,10 +169,12 @@ class ClusterConfig:
         and its groups'); a role's ``engine`` goes over them.
     regions: the regions, each with its prefill and decode pools.
     connector: how KV pages move between prefill and decode instances: ``auto``,
-        ``shm``, ``cuda_ipc``, ``object_store`` or ``p2p`` (auto, per pair of ranks:
-        between ranks on one Ray node ``cuda_ipc`` for a KV cache on a GPU, ``shm`` for
-        one in host memory; between nodes ``object_store``). A named connector is used
-        for every pair: ``shm`` and ``cuda_ipc`` reach only their own node.
+        ``shm``, ``cuda_ipc``, ``object_store``, ``p2p`` or ``nccl`` (auto, per pair of
+        ranks: between ranks on one Ray node ``cuda_ipc`` for a KV cache on a GPU,
+        ``shm`` for one in host memory; between nodes ``object_store``). A named
+        connector is used for every pair: ``shm`` and ``cuda_ipc`` reach only their
+        own node; ``nccl`` moves pages GPU to GPU over an NCCL group per pair (gloo
+        for caches in host memory).
     router: the router and its front doors (the slo, server, auth and router sections).
     planner: how the planner sizes each region's pools.
     health: how the controller watches instances.

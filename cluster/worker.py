@@ -51,6 +51,7 @@ from pdserve.prefill.server import PrefillServer
 from pdserve.transfer import across_nodes, resolve_connector
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.handshake import KVSpec, adapter_fingerprints, model_fingerprint
+from pdserve.transfer.nccl import NcclReceiver
 from pdserve.transfer.p2p import P2PReceiver
 from pdserve.transfer.rank import RankTransfer
 from pdserve.transfer.wire import dtype_name
@@ -200,9 +201,9 @@ class InstanceWorker(RankWorker, PrefillSurface, DecodeSurface):
         self.transfer.receive_message(header, keys, values)
 
     def kv_accept(self, pair_id: str) -> None:
-        """Point-to-point connector: join a sender's pair group."""
+        """Point-to-point and nccl connectors: join a sender's pair group."""
         receiver = self.transfer.receiver
-        assert isinstance(receiver, P2PReceiver), "not a point-to-point connector rank"
+        assert isinstance(receiver, P2PReceiver | NcclReceiver), "not a pair connector's rank"
         receiver.accept(pair_id)
 
     def transfer_stats(self) -> tuple[dict[str, Any], dict[str, Any]]:

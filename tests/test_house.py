@@ -156,6 +156,7 @@ LIBRARY_PRIVATE: dict[str, str] = {
     "transformers": "the reference model is built from a config without weights",
     "config._attn_implementation": "transformers: the attention the reference model runs",
     "site._server": "aiohttp: the port a site bound to port 0 got",
+    "options._timeout": "torch: a ProcessGroupNCCL's timeout is set through its options only",
 }
 
 

@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # the names below are checked where torch is not imported (co
     from pdserve.transfer.connector import KVReceiver, KVSender
 
 # Each connector's module registers it when imported; only the one asked for is
-# imported (object_store and p2p need Ray, cuda_ipc and shm do not).
-KNOWN = ("cuda_ipc", "object_store", "p2p", "shm")
+# imported (object_store, p2p and nccl need Ray, cuda_ipc and shm do not).
+KNOWN = ("cuda_ipc", "nccl", "object_store", "p2p", "shm")
 AUTO = "auto"  # a rank's own node: cuda_ipc for a KV cache on a GPU, shm for one in host memory
 # ... and between ranks on different Ray nodes, this one (any receiver takes its messages)
 ACROSS_NODES = "object_store"

@@ -14,8 +14,8 @@ under other indices (``CUDA_VISIBLE_DEVICES``), so the sender opens the handle
 on the local index whose UUID matches, and refuses a decode rank whose GPU it
 cannot see. Ray narrows each actor's ``CUDA_VISIBLE_DEVICES`` to its own GPUs,
 so under Ray this connector serves instances that share a GPU; instances on
-different GPUs use ``p2p`` (which stages GPU pages through host memory) until
-an NCCL pair connector exists.
+different GPUs use ``nccl`` (device to device over an NCCL pair group) or ``p2p``
+(which stages GPU pages through host memory); ``auto`` does not pick ``nccl`` yet.
 
 A run's pages are copied with one gather and one scatter (``index_select`` /
 ``index_copy_`` over page-major views), two kernels whatever the pages'

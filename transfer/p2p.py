@@ -30,7 +30,7 @@ A header length of 0 closes the pair. Each pair holds 4 x ``INLINE_PART``
 (8 MiB) of inline staging and two header slots on the decode rank.
 
 Payloads travel as bytes over gloo; a KV cache on a GPU is staged through
-host memory (NCCL pair groups are not wired in yet).
+host memory (the ``nccl`` connector moves GPU pages device to device).
 """
 
 from __future__ import annotations

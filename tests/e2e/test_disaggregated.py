@@ -28,6 +28,7 @@ PAIRS = [
     ("llama", "p2p", {}, {"tensor_parallel_size": 2}),
     ("qwen2", "object_store", {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}),
     ("mixtral", "shm", {"expert_parallel_size": 2}, {}),
+    ("qwen2", "nccl", {"tensor_parallel_size": 2}, {}),  # gloo pair groups on the CPU
 ]
 
 
