@@ -117,3 +117,27 @@ def test_a_stuck_peer_fails_the_flush_within_the_timeout_and_a_gone_one_at_once(
                 sender.flush()
                 time.sleep(0.1)
         assert sender.stats.failures == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_pages_move_between_two_gpus_over_nccl(monkeypatch, prefill_cache) -> None:
+    """The decode cache on GPU 0, the prefill cache on GPU 1: an NCCL pair, no host copy."""
+    monkeypatch.setattr(nccl, "ray", FAKE_RAY)
+    receiver = nccl.NcclReceiver("d0", 0)
+    receiver.allocate(KV_SHAPE, torch.float32, torch.device("cuda", 0))
+    endpoint = receiver.endpoint(FakeActor(kv_accept=receiver.accept))
+    assert endpoint.address[3] == "nccl"
+    torch.cuda.set_device(1)
+    sender = nccl.NcclSender()
+    sender.connect(endpoint)
+    source = prefill_cache.to("cuda:1")
+    send_all(sender, ("d0", 0), source)
+    sender.finish(("d0", 0), "r1")
+    sender.flush()
+    assert receiver.wait_landed("r1", 1, timeout_s=60)
+    assert receiver.kv_cache is not None
+    assert_landed(receiver.kv_cache.cpu(), prefill_cache)
+    sender.close()
