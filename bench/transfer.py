@@ -45,9 +45,8 @@ from pdserve.bench.report import write_json
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import PeerEndpoint
-from pdserve.transfer.nccl import NcclReceiver
 from pdserve.transfer.object_store import ObjectStoreReceiver
-from pdserve.transfer.p2p import P2PReceiver
+from pdserve.transfer.pairs import PairReceiver
 from pdserve.transfer.wire import PageHeader, PageRun, PageSource
 
 BLOCK, HEADS, DIM = 16, 8, 128  # one page of one layer: 2 * 16 * 8 * 128 * 4 B = 128 KiB
@@ -74,7 +73,7 @@ class DecodeRankStandIn:
         self.receiver.receive(header, keys, values)
 
     def kv_accept(self, pair_id: str) -> None:
-        assert isinstance(self.receiver, P2PReceiver | NcclReceiver), "not a pair connector"
+        assert isinstance(self.receiver, PairReceiver), "not a pair connector"
         self.receiver.accept(pair_id)
 
     def land(self, payload: np.ndarray) -> int:

@@ -51,8 +51,7 @@ from pdserve.prefill.server import PrefillServer
 from pdserve.transfer import across_nodes, resolve_connector
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.handshake import KVSpec, adapter_fingerprints, model_fingerprint
-from pdserve.transfer.nccl import NcclReceiver
-from pdserve.transfer.p2p import P2PReceiver
+from pdserve.transfer.pairs import PairReceiver
 from pdserve.transfer.rank import RankTransfer
 from pdserve.transfer.wire import dtype_name
 
@@ -203,7 +202,7 @@ class InstanceWorker(RankWorker, PrefillSurface, DecodeSurface):
     def kv_accept(self, pair_id: str) -> None:
         """Point-to-point and nccl connectors: join a sender's pair group."""
         receiver = self.transfer.receiver
-        assert isinstance(receiver, P2PReceiver | NcclReceiver), "not a pair connector's rank"
+        assert isinstance(receiver, PairReceiver), "not a pair connector's rank"
         receiver.accept(pair_id)
 
     def transfer_stats(self) -> tuple[dict[str, Any], dict[str, Any]]:

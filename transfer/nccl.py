@@ -1,9 +1,7 @@
 """``nccl`` connector: pages device to device over a ``torch.distributed`` pair group.
 
-Every (prefill rank, decode rank) pair gets a two-process group of its own, made as
-the ``p2p`` connector makes its pairs (the decode rank listens on a TCP store; a
-sender names a fresh pair id, asks the decode rank's actor to accept it, and both
-build the group under that prefix). The group is NCCL when the decode rank's KV
+Every (prefill rank, decode rank) pair gets a two-process group of its own, made
+as :mod:`~pdserve.transfer.pairs` makes pairs (``p2p``'s too). The group is NCCL when the decode rank's KV
 cache is on a GPU, so pages go from one GPU's cache to another's with no stop in
 host memory, and gloo when the cache is in host memory, which is how ``make test``
 runs this same code on a machine without GPUs.
@@ -35,23 +33,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import struct
-import threading
 import time
-import uuid
 from datetime import timedelta
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 
 from pdserve.core.errors import TransferError
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
+from pdserve.transfer.connector import register
+from pdserve.transfer.pairs import PairReceiver, PairSender
 from pdserve.transfer.wire import (
     PageHeader,
     PageRun,
     PageSource,
-    dtype_name,
     pack_message,
     torch_dtype,
     unpack_message,
@@ -61,10 +56,6 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(seconds=60)  # the pair group's: how long a send or receive may wait
 _FRAME = struct.Struct("<II")  # header length (0: close), number of runs
-
-
-def _node_ip() -> str:
-    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -91,44 +82,21 @@ def _frame(length: int, runs: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(_FRAME.pack(length, runs)), dtype=torch.uint8, device=device)
 
 
-class NcclReceiver(KVReceiver):
-    needs_arrival_marks = True
-
-    def __init__(self, instance_id: str, rank: int) -> None:
-        super().__init__(instance_id, rank)
-        self._store = dist.TCPStore(
-            _node_ip(), 0, 2, is_master=True, timeout=TIMEOUT, wait_for_workers=False
-        )
-        self._threads: list[threading.Thread] = []
-
-    def endpoint(self, actor: Any) -> PeerEndpoint:
+class NcclReceiver(PairReceiver):
+    def address_extras(self) -> tuple[Any, ...]:
         assert self.kv_cache is not None
-        return PeerEndpoint(
-            "nccl",
-            self.instance_id,
-            self.rank,
-            tuple(self.kv_cache.shape),
-            dtype_name(self.kv_cache.dtype),
-            (self._store.host, self._store.port, actor, backend_for(self.kv_cache.device)),
-        )
+        return (backend_for(self.kv_cache.device),)
 
-    def accept(self, pair_id: str) -> None:
-        """Join a sender's pair group (rank 0 of 2) and receive on it in a thread."""
+    def join(self, store: Any) -> Any:
         assert self.kv_cache is not None
         device = self.kv_cache.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group = pair_group(dist.PrefixStore(pair_id, self._store), 0, backend_for(device))
-        thread = threading.Thread(
-            target=self._serve,
-            args=(group, pair_id, device),
-            daemon=True,
-            name=f"pdserve-nccl-{pair_id[5:11]}",
-        )
-        thread.start()
-        self._threads.append(thread)
+        return pair_group(store, 0, backend_for(device))
 
-    def _serve(self, group: Any, pair_id: str, device: torch.device) -> None:
+    def serve(self, group: Any, pair_id: str) -> None:
+        assert self.kv_cache is not None
+        device = self.kv_cache.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
         frame = torch.empty(_FRAME.size, dtype=torch.uint8, device=device)
@@ -169,27 +137,13 @@ class NcclReceiver(KVReceiver):
         self.write(header, run[0], run[1])
 
 
-class NcclSender(KVSender):
-    def __init__(self) -> None:
-        super().__init__()
-        self._groups: dict[tuple[str, int], tuple[Any, torch.device]] = {}
-        self._marks: dict[tuple[str, int], list[str]] = {}
-        # (works, tensors they read, payload bytes): kept until the works completed.
-        self._pending: list[tuple[list[Any], list[torch.Tensor], int]] = []
-
-    def connect(self, endpoint: PeerEndpoint) -> None:
-        super().connect(endpoint)
-        host, port, actor, backend = endpoint.address
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        pair_id = f"nccl-{uuid.uuid4().hex}"
-        accepted = actor.kv_accept.remote(pair_id)
-        store = dist.TCPStore(host, port, 2, is_master=False, timeout=TIMEOUT)
-        group = pair_group(dist.PrefixStore(pair_id, store), 1, backend)
-        ray.get(accepted)
-        self._groups[(endpoint.instance_id, endpoint.rank)] = (
-            group,
-            device or torch.device("cpu"),
-        )
+class NcclSender(PairSender):
+    def join(self, store: Any, *extras: Any) -> Any:
+        """(the pair group, the device its buffers are on): the decode rank says the backend."""
+        (backend,) = extras
+        if backend != "nccl":
+            return pair_group(store, 1, backend), torch.device("cpu")
+        return pair_group(store, 1, backend), torch.device("cuda", torch.cuda.current_device())
 
     def send(self, peer: tuple[str, int], runs: list[PageRun]) -> None:
         parts: list[torch.Tensor] = []
@@ -222,45 +176,15 @@ class NcclSender(KVSender):
         except RuntimeError as e:  # the peer is gone
             self.stats.failures += 1
             raise TransferError(f"nccl transfer failed: {e}") from e
-        self._pending.append((works, tensors, sum(h.nbytes for h in headers)))
+        self.pending(works, tensors, sum(h.nbytes for h in headers))
 
-    def finish(self, peer: tuple[str, int], request_id: str) -> None:
-        """Queue the mark; ``flush`` sends a step's marks to a rank as one message."""
-        self._marks.setdefault(peer, []).append(request_id)
+    def post_marks(self, peer: tuple[str, int], request_ids: list[str]) -> None:
+        self._post(peer, [], request_ids, [])
 
-    def flush(self) -> None:
-        marks, self._marks = self._marks, {}
-        for peer, request_ids in marks.items():
-            self._post(peer, [], request_ids, [])
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        start = time.perf_counter()
-        try:
-            for works, _, _ in pending:
-                for w in works:
-                    w.wait()
-        except RuntimeError as e:  # the peer is gone, or did not receive within TIMEOUT
-            self.stats.failures += 1
-            raise TransferError(f"nccl transfer failed: {e}") from e
-        carried = [n for _, _, n in pending if n]
-        self.stats.add(sum(carried), time.perf_counter() - start, messages=len(carried))
-
-    def disconnect(self, instance_id: str) -> None:
-        for key in [k for k in self._groups if k[0] == instance_id]:
-            self._marks.pop(key, None)
-            self._close(*self._groups.pop(key))
-        super().disconnect(instance_id)
-
-    def _close(self, group: Any, device: torch.device) -> None:
+    def close_pair(self, link: Any) -> None:
+        group, device = link
         with contextlib.suppress(RuntimeError):
             group.send([_frame(0, 0, device)], 0, 0).wait()
-
-    def close(self) -> None:
-        for group, device in self._groups.values():
-            self._close(group, device)
-        self._groups.clear()
-        self._marks.clear()
 
 
 register("nccl", NcclSender, NcclReceiver)

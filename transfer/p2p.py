@@ -1,9 +1,7 @@
 """``torch.distributed`` point-to-point connector.
 
 Every (prefill rank, decode rank) pair gets its own two-process gloo group, made
-outside either instance's own process group: the decode rank listens on a TCP
-store; a sender names a fresh pair id, asks the decode rank's actor to accept
-it, and both build the pair group under that prefix. A receiver thread per
+as :mod:`~pdserve.transfer.pairs` makes pairs. A receiver thread per
 pair writes pages as they arrive and counts end-of-transfer marks, which the
 decode rank checks before a request runs (``needs_arrival_marks``).
 
@@ -38,25 +36,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import struct
-import threading
 import time
-import uuid
 from collections import deque
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 import torch.distributed as dist
 
 from pdserve.core.errors import TransferError
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
+from pdserve.transfer.connector import register
+from pdserve.transfer.pairs import PairReceiver, PairSender
 from pdserve.transfer.wire import (
     PageHeader,
     PageRun,
     PageSource,
-    dtype_name,
     pack_message,
     torch_dtype,
     unpack_message,
@@ -71,10 +66,6 @@ _HEADER_TAG, _INLINE_TAG, _DIRECT_TAG = 0, 1, 2
 _FRAME = struct.Struct("<II")  # header length, inline (1) or direct (0)
 
 
-def _node_ip() -> str:
-    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
-
-
 def _as_bytes(part: torch.Tensor) -> torch.Tensor:
     return part.view(torch.uint8).reshape(-1)
 
@@ -86,40 +77,11 @@ def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
 
 
-class P2PReceiver(KVReceiver):
-    needs_arrival_marks = True
+class P2PReceiver(PairReceiver):
+    def join(self, store: Any) -> Any:
+        return dist.ProcessGroupGloo(store, 0, 2, _TIMEOUT)
 
-    def __init__(self, instance_id: str, rank: int) -> None:
-        super().__init__(instance_id, rank)
-        self._store = dist.TCPStore(
-            _node_ip(), 0, 2, is_master=True, timeout=_TIMEOUT, wait_for_workers=False
-        )
-        self._threads: list[threading.Thread] = []
-
-    def endpoint(self, actor: Any) -> PeerEndpoint:
-        assert self.kv_cache is not None
-        return PeerEndpoint(
-            "p2p",
-            self.instance_id,
-            self.rank,
-            tuple(self.kv_cache.shape),
-            dtype_name(self.kv_cache.dtype),
-            (self._store.host, self._store.port, actor),
-        )
-
-    def accept(self, pair_id: str) -> None:
-        """Join a sender's pair group (rank 0 of 2) and receive on it in a thread."""
-        group = dist.ProcessGroupGloo(dist.PrefixStore(pair_id, self._store), 0, 2, _TIMEOUT)
-        thread = threading.Thread(
-            target=self._serve,
-            args=(group, pair_id),
-            daemon=True,
-            name=f"pdserve-p2p-{pair_id[:6]}",
-        )
-        thread.start()
-        self._threads.append(thread)
-
-    def _serve(self, group: Any, pair_id: str) -> None:
+    def serve(self, group: Any, pair_id: str) -> None:
         inbox = _Inbox(group)  # one per pair: several senders' threads write into one rank
         try:
             while (message := inbox.next_header()) is not None:
@@ -234,23 +196,9 @@ class _Inbox:
         self._post_inline(pair)
 
 
-class P2PSender(KVSender):
-    def __init__(self) -> None:
-        super().__init__()
-        self._groups: dict[tuple[str, int], Any] = {}
-        self._marks: dict[tuple[str, int], list[str]] = {}
-        # (works, tensors they read, payload bytes): kept until the works completed.
-        self._pending: list[tuple[list[Any], list[torch.Tensor], int]] = []
-
-    def connect(self, endpoint: PeerEndpoint) -> None:
-        super().connect(endpoint)
-        host, port, actor = endpoint.address
-        pair_id = f"pair-{uuid.uuid4().hex}"
-        accepted = actor.kv_accept.remote(pair_id)
-        store = dist.TCPStore(host, port, 2, is_master=False, timeout=_TIMEOUT)
-        group = dist.ProcessGroupGloo(dist.PrefixStore(pair_id, store), 1, 2, _TIMEOUT)
-        ray.get(accepted)
-        self._groups[(endpoint.instance_id, endpoint.rank)] = group
+class P2PSender(PairSender):
+    def join(self, store: Any, *extras: Any) -> Any:
+        return dist.ProcessGroupGloo(store, 1, 2, _TIMEOUT)
 
     def send(self, peer: tuple[str, int], runs: list[PageRun]) -> None:
         keys: list[torch.Tensor] = []
@@ -289,7 +237,7 @@ class P2PSender(KVSender):
         group = self._groups[peer]
         works = [group.send([tensors[0]], 0, _HEADER_TAG)]
         works += [group.send([p], 0, tag) for p in parts]
-        self._pending.append((works, tensors, sum(h.nbytes for h in headers)))
+        self.pending(works, tensors, sum(h.nbytes for h in headers))
 
     def _split(
         self,
@@ -317,44 +265,13 @@ class P2PSender(KVSender):
                 f"({HEADER_SLOT} bytes): send fewer pages per request and layer"
             )
 
-    def finish(self, peer: tuple[str, int], request_id: str) -> None:
-        """Queue the mark; ``flush`` sends a step's marks to a rank as one message."""
-        self._marks.setdefault(peer, []).append(request_id)
+    def post_marks(self, peer: tuple[str, int], request_ids: list[str]) -> None:
+        self._post(peer, [], request_ids, [], [])
 
-    def flush(self) -> None:
-        marks, self._marks = self._marks, {}
-        for peer, request_ids in marks.items():
-            self._post(peer, [], request_ids, [], [])
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        start = time.perf_counter()
-        try:
-            for works, _, _ in pending:
-                for w in works:
-                    w.wait()
-        except RuntimeError as e:
-            self.stats.failures += 1
-            raise TransferError(f"p2p transfer failed: {e}") from e
-        carried = [n for _, _, n in pending if n]
-        self.stats.add(sum(carried), time.perf_counter() - start, messages=len(carried))
-
-    def disconnect(self, instance_id: str) -> None:
-        for key in [k for k in self._groups if k[0] == instance_id]:
-            self._marks.pop(key, None)
-            self._close(self._groups.pop(key))
-        super().disconnect(instance_id)
-
-    def _close(self, group: Any) -> None:
+    def close_pair(self, link: Any) -> None:
         frame = torch.zeros(_FRAME.size, dtype=torch.uint8)  # header length 0
         with contextlib.suppress(RuntimeError):
-            group.send([frame], 0, _HEADER_TAG).wait()
-
-    def close(self) -> None:
-        for group in self._groups.values():
-            self._close(group)
-        self._groups.clear()
-        self._marks.clear()
+            link.send([frame], 0, _HEADER_TAG).wait()
 
 
 register("p2p", P2PSender, P2PReceiver)

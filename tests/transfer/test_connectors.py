@@ -22,9 +22,11 @@ from ray.exceptions import RayActorError
 
 from pdserve.core.errors import TransferError
 from pdserve.transfer import (
+    connector_classes,
     host_memory,
     object_store,
     p2p,
+    pairs,
     shm,
 )
 from pdserve.transfer.connector import PeerEndpoint
@@ -280,12 +282,14 @@ def test_object_store_reports_a_lost_decode_rank(monkeypatch, prefill_cache) -> 
 
 
 @contextmanager
-def p2p_connected(monkeypatch) -> Iterator[tuple[p2p.P2PSender, p2p.P2PReceiver]]:
-    """A sender paired with a receiver over a real gloo group, both in this process."""
-    monkeypatch.setattr(p2p, "ray", FAKE_RAY)
-    receiver = p2p.P2PReceiver("d0", 0)
+def pair_connected(monkeypatch, name: str = "p2p") -> Iterator[tuple[Any, Any]]:
+    """A sender paired with a receiver of a pair-group connector (``p2p``, ``nccl``) over
+    a real gloo group, both in this process."""
+    monkeypatch.setattr(pairs, "ray", FAKE_RAY)
+    sender_cls, receiver_cls = connector_classes(name)
+    receiver = receiver_cls("d0", 0)
     receiver.allocate(KV_SHAPE, torch.float32, CPU)
-    sender = p2p.P2PSender()
+    sender = sender_cls()
     sender.connect(receiver.endpoint(FakeActor(kv_accept=receiver.accept)))
     try:
         yield sender, receiver
@@ -296,9 +300,9 @@ def p2p_connected(monkeypatch) -> Iterator[tuple[p2p.P2PSender, p2p.P2PReceiver]
         assert not thread.is_alive(), "the receiver did not stop on the close message"
 
 
-@pytest.fixture
-def p2p_pair(monkeypatch) -> Iterator[tuple[p2p.P2PSender, p2p.P2PReceiver]]:
-    with p2p_connected(monkeypatch) as pair:
+@pytest.fixture(params=["p2p", "nccl"])  # nccl's pair groups are gloo on the CPU
+def p2p_pair(monkeypatch, request) -> Iterator[tuple[Any, Any]]:
+    with pair_connected(monkeypatch, request.param) as pair:
         yield pair
 
 
@@ -362,7 +366,7 @@ def test_p2p_sends_a_layer_of_several_requests_as_one_message(
     The step's marks travel as one more message.
     """
     monkeypatch.setattr(p2p, "INLINE_PART", inline_part)
-    with p2p_connected(monkeypatch) as (sender, receiver):
+    with pair_connected(monkeypatch) as (sender, receiver):
         counting = CountingGroup(sender._groups[("d0", 0)])
         sender._groups[("d0", 0)] = counting
         send_all(sender, ("d0", 0), prefill_cache)
@@ -381,7 +385,7 @@ def test_p2p_sends_a_layer_of_several_requests_as_one_message(
 
 def test_p2p_splits_a_header_longer_than_the_slot(monkeypatch, prefill_cache) -> None:
     monkeypatch.setattr(p2p, "HEADER_SLOT", 60)  # two runs' header (about 51 bytes) at most
-    with p2p_connected(monkeypatch) as (sender, receiver):
+    with pair_connected(monkeypatch) as (sender, receiver):
         counting = CountingGroup(sender._groups[("d0", 0)])
         sender._groups[("d0", 0)] = counting
         send_all(sender, ("d0", 0), prefill_cache)

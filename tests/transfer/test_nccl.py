@@ -3,8 +3,9 @@
 A sender and a receiver pair over a real two-rank gloo group, as a prefill rank and a
 decode rank would (the decode rank's actor is :class:`~tests.fakes.FakeActor`): pages
 land where their headers say, whether received straight into the cache or through a
-buffer; marks are counted per request; a close frame ends the receiver; and a peer
-that never receives fails the sender's flush within the group's timeout.
+buffer, and a peer that never receives fails the sender's flush within the group's
+timeout. (Marks, a close and one request's pages: the pair tests of
+tests/transfer/test_connectors.py, which run for p2p and nccl.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from pdserve.core.errors import TransferError
-from pdserve.transfer import connector_classes, nccl
+from pdserve.transfer import connector_classes, nccl, pairs
 from tests.fakes import FAKE_RAY, FakeActor
 from tests.transfer.test_connectors import (
     CPU,
@@ -27,6 +28,7 @@ from tests.transfer.test_connectors import (
     MESSAGES,
     PAYLOAD_BYTES,
     assert_landed,
+    pair_connected,
     send_all,
 )
 
@@ -38,20 +40,10 @@ def prefill_cache() -> torch.Tensor:
 
 @contextmanager
 def paired(monkeypatch) -> Iterator[tuple[nccl.NcclSender, nccl.NcclReceiver]]:
-    monkeypatch.setattr(nccl, "ray", FAKE_RAY)
-    receiver = nccl.NcclReceiver("d0", 0)
-    receiver.allocate(KV_SHAPE, torch.float32, CPU)
-    sender = nccl.NcclSender()
-    endpoint = receiver.endpoint(FakeActor(kv_accept=receiver.accept))
-    assert endpoint.connector == "nccl" and endpoint.address[3] == "gloo"
-    sender.connect(endpoint)
-    try:
+    with pair_connected(monkeypatch, "nccl") as (sender, receiver):
+        endpoint = sender.endpoints[("d0", 0)]
+        assert endpoint.connector == "nccl" and endpoint.address[3] == "gloo"
         yield sender, receiver
-    finally:
-        sender.close()
-    for thread in receiver._threads:
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the receiver did not stop on the close frame"
 
 
 def test_the_name_resolves_to_the_pair_connector() -> None:
@@ -78,29 +70,13 @@ def test_pages_are_in_place_when_the_end_marks_arrive(monkeypatch, prefill_cache
         assert receiver.stats.messages == sender.stats.messages == MESSAGES
 
 
-def test_marks_of_two_requests_are_told_apart_and_a_disconnect_closes(monkeypatch) -> None:
-    with paired(monkeypatch) as (sender, receiver):
-        sender.finish(("d0", 0), "a")
-        sender.finish(("d0", 0), "a")
-        sender.finish(("d0", 0), "b")
-        sender.flush()
-        assert receiver.wait_landed("a", 2, timeout_s=60)
-        assert receiver.wait_landed("b", 1, timeout_s=60)
-        assert not receiver.wait_landed("b", 2, timeout_s=0.05)
-        sender.disconnect("d0")
-        assert sender.endpoints == {}
-        for thread in receiver._threads:
-            thread.join(timeout=30)
-            assert not thread.is_alive()
-
-
 def test_a_stuck_peer_fails_the_flush_within_the_timeout_and_a_gone_one_at_once(
     monkeypatch, prefill_cache
 ) -> None:
     monkeypatch.setattr(nccl, "TIMEOUT", timedelta(seconds=2))
     stuck = threading.Event()
     # the decode rank joins the pair and then never receives (until the test ends)
-    monkeypatch.setattr(nccl.NcclReceiver, "_serve", lambda self, group, *_: stuck.wait(30))
+    monkeypatch.setattr(nccl.NcclReceiver, "serve", lambda self, group, *_: stuck.wait(30))
     with paired(monkeypatch) as (sender, _):
         send_all(sender, ("d0", 0), prefill_cache)
         sender.finish(("d0", 0), "r1")
@@ -125,7 +101,7 @@ def test_a_stuck_peer_fails_the_flush_within_the_timeout_and_a_gone_one_at_once(
 )
 def test_pages_move_between_two_gpus_over_nccl(monkeypatch, prefill_cache) -> None:
     """The decode cache on GPU 0, the prefill cache on GPU 1: an NCCL pair, no host copy."""
-    monkeypatch.setattr(nccl, "ray", FAKE_RAY)
+    monkeypatch.setattr(pairs, "ray", FAKE_RAY)
     receiver = nccl.NcclReceiver("d0", 0)
     receiver.allocate(KV_SHAPE, torch.float32, torch.device("cuda", 0))
     endpoint = receiver.endpoint(FakeActor(kv_accept=receiver.accept))

@@ -20,7 +20,7 @@ import torch
 from pdserve.core.errors import TransferError
 from pdserve.core.layout import Layout
 from pdserve.core.step import KVArrival, KVSend, ScheduledSeq, StepPlan
-from pdserve.transfer import object_store, p2p, shm
+from pdserve.transfer import object_store, pairs, shm
 from pdserve.transfer.rank import RankTransfer
 from pdserve.transfer.routes import plan_routes, routes_into
 from tests.fakes import FAKE_RAY, FakeActor
@@ -35,7 +35,7 @@ SRC_BLOCKS, DST_BLOCKS = [1, 2, 5], [6, 0, 3]
 def no_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     monkeypatch.setattr(object_store, "ray", FAKE_RAY)
-    monkeypatch.setattr(p2p, "ray", FAKE_RAY)
+    monkeypatch.setattr(pairs, "ray", FAKE_RAY)
 
 
 # "auto": both sides' own connector is shm, the decode rank is on another node
