@@ -57,11 +57,17 @@ from pdserve.sim.validate import (
     setup_profiles,
     workload_args,
 )
-from pdserve.sim.validate_report import compare_point, failed_lines, point_row, repeat_table
+from pdserve.sim.validate_report import (
+    compare_point,
+    failed_lines,
+    mean_figures,
+    point_row,
+    repeat_table,
+)
 from tests.sim.helpers import step_timeline, tiny_setup
 
 # |sim - real| / real for TTFT and TPOT p50 at this point, on 2 shared cores: 8 requests,
-# measured once after calibration runs of 4; a CI run of 12 after runs of 8 measured TTFT
+# measured before and after calibration runs of 4 (until 2026-12-03: once after them); a CI run of 12 after runs of 8 measured TTFT
 # p50 0.42 off (sim 114.9 ms, real 80.9 ms); 8 after 4 here: 0.07 and 0.03
 TOLERANCE = 0.50
 
@@ -85,14 +91,19 @@ def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
     point = Point("disaggregated", "long", 0.5)
     text, book = setup_profiles(point.setup, args)
     cal, ns = calibration_args(args), workload_args(point, args)
-    *real_cal, real, again = measure(
-        text, point.setup, [*cal, (ns, point.rate), (ns, point.rate)], args
+    # The point runs once before the calibration and once after it: the two runs' spread
+    # then holds how far this host drifted over the calibration it is judged against
+    # (two runs after it missed that: a clean-clone CI run fitted 108 ms per request in a
+    # slow spell, and the point, run once the host was fast again, measured TTFT p50
+    # 121 ms against the simulation's 243 ms, with 8% between its two runs).
+    before, *real_cal, after = measure(
+        text, point.setup, [(ns, point.rate), *cal, (ns, point.rate)], args
     )
-    assert real.summary["num_ok"] == real.summary["num_requests"] == 8
-    assert again.summary["num_ok"] == 8
-    # both engines' steps were traced: the prefill ran the prompts, decode the rest
-    assert {Measured.role_of(name) for name in real.steps} == {"prefill", "decode"}
-    prompts = [r for name, rs in real.steps.items() if name.startswith("prefill") for r in rs]
+    for run in (before, after):
+        assert run.summary["num_ok"] == run.summary["num_requests"] == 8
+        # both engines' steps were traced: the prefill ran the prompts, decode the rest
+        assert {Measured.role_of(name) for name in run.steps} == {"prefill", "decode"}
+    prompts = [r for name, rs in after.steps.items() if name.startswith("prefill") for r in rs]
     assert sum(sum(r.new_tokens) for r in prompts) >= 8 * 1024 - 8 * 16  # less cache hits
     overhead = calibrate(
         text, book, [m.summary for m in real_cal], cal, Measured.role_traces(real_cal)
@@ -100,13 +111,12 @@ def test_simulated_p50s_are_near_the_measured_ones(ray_session) -> None:
     assert overhead.live.steps > 0 and overhead.live.memory_scale > 0
     assert set(overhead.role_live) == {"prefill", "decode"}  # as sim-validate fits them
     sim = simulate(text, book, ns, point.rate, overhead)
-    result = compare_point(real.summary, sim)
-    itself = compare_point(real.summary, again.summary)  # the real system against itself
+    result = compare_point(mean_figures([before.summary, after.summary]), sim)
+    itself = compare_point(before.summary, after.summary)  # the real system against itself
     for key in ("ttft_p50", "tpot_p50"):
         c, spread = result[key], abs(itself[key]["error"] or 0.0)
-        # judged beside the real system's own spread at this moment: a CI run found the
-        # simulation 108% above one measured TTFT p50 (518 vs 249 ms) on a tree whose
-        # point was within 10% alone, and two runs of one point differ by up to 82% here
+        # judged beside the real system's own spread over the calibration's span: two
+        # runs of one point differ by up to 82% on two loaded cores
         bound = max(TOLERANCE, 2 * spread)
         assert c["error"] is not None and abs(c["error"]) <= bound, (key, c, spread, overhead)
 
