@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from pdserve.core.errors import TransferError
 from pdserve.transfer.connector import register
-from pdserve.transfer.pairs import PairReceiver, PairSender
+from pdserve.transfer.pairs import PairReceiver, PairSender, byte_view
 from pdserve.transfer.wire import (
     PageHeader,
     PageRun,
@@ -56,12 +56,6 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(seconds=60)  # the pair group's: how long a send or receive may wait
 _FRAME = struct.Struct("<II")  # header length (0: close), number of runs
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, as a view (a receive into a copy would be lost)."""
-    assert t.is_contiguous(), "a send or receive buffer must be contiguous"
-    return t.view(torch.uint8).reshape(-1)
 
 
 def backend_for(device: torch.device) -> str:
@@ -129,11 +123,11 @@ class NcclReceiver(PairReceiver):
         ).contiguous_parts()
         if direct is not None:
             for part in direct:
-                group.recv([_bytes(part)], 1, 0).wait()
+                group.recv([byte_view(part)], 1, 0).wait()
             return
         run = torch.empty(header.shape, dtype=torch_dtype(header.dtype), device=device)
         for part in (run[0], run[1]):
-            group.recv([_bytes(part)], 1, 0).wait()
+            group.recv([byte_view(part)], 1, 0).wait()
         self.write(header, run[0], run[1])
 
 
@@ -153,7 +147,7 @@ class NcclSender(PairSender):
             if pair is None or pair[0].device != device:
                 payload = source.gather().to(device)
                 pair = [payload[0], payload[1]]
-            parts += [_bytes(pair[0]), _bytes(pair[1])]
+            parts += [byte_view(pair[0]), byte_view(pair[1])]
         self._post(peer, [h for h, _ in runs], [], parts)
 
     def _post(

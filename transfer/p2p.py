@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from pdserve.core.errors import TransferError
 from pdserve.transfer.connector import register
-from pdserve.transfer.pairs import PairReceiver, PairSender
+from pdserve.transfer.pairs import PairReceiver, PairSender, byte_view
 from pdserve.transfer.wire import (
     PageHeader,
     PageRun,
@@ -64,10 +64,6 @@ HEADER_SLOT = 256 * 1024  # bytes of each header receive; fits ~60k block ids
 INLINE_PART = 2 << 20  # bytes of each inline staging buffer (K or V of a message)
 _HEADER_TAG, _INLINE_TAG, _DIRECT_TAG = 0, 1, 2
 _FRAME = struct.Struct("<II")  # header length, inline (1) or direct (0)
-
-
-def _as_bytes(part: torch.Tensor) -> torch.Tensor:
-    return part.view(torch.uint8).reshape(-1)
 
 
 def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -135,7 +131,7 @@ class P2PReceiver(PairReceiver):
                 half = header.nbytes // 2
                 parts = [buf[:half], buf[half:]]
                 scatter.append((header, buf))
-            works += [inbox.group.recv([_as_bytes(p)], 1, _DIRECT_TAG) for p in parts]
+            works += [inbox.group.recv([byte_view(p)], 1, _DIRECT_TAG) for p in parts]
         for w in works:
             w.wait()
         for header, buf in scatter:
@@ -208,8 +204,8 @@ class P2PSender(PairSender):
             if pair is None or pair[0].device.type != "cpu":
                 payload = source.gather().cpu()
                 pair = [payload[0], payload[1]]
-            keys.append(_as_bytes(pair[0]))
-            values.append(_as_bytes(pair[1]))
+            keys.append(byte_view(pair[0]))
+            values.append(byte_view(pair[1]))
         self._post(peer, [h for h, _ in runs], [], keys, values)
 
     def _post(

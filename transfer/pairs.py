@@ -34,6 +34,13 @@ from pdserve.transfer.wire import dtype_name
 STORE_TIMEOUT = timedelta(seconds=60)  # how long a pair's rendezvous may take
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a view: what a pair sends or receives into (a
+    receive into a copy would be lost)."""
+    assert t.is_contiguous(), "a send or receive buffer must be contiguous"
+    return t.view(torch.uint8).reshape(-1)
+
+
 def node_ip() -> str:
     return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
 
