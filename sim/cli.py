@@ -1,6 +1,7 @@
 """``pdserve profile``, ``pdserve sim`` and ``pdserve plan``: flags and handlers.
 
-    pdserve profile --model builtin:tiny --out profile.json          # measure this machine
+    pdserve profile --config cluster.yaml --out profile.json         # a cluster as it serves
+    pdserve profile --model builtin:tiny --out profile.json          # its steps alone
     pdserve profile --model llama-7b --device h100 --tp 1 --out h100.json   # analytic
     pdserve sim --config cluster.yaml --profile profile.json --rate 2 4 --num-requests 200
     pdserve sim --config fleet.yaml --device h100 --trace azure-conv --rate 50
@@ -75,7 +76,37 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", default="profile.json")
     add_device_flags(p)
+    _add_calibration_flags(p)
     p.set_defaults(func=cmd_profile, prog="pdserve profile")
+
+
+def _add_calibration_flags(p: argparse.ArgumentParser) -> None:
+    """``pdserve profile --config``: a profile calibrated on a cluster as it serves."""
+    c = p.add_argument_group(
+        "calibrated on a cluster (pdserve.sim.calibrate_cluster: what a served request pays "
+        "beyond its steps; the profile pdserve sim should be given)"
+    )
+    c.add_argument(
+        "--config",
+        default=None,
+        help="calibrate on the cluster of this config file (its model and layouts; "
+        "--model and the layout flags are not used): started here for the calibration, "
+        "or the one running at --ray-address",
+    )
+    c.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --config: the Ray cluster on which pdserve serves CONFIG now "
+        "(e.g. auto); it should serve nothing else meanwhile",
+    )
+    c.add_argument("--api-key", default=None, help="with --config (default: the config's)")
+    c.add_argument(
+        "--calibration-requests",
+        type=int,
+        default=8,
+        help="requests of each calibration run (about 2 minutes at 8 on a small model)",
+    )
+    c.add_argument("--seed", type=int, default=0)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -85,6 +116,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from pdserve.sim.profile import save_profile
 
     command = command_line(args)
+    if args.config is not None:
+        return calibrate_profile(args, command)
+    if args.ray_address is not None:
+        raise InvalidArgumentError("ray_address", "is where a --config cluster runs")
     if args.block_size < 1:
         raise InvalidArgumentError("block_size", f"must be at least 1, got {args.block_size}")
     if args.device is not None:
@@ -122,6 +157,29 @@ def cmd_profile(args: argparse.Namespace) -> int:
     path = save_profile(profile, args.out)
     print(describe_profile(profile))
     print(f"wrote {path}")
+    return 0
+
+
+def calibrate_profile(args: argparse.Namespace, command: str) -> int:
+    """``pdserve profile --config CONFIG``: the profile of the config's cluster as
+    it serves (:mod:`pdserve.sim.calibrate_cluster`)."""
+    from pdserve.sim.calibrate_cluster import (
+        ClusterCalibration,
+        calibrate_cluster,
+        describe_calibration,
+    )
+    from pdserve.sim.profile import save_profile
+
+    if args.device is not None:
+        raise InvalidArgumentError("device", "an analytic profile is not calibrated on a cluster")
+    opts = ClusterCalibration(
+        args.config, args.ray_address, args.api_key, args.calibration_requests, args.seed
+    )
+    calibrated = calibrate_cluster(opts, command)
+    path = save_profile(calibrated.profile, args.out)
+    print(describe_profile(calibrated.profile))
+    print(describe_calibration(calibrated))
+    print(f"wrote {path} (pdserve sim --config {args.config} --profile {path} ...)")
     return 0
 
 

@@ -60,6 +60,7 @@ SECOND_LANE = (
     "tests/e2e/test_disaggregated.py",
     "tests/e2e/test_quant_disaggregated.py",
     "tests/sim/test_profile.py",
+    "tests/sim/test_calibrate_cluster.py",
 )
 NO_TESTS = 5  # pytest's exit status when a step selected nothing
 REPORTS = "test-artifacts/lanes"  # each step's JUnit report (tests/durations.py reads them)
