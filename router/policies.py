@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -149,7 +149,7 @@ class CostModel(RoutingPolicy):
         def cost(row: int) -> float:
             return float((base[row] - cached[row] * bs) * per_token[row])
 
-        for row in np.argsort(floor, kind="stable").tolist():
+        for row in by_floor(floor):
             if floor[row] >= best_cost:
                 break
             c = cost(row)
@@ -162,6 +162,20 @@ class CostModel(RoutingPolicy):
             if cost(row) == best_cost:
                 return row
         return best
+
+
+FIRST_ROWS = 8  # rows ordered before the rest: the search mostly ends among them
+
+
+def by_floor(floor: np.ndarray) -> Iterator[int]:
+    """Rows in ascending order of ``floor``: the :data:`FIRST_ROWS` lowest sorted first
+    (a partition and a sort of eight), the rest sorted only if the search reaches them."""
+    if len(floor) <= FIRST_ROWS:
+        yield from np.argsort(floor, kind="stable").tolist()
+        return
+    parted = np.argpartition(floor, FIRST_ROWS)  # the first FIRST_ROWS lowest, unordered
+    for part in (parted[:FIRST_ROWS], parted[FIRST_ROWS:]):
+        yield from part[np.argsort(floor[part], kind="stable")].tolist()
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {c.name: c for c in (RoundRobin, LeastLoaded, CostModel)}

@@ -12,7 +12,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.admission import Admission, RetryBudget
 from pdserve.router.config import RouterConfig
 from pdserve.router.placement import FEW_HOLDERS, CompletionInput
-from pdserve.router.policies import CachedBlocks, RoutingRequest, make_policy
+from pdserve.router.policies import FIRST_ROWS, CachedBlocks, RoutingRequest, by_floor, make_policy
 from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
 from pdserve.router.router import InstanceInfo, Router
 from pdserve.router.state import InstanceView, RegionTable
@@ -356,3 +356,15 @@ def test_a_prompt_many_instances_hold_is_placed_as_pricing_every_holder_would() 
         cached = np.array([counts.get(v.instance_id, 0) for v in table.views])
         want = table.views[int(np.argmin((table.queued + 512 - cached * 16) * table.per_token))]
         assert choice.prefill is want, (trial, choice.prefill, want)
+
+
+def test_the_search_reads_rows_in_ascending_floor_each_once() -> None:
+    rng = np.random.default_rng(0)
+    for n in (1, FIRST_ROWS - 1, FIRST_ROWS, FIRST_ROWS + 1, 50, 500):
+        floor = rng.integers(0, 7, n).astype(np.float64)  # many ties
+        floor[rng.integers(0, n)] = np.nan  # a price that is not a number comes last
+        rows = list(by_floor(floor))
+        assert sorted(rows) == list(range(n))
+        seen = floor[rows]
+        numbers = seen[~np.isnan(seen)]
+        assert np.all(np.diff(numbers) >= 0) and np.isnan(seen[-1]), (n, seen)
