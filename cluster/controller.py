@@ -96,9 +96,11 @@ class Controller:
         capacity: CapacityModel | None = None,
         router: Any = None,
         key: str = "",
+        events: list[str] | None = None,
     ) -> None:
-        """``router`` and ``key``: a further model version's controller, in the root
-        controller's process, shares its router; its instances register with ``key``."""
+        """``router``, ``key`` and ``events``: a further model version's controller, in
+        the root controller's process, shares its router and its event log; its
+        instances register with ``key``."""
         setup_logging()
         self.config = config
         self.key = key  # the deployment key of the model version it serves (router.models)
@@ -128,7 +130,7 @@ class Controller:
         # Instances found unhealthy, shown by status until their replacement is up.
         self.unhealthy: dict[str, InstanceStatus] = {}
         self.retries: dict[str, RetryState] = {}  # region -> its failed starts
-        self.events: list[str] = []
+        self.events: list[str] = [] if events is None else events
         self.scale_log = ScaleLog()  # for the metrics and the dashboard
         self.lock = threading.RLock()
         self.topology = threading.RLock()

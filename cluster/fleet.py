@@ -238,8 +238,10 @@ class Fleet:
         """Start a version's controller and instances; the router serves it once they
         are up (a further version of a model with no traffic yet)."""
         config = self.root.config.deployment(spec)
-        controller = type(self.root)(config, None, router=self.root.router, key=spec.key)
-        controller.events = self.root.events  # one event log for every deployment
+        # one event log for every deployment
+        controller = type(self.root)(
+            config, None, router=self.root.router, key=spec.key, events=self.root.events
+        )
         try:
             controller.start()
             self._serve_version(spec, controller)

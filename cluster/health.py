@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 from ray.exceptions import RayActorError
@@ -27,18 +27,63 @@ from pdserve.cluster.topology import register
 from pdserve.core.snapshot import ExpertLoad
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import Controller
+    from contextlib import AbstractContextManager
+
+    from pdserve.cluster.config import HealthConfig
+    from pdserve.cluster.fleet import Fleet
+    from pdserve.cluster.membership import Membership
+    from pdserve.cluster.scale_log import ScaleLog
+    from pdserve.cluster.topology import RegionInstances
+    from pdserve.core.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 EXPERT_LOAD_EVERY = 5  # health rounds between reads of the MoE ranks' expert counters
 
 
+class HealthHost(Protocol):
+    """What the health checks read and change of the controller: its lock, instances,
+    unhealthy set and the router (whose incarnation they follow; the root's fleet
+    rejoins a restarted one), and the calls that replace an instance."""
+
+    router_incarnation: str | None  # the router's, as last seen: a restart re-registers
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def owns_router(self) -> bool: ...
+    @property
+    def fleet(self) -> Fleet | None: ...
+    @property
+    def health(self) -> HealthConfig: ...
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def regions(self) -> dict[str, RegionInstances]: ...
+    @property
+    def unhealthy(self) -> dict[str, InstanceStatus]: ...
+    @property
+    def router(self) -> Any: ...
+    @property
+    def scale_log(self) -> ScaleLog: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def stopping(self) -> bool: ...
+    def converge(self, region: str, raise_errors: bool = False) -> None: ...
+    def retry_due(self) -> None: ...
+    def push_snapshot(self) -> None: ...
+    def decision(self, region: str, action: str, cause: str, reason: str, source: str) -> None: ...
+    def event(self, text: str) -> None: ...
+
+
 class HealthChecks:
     """The health work of a :class:`~pdserve.cluster.controller.Controller`,
     on its state (``c``) and under its locks."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: HealthHost) -> None:
         self.c = controller
         self._reader = ExpertLoadReader()
         self._experts: dict[str, ExpertLoad] = {}

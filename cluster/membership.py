@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import ray
 
@@ -48,7 +48,15 @@ from pdserve.core.errors import InstanceFailedError
 from pdserve.parallel.instance import RankResources
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import Controller
+    from concurrent.futures import Future
+    from contextlib import AbstractContextManager
+
+    from pdserve.cluster.config import ClusterConfig, HealthConfig
+    from pdserve.cluster.pool import WarmPool
+    from pdserve.cluster.scale_log import ScaleLog
+    from pdserve.cluster.status import InstanceStatus
+    from pdserve.cluster.topology import RegionInstances
+    from pdserve.core.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +74,57 @@ def in_parallel(call: Callable[[T], R], items: Sequence[T], name: str) -> list[R
         return list(pool.map(call, items))
 
 
+class MembershipHost(Protocol):
+    """What membership reads and changes of the controller: the config and each region's
+    spec, instances, starts in flight, draining and unhealthy sets and failed starts
+    (under ``lock``; pairing and registering under ``topology``), the router, the warm
+    pool it takes instances from, and the calls that log and reconcile."""
+
+    @property
+    def config(self) -> ClusterConfig: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def health(self) -> HealthConfig: ...
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def topology(self) -> AbstractContextManager[Any]: ...
+    @property
+    def specs(self) -> dict[str, RegionConfig]: ...
+    @property
+    def regions(self) -> dict[str, RegionInstances]: ...
+    @property
+    def starting(self) -> dict[str, dict[str, int]]: ...
+    @property
+    def draining(self) -> set[str]: ...
+    @property
+    def unhealthy(self) -> dict[str, InstanceStatus]: ...
+    @property
+    def retries(self) -> dict[str, RetryState]: ...
+    @property
+    def scale_log(self) -> ScaleLog: ...
+    @property
+    def router(self) -> Any: ...
+    @property
+    def router_up(self) -> Future[None]: ...
+    @property
+    def pool(self) -> WarmPool: ...
+    @property
+    def stopping(self) -> bool: ...
+    def converge(self, region: str, raise_errors: bool = False) -> None: ...
+    def short(self, region: str) -> bool: ...
+    def decision(self, region: str, action: str, cause: str, reason: str, source: str) -> None: ...
+    def event(self, text: str) -> None: ...
+
+
 class Membership:
     """The starts and drains of a :class:`~pdserve.cluster.controller.Controller`,
     on its state (``c``) and under its locks."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: MembershipHost) -> None:
         self.c = controller
         self._ids = 0  # instances started, for their ids
 

@@ -13,7 +13,7 @@ whatever the planner's mode (the planner only takes instances away again).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
@@ -21,18 +21,71 @@ from pdserve.cluster.planner import PlannerDecision, RegionMetrics
 from pdserve.cluster.worker import Role
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import Controller
+    from contextlib import AbstractContextManager
+
+    from pdserve.cluster.config import ClusterConfig, RegionConfig
+    from pdserve.cluster.instances import Instance
+    from pdserve.cluster.membership import Membership
+    from pdserve.cluster.planner import PlannerPolicy
+    from pdserve.cluster.status import RegionStatus
+    from pdserve.cluster.topology import RegionInstances
 
 logger = logging.getLogger(__name__)
 
 FLIP_IDLE_WAIT_S = 60.0
 
 
+class PlanningHost(Protocol):
+    """What the planner's work reads and changes of the controller: the config, the
+    planner, each region's spec, instances, targets and starts in flight (under
+    ``lock``; a flip under ``topology``), and the calls that scale and log."""
+
+    @property
+    def config(self) -> ClusterConfig: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def planner(self) -> PlannerPolicy: ...
+    @property
+    def retired(self) -> bool: ...
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def topology(self) -> AbstractContextManager[Any]: ...
+    @property
+    def specs(self) -> dict[str, RegionConfig]: ...
+    @property
+    def regions(self) -> dict[str, RegionInstances]: ...
+    @property
+    def targets(self) -> dict[str, dict[str, int]]: ...
+    @property
+    def starting(self) -> dict[str, dict[str, int]]: ...
+    @property
+    def draining(self) -> set[str]: ...
+    @property
+    def router(self) -> Any: ...
+    @property
+    def membership(self) -> Membership: ...
+    def scale(
+        self,
+        region: str,
+        prefill: int | None,
+        decode: int | None,
+        reason: str = ...,
+        source: str = ...,
+        cause: str = ...,
+    ) -> RegionStatus: ...
+    def staying(self, region: str, role: Role) -> list[Instance]: ...
+    def pages_used(self, instances: list[Instance]) -> dict[str, int]: ...
+    def decision(self, region: str, action: str, cause: str, reason: str, source: str) -> None: ...
+    def event(self, text: str) -> None: ...
+
+
 class Planning:
     """The planner work of a :class:`~pdserve.cluster.controller.Controller`,
     on its state (``c``) and under its locks."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: PlanningHost) -> None:
         self.c = controller
 
     def plan(self) -> None:

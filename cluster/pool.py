@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
@@ -35,17 +35,39 @@ from pdserve.cluster.instances import CALL_TIMEOUT_S, Instance, first_line
 from pdserve.cluster.worker import Role
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import Controller
+    from contextlib import AbstractContextManager
+
+    from pdserve.cluster.config import ClusterConfig, HealthConfig, RegionConfig
+    from pdserve.cluster.membership import Membership
 
 logger = logging.getLogger(__name__)
 
 POOL_ROLE: Role = "decode"  # the role pooled instances start in
 
 
+class PoolHost(Protocol):
+    """What the warm pool reads of the controller: the config and each region's spec,
+    how to start an instance (membership), and the calls that log."""
+
+    @property
+    def config(self) -> ClusterConfig: ...
+    @property
+    def health(self) -> HealthConfig: ...
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def specs(self) -> dict[str, RegionConfig]: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def stopping(self) -> bool: ...
+    def event(self, text: str) -> None: ...
+
+
 class WarmPool:
     """The warm instances of every region of a :class:`~pdserve.cluster.controller.Controller`."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: PoolHost) -> None:
         self.c = controller
         self.ready: dict[str, list[Instance]] = {name: [] for name in controller.specs}
         self.filling: dict[str, int] = dict.fromkeys(controller.specs, 0)

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.cluster.planner import PlannerDecision
 from pdserve.core.snapshot import ScaleEvent
 from pdserve.router.actor import Endpoints
 
 if TYPE_CHECKING:
-    from pdserve.cluster.controller import Controller
+    from contextlib import AbstractContextManager
+
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.fleet import Fleet
+    from pdserve.cluster.planner import PlannerPolicy
+    from pdserve.cluster.pool import WarmPool
+    from pdserve.cluster.scale_log import ScaleLog
+    from pdserve.cluster.topology import RegionInstances
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,42 @@ class RetryState:
     error: str = ""
 
 
-def region_status(c: Controller, name: str) -> RegionStatus:
+class StatusSource(Protocol):
+    """What a status is read from: a controller's config, instances, targets, starts,
+    failed starts, draining and unhealthy sets, warm pools and logs (under ``lock``),
+    its planner's decisions and the model versions it serves."""
+
+    @property
+    def config(self) -> ClusterConfig: ...
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def endpoints(self) -> Endpoints | None: ...
+    @property
+    def regions(self) -> dict[str, RegionInstances]: ...
+    @property
+    def targets(self) -> dict[str, dict[str, int]]: ...
+    @property
+    def starting(self) -> dict[str, dict[str, int]]: ...
+    @property
+    def retries(self) -> dict[str, RetryState]: ...
+    @property
+    def draining(self) -> set[str]: ...
+    @property
+    def unhealthy(self) -> dict[str, InstanceStatus]: ...
+    @property
+    def pool(self) -> WarmPool: ...
+    @property
+    def planner(self) -> PlannerPolicy: ...
+    @property
+    def events(self) -> list[str]: ...
+    @property
+    def scale_log(self) -> ScaleLog: ...
+    @property
+    def fleet(self) -> Fleet | None: ...
+
+
+def region_status(c: StatusSource, name: str) -> RegionStatus:
     """A region of ``c``'s model version against its targets (``c.lock`` held)."""
     r, t, retry = c.regions[name], c.targets[name], c.retries.get(name)
     return RegionStatus(
@@ -81,7 +123,7 @@ def region_status(c: Controller, name: str) -> RegionStatus:
     )
 
 
-def cluster_status(c: Controller) -> ClusterStatus:
+def cluster_status(c: StatusSource) -> ClusterStatus:
     models = c.fleet.status() if c.fleet is not None else []
     with c.lock:
         regions = [region_status(c, name) for name in c.regions]

@@ -13,19 +13,43 @@ request ends once the peer answered.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.core.messages import Reservation, ReserveRequest
 from pdserve.engine.engine import EngineCore
 
 if TYPE_CHECKING:
-    from pdserve.decode.server import DecodeServer
+    from pdserve.core.config import DisaggregationConfig
+    from pdserve.core.layout import Layout
+    from pdserve.core.request import RequestOutput
+    from pdserve.transfer.peer_pull import PeerPull
+    from pdserve.transfer.stats import LeaseStats
+
+
+class PeerFillHost(Protocol):
+    """What a peer fill reads and calls of its decode server: its name and rule for
+    prefilling here, the paired prefill instances, its pulls and counters, and how
+    a request's outputs reach their subscriber."""
+
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def config(self) -> DisaggregationConfig: ...
+    @property
+    def prefills(self) -> dict[str, tuple[Any, Layout]]: ...
+    @property
+    def pulls(self) -> PeerPull: ...
+    @property
+    def stats(self) -> LeaseStats: ...
+    def subscribe(self, request_id: str, sink: Any) -> None: ...
+    def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
 
 def start_peer_fill(
-    server: DecodeServer, engine: EngineCore, request: ReserveRequest, sink: Any
+    server: PeerFillHost, engine: EngineCore, request: ReserveRequest, sink: Any
 ) -> Reservation | None:
     """Reserve the prompt's pages and ask the peer for its prefix; None: not worth it."""
     peer = request.peer
@@ -59,7 +83,7 @@ def start_peer_fill(
 
 
 def _landed(
-    server: DecodeServer, engine: EngineCore, request: ReserveRequest, indexed: int | None
+    server: PeerFillHost, engine: EngineCore, request: ReserveRequest, indexed: int | None
 ) -> None:
     """The peer answered: prefill the rest here, or end a request aborted meanwhile."""
     if indexed is None:

@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,8 +23,22 @@ from pdserve.core.metrics import PHASES, Metrics
 from pdserve.core.snapshot import ClusterSnapshot, SnapshotCollector
 
 if TYPE_CHECKING:
-    from pdserve.router.router import Router
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.state import ClusterView
     from pdserve.router.stream import RequestStream
+
+
+class ObservedRouter(Protocol):
+    """What the observer reads of its router: the config (regions, SLOs), the cluster's
+    instances and tables, and the requests in flight per region."""
+
+    @property
+    def config(self) -> RouterConfig: ...
+    @property
+    def cluster(self) -> ClusterView: ...
+    @property
+    def region_inflight(self) -> dict[str, int]: ...
+
 
 HISTORY = 900  # dashboard samples kept (one a second: 15 minutes)
 WINDOW_S = 30.0  # latency percentiles on the dashboard are over this window
@@ -136,7 +150,7 @@ class Observer:
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
 
-    def sample(self, router: Router) -> dict[str, Any]:
+    def sample(self, router: ObservedRouter) -> dict[str, Any]:
         """One dashboard point per region: counts, queues, KV usage, latency, bandwidth."""
         now_wall, now = time.time(), time.monotonic()
         snap = self.cluster.snapshot
@@ -189,7 +203,7 @@ class Observer:
         return [r for r in self.completed[region] if now - r[0] <= window_s]
 
     def region_metrics(
-        self, router: Router, window_s: float, model: str = ""
+        self, router: ObservedRouter, window_s: float, model: str = ""
     ) -> list[dict[str, Any]]:
         """Each region's recent latencies and load of one model version (its deployment
         key ``model``), for its planner."""
@@ -228,7 +242,7 @@ class Observer:
             )
         return out
 
-    def dashboard(self, router: Router, since: float) -> dict[str, Any]:
+    def dashboard(self, router: ObservedRouter, since: float) -> dict[str, Any]:
         snap = self.cluster.snapshot
         return {
             "now": time.time(),

@@ -10,20 +10,69 @@ counts is recorded as a row of :attr:`~pdserve.sim.cluster.SimRun.counts`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.cluster.planner import PlannerDecision
 from pdserve.sim.instance import SimInstance
 from pdserve.sim.metrics import region_metrics
 
 if TYPE_CHECKING:
-    from pdserve.sim.cluster import SimCluster
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.planner import PlannerPolicy
+    from pdserve.router.prefix_index import PrefixIndex
+    from pdserve.router.state import ClusterView
+    from pdserve.sim.clock import EventQueue, VirtualClock
+    from pdserve.sim.metrics import RegionWindow
+    from pdserve.sim.options import SimOptions, SimRun
+    from pdserve.sim.workload import SimWorkload
+
+
+class ScalingHost(Protocol):
+    """What the planner side reads and changes of a simulated cluster: its clock and
+    event queue, config, planner and options, the instances (joined, starting) and
+    each region's metric windows, the router's tables and prefix index, the requests
+    in flight and still to come, and the run's record of decisions and counts."""
+
+    @property
+    def clock(self) -> VirtualClock: ...
+    @property
+    def queue(self) -> EventQueue: ...
+    @property
+    def config(self) -> ClusterConfig: ...
+    @property
+    def options(self) -> SimOptions: ...
+    @property
+    def planner(self) -> PlannerPolicy: ...
+    @property
+    def regions(self) -> list[str]: ...
+    @property
+    def instances(self) -> dict[str, SimInstance]: ...
+    @property
+    def starting(self) -> Counter[tuple[str, str]]: ...
+    @property
+    def windows(self) -> dict[str, RegionWindow]: ...
+    @property
+    def view(self) -> ClusterView: ...
+    @property
+    def prefixes(self) -> PrefixIndex: ...
+    @property
+    def tracks(self) -> dict[str, Any]: ...
+    @property
+    def next_arrival(self) -> int: ...
+    @property
+    def work(self) -> SimWorkload: ...
+    @property
+    def run_info(self) -> SimRun: ...
+    def new_instance(self, region: str, role: str) -> SimInstance: ...
+    def join(self, inst: SimInstance) -> None: ...
 
 
 class SimScaling:
-    """The planner work of a :class:`~pdserve.sim.cluster.SimCluster`, on its state (``c``)."""
+    """The planner work of a :class:`~pdserve.sim.cluster.SimCluster`, on the part of
+    its state it may touch (``c``: :class:`ScalingHost`)."""
 
-    def __init__(self, cluster: SimCluster) -> None:
+    def __init__(self, cluster: ScalingHost) -> None:
         self.c = cluster
 
     def on_plan(self, _: Any) -> None:

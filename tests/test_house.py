@@ -1,5 +1,8 @@
-"""The house rules: no function over 50 lines, ruff format owns the layout, and no
-object reaches into another one's private members.
+"""The house rules: no function over 50 lines, ruff format owns the layout, no object
+reaches into another one's private members, and an object its owner hands itself to
+(the controller's health checks, membership, planning, warm pool and status; the
+simulated cluster's scaling; a decode server's peer fills; the router's observer) sees the owner through a Protocol of what it may touch,
+never the owner's class (:data:`NARROW_VIEWS`).
 
 Short functions keep each step of the request path readable in one screen. Every
 function and method of the source folders (read from pyproject's package map) is
@@ -204,3 +207,56 @@ def test_the_private_rule_sees_a_reach_and_leaves_self_alone(tmp_path: Path) -> 
     )
     got = [line.split(": ", 1)[1] for line in private_reaches_in([tmp_path / "m.py"])]
     assert got == ["other._y"]
+
+
+# Objects an owner hands itself to, the Protocol each takes it as (the part of the
+# owner's state it may touch: mypy checks that the owner has it and that the
+# collaborator touches nothing else), and the owner's module, which they do not import.
+NARROW_VIEWS: dict[str, tuple[str, str]] = {
+    "cluster/health.py": ("HealthHost", "pdserve.cluster.controller"),
+    "cluster/membership.py": ("MembershipHost", "pdserve.cluster.controller"),
+    "cluster/planning.py": ("PlanningHost", "pdserve.cluster.controller"),
+    "cluster/pool.py": ("PoolHost", "pdserve.cluster.controller"),
+    "cluster/status.py": ("StatusSource", "pdserve.cluster.controller"),
+    "sim/scaling.py": ("ScalingHost", "pdserve.sim.cluster"),
+    "decode/peer.py": ("PeerFillHost", "pdserve.decode.server"),
+    "router/observe.py": ("ObservedRouter", "pdserve.router.router"),
+}
+
+
+def narrow_view_faults(path: Path, protocol: str, owner: str) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    faults = [
+        f"imports {owner}"
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.ImportFrom) and node.module == owner)
+        or (isinstance(node, ast.Import) and any(a.name == owner for a in node.names))
+    ]
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    found = classes.get(protocol)
+    if found is None or not any(
+        ast.unparse(b) in ("Protocol", "typing.Protocol") for b in found.bases
+    ):
+        faults.append(f"defines no Protocol {protocol}")
+    return faults
+
+
+def test_each_collaborator_sees_its_owner_through_a_narrow_typed_view() -> None:
+    faults = [
+        f"{file}: {fault}"
+        for file, (protocol, owner) in NARROW_VIEWS.items()
+        for fault in narrow_view_faults(ROOT / file, protocol, owner)
+    ]
+    assert not faults, "\n".join(faults)
+
+
+def test_the_narrow_view_rule_sees_an_owner_imported(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "from typing import Protocol\n"
+        "from pdserve.cluster.controller import Controller\n"
+        "class Host(Protocol):\n    x: int\n"
+    )
+    got = narrow_view_faults(tmp_path / "m.py", "Host", "pdserve.cluster.controller")
+    assert got == ["imports pdserve.cluster.controller"]
+    got = narrow_view_faults(tmp_path / "m.py", "Other", "pdserve.cluster.controller")
+    assert got[-1] == "defines no Protocol Other"
