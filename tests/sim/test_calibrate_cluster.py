@@ -55,12 +55,15 @@ def test_the_calibrated_profile_simulates_its_runs_as_they_were_measured(
     out = tmp_path / "sim"
     workload = ["--prompt-len", "256", "--output-len", "32", "--arrival", "fixed"]
     args = ["sim", "--config", str(config), "--profile", str(path), *workload]
-    assert main([*args, "--rate", "0.5", "--num-requests", "2", "--out", str(out)]) == 0
+    quiet = ["--noise-draws", "0"]  # the model's mean times, as the fit was made
+    assert main([*args, *quiet, "--rate", "0.5", "--num-requests", "2", "--out", str(out)]) == 0
     simulated = json.loads((out / "sim.json").read_text())["runs"][0]["summary"]
     measured = calibrated.runs[0]
     sim_ttft, real_ttft = simulated["ttft_ms"]["p50"], measured["ttft_ms"]["p50"]
-    # 35%: the fit matches the quiet model; the simulation draws the fitted noise
-    assert abs(sim_ttft - real_ttft) <= 0.35 * real_ttft, (sim_ttft, real_ttft)
+    # the per-request overhead was fitted so that the quiet model meets this run's TTFT
+    # p50 (they were equal to the microsecond here): a profile that lost part of the
+    # calibration on its way through the file and `pdserve sim` would miss it
+    assert abs(sim_ttft - real_ttft) <= 0.1 * real_ttft, (sim_ttft, real_ttft)
     capsys.readouterr()
 
 
