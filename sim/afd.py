@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import options_from
 from pdserve.sim.analytic import DEVICES, Assumptions, DeviceSpec
-from pdserve.sim.flags import add_device_flags, assumptions_from
+from pdserve.sim.flags import DeviceFlags, add_device_flags, assumptions_from
 
 KV_BYTES = 2  # KV cache and activations, bytes per value
 A2A_LATENCY_S = 20e-6  # fixed cost of one dispatch or combine
@@ -288,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("tpot_slo_ms", f"must be > 0, got {args.tpot_slo_ms}")
     if min(args.gpus) < 2:  # AFD needs an attention device and an FFN device
         raise InvalidArgumentError("gpus", f"each count must be at least 2, got {args.gpus}")
-    a = assumptions_from(args)
+    a = assumptions_from(options_from(DeviceFlags, args), None)
     c = Costs(DEVICES[device], a, args.weight_bytes, args.context, args.nvlink_domain)
     m = MoEShape()
     report = {

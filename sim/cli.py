@@ -16,18 +16,58 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.flags import file_stem
+from pdserve.bench.serve import RunFlags
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.sim.flags import add_device_flags, add_host_flag, assumptions_from
+from pdserve.core.options import options_from
+from pdserve.sim.flags import DeviceFlags, add_device_flags, add_host_flag, assumptions_from
 
 if TYPE_CHECKING:
     from pdserve.bench.report import Slo
     from pdserve.bench.serve import RunResult
 
 RECORDS_LIMIT = 100_000  # runs up to this many requests keep per-request records and ITL
+
+
+@dataclass(frozen=True)
+class ProfileFlags:
+    """``pdserve profile``'s options, in the order of its flags."""
+
+    model: str = "builtin:tiny"  # builtin:<name>, a folder, or a preset
+    tensor_parallel_size: int = 1  # ranks of a tensor-parallel instance
+    pipeline_parallel_size: int = 1  # pipeline stages of an instance
+    dtype: str | None = None  # of a measured profile (None: float32)
+    block_size: int = 16  # KV block size, tokens
+    repeats: int = 3  # timed runs per measured step
+    grid: str = "cpu"  # the shapes a measured profile times: cpu or gpu
+    load_format: str = "safetensors"  # dummy: random weights from config.json alone
+    out: str = "profile.json"  # the profile file written
+    analytic: DeviceFlags = field(default_factory=DeviceFlags)  # an analytic profile's flags
+    prog: str = "pdserve profile"  # the command, for the record
+
+
+@dataclass(frozen=True)
+class SimFlags:
+    """``pdserve sim``'s options, in the order of its flags."""
+
+    config: str  # the cluster YAML
+    profile: list[str] = field(default_factory=list)  # profile files, one per layout
+    rate: list[float] | None = None  # mean request rate(s); several: a sweep
+    region_share: list[str] | None = None  # REGION=SHARE of requests' homes (None: even)
+    full: bool = False  # step every instance step by step (no fast mode)
+    startup_s: float = 30.0  # seconds for an added instance to start
+    out: str = "bench/out/sim"  # output folder
+    name: str = "sim"  # output file stem
+    no_plots: bool = False  # the JSON file alone
+    noise_draws: int = 1  # draws of a calibrated profile's noise (0: none)
+    analytic: DeviceFlags = field(default_factory=DeviceFlags)  # an analytic profile's flags
+    host_cores: float = 0.0  # the instances share a host of this many cores (0: no)
+    run: RunFlags = field(default_factory=RunFlags)  # bench serve's workload and load flags
+    prog: str = "pdserve sim"  # the command, for the record
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -79,27 +119,33 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    return profile_command(options_from(ProfileFlags, args))
+
+
+def profile_command(args: ProfileFlags) -> int:
+    """A measured, or analytic (``--device``), profile written and described."""
     from pdserve.bench.report import machine_info
     from pdserve.bench.serve import command_line
     from pdserve.sim.analytic import DEVICES, analytic_profile, model_shape
     from pdserve.sim.profile import save_profile
 
-    command = command_line(args)
+    command = command_line(args.prog, args)
     if args.block_size < 1:
         raise InvalidArgumentError("block_size", f"must be at least 1, got {args.block_size}")
-    if args.device is not None:
-        own = DEVICES[args.device].dtype  # the datasheet's peak is for this type
+    device = args.analytic.device
+    if device is not None:
+        own = DEVICES[device].dtype  # the datasheet's peak is for this type
         if args.dtype not in (None, "auto", own):
             raise InvalidArgumentError(
-                "dtype", f"an analytic {args.device} profile is {own}, not {args.dtype}"
+                "dtype", f"an analytic {device} profile is {own}, not {args.dtype}"
             )
         shape = model_shape(args.model)
         profile = analytic_profile(
             shape,
-            args.device,
+            device,
             args.tensor_parallel_size,
             args.pipeline_parallel_size,
-            assumptions_from(args),
+            assumptions_from(args.analytic, args.model),
             command,
         )
     else:
@@ -218,7 +264,7 @@ def _max_rss_mib() -> float:
 
 
 def _write_sim_outputs(
-    args: argparse.Namespace, payload: dict[str, Any], runs: list[RunResult], slo: Slo
+    args: SimFlags, payload: dict[str, Any], runs: list[RunResult], slo: Slo
 ) -> list[Path]:
     """The JSON of a ``pdserve sim`` run under ``--out`` and, unless ``--no-plots``,
     bench serve's plots and the last rate's instance counts over virtual time."""
@@ -264,7 +310,7 @@ def quiet(profile: Any) -> Any:
     )
 
 
-def noise_draws(args: argparse.Namespace, profiles: list[Any]) -> int:
+def noise_draws(args: SimFlags, profiles: list[Any]) -> int:
     """How many runs ``--noise-draws`` asks for: one where no profile carries noise
     (every draw would be the same run), with a note saying so."""
     if args.noise_draws > 1 and all(quiet(p) == p for p in profiles):
@@ -278,7 +324,7 @@ def noise_draws(args: argparse.Namespace, profiles: list[Any]) -> int:
 
 
 def _simulate_rate(
-    args: argparse.Namespace,
+    args: SimFlags,
     config: Any,
     book: Any,
     profiles: list[Any],
@@ -297,14 +343,14 @@ def _simulate_rate(
     from pdserve.sim.report import run_json
     from pdserve.sim.workload import workload_from_args
 
-    work = workload_from_args(args, rate, shares)
+    work = workload_from_args(args.run, rate, shares)
     options = SimOptions(
         not args.full,
         len(work) <= RECORDS_LIMIT,
         args.startup_s,
         host_cores=args.host_cores,
-        max_concurrency=args.max_concurrency,
-        request_timeout_s=args.request_timeout,
+        max_concurrency=args.run.max_concurrency,
+        request_timeout_s=args.run.request_timeout,
         **calibrated_options(profiles),
     )
     start, cpu = time.perf_counter(), time.process_time()
@@ -323,6 +369,11 @@ def _simulate_rate(
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    return sim_command(options_from(SimFlags, args))
+
+
+def sim_command(args: SimFlags) -> int:
+    """The cluster simulated at each rate; bench serve's JSON and plots written."""
     from pdserve.bench.report import header
     from pdserve.bench.serve import (
         check_load_flags,
@@ -335,23 +386,23 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from pdserve.sim.build import book_for
     from pdserve.sim.profile import load_profile
 
-    check_load_flags(args)
+    check_load_flags(args.run)
     if args.noise_draws < 0:
         raise InvalidArgumentError("noise_draws", f"must be at least 0, got {args.noise_draws}")
     config = load_config(args.config)
     profiles = [load_profile(p) for p in args.profile]
     if args.noise_draws == 0:
         profiles = [quiet(p) for p in profiles]
-    book = book_for(config, profiles, args.device, assumptions_from(args))
+    book = book_for(config, profiles, args.analytic.device, assumptions_from(args.analytic, None))
     shares = region_shares([r.name for r in config.regions], args.region_share)
-    slo, draws = slo_from(args), noise_draws(args, profiles)
+    slo, draws = slo_from(args.run), noise_draws(args, profiles)
     done = [
         _simulate_rate(args, config, book, profiles, rate, shares, slo, draws)
-        for rate in args.rate or [None]
+        for rate in (list(args.rate) if args.rate else [None])
     ]
     entries, runs = [e for e, _ in done], [r for _, r in done]
     payload = {
-        **header(command_line(args)),
+        **header(command_line(args.prog, args)),
         "config": str(args.config),
         "options": options_json(args),
         "runs": entries,

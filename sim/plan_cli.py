@@ -183,9 +183,10 @@ def mix_from(args: argparse.Namespace) -> LengthMix:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.core.options import options_from
     from pdserve.sim.analytic import DEVICES, model_shape
     from pdserve.sim.build import ProfileBook
-    from pdserve.sim.flags import assumptions_from
+    from pdserve.sim.flags import DeviceFlags, assumptions_from
     from pdserve.sim.profile import load_profile
 
     profiles = [load_profile(p) for p in args.profile]
@@ -194,7 +195,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if profiles and args.model == profiles[0].model.name
         else model_shape(args.model)
     )
-    book = ProfileBook(shape, profiles, args.device, assumptions_from(args))
+    analytic = options_from(DeviceFlags, args)
+    book = ProfileBook(shape, profiles, analytic.device, assumptions_from(analytic, args.model))
     slo = PlanSlo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.percentile)
     limits = PlanLimits(
         args.max_devices,
