@@ -30,8 +30,9 @@ from typing import Any
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.bench.router_floor import percentile as _percentile
-from pdserve.bench.router_load import under_load
+from pdserve.bench.router_load import LoadFlags, under_load
 from pdserve.core.messages import LoadReport
+from pdserve.core.options import options_from
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.config import RouterConfig
 from pdserve.router.prefix_index import prompt_block_hashes
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row))
     validation = validation_cost(args.rounds)
     print(json.dumps(validation))
-    load = under_load(args)
+    load = under_load(options_from(LoadFlags, args))
     if args.out:
         cmd = (
             f"pdserve bench router --concurrency {args.concurrency} --requests {args.requests}"
