@@ -234,7 +234,7 @@ def write_outputs(
     return paths
 
 
-_NOT_FLAGS = {"func", "command", "bench_command", "log_level", "prog"}
+_NOT_FLAGS = {"prog"}  # the command itself, which the command line records
 REDACTED = "<redacted>"
 
 
