@@ -52,6 +52,17 @@ router: {{cold_start_queue: 8, cold_start_timeout_s: 300}}
 """
 
 
+@dataclass(frozen=True)
+class ColdstartOptions:
+    """``pdserve bench coldstart``'s options, in the order of its flags."""
+
+    model: str = "builtin:tiny"  # the model served
+    repeats: int = 3  # first tokens timed per case
+    max_tokens: int = 8  # tokens of each request
+    num_cpus: int = 4  # the embedded Ray instance's CPUs
+    out: str = "bench/out/coldstart.json"  # the result file
+
+
 def _first_token_s(endpoints: Any, prompt: str, max_tokens: int) -> float:
     """Seconds from sending one greedy request to its first token (the whole stream is read)."""
     from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
@@ -114,17 +125,6 @@ def _cases(args: ColdstartOptions, pool: int) -> dict[str, dict[str, Any]]:
                 samples.append(_first_token_s(endpoints, prompt, args.max_tokens))
             out[name] = {"ttft_s": samples, "last_start": _last_start(controller)}
     return out
-
-
-@dataclass(frozen=True)
-class ColdstartOptions:
-    """``pdserve bench coldstart``'s options, in the order of its flags."""
-
-    model: str = "builtin:tiny"  # the model served
-    repeats: int = 3  # first tokens timed per case
-    max_tokens: int = 8  # tokens of each request
-    num_cpus: int = 4  # the embedded Ray instance's CPUs
-    out: str = "bench/out/coldstart.json"  # the result file
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,6 +56,23 @@ if TYPE_CHECKING:
     from pdserve.core.model_config import ModelConfig
 
 
+@dataclass(frozen=True)
+class TtftOptions:
+    """``pdserve bench ttft``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model of every instance
+    prompt_len: int = 512  # tokens of each prompt
+    output_len: int = 4  # tokens of each output
+    requests: int = 10  # requests timed per mode
+    connector: str = "shm"  # the KV connector (auto: cuda_ipc on a GPU, shm on a CPU)
+    dtype: str = "float32"  # the instances' dtype
+    load_format: str = "safetensors"  # or dummy: random weights
+    gpus_per_instance: float = 0.0  # each instance's share of the one GPU (0: the CPU)
+    kv_cache_mib: int | None = None  # each instance's KV pool (None: the engine's default)
+    nodes: int = 1  # 2: a second decode instance on a second Ray node
+    out: str = "bench/out/ttft.json"  # the result file ("": none)
+
+
 class FirstTokenClock:
     """Subscriber actor (async): records when each request's first token arrives."""
 
@@ -90,23 +107,6 @@ class FirstTokenClock:
 
 def _prompt(i: int, length: int, vocab: int) -> list[int]:
     return [(i * 7919 + j * 31) % (vocab - 3) + 3 for j in range(length)]
-
-
-@dataclass(frozen=True)
-class TtftOptions:
-    """``pdserve bench ttft``'s options, in the order of its flags."""
-
-    model: str = "builtin:small"  # the model of every instance
-    prompt_len: int = 512  # tokens of each prompt
-    output_len: int = 4  # tokens of each output
-    requests: int = 10  # requests timed per mode
-    connector: str = "shm"  # the KV connector (auto: cuda_ipc on a GPU, shm on a CPU)
-    dtype: str = "float32"  # the instances' dtype
-    load_format: str = "safetensors"  # or dummy: random weights
-    gpus_per_instance: float = 0.0  # each instance's share of the one GPU (0: the CPU)
-    kv_cache_mib: int | None = None  # each instance's KV pool (None: the engine's default)
-    nodes: int = 1  # 2: a second decode instance on a second Ray node
-    out: str = "bench/out/ttft.json"  # the result file ("": none)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,6 +48,22 @@ from pdserve.parallel.instance import RankGroup, RankResources
 from pdserve.parallel.worker import GenerateItem
 
 
+@dataclass(frozen=True)
+class ElasticOptions:
+    """``pdserve bench elastic``'s options, in the order of its flags."""
+
+    ranks: int = 2  # expert-parallel ranks
+    victim: int = 1  # the follower rank to kill
+    redundant: int = 8  # replica slots (second case)
+    shape: MoeShapeFlags = field(default_factory=MoeShapeFlags)  # the model's shape
+    batch: int = 4  # requests streaming at the kill
+    tokens: int = 64  # tokens per request
+    kill_after: int = 8  # steps before the kill
+    runs: int = 3  # instances killed per case
+    cpus: float = 2.0  # CPUs over all ranks
+    out: str = "bench/out/elastic.json"  # the result file
+
+
 def _stream(ray: Any, group: RankGroup, args: ElasticOptions, kill: bool) -> dict[str, Any]:
     """One stream of the batch; with ``kill``, SIGKILL the victim a few steps in."""
     leader, victim = group.leader, group.workers[args.victim]
@@ -114,22 +130,6 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["slots_copied"] = runs[0]["slots_copied"]
     out["runs"] = runs
     return out
-
-
-@dataclass(frozen=True)
-class ElasticOptions:
-    """``pdserve bench elastic``'s options, in the order of its flags."""
-
-    ranks: int = 2  # expert-parallel ranks
-    victim: int = 1  # the follower rank to kill
-    redundant: int = 8  # replica slots (second case)
-    shape: MoeShapeFlags = field(default_factory=MoeShapeFlags)  # the model's shape
-    batch: int = 4  # requests streaming at the kill
-    tokens: int = 64  # tokens per request
-    kill_after: int = 8  # steps before the kill
-    runs: int = 3  # instances killed per case
-    cpus: float = 2.0  # CPUs over all ranks
-    out: str = "bench/out/elastic.json"  # the result file
 
 
 def run(args: argparse.Namespace) -> int:

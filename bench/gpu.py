@@ -93,6 +93,20 @@ H200_BF16_DATASHEET = 989e12
 DEVICE = torch.device("cuda")
 
 
+@dataclass(frozen=True)
+class GpuOptions:
+    """``pdserve bench gpu``'s options, in the order of its flags."""
+
+    batches: list[int] = field(default_factory=lambda: [1, 16, 64, 256])  # decode batches
+    context: int = 1024  # decode: cached tokens each
+    prompt: int = 2048  # prefill: prompt tokens
+    steps: int = 16  # peer decode: steps timed
+    requests: int = 128  # engine: requests at once
+    output: int = 128  # engine: tokens per request
+    seed: int = 0  # seeds the weights and the prompts
+    out: str = "bench/out/gpu.json"  # the result file
+
+
 def write_config(folder: Path) -> Path:
     """A checkpoint folder holding only Llama-3-8B's ``config.json`` (for dummy loading)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -232,20 +246,6 @@ def peer_decode(model: Any, batch: int, context: int, steps: int) -> dict[str, A
     one = generate(1)
     many = generate(1 + steps)
     return {"batch": batch, "context": context, "step_ms": round((many - one) / steps * 1e3, 3)}
-
-
-@dataclass(frozen=True)
-class GpuOptions:
-    """``pdserve bench gpu``'s options, in the order of its flags."""
-
-    batches: list[int] = field(default_factory=lambda: [1, 16, 64, 256])  # decode batches
-    context: int = 1024  # decode: cached tokens each
-    prompt: int = 2048  # prefill: prompt tokens
-    steps: int = 16  # peer decode: steps timed
-    requests: int = 128  # engine: requests at once
-    output: int = 128  # engine: tokens per request
-    seed: int = 0  # seeds the weights and the prompts
-    out: str = "bench/out/gpu.json"  # the result file
 
 
 def run(args: argparse.Namespace) -> int:

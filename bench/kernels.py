@@ -41,6 +41,23 @@ BLOCK_SIZE = 16
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+@dataclass(frozen=True)
+class KernelsOptions:
+    """``pdserve bench kernels``' options, in the order of its flags."""
+
+    dtype: str = "bfloat16"  # the kernels' dtype: one of _DTYPES
+    tokens: int = 4096  # rows of the row-wise ops
+    batch: int = 64  # decode attention: sequences
+    context: int = 4096  # decode attention: context each
+    long_context: int = 32768  # one sequence, split-K
+    prefill_chunk: int = 1024  # prefill attention: the chunk's tokens
+    prefill_prefix: int = 1024  # prefill attention: cached tokens before it
+    model_batch: int = 32  # 8B decode: sequences
+    model_context: int = 2048  # 8B decode: context each
+    seed: int = 0  # seeds the inputs
+    out: str = "bench/out/kernels.json"  # the result file ("": none)
+
+
 @dataclass
 class Case:
     """One op at one shape: both implementations and the bytes it must move."""
@@ -346,23 +363,6 @@ def decode_throughput(
         "floor_tokens_per_s": round(batch / floor_s, 1),
         "share_of_floor": round(floor_s * 1e3 / step_ms, 2),
     }
-
-
-@dataclass(frozen=True)
-class KernelsOptions:
-    """``pdserve bench kernels``' options, in the order of its flags."""
-
-    dtype: str = "bfloat16"  # the kernels' dtype: one of _DTYPES
-    tokens: int = 4096  # rows of the row-wise ops
-    batch: int = 64  # decode attention: sequences
-    context: int = 4096  # decode attention: context each
-    long_context: int = 32768  # one sequence, split-K
-    prefill_chunk: int = 1024  # prefill attention: the chunk's tokens
-    prefill_prefix: int = 1024  # prefill attention: cached tokens before it
-    model_batch: int = 32  # 8B decode: sequences
-    model_context: int = 2048  # 8B decode: context each
-    seed: int = 0  # seeds the inputs
-    out: str = "bench/out/kernels.json"  # the result file ("": none)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,6 +41,19 @@ BLOCK = 16
 
 
 @dataclass(frozen=True)
+class MultiturnOptions:
+    """``pdserve bench multiturn``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model served
+    sessions: int = 12  # conversations
+    turns: int = 4  # turns of each
+    prefix_tokens: int = 2000  # the shared prefix the reuse run reads back
+    repeats: int = 3  # reuse runs (median)
+    seed: int = 0  # seeds the conversations
+    out: str = "bench/out/multiturn.json"  # the result file
+
+
+@dataclass(frozen=True)
 class Conversation:
     """The workload: ``sessions`` histories of ``turns`` turns each."""
 
@@ -200,19 +213,6 @@ def _row(r: SetupResult) -> str:
         f"computed {r.computed_tokens:6d}/{r.prompt_tokens} tokens  "
         f"{r.requests_per_s:5.2f} req/s  blocks loaded: {hits}"
     )
-
-
-@dataclass(frozen=True)
-class MultiturnOptions:
-    """``pdserve bench multiturn``'s options, in the order of its flags."""
-
-    model: str = "builtin:small"  # the model served
-    sessions: int = 12  # conversations
-    turns: int = 4  # turns of each
-    prefix_tokens: int = 2000  # the shared prefix the reuse run reads back
-    repeats: int = 3  # reuse runs (median)
-    seed: int = 0  # seeds the conversations
-    out: str = "bench/out/multiturn.json"  # the result file
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,6 +43,20 @@ from pdserve.core.options import flat_options, options_from
 
 
 @dataclass(frozen=True)
+class OfflineOptions:
+    """``pdserve bench offline``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model of both systems
+    dtype: str = "float32"  # dtypes, comma-separated (the flag's default: this CPU's fastest)
+    repeats: int = 1  # rounds over the dtypes, interleaved
+    num_requests: int = 32  # requests of the batched workloads
+    hf_batch_size: int = 32  # static batch size of the baseline
+    max_num_seqs: int = 64  # pdserve's running sequences
+    seed: int = 0  # seeds the prompts
+    out: str = "bench/out/offline.json"  # the result file ("": none)
+
+
+@dataclass(frozen=True)
 class Workload:
     name: str
     prompt_lens: list[int]
@@ -216,20 +230,6 @@ def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if key not in best or row["pdserve_tok_s"] > best[key]["pdserve_tok_s"]:
             best[key] = row
     return list(best.values())
-
-
-@dataclass(frozen=True)
-class OfflineOptions:
-    """``pdserve bench offline``'s options, in the order of its flags."""
-
-    model: str = "builtin:small"  # the model of both systems
-    dtype: str = "float32"  # dtypes, comma-separated (the flag's default: this CPU's fastest)
-    repeats: int = 1  # rounds over the dtypes, interleaved
-    num_requests: int = 32  # requests of the batched workloads
-    hf_batch_size: int = 32  # static batch size of the baseline
-    max_num_seqs: int = 64  # pdserve's running sequences
-    seed: int = 0  # seeds the prompts
-    out: str = "bench/out/offline.json"  # the result file ("": none)
 
 
 def run(args: argparse.Namespace) -> int:

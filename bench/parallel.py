@@ -51,6 +51,22 @@ LAYOUTS = {
 }
 
 
+@dataclass(frozen=True)
+class ParallelOptions:
+    """``pdserve bench parallel``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model of every layout
+    cpus: float = 2.0  # CPUs for every layout in total
+    batch: int = 16  # prompts of a step
+    prompt_len: int = 128  # tokens of each prompt
+    decode_steps: int = 32  # decode steps timed
+    repeats: int = 2  # prefill and decode runs per layout (best kept)
+    rounds: int = 1  # passes over every layout (best kept)
+    layouts: list[str] = field(default_factory=lambda: list(LAYOUTS))  # layouts to run
+    settle_s: float = 5.0  # pause after Ray starts and after each layout
+    out: str = "bench/out/parallel.json"  # the result file ("": none)
+
+
 def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(length)] for i in range(batch)]
 
@@ -171,22 +187,6 @@ def _best(rows: list[dict[str, Any]], decode_steps: int) -> dict[str, Any]:
         medians = [r[key] for r in rows if r[key] is not None]
         best[key] = min(medians) if medians else None
     return _row(best, decode_steps)
-
-
-@dataclass(frozen=True)
-class ParallelOptions:
-    """``pdserve bench parallel``'s options, in the order of its flags."""
-
-    model: str = "builtin:small"  # the model of every layout
-    cpus: float = 2.0  # CPUs for every layout in total
-    batch: int = 16  # prompts of a step
-    prompt_len: int = 128  # tokens of each prompt
-    decode_steps: int = 32  # decode steps timed
-    repeats: int = 2  # prefill and decode runs per layout (best kept)
-    rounds: int = 1  # passes over every layout (best kept)
-    layouts: list[str] = field(default_factory=lambda: list(LAYOUTS))  # layouts to run
-    settle_s: float = 5.0  # pause after Ray starts and after each layout
-    out: str = "bench/out/parallel.json"  # the result file ("": none)
 
 
 def run(args: argparse.Namespace) -> int:

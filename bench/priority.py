@@ -51,6 +51,36 @@ router: {{max_inflight_per_region: {cap}, low_priority_share: 0.5, low_priority_
 """
 
 
+@dataclass(frozen=True)
+class PriorityOptions:
+    """``pdserve bench priority``'s options, in the order of its flags, then what the run
+    found (the model's vocabulary, the capacity the 2x load doubles)."""
+
+    model: str = "builtin:tiny"  # the model served
+    rate: float | None = None  # online req/s (None: the measured capacity x online_share)
+    online_share: float = 1.0  # online load as a share of the measured capacity
+    probe_requests: int = 48  # requests sent at once to measure the capacity
+    duration: float = 30.0  # seconds of each mode's load
+    prompt_len: int = 256  # prompt tokens of every request
+    output_len: int = 64  # output tokens of every request
+    cap: int = 16  # router.max_inflight_per_region
+    batch_lines: int = 200  # lines of the batch job
+    batch_concurrency: int = 8  # the batch job's requests in flight
+    ttft_slo_ms: float = 1000.0  # TTFT SLO
+    tpot_slo_ms: float = 100.0  # TPOT SLO
+    seed: int = 0  # seeds the prompts
+    out: str = "bench/out/priority.json"  # the result file
+    vocab: int = 0  # the model's vocabulary size (found)
+    capacity: float | None = None  # req/s the 2x load doubles (measured, else the rate)
+
+    @property
+    def online_rate(self) -> float:
+        """The online req/s, once given or measured."""
+        if self.rate is None:
+            raise ValueError("the online rate is given or measured before the runs")
+        return self.rate
+
+
 def _specs(
     args: PriorityOptions, seed: int, vocab: int, rate: float | None = None
 ) -> list[wl.RequestSpec]:
@@ -142,36 +172,6 @@ async def _capacity(base: str, args: PriorityOptions) -> float:
     finally:
         await client.close()
     return float(summarize(records, Slo())["throughput_rps"])
-
-
-@dataclass(frozen=True)
-class PriorityOptions:
-    """``pdserve bench priority``'s options, in the order of its flags, then what the run
-    found (the model's vocabulary, the capacity the 2x load doubles)."""
-
-    model: str = "builtin:tiny"  # the model served
-    rate: float | None = None  # online req/s (None: the measured capacity x online_share)
-    online_share: float = 1.0  # online load as a share of the measured capacity
-    probe_requests: int = 48  # requests sent at once to measure the capacity
-    duration: float = 30.0  # seconds of each mode's load
-    prompt_len: int = 256  # prompt tokens of every request
-    output_len: int = 64  # output tokens of every request
-    cap: int = 16  # router.max_inflight_per_region
-    batch_lines: int = 200  # lines of the batch job
-    batch_concurrency: int = 8  # the batch job's requests in flight
-    ttft_slo_ms: float = 1000.0  # TTFT SLO
-    tpot_slo_ms: float = 100.0  # TPOT SLO
-    seed: int = 0  # seeds the prompts
-    out: str = "bench/out/priority.json"  # the result file
-    vocab: int = 0  # the model's vocabulary size (found)
-    capacity: float | None = None  # req/s the 2x load doubles (measured, else the rate)
-
-    @property
-    def online_rate(self) -> float:
-        """The online req/s, once given or measured."""
-        if self.rate is None:
-            raise ValueError("the online rate is given or measured before the runs")
-        return self.rate
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,6 +47,21 @@ _SCHEMES = ("none", "int8", "int4")
 _PREFILL_PROMPTS, _PREFILL_TOKENS = 8, 128  # one step of the default 1024-token budget
 
 
+@dataclass(frozen=True)
+class QuantOptions:
+    """``pdserve bench quant``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model quantized
+    decode_tokens: int = 64  # new tokens per request
+    repeats: int = 3  # decode runs per batch size (median)
+    context: int = 256  # tokens per perplexity window
+    windows: int = 64  # perplexity windows
+    iters: int = 200  # calls per matmul timing
+    text: list[str] = field(default_factory=list)  # held-out text files
+    seed: int = 0  # seeds the prompts
+    out: str = "bench/out/quant.json"  # the result file ("": none)
+
+
 def _time_us(fn: Callable[[], object], iters: int) -> float:
     for _ in range(3):
         fn()
@@ -236,21 +251,6 @@ def versus(base: dict[str, Any], quant: dict[str, Any]) -> dict[str, float]:
     out = {k: round(v, 3) for k, v in ratios.items()}
     out["perplexity_change_pct"] = round(100 * (quant["perplexity"] / base["perplexity"] - 1), 3)
     return out
-
-
-@dataclass(frozen=True)
-class QuantOptions:
-    """``pdserve bench quant``'s options, in the order of its flags."""
-
-    model: str = "builtin:small"  # the model quantized
-    decode_tokens: int = 64  # new tokens per request
-    repeats: int = 3  # decode runs per batch size (median)
-    context: int = 256  # tokens per perplexity window
-    windows: int = 64  # perplexity windows
-    iters: int = 200  # calls per matmul timing
-    text: list[str] = field(default_factory=list)  # held-out text files
-    seed: int = 0  # seeds the prompts
-    out: str = "bench/out/quant.json"  # the result file ("": none)
 
 
 def run(args: argparse.Namespace) -> int:

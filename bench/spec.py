@@ -56,6 +56,25 @@ _FILES = (
 )
 
 
+@dataclass(frozen=True)
+class SpecOptions:
+    """``pdserve bench spec``'s options, in the order of its flags."""
+
+    model: str = "builtin:pycode"  # the target model
+    methods: str = "none,ngram,ngram+rules"  # comma-separated, starting with none
+    draft_model: str = "builtin:pycode-draft"  # for method draft
+    draft_tokens: int = 0  # drafts per step of method draft (0: as ngram)
+    decode_tokens: int = 128  # new tokens per request
+    prompt_tokens: int = 256  # prompt tokens per request
+    num_speculative_tokens: int = 4  # drafts per step
+    lookup_min: int = 2  # shortest n-gram looked up
+    lookup_max: int = 4  # longest n-gram looked up
+    batches: str = "1,16"  # batch sizes, comma-separated
+    repeats: int = 3  # decode runs per batch (median)
+    threads: int = 1  # torch threads
+    out: str = "bench/out/spec.json"  # the result file
+
+
 def stdlib_prompts(tokenizer: Any, count: int, tokens: int) -> list[list[int]]:
     """``tokens``-token pieces of standard-library files: each file's first, then its next."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -140,25 +159,6 @@ def measure(args: SpecOptions, prompts: list[list[int]]) -> list[dict[str, Any]]
             }
         )
     return rows
-
-
-@dataclass(frozen=True)
-class SpecOptions:
-    """``pdserve bench spec``'s options, in the order of its flags."""
-
-    model: str = "builtin:pycode"  # the target model
-    methods: str = "none,ngram,ngram+rules"  # comma-separated, starting with none
-    draft_model: str = "builtin:pycode-draft"  # for method draft
-    draft_tokens: int = 0  # drafts per step of method draft (0: as ngram)
-    decode_tokens: int = 128  # new tokens per request
-    prompt_tokens: int = 256  # prompt tokens per request
-    num_speculative_tokens: int = 4  # drafts per step
-    lookup_min: int = 2  # shortest n-gram looked up
-    lookup_max: int = 4  # longest n-gram looked up
-    batches: str = "1,16"  # batch sizes, comma-separated
-    repeats: int = 3  # decode runs per batch (median)
-    threads: int = 1  # torch threads
-    out: str = "bench/out/spec.json"  # the result file
 
 
 def run(args: argparse.Namespace) -> int:

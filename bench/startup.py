@@ -33,6 +33,17 @@ if TYPE_CHECKING:
     from pdserve.cluster.worker import Role
 
 
+@dataclass(frozen=True)
+class StartupOptions:
+    """``pdserve bench startup``'s options, in the order of its flags."""
+
+    model: str = "builtin:tiny"  # the model of every instance
+    instances: int = 3  # instances started (one prefill, the rest decode)
+    repeats: int = 3  # rounds timed
+    num_cpus: int = 4  # the embedded Ray instance's CPUs
+    out: str = "bench/out/startup.json"  # the result file
+
+
 def _timed(start: Any, roles: list[Role], at_once: bool) -> float:
     from pdserve.cluster.membership import in_parallel
 
@@ -71,17 +82,6 @@ def _cluster(args: StartupOptions) -> float:
     ray.kill(controller)
     time.sleep(2.0)
     return took
-
-
-@dataclass(frozen=True)
-class StartupOptions:
-    """``pdserve bench startup``'s options, in the order of its flags."""
-
-    model: str = "builtin:tiny"  # the model of every instance
-    instances: int = 3  # instances started (one prefill, the rest decode)
-    repeats: int = 3  # rounds timed
-    num_cpus: int = 4  # the embedded Ray instance's CPUs
-    out: str = "bench/out/startup.json"  # the result file
 
 
 def run(args: argparse.Namespace) -> int:
