@@ -1,5 +1,6 @@
-"""The house rules: no function over 50 lines, ruff format owns the layout, and no
-object reaches into another one's private members.
+"""The house rules: no function over 50 lines, ruff format owns the layout, no
+object reaches into another one's private members, and argparse's namespace stops
+at a command's handler (below it, a command's options are a frozen dataclass).
 
 Short functions keep each step of the request path readable in one screen. Every
 function and method of the source folders (read from pyproject's package map) is
