@@ -29,6 +29,7 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.config import build_engine_config
 from pdserve.core.model_config import ModelConfig
+from pdserve.core.options import flat_options, options_from
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.parallel.instance import RankGroup, RankResources
 from pdserve.parallel.worker import GenerateItem, RankWorker
@@ -53,7 +55,35 @@ class TimedWorker(RankWorker):
         return self.stage.run_seconds, self.groups.ctx.comm.seconds
 
 
-def write_checkpoint(folder: Path, args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class MoeShapeFlags:
+    """The MoE shape :func:`write_checkpoint` builds (:func:`add_model_flags`)."""
+
+    hidden: int = 512  # hidden size
+    inter: int = 1024  # each expert's intermediate size
+    layers: int = 4  # decoder layers
+    experts: int = 8  # experts per layer
+    top_k: int = 2  # experts per token
+    heads: int = 8  # attention heads (half as many KV heads)
+
+
+@dataclass(frozen=True)
+class AfdOptions:
+    """``pdserve bench afd``'s options, in the order of its flags."""
+
+    shape: MoeShapeFlags = field(default_factory=MoeShapeFlags)  # the model's shape
+    ranks: int = 2  # ranks of every layout
+    attention_ranks: int = 1  # afd: the rest hold experts
+    micro_batches: int = 2  # afd: micro-batches of a step
+    batch: int = 16  # prompts (sequences per step)
+    prompt_len: int = 32  # tokens of each prompt
+    decode_steps: int = 16  # decode steps timed
+    repeats: int = 5  # prefill and decode runs (median)
+    cpus: float = 2.0  # CPUs of all ranks together
+    out: str = "bench/out/afd.json"  # the result file ("": none)
+
+
+def write_checkpoint(folder: Path, args: MoeShapeFlags) -> None:
     """A Mixtral-shaped checkpoint with random weights (float32) in ``folder``."""
     h, inter, e, heads, kv = args.hidden, args.inter, args.experts, args.heads, args.heads // 2
     d, vocab = h // heads, 512
@@ -100,7 +130,7 @@ def write_checkpoint(folder: Path, args: argparse.Namespace) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def _layouts(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+def _layouts(args: AfdOptions) -> list[tuple[str, dict[str, Any]]]:
     a = args.attention_ranks
     f = args.ranks - a
     afd = dict(afd=True, afd_attention_ranks=a, afd_expert_ranks=f)
@@ -127,7 +157,7 @@ def _generate(group: RankGroup, prompts: list[list[int]], tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(folder: Path, parallel: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def measure(folder: Path, parallel: dict[str, Any], args: AfdOptions) -> dict[str, Any]:
     """Prefill and decode step time of one layout, and each rank's busy fraction."""
     import ray
 
@@ -167,6 +197,11 @@ def measure(folder: Path, parallel: dict[str, Any], args: argparse.Namespace) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(AfdOptions, args))
+
+
+def benchmark(args: AfdOptions) -> int:
+    """Each layout measured on one checkpoint; the report printed and written."""
     import ray
 
     if args.ranks - args.attention_ranks < 1:
@@ -176,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        write_checkpoint(folder, args)
+        write_checkpoint(folder, args.shape)
         for name, parallel in _layouts(args):
             results[name] = measure(folder, parallel, args)
     base = next(iter(results.values()))["decode_step_ms"]
@@ -185,7 +220,9 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "command": "pdserve bench afd "
         + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items()) if k in _FLAGS
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in sorted(flat_options(args).items())
+            if k in _FLAGS
         ),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "layouts": results,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -33,6 +34,7 @@ import ray
 from pdserve.bench.flags import add_embedded_ray_flags
 from pdserve.bench.local import local_cluster
 from pdserve.bench.report import write_with_args
+from pdserve.core.options import options_from
 
 CONFIG = """\
 model: {model}
@@ -48,6 +50,17 @@ auth: {{disabled: true}}
 planner: {{mode: "off"}}
 router: {{cold_start_queue: 8, cold_start_timeout_s: 300}}
 """
+
+
+@dataclass(frozen=True)
+class ColdstartOptions:
+    """``pdserve bench coldstart``'s options, in the order of its flags."""
+
+    model: str = "builtin:tiny"  # the model served
+    repeats: int = 3  # first tokens timed per case
+    max_tokens: int = 8  # tokens of each request
+    num_cpus: int = 4  # the embedded Ray instance's CPUs
+    out: str = "bench/out/coldstart.json"  # the result file
 
 
 def _first_token_s(endpoints: Any, prompt: str, max_tokens: int) -> float:
@@ -90,7 +103,7 @@ def _last_start(controller: Any) -> str:
     return next((e for e in reversed(events) if " started " in e), "")
 
 
-def _cases(args: argparse.Namespace, pool: int) -> dict[str, dict[str, Any]]:
+def _cases(args: ColdstartOptions, pool: int) -> dict[str, dict[str, Any]]:
     """Run one cluster: ``running`` and ``cold`` without a pool, ``warm pool`` with one."""
     prompt = "a region scaled to zero wakes up for this request"
     count = 0 if pool else 1
@@ -115,13 +128,18 @@ def _cases(args: argparse.Namespace, pool: int) -> dict[str, dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(ColdstartOptions, args))
+
+
+def benchmark(args: ColdstartOptions) -> int:
+    """The three cases, timed and printed; written with the options."""
     cases = {**_cases(args, 0), **_cases(args, 1)}
     print(f"{'case':<10} {'TTFT median':>12} {'min':>8} {'max':>8}  last start (controller)")
     for name, case in cases.items():
         s = case["ttft_s"]
         start = case["last_start"].split(" ", 1)[-1] if name != "running" else "-"
         print(f"{name:<10} {statistics.median(s):>11.2f}s {min(s):>7.2f}s {max(s):>7.2f}s  {start}")
-    write_with_args(args, {"cases": cases})
+    write_with_args(args.out, args, {"cases": cases})
     return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,22 @@ import torch
 from pdserve.bench.flags import count
 from pdserve.bench.kernels import HEAD_DIM, KV_HEADS, LAYERS, copy_bandwidth, median_ms
 from pdserve.bench.report import machine_info, write_json
+from pdserve.core.options import options_from
 from pdserve.transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from pdserve.transfer.wire import PageHeader, PageSource
 
 BLOCK = 16
 PEER = ("decode", 0)
+
+
+@dataclass(frozen=True)
+class CudaIpcOptions:
+    """``pdserve bench cuda-ipc``'s options, in the order of its flags."""
+
+    tokens: list[int] = field(default_factory=lambda: [512, 2048, 8192])  # prompt lengths
+    pool_pages: int = 4096  # decode pool, in pages
+    seed: int = 0  # seeds the KV values
+    out: str = "bench/out/cuda_ipc.json"  # the result file
 
 
 def bits_sum(pages: torch.Tensor) -> int:
@@ -102,6 +114,11 @@ def one_prompt(
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(CudaIpcOptions, args))
+
+
+def benchmark(args: CudaIpcOptions) -> int:
+    """Each prompt length's pages into the other process's pool and copied in one; written."""
     if not torch.cuda.is_available():
         raise SystemExit("pdserve bench cuda-ipc needs a CUDA GPU, and none is visible here")
     import torch.multiprocessing as mp

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ from pdserve.bench.nodes import local_nodes
 from pdserve.bench.report import write_json
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.messages import PrefillRequest, ReserveRequest, TokenBatch
+from pdserve.core.options import options_from
 from pdserve.core.sampling_params import SamplingParams
 
 NODE = "pdserve/bench-node"  # the label of the second node (--nodes 2)
@@ -52,6 +54,23 @@ ACROSS = "across nodes"  # the mode whose pair spans two nodes
 if TYPE_CHECKING:
     from pdserve.cluster.instances import Instance
     from pdserve.core.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TtftOptions:
+    """``pdserve bench ttft``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model of every instance
+    prompt_len: int = 512  # tokens of each prompt
+    output_len: int = 4  # tokens of each output
+    requests: int = 10  # requests timed per mode
+    connector: str = "shm"  # the KV connector (auto: cuda_ipc on a GPU, shm on a CPU)
+    dtype: str = "float32"  # the instances' dtype
+    load_format: str = "safetensors"  # or dummy: random weights
+    gpus_per_instance: float = 0.0  # each instance's share of the one GPU (0: the CPU)
+    kv_cache_mib: int | None = None  # each instance's KV pool (None: the engine's default)
+    nodes: int = 1  # 2: a second decode instance on a second Ray node
+    out: str = "bench/out/ttft.json"  # the result file ("": none)
 
 
 class FirstTokenClock:
@@ -91,6 +110,11 @@ def _prompt(i: int, length: int, vocab: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(TtftOptions, args))
+
+
+def benchmark(args: TtftOptions) -> int:
+    """Each mode's TTFT, one request at a time; the report printed and written."""
     from pdserve.core.model_config import ModelConfig
     from pdserve.models.builtin import resolve_model
 
@@ -136,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start_instances(
-    args: argparse.Namespace, model: ModelConfig
+    args: TtftOptions, model: ModelConfig
 ) -> tuple[Instance, Instance, dict[str, Instance]]:
     """The colocated decode instance, a prefill instance, and the decode instances it is
     paired with, by mode (with ``--nodes 2``, the second on the other node)."""
@@ -171,7 +195,7 @@ def _start_instances(
 
 
 def _measure(
-    args: argparse.Namespace,
+    args: TtftOptions,
     vocab_size: int,
     colocated: Instance,
     prefill: Instance,
@@ -242,7 +266,7 @@ def _device(gpus_per_instance: float) -> str:
     return torch.cuda.get_device_name(0)
 
 
-def _flags(args: argparse.Namespace) -> list[str]:
+def _flags(args: TtftOptions) -> list[str]:
     """The command line that repeats this run (defaults included)."""
     flags = [
         f"--model {args.model}",

@@ -33,20 +33,38 @@ import signal
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.afd import add_model_flags, write_checkpoint
+from pdserve.bench.afd import MoeShapeFlags, add_model_flags, write_checkpoint
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.config import build_engine_config
 from pdserve.core.model_config import ModelConfig
+from pdserve.core.options import flat_options, options_from
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.parallel.instance import RankGroup, RankResources
 from pdserve.parallel.worker import GenerateItem
 
 
-def _stream(ray: Any, group: RankGroup, args: argparse.Namespace, kill: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ElasticOptions:
+    """``pdserve bench elastic``'s options, in the order of its flags."""
+
+    ranks: int = 2  # expert-parallel ranks
+    victim: int = 1  # the follower rank to kill
+    redundant: int = 8  # replica slots (second case)
+    shape: MoeShapeFlags = field(default_factory=MoeShapeFlags)  # the model's shape
+    batch: int = 4  # requests streaming at the kill
+    tokens: int = 64  # tokens per request
+    kill_after: int = 8  # steps before the kill
+    runs: int = 3  # instances killed per case
+    cpus: float = 2.0  # CPUs over all ranks
+    out: str = "bench/out/elastic.json"  # the result file
+
+
+def _stream(ray: Any, group: RankGroup, args: ElasticOptions, kill: bool) -> dict[str, Any]:
     """One stream of the batch; with ``kill``, SIGKILL the victim a few steps in."""
     leader, victim = group.leader, group.workers[args.victim]
     pid = ray.get(victim.__ray_call__.remote(lambda _: os.getpid()))
@@ -70,7 +88,7 @@ def _stream(ray: Any, group: RankGroup, args: argparse.Namespace, kill: bool) ->
     return out
 
 
-def run_once(folder: Path, redundant: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_once(folder: Path, redundant: int, args: ElasticOptions) -> dict[str, Any]:
     import ray
 
     model = ModelConfig.from_dir(folder)
@@ -115,21 +133,26 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(ElasticOptions, args))
+
+
+def benchmark(args: ElasticOptions) -> int:
+    """Both cases, each instance killed mid-stream; written with the options."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=int(args.cpus), include_dashboard=False, log_to_driver=False)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        write_checkpoint(folder, args)
+        write_checkpoint(folder, args.shape)
         for name, redundant in (("no replicas", 0), (f"{args.redundant} replicas", args.redundant)):
             results[name] = _summary([run_once(folder, redundant, args) for _ in range(args.runs)])
             row = {k: v for k, v in results[name].items() if k != "runs"}
             print(name, row)
     write_json(
         Path(args.out),
-        {"args": vars(args) | {"func": None}, "host": platform.node(), "results": results},
+        {"args": flat_options(args), "host": platform.node(), "results": results},
     )
     return 0 if all(r["same_tokens"] for r in results.values()) else 1
 

@@ -35,10 +35,24 @@ import torch.multiprocessing as mp
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
+from pdserve.core.options import options_from
 from pdserve.distributed.context import ParallelContext
 from pdserve.models.eplb import imbalance, place, static_placement
 from pdserve.models.layers import TensorSource
 from pdserve.models.moe import W2_DOWN, SparseMoE
+
+
+@dataclass(frozen=True)
+class EplbOptions:
+    """``pdserve bench eplb``'s options, in the order of its flags."""
+
+    hidden: int = 1024  # hidden size
+    inter: int = 2048  # each expert's intermediate size
+    tokens: int = 256  # tokens per step
+    redundant: int = 2  # redundant expert slots
+    bias: float = 4.0  # router bias of the hot experts
+    steps: int = 10  # timed forwards per phase
+    out: str = "bench/out/eplb.json"  # the result file ("": none)
 
 
 @dataclass(frozen=True)
@@ -152,6 +166,11 @@ def measure(s: EplbSetup) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(EplbOptions, args))
+
+
+def benchmark(args: EplbOptions) -> int:
+    """Step time and imbalance before and after rebalancing; the report written."""
     setup = EplbSetup(
         hidden=args.hidden,
         inter=args.inter,

@@ -31,6 +31,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from pdserve.bench.kernels import (
     random_model,
 )
 from pdserve.bench.report import machine_info, write_json
+from pdserve.core.options import flat_options, options_from
 
 # Llama-3-8B's config.json, the shape of bench/kernels.py's model; `pdserve profile
 # --load-format dummy` and the transformers peer read it.
@@ -89,6 +91,20 @@ LAYER_PARAMS = HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * H
 LAYER_PARAMS += 3 * HIDDEN * INTER
 H200_BF16_DATASHEET = 989e12
 DEVICE = torch.device("cuda")
+
+
+@dataclass(frozen=True)
+class GpuOptions:
+    """``pdserve bench gpu``'s options, in the order of its flags."""
+
+    batches: list[int] = field(default_factory=lambda: [1, 16, 64, 256])  # decode batches
+    context: int = 1024  # decode: cached tokens each
+    prompt: int = 2048  # prefill: prompt tokens
+    steps: int = 16  # peer decode: steps timed
+    requests: int = 128  # engine: requests at once
+    output: int = 128  # engine: tokens per request
+    seed: int = 0  # seeds the weights and the prompts
+    out: str = "bench/out/gpu.json"  # the result file
 
 
 def write_config(folder: Path) -> Path:
@@ -233,6 +249,11 @@ def peer_decode(model: Any, batch: int, context: int, steps: int) -> dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(GpuOptions, args))
+
+
+def benchmark(args: GpuOptions) -> int:
+    """The ceilings, our decode and prefill, the engine and the peer; the report written."""
     if not torch.cuda.is_available():
         raise SystemExit("pdserve bench gpu needs a CUDA GPU, and none is visible here")
     torch.manual_seed(args.seed)
@@ -240,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     bandwidth, peak = copy_bandwidth(device), matmul_peak(device)
     flags = [
         f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items()
+        for k, v in flat_options(args).items()
         if k in _FLAGS
     ]
     report: dict[str, Any] = {
@@ -260,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def ours_rows(args: argparse.Namespace, bandwidth: float, peak: float) -> dict[str, Any]:
+def ours_rows(args: GpuOptions, bandwidth: float, peak: float) -> dict[str, Any]:
     model = random_model("triton", "triton", torch.bfloat16, DEVICE)
     return {
         "decode": [
@@ -271,7 +292,7 @@ def ours_rows(args: argparse.Namespace, bandwidth: float, peak: float) -> dict[s
     }
 
 
-def engine_row(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
+def engine_row(args: GpuOptions, graphs: bool) -> dict[str, Any]:
     """Offline throughput of the whole engine on the 8B shape (random weights)."""
     import tempfile
 
@@ -319,7 +340,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def peer_rows(args: argparse.Namespace, peak: float) -> dict[str, Any]:
+def peer_rows(args: GpuOptions, peak: float) -> dict[str, Any]:
     model = peer_model()
     peer_decode(model, 1, 16, 2)  # warm-up
     rows: dict[str, Any] = {

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,6 +139,16 @@ def check_imports(env: dict[str, str]) -> int:
     return subprocess.call([sys.executable, "-c", probe], cwd=ROOT, env=env)
 
 
+@dataclass(frozen=True)
+class CheckRun:
+    """What the steps of a run need of its flags (built by hand in :func:`main`: this
+    file runs before pdserve can be imported)."""
+
+    steps: list[str]  # the steps run, of STEPS
+    tests: list[str]  # the pytest step's files
+    time_scale: float = 1.0  # multiplies each step's time limit
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu-results")
@@ -168,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} would be skipped: {why}")
             print("dry run: the import tree works and no required package is missing")
             return 0
-        return _run_all(out, env, args)
+        return _run_all(out, env, CheckRun(args.steps, args.tests, args.time_scale))
 
 
 def _pdserve(out: Path, figures: str, *argv: str) -> list[str]:
@@ -200,7 +211,7 @@ def skipped(steps: list[str]) -> dict[str, str]:
     return {name: why for name in steps if name in NEEDS_RAY}
 
 
-def _run_all(out: Path, env: dict[str, str], args: argparse.Namespace) -> int:
+def _run_all(out: Path, env: dict[str, str], args: CheckRun) -> int:
     import torch
 
     from pdserve.bench.gpu import write_config

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from pdserve.bench.flags import file_stem
 from pdserve.bench.local import local_cluster
 from pdserve.bench.report import Slo, goodput, header, max_rate_meeting
 from pdserve.bench.serve import (
+    RunFlags,
     RunResult,
     add_load_flags,
     add_workload_flags,
@@ -40,9 +42,11 @@ from pdserve.bench.serve import (
     serve_rates,
     slo_from,
     summary_table,
+    with_prompt_seed,
     write_outputs,
 )
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import options_from
 
 MODES = ("colocated", "disaggregated")
 FULL_RATES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -65,6 +69,52 @@ auth: {{disabled: true}}
 planner: {{mode: "off"}}
 disaggregation: {{local_prefill_max_tokens: {local_max}}}
 """
+
+
+@dataclass(frozen=True)
+class ClusterSetup:
+    """What the cluster of a setup (:func:`cluster_setup`) is made from."""
+
+    model: str  # the model every instance serves
+    cores: list[int]  # the cores its ranks are pinned to
+    connector: str = "shm"  # the KV connector between prefill and decode
+    max_num_batched_tokens: int = 256  # the decode-role instance's per-step token budget
+    prefill_max_num_batched_tokens: int = 2048  # the prefill instance's per-step budget
+    ttft_slo_ms: float | None = 2000.0  # the cluster's TTFT SLO
+    tpot_slo_ms: float | None = 200.0  # the cluster's TPOT SLO
+
+
+@dataclass(frozen=True)
+class HeadlineOptions:
+    """``pdserve bench disagg-vs-colocated``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model served
+    rate: list[float] | None = None  # request rates (None: FULL_RATES, or QUICK_RATES)
+    modes: list[str] = field(default_factory=lambda: list(MODES))  # the setups run
+    cores: list[int] = field(default_factory=list)  # the cores both setups share
+    connector: str = "shm"  # the KV connector of the disaggregated setup
+    max_num_batched_tokens: int = 256  # the decode-role instance's per-step token budget
+    prefill_max_num_batched_tokens: int = 2048  # the prefill instance's per-step budget
+    tpot_slo_sweep_ms: list[float] = field(default_factory=lambda: list(TPOT_SWEEP_MS))
+    quick: bool = False  # QUICK_RATES, 5 requests each
+    run: RunFlags = field(default_factory=RunFlags)  # the workload and load flags
+    out: str = "bench/out/headline"  # output folder
+    name: str = "disagg-vs-colocated"  # output file stem
+    target: None = None  # (recorded as bench serve's: the clusters are local)
+    api_key: None = None  # (recorded as bench serve's: no key)
+    prog: str = "pdserve bench disagg-vs-colocated"  # the command, for the record
+
+    @property
+    def setup(self) -> ClusterSetup:
+        return ClusterSetup(
+            self.model,
+            self.cores,
+            self.connector,
+            self.max_num_batched_tokens,
+            self.prefill_max_num_batched_tokens,
+            self.run.ttft_slo_ms,
+            self.run.tpot_slo_ms,
+        )
 
 
 def add_cores_flag(p: argparse.ArgumentParser, what: str) -> None:
@@ -92,7 +142,7 @@ def check_cores(cores: list[int], modes: list[str]) -> None:
         raise InvalidArgumentError("cores", "disaggregated serving needs two cores (--cores A B)")
 
 
-def cluster_setup(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, tuple[int, ...]]]:
+def cluster_setup(mode: str, args: ClusterSetup) -> tuple[str, dict[str, tuple[int, ...]]]:
     """(cluster config YAML, cores per role) of one setup on ``args.cores``."""
     cores = tuple(args.cores)
     check_cores(list(cores), [mode])
@@ -118,11 +168,11 @@ def cluster_setup(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, t
     return text, pins
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> tuple[list[RunResult], list[dict[str, Any]]]:
-    config, pins = cluster_setup(mode, args)
+def run_mode(mode: str, args: HeadlineOptions) -> tuple[list[RunResult], list[dict[str, Any]]]:
+    config, pins = cluster_setup(mode, args.setup)
     with local_cluster(config, len(args.cores), pins) as (endpoints, pinned):
         target = f"grpc://{endpoints.grpc_address}"
-        runs = serve_rates(args, target, list(args.rate), label=mode)
+        runs = serve_rates(args.run, target, list(args.rate or ()), label=mode)
     return runs, [vars(p) for p in pinned]
 
 
@@ -185,35 +235,45 @@ def tpot_sweep(
 
 
 def run(args: argparse.Namespace) -> int:
+    return headline(with_quick(options_from(HeadlineOptions, args)))
+
+
+def with_quick(args: HeadlineOptions) -> HeadlineOptions:
+    """The rates and request counts ``--quick`` and the defaults give."""
+    flags = args.run
+    if args.quick:
+        args = replace(args, rate=args.rate or list(QUICK_RATES))
+        flags = replace(flags, num_requests=flags.num_requests or 5, warmup=min(flags.warmup, 1))
+    if flags.num_requests is None and flags.duration is None:
+        flags = replace(flags, num_requests=40)
+    return replace(args, rate=args.rate or list(FULL_RATES), run=with_prompt_seed(flags))
+
+
+def headline(args: HeadlineOptions) -> int:
+    """Both setups at each rate, their comparison written and printed."""
     from pdserve.models.builtin import resolve_model
 
-    if args.quick:
-        args.rate = args.rate or list(QUICK_RATES)
-        args.num_requests = args.num_requests or 5
-        args.warmup = min(args.warmup, 1)
-    args.rate = args.rate or list(FULL_RATES)
-    if args.num_requests is None and args.duration is None:
-        args.num_requests = 40
     check_cores(args.cores, args.modes)
-    check_load_flags(args)
+    check_load_flags(args.run)
     resolve_model(args.model)  # a built-in model is generated once, before the clusters start
     series: dict[str, list[RunResult]] = {}
     pinned: dict[str, list[dict[str, Any]]] = {}
     for mode in args.modes:
         series[mode], pinned[mode] = run_mode(mode, args)
     result = compare(series)
+    ttft_slo_ms = args.run.ttft_slo_ms
     result["best_goodput_by_tpot_slo"] = tpot_sweep(
-        series, args.ttft_slo_ms / 1e3, args.tpot_slo_sweep_ms
+        series, (ttft_slo_ms or 0.0) / 1e3, args.tpot_slo_sweep_ms
     )
     payload = {
-        **header(command_line(args)),
+        **header(command_line(args.prog, args)),
         "quick": args.quick,
         "options": options_json(args),
         "pinning": pinned,
         "comparison": result,
         "runs": {mode: [r.to_json() for r in runs] for mode, runs in series.items()},
     }
-    paths = write_outputs(Path(args.out), args.name, payload, series, slo_from(args))
+    paths = write_outputs(Path(args.out), args.name, payload, series, slo_from(args.run))
     rows = [(f"{mode} {r.rate:g}/s", r) for mode, runs in series.items() for r in runs]
     print(summary_table(rows))
     print(f"highest rate with >= 90% SLO attainment: {result['max_rate_at_90pct_attainment']}")

@@ -29,6 +29,7 @@ import torch
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
+from pdserve.core.options import flat_options, options_from
 
 if TYPE_CHECKING:
     from pdserve.kernels.attention.backend import AttentionMetadata
@@ -38,6 +39,23 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 LAYERS, VOCAB, EXPERTS, TOP_K = 32, 128256, 8, 2
 BLOCK_SIZE = 16
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class KernelsOptions:
+    """``pdserve bench kernels``' options, in the order of its flags."""
+
+    dtype: str = "bfloat16"  # the kernels' dtype: one of _DTYPES
+    tokens: int = 4096  # rows of the row-wise ops
+    batch: int = 64  # decode attention: sequences
+    context: int = 4096  # decode attention: context each
+    long_context: int = 32768  # one sequence, split-K
+    prefill_chunk: int = 1024  # prefill attention: the chunk's tokens
+    prefill_prefix: int = 1024  # prefill attention: cached tokens before it
+    model_batch: int = 32  # 8B decode: sequences
+    model_context: int = 2048  # 8B decode: context each
+    seed: int = 0  # seeds the inputs
+    out: str = "bench/out/kernels.json"  # the result file ("": none)
 
 
 @dataclass
@@ -151,9 +169,7 @@ def layer_cases(tokens: int, dtype: torch.dtype, device: torch.device) -> list[C
     ]
 
 
-def attention_cases(
-    args: argparse.Namespace, dtype: torch.dtype, device: torch.device
-) -> list[Case]:
+def attention_cases(args: KernelsOptions, dtype: torch.dtype, device: torch.device) -> list[Case]:
     """Paged decode attention (a batch, then one long sequence), prefill attention, KV writes."""
     from pdserve.kernels.attention import torch_ref
 
@@ -319,7 +335,7 @@ def decode_step(
 
 @torch.no_grad()
 def decode_throughput(
-    args: argparse.Namespace,
+    args: KernelsOptions,
     kernels: str,
     dtype: torch.dtype,
     device: torch.device,
@@ -350,6 +366,11 @@ def decode_throughput(
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(KernelsOptions, args))
+
+
+def benchmark(args: KernelsOptions) -> int:
+    """Each kernel against torch and the floor, and the 8B decode step; the report written."""
     if not torch.cuda.is_available():
         raise SystemExit(
             "pdserve bench kernels needs a CUDA GPU: the Triton kernels it times run on the "
@@ -374,7 +395,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(models[-1]))
     report = {
         "command": "pdserve bench kernels "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in _FLAGS),
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in flat_options(args).items() if k in _FLAGS
+        ),
         "machine": f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
         f"{platform.machine()}",
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),

@@ -34,9 +34,23 @@ from typing import Any
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
+from pdserve.core.options import options_from
 from pdserve.core.sampling_params import SamplingParams
 
 BLOCK = 16
+
+
+@dataclass(frozen=True)
+class MultiturnOptions:
+    """``pdserve bench multiturn``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model served
+    sessions: int = 12  # conversations
+    turns: int = 4  # turns of each
+    prefix_tokens: int = 2000  # the shared prefix the reuse run reads back
+    repeats: int = 3  # reuse runs (median)
+    seed: int = 0  # seeds the conversations
+    out: str = "bench/out/multiturn.json"  # the result file
 
 
 @dataclass(frozen=True)
@@ -124,7 +138,7 @@ def _setups(work: Conversation, bytes_per_token: int, folder: str) -> dict[str, 
     }
 
 
-def measure_setups(args: argparse.Namespace, work: Conversation) -> list[SetupResult]:
+def measure_setups(args: MultiturnOptions, work: Conversation) -> list[SetupResult]:
     from pdserve import LLM
     from pdserve.parallel.executor import LocalExecutor
 
@@ -161,7 +175,7 @@ def measure_setups(args: argparse.Namespace, work: Conversation) -> list[SetupRe
     return results
 
 
-def measure_reuse(args: argparse.Namespace, prefix_tokens: int, repeats: int) -> dict[str, float]:
+def measure_reuse(args: MultiturnOptions, prefix_tokens: int, repeats: int) -> dict[str, float]:
     """TTFT of a request whose ``prefix_tokens`` prefix was evicted: recompute vs host load."""
     from pdserve import LLM
 
@@ -202,6 +216,11 @@ def _row(r: SetupResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(MultiturnOptions, args))
+
+
+def benchmark(args: MultiturnOptions) -> int:
+    """Each setup's conversations and the prefix reuse; written."""
     work = Conversation(sessions=args.sessions, turns=args.turns, seed=args.seed)
     setups = measure_setups(args, work)
     reuse = measure_reuse(args, args.prefix_tokens, args.repeats)

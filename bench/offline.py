@@ -39,6 +39,21 @@ import torch
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
+from pdserve.core.options import flat_options, options_from
+
+
+@dataclass(frozen=True)
+class OfflineOptions:
+    """``pdserve bench offline``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model of both systems
+    dtype: str = "float32"  # dtypes, comma-separated (the flag's default: this CPU's fastest)
+    repeats: int = 1  # rounds over the dtypes, interleaved
+    num_requests: int = 32  # requests of the batched workloads
+    hf_batch_size: int = 32  # static batch size of the baseline
+    max_num_seqs: int = 64  # pdserve's running sequences
+    seed: int = 0  # seeds the prompts
+    out: str = "bench/out/offline.json"  # the result file ("": none)
 
 
 @dataclass(frozen=True)
@@ -169,7 +184,7 @@ def run_transformers(
 
 
 def compare(
-    args: argparse.Namespace,
+    args: OfflineOptions,
     folder: Path,
     work: Workload,
     prompts: list[list[int]],
@@ -218,6 +233,11 @@ def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(OfflineOptions, args))
+
+
+def benchmark(args: OfflineOptions) -> int:
+    """Each workload in each dtype, pdserve against transformers; the report written."""
     from pdserve.core.model_config import ModelConfig
     from pdserve.models.builtin import resolve_model
 
@@ -252,10 +272,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flags(args: argparse.Namespace) -> dict[str, Any]:
+def _flags(args: OfflineOptions) -> dict[str, Any]:
     return {
         k: v
-        for k, v in vars(args).items()
+        for k, v in flat_options(args).items()
         if k
         in ("model", "num_requests", "hf_batch_size", "seed", "max_num_seqs", "dtype", "repeats")
     }

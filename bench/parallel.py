@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
+from pdserve.core.options import options_from
 from pdserve.distributed.shm_comm import ENV_SWITCH
 from pdserve.parallel.executor import StepTimes
 
@@ -49,12 +51,28 @@ LAYOUTS = {
 }
 
 
+@dataclass(frozen=True)
+class ParallelOptions:
+    """``pdserve bench parallel``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model of every layout
+    cpus: float = 2.0  # CPUs for every layout in total
+    batch: int = 16  # prompts of a step
+    prompt_len: int = 128  # tokens of each prompt
+    decode_steps: int = 32  # decode steps timed
+    repeats: int = 2  # prefill and decode runs per layout (best kept)
+    rounds: int = 1  # passes over every layout (best kept)
+    layouts: list[str] = field(default_factory=lambda: list(LAYOUTS))  # layouts to run
+    settle_s: float = 5.0  # pause after Ray starts and after each layout
+    out: str = "bench/out/parallel.json"  # the result file ("": none)
+
+
 def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(length)] for i in range(batch)]
 
 
 def measure(
-    model: str, tp: int, pp: int, collectives: str, args: argparse.Namespace
+    model: str, tp: int, pp: int, collectives: str, args: ParallelOptions
 ) -> dict[str, Any]:
     from pdserve import SamplingParams
 
@@ -97,7 +115,7 @@ def measure(
     )
 
 
-def _start(model: str, tp: int, pp: int, collectives: str, args: argparse.Namespace) -> Any:
+def _start(model: str, tp: int, pp: int, collectives: str, args: ParallelOptions) -> Any:
     """The layout's LLM, on ``args.cpus`` CPUs in all."""
     from pdserve import LLM
 
@@ -172,6 +190,11 @@ def _best(rows: list[dict[str, Any]], decode_steps: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(ParallelOptions, args))
+
+
+def benchmark(args: ParallelOptions) -> int:
+    """Every layout, in rounds, against one rank; the report written."""
     import ray
 
     if not ray.is_initialized():

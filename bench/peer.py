@@ -27,15 +27,23 @@ import asyncio
 import itertools
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.flags import file_stem
-from pdserve.bench.headline import MODES, add_cores_flag, check_cores, cluster_setup
+from pdserve.bench.headline import (
+    MODES,
+    ClusterSetup,
+    add_cores_flag,
+    check_cores,
+    cluster_setup,
+)
 from pdserve.bench.loadgen import Client, OnChunk, RequestFailed
 from pdserve.bench.local import local_cluster
 from pdserve.bench.report import header
 from pdserve.bench.serve import (
+    RunFlags,
     RunResult,
     add_load_flags,
     add_workload_flags,
@@ -45,13 +53,47 @@ from pdserve.bench.serve import (
     serve_rates,
     slo_from,
     summary_table,
+    with_prompt_seed,
     write_outputs,
 )
 from pdserve.bench.workload import RequestSpec
 from pdserve.core.errors import UnsupportedError
+from pdserve.core.options import options_from
 
 KV_TOKENS = 16384  # pdserve's default CPU pool (256 MiB) holds this many tokens of builtin:small
 PAGE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """``pdserve bench peer``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model both servers serve
+    rate: list[float] | None = None  # request rates (None: 0.5 1 2, or 0.5 1 with quick)
+    pdserve_mode: str = "colocated"  # pdserve's setup: one of MODES
+    cores: list[int] = field(default_factory=list)  # the cores both servers get
+    connector: str = "shm"  # pdserve's KV connector (disaggregated)
+    max_num_batched_tokens: int = 256  # per-step token budget of both servers
+    prefill_max_num_batched_tokens: int = 2048  # pdserve's prefill instance's budget
+    quick: bool = False  # rates 0.5 and 1, 4 requests each
+    run: RunFlags = field(default_factory=RunFlags)  # the workload and load flags
+    out: str = "bench/out/peer"  # output folder
+    name: str = "peer"  # output file stem
+    target: None = None  # (recorded as bench serve's: the servers are local)
+    api_key: None = None  # (recorded as bench serve's: no key)
+    prog: str = "pdserve bench peer"  # the command, for the record
+
+    @property
+    def setup(self) -> ClusterSetup:
+        return ClusterSetup(
+            self.model,
+            self.cores,
+            self.connector,
+            self.max_num_batched_tokens,
+            self.prefill_max_num_batched_tokens,
+            self.run.ttft_slo_ms,
+            self.run.tpot_slo_ms,
+        )
 
 
 class TransformersClient:
@@ -120,23 +162,28 @@ class TransformersClient:
         self.manager.stop(block=True, timeout=60)
 
 
-def _apply_defaults(args: argparse.Namespace) -> None:
-    """Fill in the rates and request count that ``--quick`` or nothing at all asks for."""
+def _apply_defaults(args: PeerOptions) -> PeerOptions:
+    """The rates and request count that ``--quick`` or nothing at all asks for, and the
+    prompts' seed (both servers get the same prompts)."""
+    flags = args.run
     if args.quick:
-        args.rate = args.rate or [0.5, 1.0]
-        args.num_requests = args.num_requests or 4
-        args.warmup = min(args.warmup, 1)
-    args.rate = args.rate or [0.5, 1.0, 2.0]
-    if args.num_requests is None and args.duration is None:
-        args.num_requests = 40
+        args = replace(args, rate=args.rate or [0.5, 1.0])
+        flags = replace(flags, num_requests=flags.num_requests or 4, warmup=min(flags.warmup, 1))
+    if flags.num_requests is None and flags.duration is None:
+        flags = replace(flags, num_requests=40)
+    return replace(args, rate=args.rate or [0.5, 1.0, 2.0], run=with_prompt_seed(flags))
 
 
 def run(args: argparse.Namespace) -> int:
+    return peer_bench(_apply_defaults(options_from(PeerOptions, args)))
+
+
+def peer_bench(args: PeerOptions) -> int:
+    """Both servers at each rate in turn; the side-by-side report written and printed."""
     from pdserve.models.builtin import resolve_model
 
-    _apply_defaults(args)
     check_cores(args.cores, [args.pdserve_mode])
-    check_load_flags(args)
+    check_load_flags(args.run)
     path = str(resolve_model(args.model))
     cores = tuple(args.cores)
 
@@ -147,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
     label = f"pdserve {args.pdserve_mode}"
     series: dict[str, list[RunResult]] = {"transformers": [], label: []}
-    config, pins = cluster_setup(args.pdserve_mode, args)
+    config, pins = cluster_setup(args.pdserve_mode, args.setup)
     saved = os.sched_getaffinity(0)
     # this process is the peer's server: same cores (the Ray processes it starts inherit
     # them; the pdserve ranks are then pinned as the setup says)
@@ -159,28 +206,28 @@ def run(args: argparse.Namespace) -> int:
                 ("transformers", make_peer),
                 (label, target),
             ]
-            for i, rate in enumerate(args.rate):  # interleaved, so drifting load hits both
+            for i, rate in enumerate(args.rate or ()):  # interleaved: drifting load hits both
                 for name, server in servers if i % 2 == 0 else servers[::-1]:
-                    series[name] += serve_rates(args, server, [rate], name, first_run=i)
+                    series[name] += serve_rates(args.run, server, [rate], name, first_run=i)
     finally:
         peer.stop()
         os.sched_setaffinity(0, saved)
     payload = _payload(args, peer.version, [vars(p) for p in pinned], series)
-    paths = write_outputs(Path(args.out), args.name, payload, series, slo_from(args))
+    paths = write_outputs(Path(args.out), args.name, payload, series, slo_from(args.run))
     print(summary_table([(f"{n} {r.rate:g}/s", r) for n, runs in series.items() for r in runs]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
 def _payload(
-    args: argparse.Namespace,
+    args: PeerOptions,
     peer_version: str,
     pinning: list[dict[str, Any]],
     series: dict[str, list[RunResult]],
 ) -> dict[str, Any]:
     """The JSON report: the command, both servers, the side-by-side table and every run."""
     return {
-        **header(command_line(args)),
+        **header(command_line(args.prog, args)),
         "quick": args.quick,
         "options": options_json(args),
         "peer": {

@@ -21,6 +21,7 @@ import argparse
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,22 @@ from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.config import DisaggregationConfig
 from pdserve.core.messages import PeerPrefix, PrefillRequest, ReserveRequest
+from pdserve.core.options import options_from
 from pdserve.core.sampling_params import SamplingParams
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class PeerPrefillOptions:
+    """``pdserve bench peer-prefill``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model of both instances
+    connector: str = "shm"  # the KV connector between them
+    prompt_tokens: int = 2000  # tokens of each prompt
+    repeats: int = 5  # prompts timed each way
+    seed: int = 0  # seeds the prompts
+    out: str = "bench/out/peer_prefill.json"  # the result file
 
 
 def _first_token_s(decode: Any, request: ReserveRequest) -> float:
@@ -46,6 +60,11 @@ def _first_token_s(decode: Any, request: ReserveRequest) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(PeerPrefillOptions, args))
+
+
+def benchmark(args: PeerPrefillOptions) -> int:
+    """Prefixes recomputed against read from a peer, in turn; written."""
     llm = LLM(
         args.model,
         disaggregated=True,

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from pdserve.bench import workload as wl
 from pdserve.bench.flags import count
 from pdserve.bench.loadgen import HttpClient, LoadOptions, run_load
 from pdserve.bench.report import RequestRecord, Slo, attainment, summarize, write_json
+from pdserve.core.options import flat_options, options_from
 
 CONFIG = """\
 model: {model}
@@ -49,10 +51,40 @@ router: {{max_inflight_per_region: {cap}, low_priority_share: 0.5, low_priority_
 """
 
 
+@dataclass(frozen=True)
+class PriorityOptions:
+    """``pdserve bench priority``'s options, in the order of its flags, then what the run
+    found (the model's vocabulary, the capacity the 2x load doubles)."""
+
+    model: str = "builtin:tiny"  # the model served
+    rate: float | None = None  # online req/s (None: the measured capacity x online_share)
+    online_share: float = 1.0  # online load as a share of the measured capacity
+    probe_requests: int = 48  # requests sent at once to measure the capacity
+    duration: float = 30.0  # seconds of each mode's load
+    prompt_len: int = 256  # prompt tokens of every request
+    output_len: int = 64  # output tokens of every request
+    cap: int = 16  # router.max_inflight_per_region
+    batch_lines: int = 200  # lines of the batch job
+    batch_concurrency: int = 8  # the batch job's requests in flight
+    ttft_slo_ms: float = 1000.0  # TTFT SLO
+    tpot_slo_ms: float = 100.0  # TPOT SLO
+    seed: int = 0  # seeds the prompts
+    out: str = "bench/out/priority.json"  # the result file
+    vocab: int = 0  # the model's vocabulary size (found)
+    capacity: float | None = None  # req/s the 2x load doubles (measured, else the rate)
+
+    @property
+    def online_rate(self) -> float:
+        """The online req/s, once given or measured."""
+        if self.rate is None:
+            raise ValueError("the online rate is given or measured before the runs")
+        return self.rate
+
+
 def _specs(
-    args: argparse.Namespace, seed: int, vocab: int, rate: float | None = None
+    args: PriorityOptions, seed: int, vocab: int, rate: float | None = None
 ) -> list[wl.RequestSpec]:
-    rate = args.rate if rate is None else rate
+    rate = args.online_rate if rate is None else rate
     arrivals = wl.arrival_times("poisson", rate, None, args.duration, seed=seed)
     n = len(arrivals)
     prompts = np.full(n, args.prompt_len)
@@ -70,7 +102,7 @@ def _low_priority(records: list[RequestRecord]) -> dict[str, int]:
     }
 
 
-async def _run(base: str, args: argparse.Namespace, mode: str, slo: Slo) -> dict[str, Any]:
+async def _run(base: str, args: PriorityOptions, mode: str, slo: Slo) -> dict[str, Any]:
     online = HttpClient(base, None, "", 0.0, 600.0)
     low = HttpClient(base, None, "", 0.0, 600.0, {"priority": -1})
     for client in (online, low):
@@ -79,7 +111,8 @@ async def _run(base: str, args: argparse.Namespace, mode: str, slo: Slo) -> dict
     try:
         jobs: list[Any] = [run_load(online, _specs(args, 1, args.vocab), options=quiet)]
         if mode == "2x":  # low priority brings the offered load to twice the capacity
-            rate = args.capacity * 2 - args.rate
+            capacity = args.online_rate if args.capacity is None else args.capacity
+            rate = capacity * 2 - args.online_rate
             jobs.append(run_load(low, _specs(args, 2, args.vocab, rate), options=quiet))
         elif mode == "batch":
             jobs.append(_batch_job(base, args, online.model))
@@ -99,7 +132,7 @@ async def _run(base: str, args: argparse.Namespace, mode: str, slo: Slo) -> dict
     return out
 
 
-async def _batch_job(base: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+async def _batch_job(base: str, args: PriorityOptions, model: str) -> dict[str, Any]:
     from pdserve.batch import BatchRunner
 
     with tempfile.TemporaryDirectory() as folder:
@@ -125,7 +158,7 @@ async def _batch_job(base: str, args: argparse.Namespace, model: str) -> dict[st
         }
 
 
-async def _capacity(base: str, args: argparse.Namespace) -> float:
+async def _capacity(base: str, args: PriorityOptions) -> float:
     """Requests per second the cluster completes when everything is sent at once."""
     client = HttpClient(base, None, "", 0.0, 600.0)
     client.model = await client.model_name()
@@ -142,11 +175,16 @@ async def _capacity(base: str, args: argparse.Namespace) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(PriorityOptions, args))
+
+
+def benchmark(args: PriorityOptions) -> int:
+    """The three modes on a local cluster, at the given or measured rate; written."""
     from pdserve.bench.local import local_cluster
     from pdserve.core.model_config import ModelConfig
     from pdserve.models.builtin import resolve_model
 
-    args.vocab = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
+    args = replace(args, vocab=ModelConfig.from_dir(resolve_model(args.model)).vocab_size)
     slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     text = CONFIG.format(
         model=args.model, ttft_ms=args.ttft_slo_ms, tpot_ms=args.tpot_slo_ms, cap=args.cap
@@ -156,18 +194,18 @@ def run(args: argparse.Namespace) -> int:
         base = endpoints.http_url
         if args.rate is None:
             results["capacity_rps"] = asyncio.run(_capacity(base, args))
-            args.rate = results["capacity_rps"] * args.online_share
+            args = replace(args, rate=results["capacity_rps"] * args.online_share)
             print(
                 f"capacity {results['capacity_rps']:.2f} req/s: online at {args.rate:.2f}, "
                 "priority -1 bringing the load to 2x"
             )
-        args.capacity = results.get("capacity_rps", args.rate)
+        args = replace(args, capacity=results.get("capacity_rps", args.rate))
         for mode in ("online", "2x", "batch"):
             results[mode] = asyncio.run(_run(base, args, mode, slo))
             print(_line(mode, results[mode]), flush=True)
     write_json(
         Path(args.out),
-        {"options": {k: v for k, v in vars(args).items() if k != "func"}, "results": results},
+        {"options": flat_options(args), "results": results},
     )
     return 0
 

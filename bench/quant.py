@@ -29,6 +29,7 @@ import statistics
 import sysconfig
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,27 @@ import torch.nn.functional as F
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
+from pdserve.core.options import options_from
 
 _PROMPT_TOKENS = 32
 _BATCHES = (1, 16)
 _SCHEMES = ("none", "int8", "int4")
 _PREFILL_PROMPTS, _PREFILL_TOKENS = 8, 128  # one step of the default 1024-token budget
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """``pdserve bench quant``'s options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model quantized
+    decode_tokens: int = 64  # new tokens per request
+    repeats: int = 3  # decode runs per batch size (median)
+    context: int = 256  # tokens per perplexity window
+    windows: int = 64  # perplexity windows
+    iters: int = 200  # calls per matmul timing
+    text: list[str] = field(default_factory=list)  # held-out text files
+    seed: int = 0  # seeds the prompts
+    out: str = "bench/out/quant.json"  # the result file ("": none)
 
 
 def _time_us(fn: Callable[[], object], iters: int) -> float:
@@ -197,7 +214,7 @@ def build_engine(model: str, quantization: str) -> Any:
     return llm
 
 
-def measure_engines(args: argparse.Namespace, windows: list[list[int]]) -> list[dict[str, Any]]:
+def measure_engines(args: QuantOptions, windows: list[list[int]]) -> list[dict[str, Any]]:
     """One row per engine (float32, int8, int4); their decode runs alternate, so all meet the same load."""
     llms = {q: build_engine(args.model, q) for q in _SCHEMES}
     runs: dict[tuple[str, int], list[float]] = {}
@@ -237,6 +254,11 @@ def versus(base: dict[str, Any], quant: dict[str, Any]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(QuantOptions, args))
+
+
+def benchmark(args: QuantOptions) -> int:
+    """Each engine's speed and perplexity, the matmuls, and the ratios; the report written."""
     from pdserve.core.model_config import ModelConfig
     from pdserve.models.builtin import resolve_model
 
@@ -262,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flags(args: argparse.Namespace) -> list[str]:
+def _flags(args: QuantOptions) -> list[str]:
     names = ("model", "decode_tokens", "repeats", "context", "windows", "iters", "seed")
     flags = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in names]
     return flags + [f"--text {t}" for t in args.text]

@@ -19,7 +19,6 @@ matplotlib (Agg) only when called.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import os
 import platform
@@ -293,9 +292,12 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def write_with_args(args: argparse.Namespace, results: dict[str, Any]) -> Path:
-    """``results`` after the command's flags, as JSON at ``--out``; says where."""
-    path = write_json(Path(args.out), {"args": vars(args) | {"func": None}, **results})
+def write_with_args(out: str, options: object, results: dict[str, Any]) -> Path:
+    """``results`` after the command's options (a dataclass of them), as JSON at
+    ``out``; says where."""
+    from pdserve.core.options import flat_options
+
+    path = write_json(Path(out), {"args": flat_options(options), **results})
     print(f"wrote {path}")
     return path
 

@@ -24,18 +24,29 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.bench.router_floor import percentile as _percentile
-from pdserve.bench.router_load import under_load
+from pdserve.bench.router_load import LoadFlags, under_load
 from pdserve.core.messages import LoadReport
+from pdserve.core.options import options_from
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.config import RouterConfig
 from pdserve.router.prefix_index import prompt_block_hashes
 from pdserve.router.router import CompletionInput, InstanceInfo, Router
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """``pdserve bench router``'s options, in the order of its flags."""
+
+    rounds: int = 2000  # timed decisions per case
+    load: LoadFlags = field(default_factory=LoadFlags)  # the front door's load runs
+    out: str = "bench/out/router.json"  # the result file ("": none)
 
 
 def decision_times(n: int, policy: str, rounds: int, holders: int | None) -> dict[str, Any]:
@@ -135,6 +146,11 @@ def validation_cost(rounds: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(RouterOptions, args))
+
+
+def benchmark(args: RouterOptions) -> int:
+    """Decision times, validation cost and the front door under load; written."""
     decisions = [
         decision_times(n, policy, args.rounds, holders)
         for holders in (4, None)
@@ -145,14 +161,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row))
     validation = validation_cost(args.rounds)
     print(json.dumps(validation))
-    load = under_load(args)
+    load = under_load(args.load)
     if args.out:
+        flags = args.load
         cmd = (
-            f"pdserve bench router --concurrency {args.concurrency} --requests {args.requests}"
-            f" --tokens {args.tokens} --repeat {args.repeat}"
-            + ("" if args.router_cpu is None else f" --router-cpu {args.router_cpu}")
-            + ("" if args.protocol == "grpc" else f" --protocol {args.protocol}")
-            + ("" if args.baseline is None else f" --baseline {args.baseline}")
+            f"pdserve bench router --concurrency {flags.concurrency} --requests {flags.requests}"
+            f" --tokens {flags.tokens} --repeat {flags.repeat}"
+            + ("" if flags.router_cpu is None else f" --router-cpu {flags.router_cpu}")
+            + ("" if flags.protocol == "grpc" else f" --protocol {flags.protocol}")
+            + ("" if flags.baseline is None else f" --baseline {flags.baseline}")
         )
         result = {"command": cmd, "decisions": decisions, "validation": validation, "load": load}
         write_json(Path(args.out), result)

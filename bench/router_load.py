@@ -13,7 +13,6 @@ actor runs instead of this one (a before/after comparison in one session).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -23,6 +22,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -277,7 +277,20 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return medians
 
 
-def under_load(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LoadFlags:
+    """The load flags of ``pdserve bench router``."""
+
+    concurrency: int = 32  # concurrent clients
+    requests: int = 4  # requests per concurrent client
+    tokens: int = 32  # tokens of each answer
+    router_cpu: int | None = None  # also run with the router actor pinned to this core
+    repeat: int = 1  # load runs per placement, alternated
+    protocol: str = "grpc"  # grpc, http, or both in turn
+    baseline: str | None = None  # a pdserve source tree whose router the load also runs
+
+
+def under_load(args: LoadFlags) -> dict[str, Any]:
     """The load runs, shared cores and (with ``--router-cpu``) pinned, alternated
     ``--repeat`` times, over each protocol (their order alternated too) and, with
     ``--baseline``, the baseline tree and this one alternated; each run followed by

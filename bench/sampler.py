@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,25 @@ import torch
 
 from pdserve.bench.flags import count, file_stem
 from pdserve.bench.report import header, write_json
+from pdserve.core.options import options_from
 from pdserve.core.step import RowSampling
 from pdserve.parallel.sampler import Sampler
 
 PENALTIES = (0.5, 0.5, 1.1)
+
+
+@dataclass(frozen=True)
+class SamplerOptions:
+    """``pdserve bench sampler``'s options, in the order of its flags."""
+
+    batch: list[int] = field(default_factory=lambda: [1, 16, 64])  # batch sizes
+    vocab: list[int] = field(default_factory=lambda: [32000, 128256])  # vocabulary sizes
+    context: int = 1024  # prompt tokens of each request
+    steps: int = 50  # steps per round
+    repeat: int = 3  # rounds of each
+    threads: int = 1  # torch threads
+    out: str = "bench/out"  # output folder
+    name: str = "sampler"  # output file stem
 
 
 def _rows(batch: int, context: int, step: int, vocab: int, rng: random.Random) -> list[RowSampling]:
@@ -70,6 +86,11 @@ def measure(batch: int, vocab: int, context: int, steps: int, penalised: bool) -
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(SamplerOptions, args))
+
+
+def benchmark(args: SamplerOptions) -> int:
+    """Each batch and vocabulary, plain and penalised, timed; written and printed."""
     torch.set_num_threads(args.threads)
     rows: list[dict[str, Any]] = []
     for vocab in args.vocab:

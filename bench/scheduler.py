@@ -24,12 +24,27 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdserve.core.options import options_from
 
 # A child runs this file against a baseline tree (PYTHONPATH), so nothing of pdserve
 # is imported at module level: an older tree may lack what this one has.
 CHILD_FLAG = "--child"
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """``pdserve bench scheduler``'s options, in the order of its flags."""
+
+    batch: list[int] = field(default_factory=lambda: [21, 64, 256])  # batch sizes
+    steps: int = 2000  # steps per round
+    repeat: int = 3  # rounds per batch size
+    baseline: str | None = None  # a pdserve source tree measured alternately with this one
+    out: str = "bench/out"  # output folder
+    name: str = "scheduler"  # output file stem
 
 
 def measure(batch: int, steps: int) -> tuple[float, float]:
@@ -134,6 +149,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(SchedulerOptions, args))
+
+
+def benchmark(args: SchedulerOptions) -> int:
+    """Each batch size's host time per step (and the baseline's); written and printed."""
     from pdserve.bench.report import header, write_json
     from pdserve.bench.router_load import import_tree
     from pdserve.core.errors import InvalidArgumentError

@@ -24,7 +24,7 @@ import secrets
 import shlex
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,38 @@ from pdserve.bench.report import (
     write_json,
 )
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import flat_options, options_from
+
+
+@dataclass(frozen=True)
+class LoadFlags:
+    """The load and SLO flags (:func:`add_load_flags`)."""
+
+    max_concurrency: int | None = None  # most requests in flight (None: no limit)
+    request_timeout: float = 600.0  # seconds from sending a request to giving up on it
+    ttft_slo_ms: float | None = 2000.0  # time-to-first-token SLO
+    tpot_slo_ms: float | None = 200.0  # time-per-output-token SLO
+    no_progress: bool = False  # no progress bar
+
+
+@dataclass(frozen=True)
+class RunFlags(LoadFlags, wl.WorkloadFlags):
+    """What a run of a workload needs besides its target and rate: the workload flags,
+    then the load flags, in one flat set (it is either one where one is asked for)."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """``pdserve bench serve``'s options, in the order of its flags."""
+
+    target: str  # grpc://HOST:PORT or http://HOST:PORT
+    api_key: str | None = None  # sent as 'authorization: Bearer <key>'
+    model: str | None = None  # model name (None: ask the server)
+    rate: list[float] | None = None  # mean request rate(s); several: a sweep
+    run: RunFlags = field(default_factory=RunFlags)  # the workload and load flags
+    out: str = "bench/out/serve"  # output folder
+    name: str = "serve"  # output file stem
+    prog: str = "pdserve bench serve"  # the command, for the command line recorded
 
 
 @dataclass
@@ -61,8 +93,19 @@ class RunResult:
 # -- workload ---------------------------------------------------------------------------
 
 
+def with_prompt_seed(flags: RunFlags) -> RunFlags:
+    """``flags`` with ``--prompt-seed`` drawn when none was given (recorded with the
+    options, and the same for every run of these flags)."""
+    return replace(flags, prompt_seed=prompt_seed(flags))
+
+
+def prompt_seed(flags: RunFlags) -> int:
+    """``--prompt-seed``, or a new one when none was given."""
+    return flags.prompt_seed if flags.prompt_seed is not None else secrets.randbelow(2**31)
+
+
 def build_workload(
-    args: argparse.Namespace, rate: float | None, run: int = 0
+    args: RunFlags, rate: float | None, run: int = 0
 ) -> tuple[list[wl.RequestSpec], list[wl.RequestSpec]]:
     """(measured requests, warm-up requests) from the workload flags, at ``rate``.
 
@@ -77,17 +120,16 @@ def build_workload(
         warm_prompt, warm_output = prompt_lens[: args.warmup], output_lens[: args.warmup]
     else:
         warm_prompt, warm_output = wl.flag_lengths(args, args.warmup, args.seed + 1)
-    if args.prompt_seed is None:
-        args.prompt_seed = secrets.randbelow(2**31)  # recorded with the options
+    seed = prompt_seed(args)  # serve_rates draws it once for all its runs
     specs = wl.build_requests(
-        arrivals, prompt_lens, output_lens, args.vocab_size, (args.prompt_seed, run, 0), prompts
+        arrivals, prompt_lens, output_lens, args.vocab_size, (seed, run, 0), prompts
     )
     warmup = wl.build_requests(
         np.zeros(len(warm_output)),
         warm_prompt,
         warm_output,
         args.vocab_size,
-        (args.prompt_seed, run, 1),
+        (seed, run, 1),
         prompts,
     )
     return specs, warmup
@@ -97,11 +139,12 @@ def build_workload(
 
 
 def serve_rates(
-    args: argparse.Namespace,
+    args: RunFlags,
     target: str | Callable[[], Awaitable[Client]],
     rates: list[float | None],
     label: str = "",
     first_run: int = 0,
+    client_as: tuple[str | None, str | None] = (None, None),
 ) -> list[RunResult]:
     """Run the workload at each rate in turn against ``target`` (an address, or a
     coroutine function that makes a client); one result per rate. Runs are
@@ -110,15 +153,18 @@ def serve_rates(
     The first run's workload is built before the client connects, so a workload
     flag or trace file it cannot use is named at once, not after reaching the target
     (the runs differ only in rate and token ids; each is built when its turn comes).
+    ``client_as``: the API key and model name a client of an address sends.
     """
+    args = with_prompt_seed(args)
     slo = slo_from(args)
     options = LoadOptions(args.max_concurrency, args.request_timeout, not args.no_progress)
     first = build_workload(args, rates[0], first_run) if rates else None
 
     async def sweep() -> list[RunResult]:
         if isinstance(target, str):
+            api_key, model = client_as
             client: Client = await open_client(
-                target, args.api_key, args.model, args.temperature, args.request_timeout
+                target, api_key, model, args.temperature, args.request_timeout
             )
         else:
             client = await target()
@@ -136,7 +182,7 @@ def serve_rates(
     return asyncio.run(sweep())
 
 
-def slo_from(args: argparse.Namespace) -> Slo:
+def slo_from(args: LoadFlags) -> Slo:
     return Slo(
         None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
         None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1e3,
@@ -188,21 +234,23 @@ def write_outputs(
     return paths
 
 
-_NOT_FLAGS = {"func", "command", "bench_command", "log_level", "prog"}
+_NOT_FLAGS = {"prog"}  # the command itself, which the command line records
 REDACTED = "<redacted>"
 
 
-def options_json(args: argparse.Namespace) -> dict[str, Any]:
-    """The options of a run, for its result file (an API key is not written out)."""
-    out = {k: v for k, v in vars(args).items() if k not in _NOT_FLAGS and not callable(v)}
+def options_json(options: object) -> dict[str, Any]:
+    """The options of a run (a dataclass of a command's options, its groups' fields in
+    their place), for its result file (an API key is not written out)."""
+    out = {k: v for k, v in flat_options(options).items() if k not in _NOT_FLAGS}
     if out.get("api_key"):
         out["api_key"] = REDACTED
     return out
 
 
-def command_line(args: argparse.Namespace) -> str:
+def command_line(prog: str, options: object) -> str:
     """The command as typed when run from the shell; otherwise (called in-process) an
-    equivalent one that spells out every option."""
+    equivalent one that spells out every option (``prog``: the command, ``options``:
+    a dataclass of its options)."""
     if Path(sys.argv[0]).name == "pdserve":
         words = ["pdserve", *sys.argv[1:]]
         for i, word in enumerate(words):
@@ -211,8 +259,8 @@ def command_line(args: argparse.Namespace) -> str:
             elif word == "--api-key" and i + 1 < len(words):
                 words[i + 1] = REDACTED
         return shlex.join(words)
-    words = args.prog.split()
-    for key, value in options_json(args).items():
+    words = prog.split()
+    for key, value in options_json(options).items():
         flag = "--" + key.replace("_", "-")
         if value is None or value is False:
             continue
@@ -225,13 +273,13 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
-def check_load_flags(args: argparse.Namespace) -> None:
+def check_load_flags(args: RunFlags) -> None:
     """The load and workload flags a run cannot start with, named before anything starts."""
     slo_from(args)
     if args.warmup < 0:
         raise InvalidArgumentError("warmup", f"must be >= 0, got {args.warmup}")
     for name in ("seed", "prompt_seed"):  # numpy's generators take no negative seed
-        if (getattr(args, name, None) or 0) < 0:
+        if (getattr(args, name) or 0) < 0:
             raise InvalidArgumentError(name, f"must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.temperature < math.inf:
         raise InvalidArgumentError("temperature", f"must be >= 0, got {args.temperature}")
@@ -239,20 +287,29 @@ def check_load_flags(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(
             "vocab_size", f"must be > {wl.FIRST_TOKEN_ID}, got {args.vocab_size}"
         )
-    LoadOptions(args.max_concurrency, getattr(args, "request_timeout", 600.0))
+    LoadOptions(args.max_concurrency, args.request_timeout)
 
 
 def run(args: argparse.Namespace) -> int:
-    check_load_flags(args)
-    rates: list[float | None] = list(args.rate) if args.rate else [None]
-    runs = serve_rates(args, args.target, rates)
+    return serve(options_from(ServeOptions, args))
+
+
+def serve(options: ServeOptions) -> int:
+    """``pdserve bench serve``: the runs, their result file and plots, and a table."""
+    check_load_flags(options.run)
+    options = replace(options, run=with_prompt_seed(options.run))
+    rates: list[float | None] = list(options.rate) if options.rate else [None]
+    runs = serve_rates(
+        options.run, options.target, rates, client_as=(options.api_key, options.model)
+    )
     payload = {
-        **header(command_line(args)),
-        "target": args.target,
-        "options": options_json(args),
+        **header(command_line(options.prog, options)),
+        "target": options.target,
+        "options": options_json(options),
         "runs": [r.to_json() for r in runs],
     }
-    paths = write_outputs(Path(args.out), args.name, payload, {"": runs}, slo_from(args))
+    slo = slo_from(options.run)
+    paths = write_outputs(Path(options.out), options.name, payload, {"": runs}, slo)
     print(summary_table([(f"rate {r.rate:g}" if r.rate else "trace", r) for r in runs]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

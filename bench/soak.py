@@ -36,6 +36,8 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,31 @@ from pdserve.bench.soak_outcomes import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    """``pdserve bench soak``'s options, in the order of its flags."""
+
+    minutes: float = 10.0  # length of the soak phase
+    config: str = "deploy/configs/local.yaml"  # cluster config (YAML)
+    out: str = "bench/out/soak.json"  # result file (JSON)
+    any_port: bool = False  # free ports instead of the config's
+    load: float = 0.8  # offered rate, share of capacity
+    cancel_fraction: float = 0.1  # requests the client cancels
+    kill_every: float = 60.0  # seconds between rank kills
+    capacity_seconds: float = 40.0  # length of the closed-loop capacity run
+    capacity_concurrency: int = 16  # clients of the capacity run
+    pool: int = 16  # distinct prompts
+    prompt_len: Sequence[int] = (16, 96)  # LO HI of prompt lengths
+    output_len: Sequence[int] = (8, 48)  # LO HI of output lengths
+    deadline: float = 120.0  # seconds; a request with no final answer by then is lost
+    settle_timeout: float = 180.0  # seconds the cluster may take to be whole and idle
+    rss_every: float = 10.0  # seconds between RSS samples
+    rss_baseline_minutes: float = 2.0  # the minutes whose peak RSS is the baseline
+    rss_growth_limit: float = 1.25  # peak RSS over the run / baseline peak allowed
+    seed: int = 0  # seeds prompts, arrivals and cancels
+    prog: str = "pdserve bench soak"  # the command, for the record
 
 
 # -- the phases --------------------------------------------------------------------------------
@@ -106,7 +133,7 @@ async def closed_loop(
 
 
 async def measure_capacity(
-    client: SoakClient, args: argparse.Namespace, references: list[list[int]]
+    client: SoakClient, args: SoakOptions, references: list[list[int]]
 ) -> dict[str, Any]:
     """Completed requests per second of the closed loop, its outcomes, and the latencies
     that time the soak's cancels (``timing_s``)."""
@@ -161,15 +188,13 @@ async def open_loop(
     return list(attempts), kills
 
 
-async def drive(
-    cluster: SoakCluster, args: argparse.Namespace, api_key: str | None
-) -> dict[str, Any]:
+async def drive(cluster: SoakCluster, args: SoakOptions, api_key: str | None) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     lo, hi = args.prompt_len
     pool = [
         wl.synthetic_prompt(int(rng.integers(lo, hi + 1)), VOCAB, rng) for _ in range(args.pool)
     ]
-    out_len = tuple(args.output_len)
+    out_len = (args.output_len[0], args.output_len[1])
     client = SoakClient(cluster.address, api_key, pool, args.deadline)
     try:
         _say(f"reference: greedy output of {args.pool} prompts, {out_len[1]} tokens each")
@@ -213,7 +238,7 @@ def _say(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} soak {text}", flush=True)
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: SoakOptions) -> None:
     from pdserve.core.errors import InvalidArgumentError
 
     lo, hi = args.output_len
@@ -241,9 +266,16 @@ def api_key_for(config: Any) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.core.options import options_from
+
+    return soak(options_from(SoakOptions, args))
+
+
+def soak(args: SoakOptions) -> int:
+    """The cluster started, its capacity measured, the soak run; the verdict written."""
     import ray
 
-    from pdserve.bench.serve import command_line
+    from pdserve.bench.serve import command_line, options_json
     from pdserve.cluster.config import load_config
     from pdserve.cluster.connect import connect
 
@@ -274,10 +306,10 @@ def run(args: argparse.Namespace) -> int:
         if started_ray:
             ray.shutdown()
     result["log_errors"] = log_errors(result["ray_logs"])
-    result["options"] = {k: v for k, v in vars(args).items() if not callable(v) and k != "prog"}
+    result["options"] = options_json(args)
     found = verdict(result, args.rss_growth_limit)
     result["problems"] = found
-    path = write_json(Path(args.out), {**header(command_line(args)), **result})
+    path = write_json(Path(args.out), {**header(command_line(args.prog, args)), **result})
     print(result_table(result))
     for record in result["log_errors"]:
         print(f"logged: {record.splitlines()[1][:200]}")

@@ -26,6 +26,7 @@ import platform
 import statistics
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
+from pdserve.core.options import options_from
 
 _FILES = (
     "argparse",
@@ -52,6 +54,25 @@ _FILES = (
     "shutil",
     "textwrap",
 )
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """``pdserve bench spec``'s options, in the order of its flags."""
+
+    model: str = "builtin:pycode"  # the target model
+    methods: str = "none,ngram,ngram+rules"  # comma-separated, starting with none
+    draft_model: str = "builtin:pycode-draft"  # for method draft
+    draft_tokens: int = 0  # drafts per step of method draft (0: as ngram)
+    decode_tokens: int = 128  # new tokens per request
+    prompt_tokens: int = 256  # prompt tokens per request
+    num_speculative_tokens: int = 4  # drafts per step
+    lookup_min: int = 2  # shortest n-gram looked up
+    lookup_max: int = 4  # longest n-gram looked up
+    batches: str = "1,16"  # batch sizes, comma-separated
+    repeats: int = 3  # decode runs per batch (median)
+    threads: int = 1  # torch threads
+    out: str = "bench/out/spec.json"  # the result file
 
 
 def stdlib_prompts(tokenizer: Any, count: int, tokens: int) -> list[list[int]]:
@@ -81,7 +102,7 @@ def _run(
 _METHODS = ("none", "ngram", "ngram+rules", "draft", "draft+rules")
 
 
-def _engine(args: argparse.Namespace, method: str, batch: int) -> Any:
+def _engine(args: SpecOptions, method: str, batch: int) -> Any:
     from pdserve import LLM
 
     options: dict[str, Any] = {"speculative_method": method.removesuffix("+rules")}
@@ -101,7 +122,7 @@ def _engine(args: argparse.Namespace, method: str, batch: int) -> Any:
     )
 
 
-def measure(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
+def measure(args: SpecOptions, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Each method's decode tokens/s and acceptance on one batch; runs alternate."""
     methods = args.methods.split(",")
     engines = {m: _engine(args, m, len(prompts)) for m in methods}
@@ -141,6 +162,11 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(SpecOptions, args))
+
+
+def benchmark(args: SpecOptions) -> int:
+    """Each method's rows at each batch size; written."""
     from pdserve.core.tokenizer import Tokenizer
     from pdserve.models.builtin import resolve_model
 

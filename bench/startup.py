@@ -20,15 +20,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from pdserve.bench.flags import add_embedded_ray_flags
 from pdserve.bench.report import write_with_args
+from pdserve.core.options import options_from
 
 if TYPE_CHECKING:
     from pdserve.cluster.worker import Role
+
+
+@dataclass(frozen=True)
+class StartupOptions:
+    """``pdserve bench startup``'s options, in the order of its flags."""
+
+    model: str = "builtin:tiny"  # the model of every instance
+    instances: int = 3  # instances started (one prefill, the rest decode)
+    repeats: int = 3  # rounds timed
+    num_cpus: int = 4  # the embedded Ray instance's CPUs
+    out: str = "bench/out/startup.json"  # the result file
 
 
 def _timed(start: Any, roles: list[Role], at_once: bool) -> float:
@@ -56,7 +69,7 @@ auth: {{disabled: true}}
 """
 
 
-def _cluster(args: argparse.Namespace) -> float:
+def _cluster(args: StartupOptions) -> float:
     """Seconds from ``start_controller`` to the cluster's endpoints (then stopped)."""
     from pdserve.cluster.config import parse_config
     from pdserve.cluster.serve import start_controller
@@ -72,6 +85,11 @@ def _cluster(args: argparse.Namespace) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(StartupOptions, args))
+
+
+def benchmark(args: StartupOptions) -> int:
+    """Instances started one after another and at once, and a whole cluster; written."""
     from pdserve.cluster.instances import start_instance
     from pdserve.core.config import build_engine_config
     from pdserve.core.model_config import ModelConfig
@@ -109,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         f"median ratio {statistics.median(r['ratio'] for r in rows):.2f}x; median cluster "
         f"start {statistics.median(r['cluster_s'] for r in rows):.2f} s"
     )
-    write_with_args(args, {"repeats": rows})
+    write_with_args(args.out, args, {"repeats": rows})
     return 0
 
 

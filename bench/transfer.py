@@ -30,6 +30,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from pdserve.bench.flags import count
 from pdserve.bench.nodes import local_nodes
 from pdserve.bench.report import write_json
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import options_from
 from pdserve.transfer import connector_classes
 from pdserve.transfer.connector import PeerEndpoint
 from pdserve.transfer.object_store import ObjectStoreReceiver
@@ -51,6 +53,20 @@ from pdserve.transfer.wire import PageHeader, PageRun, PageSource
 
 BLOCK, HEADS, DIM = 16, 8, 128  # one page of one layer: 2 * 16 * 8 * 128 * 4 B = 128 KiB
 RAW_GLOO_TIMEOUT = timedelta(minutes=30)  # gloo's own default for a process group
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """``pdserve bench transfer``'s options, in the order of its flags."""
+
+    connectors: list[str] = field(default_factory=lambda: ["shm", "p2p", "object_store"])
+    pages: list[int] = field(default_factory=lambda: [8, 32, 128])  # pages per message
+    rounds: int = 10  # messages per timed batch
+    repeats: int = 7  # interleaved batches
+    requests: int = 1  # requests whose pages share each message
+    apart: bool = False  # a free page between the requests' destination pages
+    nodes: int = 1  # 2: the decode rank on a second Ray node
+    out: str = "bench/out/transfer.json"  # the result file ("": none)
 
 
 class DecodeRankStandIn:
@@ -225,6 +241,11 @@ def _raw_channel(
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(TransferOptions, args))
+
+
+def benchmark(args: TransferOptions) -> int:
+    """Each connector at each message size against the raw channel; written."""
     if args.nodes == 2 and "shm" in args.connectors:
         raise InvalidArgumentError(
             "connectors", "shm reaches only its own node: not with --nodes 2"

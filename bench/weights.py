@@ -19,11 +19,22 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
+from pdserve.core.options import options_from
+
+
+@dataclass(frozen=True)
+class WeightsOptions:
+    """``pdserve bench weights``' options, in the order of its flags."""
+
+    model: str = "builtin:small"  # the model of every instance
+    instances: int = 3  # processes loading it
+    out: str = "bench/out/weights.json"  # the result file
 
 
 def _load(model: str, queue: Any, done: Any) -> None:
@@ -81,6 +92,11 @@ def measure(model: str, instances: int, share: bool, cache: str) -> dict[str, An
 
 
 def run(args: argparse.Namespace) -> int:
+    return benchmark(options_from(WeightsOptions, args))
+
+
+def benchmark(args: WeightsOptions) -> int:
+    """Memory and load time of the instances, weights shared or not; written."""
     rows = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-weights-") as cache:
         rows["not shared"] = measure(args.model, args.instances, False, cache)

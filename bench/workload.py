@@ -17,12 +17,11 @@ sends it at ``arrival_s`` after the measured run starts.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -54,6 +53,34 @@ class RequestSpec:
     @property
     def prompt_len(self) -> int | None:
         return len(self.prompt_token_ids) if self.prompt_token_ids is not None else None
+
+
+@dataclass(frozen=True)
+class WorkloadFlags:
+    """The workload flags of ``pdserve bench serve`` (``add_workload_flags`` of
+    :mod:`pdserve.bench.serve`), which the simulator's commands share."""
+
+    arrival: str = "poisson"  # how requests arrive at a rate: one of ARRIVALS
+    burst_size: int = 8  # requests per burst (arrival "burst")
+    trace: str | None = None  # a CSV trace, or a shipped one's name, replayed
+    time_scale: float = 1.0  # trace arrival offsets are multiplied by this
+    length_scale: float = 1.0  # trace lengths are multiplied by this
+    prompts: str | None = None  # a JSONL file of prompts
+    prompt_len: int = 512  # mean prompt length (tokens)
+    prompt_len_std: float = 0.0  # normal spread of prompt lengths
+    prompt_len_range: list[int] | None = None  # uniform prompt lengths in [LO, HI]
+    output_len: int = 32  # mean output length (tokens)
+    output_len_std: float = 0.0  # normal spread of output lengths
+    output_len_range: list[int] | None = None  # uniform output lengths in [LO, HI]
+    max_prompt_len: int | None = None  # clamp prompt lengths
+    max_output_len: int | None = None  # clamp output lengths
+    vocab_size: int = 256  # synthetic prompt ids are in [3, this)
+    num_requests: int | None = None  # measured requests per rate (None: DEFAULT_NUM_REQUESTS)
+    duration: float | None = None  # send for this many seconds per rate
+    warmup: int = 2  # requests sent first and not measured
+    seed: int = 0  # seeds arrivals and lengths
+    prompt_seed: int | None = None  # seeds synthetic token ids (None: drawn once per run)
+    temperature: float = 0.0  # sampling temperature of every request
 
 
 @dataclass(frozen=True)
@@ -122,7 +149,7 @@ def sample_lengths(
     n: int,
     mean: int,
     std: float = 0.0,
-    value_range: tuple[int, int] | None = None,
+    value_range: Sequence[int] | None = None,
     low: int = 1,
     high: int | None = None,
     seed: int = 0,
@@ -150,7 +177,7 @@ def sample_lengths(
     return np.clip(values, low, high if high is not None else np.iinfo(np.int64).max)
 
 
-def flag_lengths(args: argparse.Namespace, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def flag_lengths(args: WorkloadFlags, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """``n`` prompt and output lengths as the workload flags ask (``add_workload_flags`` of
     :mod:`pdserve.bench.serve`): prompts drawn with ``seed``, outputs with ``seed + 1``."""
     prompt = sample_lengths(
@@ -299,7 +326,7 @@ def limit_trace(trace: Trace, num_requests: int | None, duration_s: float | None
     return Trace(trace.arrival_s[:keep], trace.prompt_len[:keep], trace.output_len[:keep])
 
 
-def flag_schedule(args: argparse.Namespace, rate: float | None) -> Trace:
+def flag_schedule(args: WorkloadFlags, rate: float | None) -> Trace:
     """Arrival offsets and lengths of the measured requests the workload flags ask for at
     ``rate``: the ``--trace`` (its first requests, scaled, cut at ``--duration``), or
     ``--arrival`` times with lengths drawn from the length flags (``rate`` required)."""

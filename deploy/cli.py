@@ -24,16 +24,74 @@ import sys
 import tempfile
 import time
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.cli import named_kind
 from pdserve.core.errors import InvalidArgumentError, PdserveError
+from pdserve.core.options import options_from
 
 if TYPE_CHECKING:
     from pdserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdserve")
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The engine flags of ``pdserve generate`` (:func:`_add_engine_flags`, less ``--model``)."""
+
+    dtype: str = "auto"  # auto, float32, bfloat16 or float16
+    device: str = "auto"  # auto, cpu or cuda
+    quantization: str = "none"  # none, int8 or int4 (weight-only)
+    load_format: str = "safetensors"  # or dummy: random weights from config.json
+    max_model_len: int | None = None  # longest sequence (None: the model's)
+    block_size: int = 16  # KV block size, tokens
+    num_blocks: int | None = None  # KV blocks (None: by memory)
+    max_num_seqs: int = 64  # running sequences
+    max_num_batched_tokens: int = 1024  # tokens of a step
+    no_prefix_caching: bool = False  # prefix caching off
+    eviction: str = "lru"  # device KV pool: lru, idle or priority
+    host_tier_bytes: int = 0  # host KV tier per rank (0: off)
+    disk_tier_bytes: int = 0  # disk KV tier per rank (0: off)
+    disk_tier_path: str | None = None  # folder of the disk KV tier
+    attention_backend: str = "auto"  # the attention backend's name
+    tensor_parallel_size: int = 1  # tensor-parallel ranks
+    pipeline_parallel_size: int = 1  # pipeline stages
+    expert_parallel_size: int = 1  # expert-parallel ranks
+    speculative_method: str = "none"  # none, ngram or draft
+    speculative_draft_model: str | None = None  # the draft model of method draft
+    num_speculative_tokens: int = 4  # drafts per step
+    lora: list[str] = field(default_factory=list)  # LoRA adapters, name=folder
+    max_lora_rank: int = 64  # highest LoRA rank served
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """The sampling flags of ``pdserve generate`` (:func:`_add_sampling_flags`)."""
+
+    max_tokens: int = 32  # tokens generated per prompt
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None  # seeds sampling (None: unseeded)
+    stop: list[str] = field(default_factory=list)  # stop strings
+    ignore_eos: bool = False  # generate past the end-of-sequence token
+    presence_penalty: float = 0.0  # -2 to 2 (OpenAI's)
+    frequency_penalty: float = 0.0  # -2 to 2 (OpenAI's)
+    repetition_penalty: float = 1.0  # (0, 10]; 1: off
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """``pdserve generate``'s options."""
+
+    model: str = "builtin:tiny"  # checkpoint folder or builtin:<name>
+    engine: EngineFlags = field(default_factory=EngineFlags)  # the engine's flags
+    sampling: SamplingFlags = field(default_factory=SamplingFlags)  # the sampling flags
+    prompt: list[str] | None = None  # prompt texts (None: "Hello")
+    adapter: str | None = None  # the --lora adapter the prompts run under
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -82,7 +140,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=64)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def engine_kwargs(args: EngineFlags) -> dict[str, Any]:
     """The engine flags as keyword arguments of :class:`~pdserve.llm.LLM`."""
     return {
         "dtype": args.dtype,
@@ -124,7 +182,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="(0, 10]; 1: off")
 
 
-def _sampling(args: argparse.Namespace) -> SamplingParams:
+def _sampling(args: SamplingFlags) -> SamplingParams:
     from pdserve.core.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -142,11 +200,16 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    return generate(options_from(GenerateOptions, args))
+
+
+def generate(args: GenerateOptions) -> int:
+    """The prompts generated offline; each output and the speed printed."""
     from pdserve.llm import LLM
 
-    params = _sampling(args)
+    params = _sampling(args.sampling)
     prompts = args.prompt or ["Hello"]
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args.engine))
     names = [name for name, _ in llm.config.lora_adapters]
     adapter = args.adapter if args.adapter is not None else (names[0] if len(names) == 1 else None)
     if adapter is not None and adapter not in names:

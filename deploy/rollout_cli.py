@@ -13,23 +13,39 @@ when no ``--source`` is given; its weights are checked against their hashes.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import options_from
 
 DEFAULT_CANARY = 10.0  # percent of new requests a canary takes
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """``pdserve rollout``'s options, in the order of its flags."""
+
+    model: str | None = None  # the model's name, as clients name it
+    version: str | None = None  # the version to roll out
+    source: str | None = None  # its weights (None: a registry model's VERSION)
+    canary: float | None = None  # percent of new requests it takes (None: DEFAULT_CANARY)
+    blue_green: bool = False  # all traffic at once, old retired
+    promote: bool = False  # the canary takes all traffic
+    rollback: bool = False  # the stable version takes it all
+    ray_address: str = "auto"  # auto, local or a Ray address
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from pdserve.deploy.cluster_cli import _controller, _get, print_versions
 
-    action, options = _action(args)
+    action, options = _action(options_from(RolloutOptions, args))
     controller = _controller(args.ray_address)
     print_versions(_get(controller.models.remote(action, **options)))
     return 0
 
 
-def _action(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+def _action(args: RolloutOptions) -> tuple[str, dict[str, Any]]:
     """(the controller's step, its arguments); a flag the step would not read is refused
     (it was dropped without a word: ``--promote --canary 50`` promoted)."""
     steps = [s for s in ("promote", "rollback") if getattr(args, s)]

@@ -41,16 +41,30 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import flat_options, options_from
 from pdserve.sim.analytic import DEVICES, Assumptions, DeviceSpec
-from pdserve.sim.flags import add_device_flags, assumptions_from
+from pdserve.sim.flags import DeviceFlags, add_device_flags, assumptions_from
 
 KV_BYTES = 2  # KV cache and activations, bytes per value
 A2A_LATENCY_S = 20e-6  # fixed cost of one dispatch or combine
+
+
+@dataclass(frozen=True)
+class EstimateOptions:
+    """``pdserve afd-estimate``'s options, in the order of its flags."""
+
+    gpus: list[int] = field(default_factory=lambda: [16, 32, 64])  # device counts estimated
+    context: int = 4096  # tokens of each decoding sequence
+    weight_bytes: float = 1.0  # 1: FP8 weights, 2: bf16
+    tpot_slo_ms: float = 100.0  # largest decode step
+    nvlink_domain: int = 8  # devices sharing NVLink
+    out: str = "bench/out/afd_estimate.json"  # the result file ("": none)
+    analytic: DeviceFlags = field(default_factory=DeviceFlags)  # the device and efficiencies
 
 
 @dataclass(frozen=True)
@@ -283,17 +297,24 @@ def estimate(m: MoEShape, c: Costs, n: int, slo_ms: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = args.device or "h100"
+    return estimate_command(options_from(EstimateOptions, args))
+
+
+def estimate_command(args: EstimateOptions) -> int:
+    """The estimate at each device count; the report printed and written."""
+    device = args.analytic.device or "h100"
     if not 0 < args.tpot_slo_ms < math.inf:
         raise InvalidArgumentError("tpot_slo_ms", f"must be > 0, got {args.tpot_slo_ms}")
     if min(args.gpus) < 2:  # AFD needs an attention device and an FFN device
         raise InvalidArgumentError("gpus", f"each count must be at least 2, got {args.gpus}")
-    a = assumptions_from(args)
+    a = assumptions_from(args.analytic, None)
     c = Costs(DEVICES[device], a, args.weight_bytes, args.context, args.nvlink_domain)
     m = MoEShape()
     report = {
         "command": f"pdserve afd-estimate --device {device} "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in _FLAGS)
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in flat_options(args).items() if k in _FLAGS
+        )
         + " "
         + " ".join(f"--gpus {g}" for g in args.gpus),
         "device": asdict(c.device),

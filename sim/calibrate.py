@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,15 +26,21 @@ from pdserve.core.messages import StepRecord
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import LiveFit, Measured, live_fit, scaled
 from pdserve.sim.profile import Profile, StepModel
+from pdserve.sim.validate_options import ValidateOptions
 from pdserve.sim.validate_report import mean_figures
 
+if TYPE_CHECKING:
+    from pdserve.bench.serve import RunFlags
+
 CALIBRATION_RATE = 0.5  # req/s, fixed gaps: each request alone
-Runs = list[tuple[argparse.Namespace, float]]  # each run's workload flags and rate
+Runs = list[tuple["RunFlags", float]]  # each run's workload flags and rate
 
 
-def bench_flags(workload: list[str], args: argparse.Namespace) -> argparse.Namespace:
-    """``pdserve bench serve``'s workload and load flags, parsed as that command parses them."""
-    from pdserve.bench.serve import add_load_flags, add_workload_flags
+def bench_flags(workload: list[str], args: ValidateOptions) -> RunFlags:
+    """``pdserve bench serve``'s workload and load flags, parsed as that command parses
+    them (the prompts' seed drawn, once for every run of them)."""
+    from pdserve.bench.serve import RunFlags, add_load_flags, add_workload_flags, with_prompt_seed
+    from pdserve.core.options import options_from
 
     p = argparse.ArgumentParser()
     add_workload_flags(p)
@@ -53,13 +59,11 @@ def bench_flags(workload: list[str], args: argparse.Namespace) -> argparse.Names
         "--tpot-slo-ms",
         "100000",
     ]
-    ns = p.parse_args(flags)
-    ns.api_key, ns.model = None, None
-    return ns
+    return with_prompt_seed(options_from(RunFlags, p.parse_args(flags)))
 
 
 def simulate(
-    text: str, book: Any, ns: argparse.Namespace, rate: float, overhead: Overhead, draws: int = 1
+    text: str, book: Any, ns: RunFlags, rate: float, overhead: Overhead, draws: int = 1
 ) -> dict[str, Any]:
     """The summary ``pdserve bench serve`` would write for workload ``ns`` at ``rate``
     against the cluster of ``text``, simulated with ``book``'s profiles and ``overhead``.
@@ -74,7 +78,7 @@ def simulate(
 def simulate_each(
     text: str,
     book: Any,
-    ns: argparse.Namespace,
+    ns: RunFlags,
     rate: float,
     overheads: list[Overhead],
     draws: int = 1,
@@ -96,7 +100,7 @@ def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def simulate_once(
-    text: str, book: Any, ns: argparse.Namespace, rate: float, overhead: Overhead, seed: int
+    text: str, book: Any, ns: RunFlags, rate: float, overhead: Overhead, seed: int
 ) -> dict[str, Any]:
     """:func:`simulate`'s run with the ``seed``-th draws of the noise."""
     from pdserve.cluster.config import parse_config
@@ -188,7 +192,7 @@ CALIBRATION_LONG_OVERLAP_RATE = 2.0
 CALIBRATION_LONG_BESIDE_RATE = 0.75
 
 
-def calibration_args(args: argparse.Namespace, setup: str = "disaggregated") -> Runs:
+def calibration_args(args: ValidateOptions, setup: str = "disaggregated") -> Runs:
     """(flags, rate) of the calibration runs of ``setup``: one request at a time (a
     fixed gap longer than a request: no queueing, no batching), bursts of 8 (batches
     of up to 8), and one at a time again with 4 output tokens (the hand-off to decode
@@ -208,13 +212,17 @@ def calibration_args(args: argparse.Namespace, setup: str = "disaggregated") -> 
     model where the steady 256-token prompts had put them at 1.0x (docs/results/simulator.md); with
     32 output tokens the run held 30 such steps, too few to fit their factor, and
     2 req/s saturates its one-core prefill."""
+    n = args.calibration_requests
     single, burst, short, overlap, long = (
-        bench_flags(w, args) for w in (CALIBRATION, BURST, SHORT, CALIBRATION, LONG)
+        replace(bench_flags(w, args), num_requests=count)
+        for w, count in (
+            (CALIBRATION, n),
+            (BURST, 2 * 8),
+            (SHORT, n),
+            (CALIBRATION, 3 * n),
+            (LONG, n),
+        )
     )
-    for ns in (single, short, long):
-        ns.num_requests = args.calibration_requests
-    burst.num_requests = 2 * 8
-    overlap.num_requests = 3 * args.calibration_requests
     runs = [
         (single, CALIBRATION_RATE),
         (burst, CALIBRATION_BURST_RATE),
@@ -222,11 +230,11 @@ def calibration_args(args: argparse.Namespace, setup: str = "disaggregated") -> 
         (overlap, CALIBRATION_OVERLAP_RATE),
         (long, CALIBRATION_RATE),
     ]
-    long_overlap = bench_flags(LONG if setup == "colocated" else LONG_BESIDE, args)
-    long_overlap.num_requests = 2 * args.calibration_requests
+    long_overlap = replace(
+        bench_flags(LONG if setup == "colocated" else LONG_BESIDE, args), num_requests=2 * n
+    )
     if setup == "colocated":
-        brief = bench_flags(BRIEF, args)
-        brief.num_requests = args.calibration_requests
+        brief = replace(bench_flags(BRIEF, args), num_requests=n)
         runs += [(long_overlap, CALIBRATION_LONG_OVERLAP_RATE), (brief, CALIBRATION_RATE)]
     else:
         runs.append((long_overlap, CALIBRATION_LONG_BESIDE_RATE))
@@ -356,12 +364,10 @@ def own_steps(overhead: Overhead, book: Any, measured: Measured) -> Overhead:
 HOST_CHECK_REQUESTS = 4  # a host check: this many single 1,024-token requests (~8 s)
 
 
-def host_check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, float]:
+def host_check_args(args: ValidateOptions) -> tuple[RunFlags, float]:
     """The short run measured before each point's run with ``--host-check``: the
     calibration's single 1,024-token requests, fewer of them."""
-    ns = bench_flags(LONG, args)
-    ns.num_requests = HOST_CHECK_REQUESTS
-    return ns, CALIBRATION_RATE
+    return replace(bench_flags(LONG, args), num_requests=HOST_CHECK_REQUESTS), CALIBRATION_RATE
 
 
 def host_check_baseline(runs: Runs) -> int:

@@ -25,13 +25,12 @@ else meanwhile: other traffic would be fitted as the cluster's own cost.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from pdserve.core.errors import InvalidArgumentError, PdserveError
 from pdserve.sim.calibrate import Overhead, calibrate, calibrated_profile, calibration_args
 from pdserve.sim.live import Measured, traced
 from pdserve.sim.profile import Profile
+from pdserve.sim.validate_options import ValidateOptions
 
 
 @dataclass(frozen=True)
@@ -160,17 +160,16 @@ def calibrate_cluster(opts: ClusterCalibration, command: str) -> Calibrated:
     config = parse_config(text, str(path))
     setup = setup_of(config)
     key = opts.api_key or api_key_for(config)
-    flags = argparse.Namespace(
+    flags = ValidateOptions(
         num_requests=opts.calibration_requests,
         seed=opts.seed,
         calibration_requests=opts.calibration_requests,
     )
-    runs = calibration_args(flags, setup)
     context = context_of(config)
-    for ns, _ in runs:
-        ns.api_key = key
-        # a model of a shorter context gets the longest prompts it takes
-        ns.prompt_len = min(ns.prompt_len, context - ns.output_len)
+    runs = [  # a model of a shorter context gets the longest prompts it takes
+        (replace(run, prompt_len=min(run.prompt_len, context - run.output_len)), rate)
+        for run, rate in calibration_args(flags, setup)
+    ]
     from pdserve.sim.build import book_for
 
     book = book_for(config, [step_profile(config, command)], None)
@@ -178,7 +177,9 @@ def calibrate_cluster(opts: ClusterCalibration, command: str) -> Calibrated:
     with serving(text, config, opts.ray_address) as (target, leaders):
         for i, (ns, rate) in enumerate(runs):
             with traced(leaders) as steps:
-                result = serve_rates(ns, target, [rate], label="calibration", first_run=i)[0]
+                result = serve_rates(
+                    ns, target, [rate], label="calibration", first_run=i, client_as=(key, None)
+                )[0]
             measured.append(Measured(result.summary, steps))
             failed = result.summary["num_failed"]
             if failed:  # a fit to what failed would be a fit to the errors' timing

@@ -17,18 +17,64 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.flags import file_stem
+from pdserve.bench.serve import RunFlags
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.sim.flags import add_device_flags, add_host_flag, assumptions_from
+from pdserve.core.options import options_from
+from pdserve.sim.flags import DeviceFlags, add_device_flags, add_host_flag, assumptions_from
 
 if TYPE_CHECKING:
     from pdserve.bench.report import Slo
     from pdserve.bench.serve import RunResult
 
 RECORDS_LIMIT = 100_000  # runs up to this many requests keep per-request records and ITL
+
+
+@dataclass(frozen=True)
+class ProfileFlags:
+    """``pdserve profile``'s options, in the order of its flags."""
+
+    model: str = "builtin:tiny"  # builtin:<name>, a folder, or a preset
+    tensor_parallel_size: int = 1  # ranks of a tensor-parallel instance
+    pipeline_parallel_size: int = 1  # pipeline stages of an instance
+    dtype: str | None = None  # of a measured profile (None: float32)
+    block_size: int = 16  # KV block size, tokens
+    repeats: int = 3  # timed runs per measured step
+    grid: str = "cpu"  # the shapes a measured profile times: cpu or gpu
+    load_format: str = "safetensors"  # dummy: random weights from config.json alone
+    out: str = "profile.json"  # the profile file written
+    analytic: DeviceFlags = field(default_factory=DeviceFlags)  # an analytic profile's flags
+    config: str | None = None  # calibrate on this config's cluster (pdserve.sim.calibrate_cluster)
+    ray_address: str | None = None  # where that cluster runs (None: started here for it)
+    api_key: str | None = None  # the calibration's key (None: the config's)
+    calibration_requests: int = 8  # requests of each calibration run
+    seed: int = 0  # of the calibration runs' prompts
+    role_fit: bool = True  # fit each role's steps on their own
+    prog: str = "pdserve profile"  # the command, for the record
+
+
+@dataclass(frozen=True)
+class SimFlags:
+    """``pdserve sim``'s options, in the order of its flags."""
+
+    config: str  # the cluster YAML
+    profile: list[str] = field(default_factory=list)  # profile files, one per layout
+    rate: list[float] | None = None  # mean request rate(s); several: a sweep
+    region_share: list[str] | None = None  # REGION=SHARE of requests' homes (None: even)
+    full: bool = False  # step every instance step by step (no fast mode)
+    startup_s: float = 30.0  # seconds for an added instance to start
+    out: str = "bench/out/sim"  # output folder
+    name: str = "sim"  # output file stem
+    no_plots: bool = False  # the JSON file alone
+    noise_draws: int = 1  # draws of a calibrated profile's noise (0: none)
+    analytic: DeviceFlags = field(default_factory=DeviceFlags)  # an analytic profile's flags
+    host_cores: float = 0.0  # the instances share a host of this many cores (0: no)
+    run: RunFlags = field(default_factory=RunFlags)  # bench serve's workload and load flags
+    prog: str = "pdserve sim"  # the command, for the record
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -107,60 +153,79 @@ def _add_calibration_flags(p: argparse.ArgumentParser) -> None:
         help="requests of each calibration run (about 2 minutes at 8 on a small model)",
     )
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--role-fit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fit each role's steps on their own, beside the other role's "
+        "(--no-role-fit: one fit of every instance's steps)",
+    )
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pdserve.bench.report import machine_info
+    return profile_command(options_from(ProfileFlags, args))
+
+
+def profile_command(args: ProfileFlags) -> int:
+    """A measured, calibrated (``--config``) or analytic (``--device``) profile written
+    and described."""
     from pdserve.bench.serve import command_line
     from pdserve.sim.analytic import DEVICES, analytic_profile, model_shape
     from pdserve.sim.profile import save_profile
 
-    command = command_line(args)
+    command = command_line(args.prog, args)
     if args.config is not None:
         return calibrate_profile(args, command)
     if args.ray_address is not None:
         raise InvalidArgumentError("ray_address", "is where a --config cluster runs")
     if args.block_size < 1:
         raise InvalidArgumentError("block_size", f"must be at least 1, got {args.block_size}")
-    if args.device is not None:
-        own = DEVICES[args.device].dtype  # the datasheet's peak is for this type
+    device = args.analytic.device
+    if device is not None:
+        own = DEVICES[device].dtype  # the datasheet's peak is for this type
         if args.dtype not in (None, "auto", own):
             raise InvalidArgumentError(
-                "dtype", f"an analytic {args.device} profile is {own}, not {args.dtype}"
+                "dtype", f"an analytic {device} profile is {own}, not {args.dtype}"
             )
         shape = model_shape(args.model)
         profile = analytic_profile(
             shape,
-            args.device,
+            device,
             args.tensor_parallel_size,
             args.pipeline_parallel_size,
-            assumptions_from(args),
+            assumptions_from(args.analytic, args.model),
             command,
         )
     else:
-        from dataclasses import replace
-
-        from pdserve.core.config import build_engine_config
-        from pdserve.sim.measure import GRIDS, measured_profile
-
-        config = build_engine_config(
-            args.model,
-            dtype=args.dtype or "float32",
-            block_size=args.block_size,
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            load_format=args.load_format,
-            max_num_seqs=max(GRIDS[args.grid].decode_batch),
-        )
-        grid = replace(GRIDS[args.grid], repeats=args.repeats)
-        profile = measured_profile(config, grid, command, machine_info())
+        profile = _measured_profile(args, command)
     path = save_profile(profile, args.out)
     print(describe_profile(profile))
     print(f"wrote {path}")
     return 0
 
 
-def calibrate_profile(args: argparse.Namespace, command: str) -> int:
+def _measured_profile(args: ProfileFlags, command: str) -> Any:
+    """The steps of ``args.model``'s engine timed here over the grid, and fitted."""
+    from dataclasses import replace
+
+    from pdserve.bench.report import machine_info
+    from pdserve.core.config import build_engine_config
+    from pdserve.sim.measure import GRIDS, measured_profile
+
+    config = build_engine_config(
+        args.model,
+        dtype=args.dtype or "float32",
+        block_size=args.block_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        load_format=args.load_format,
+        max_num_seqs=max(GRIDS[args.grid].decode_batch),
+    )
+    grid = replace(GRIDS[args.grid], repeats=args.repeats)
+    return measured_profile(config, grid, command, machine_info())
+
+
+def calibrate_profile(args: ProfileFlags, command: str) -> int:
     """``pdserve profile --config CONFIG``: the profile of the config's cluster as
     it serves (:mod:`pdserve.sim.calibrate_cluster`)."""
     from pdserve.sim.calibrate_cluster import (
@@ -170,10 +235,16 @@ def calibrate_profile(args: argparse.Namespace, command: str) -> int:
     )
     from pdserve.sim.profile import save_profile
 
-    if args.device is not None:
+    if args.analytic.device is not None:
         raise InvalidArgumentError("device", "an analytic profile is not calibrated on a cluster")
+    assert args.config is not None
     opts = ClusterCalibration(
-        args.config, args.ray_address, args.api_key, args.calibration_requests, args.seed
+        args.config,
+        args.ray_address,
+        args.api_key,
+        args.calibration_requests,
+        args.seed,
+        args.role_fit,
     )
     calibrated = calibrate_cluster(opts, command)
     path = save_profile(calibrated.profile, args.out)
@@ -276,7 +347,7 @@ def _max_rss_mib() -> float:
 
 
 def _write_sim_outputs(
-    args: argparse.Namespace, payload: dict[str, Any], runs: list[RunResult], slo: Slo
+    args: SimFlags, payload: dict[str, Any], runs: list[RunResult], slo: Slo
 ) -> list[Path]:
     """The JSON of a ``pdserve sim`` run under ``--out`` and, unless ``--no-plots``,
     bench serve's plots and the last rate's instance counts over virtual time."""
@@ -322,7 +393,7 @@ def quiet(profile: Any) -> Any:
     )
 
 
-def noise_draws(args: argparse.Namespace, profiles: list[Any]) -> int:
+def noise_draws(args: SimFlags, profiles: list[Any]) -> int:
     """How many runs ``--noise-draws`` asks for: one where no profile carries noise
     (every draw would be the same run), with a note saying so."""
     if args.noise_draws > 1 and all(quiet(p) == p for p in profiles):
@@ -336,7 +407,7 @@ def noise_draws(args: argparse.Namespace, profiles: list[Any]) -> int:
 
 
 def _simulate_rate(
-    args: argparse.Namespace,
+    args: SimFlags,
     config: Any,
     book: Any,
     profiles: list[Any],
@@ -355,14 +426,14 @@ def _simulate_rate(
     from pdserve.sim.report import run_json
     from pdserve.sim.workload import workload_from_args
 
-    work = workload_from_args(args, rate, shares)
+    work = workload_from_args(args.run, rate, shares)
     options = SimOptions(
         not args.full,
         len(work) <= RECORDS_LIMIT,
         args.startup_s,
         host_cores=args.host_cores,
-        max_concurrency=args.max_concurrency,
-        request_timeout_s=args.request_timeout,
+        max_concurrency=args.run.max_concurrency,
+        request_timeout_s=args.run.request_timeout,
         **calibrated_options(profiles),
     )
     start, cpu = time.perf_counter(), time.process_time()
@@ -381,6 +452,11 @@ def _simulate_rate(
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    return sim_command(options_from(SimFlags, args))
+
+
+def sim_command(args: SimFlags) -> int:
+    """The cluster simulated at each rate; bench serve's JSON and plots written."""
     from pdserve.bench.report import header
     from pdserve.bench.serve import (
         check_load_flags,
@@ -393,23 +469,23 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from pdserve.sim.build import book_for
     from pdserve.sim.profile import load_profile
 
-    check_load_flags(args)
+    check_load_flags(args.run)
     if args.noise_draws < 0:
         raise InvalidArgumentError("noise_draws", f"must be at least 0, got {args.noise_draws}")
     config = load_config(args.config)
     profiles = [load_profile(p) for p in args.profile]
     if args.noise_draws == 0:
         profiles = [quiet(p) for p in profiles]
-    book = book_for(config, profiles, args.device, assumptions_from(args))
+    book = book_for(config, profiles, args.analytic.device, assumptions_from(args.analytic, None))
     shares = region_shares([r.name for r in config.regions], args.region_share)
-    slo, draws = slo_from(args), noise_draws(args, profiles)
+    slo, draws = slo_from(args.run), noise_draws(args, profiles)
     done = [
         _simulate_rate(args, config, book, profiles, rate, shares, slo, draws)
-        for rate in args.rate or [None]
+        for rate in (list(args.rate) if args.rate else [None])
     ]
     entries, runs = [e for e, _ in done], [r for _, r in done]
     payload = {
-        **header(command_line(args)),
+        **header(command_line(args.prog, args)),
         "config": str(args.config),
         "options": options_json(args),
         "runs": entries,

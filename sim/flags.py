@@ -4,9 +4,21 @@ and the host that instances of a local cluster share."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.analytic import DEVICES, Assumptions
+
+
+@dataclass(frozen=True)
+class DeviceFlags:
+    """The analytic-profile flags (:func:`add_device_flags`)."""
+
+    device: str | None = None  # time layouts without a profile file from this datasheet
+    mfu: float = Assumptions.mfu  # assumed share of peak FLOP/s in compute-bound steps
+    mbu: float = Assumptions.mbu  # assumed share of memory bandwidth in memory-bound steps
+    step_overhead_ms: float = Assumptions.step_overhead_s * 1e3  # fixed cost of a step
+    calibrate: str | None = None  # a measured profile whose efficiencies replace mfu/mbu
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -51,7 +63,9 @@ def add_host_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def assumptions_from(args: argparse.Namespace) -> Assumptions:
+def assumptions_from(args: DeviceFlags, model: str | None) -> Assumptions:
+    """The assumptions of analytic profiles of ``model`` (None: the ``--calibrate``
+    profile's own) the flags give."""
     base = Assumptions(mfu=args.mfu, mbu=args.mbu, step_overhead_s=args.step_overhead_ms / 1e3)
     if args.calibrate is None:
         return base
@@ -68,7 +82,9 @@ def assumptions_from(args: argparse.Namespace) -> Assumptions:
             "calibrate",
             f"{args.calibrate} was measured on {measured.device!r}, not {args.device!r}",
         )
-    shape = measured.model if measured.model.name == args.model else model_shape(args.model)
+    shape = measured.model
+    if model is not None and model != measured.model.name:
+        shape = model_shape(model)
     first = analytic_profile(
         shape, args.device, measured.tensor_parallel_size, measured.pipeline_parallel_size, base
     )

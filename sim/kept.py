@@ -7,6 +7,7 @@ calibration would be wrong without a word."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ def run_workloads(runs: Runs) -> list[dict[str, Any]]:
         {
             **{
                 k: v
-                for k, v in sorted(vars(ns).items())
+                for k, v in sorted(dataclasses.asdict(ns).items())
                 if isinstance(v, (int, float, str)) and k != "prompt_seed"
             },
             "rate": rate,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ import numpy as np
 
 from pdserve.bench import workload as wl
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import options_from
+from pdserve.sim.flags import DeviceFlags
 from pdserve.sim.plan import (
     LengthMix,
     PlanLimits,
@@ -32,6 +35,49 @@ from pdserve.sim.plan import (
     open_pool,
 )
 from pdserve.sim.plan_choice import LayoutChoice, choose_regions, layouts_from
+
+LIMITS = PlanLimits()  # the limits' defaults, which the flags' are
+
+
+@dataclass(frozen=True)
+class LengthMixFlags:
+    """The length-mix flags of ``pdserve plan``."""
+
+    prompt_len: int = 1000  # mean prompt length (tokens)
+    prompt_len_std: float = 0.0  # normal spread of prompt lengths
+    output_len: int = 256  # mean output length (tokens)
+    output_len_std: float = 0.0  # normal spread of output lengths
+    trace: str | None = None  # take the lengths of a trace (CSV or shipped name)
+    length_scale: float = 1.0  # a trace's lengths are multiplied by this
+    max_prompt_len: int | None = None  # clamp prompt lengths
+    max_output_len: int | None = None  # clamp output lengths
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanFlags:
+    """``pdserve plan``'s options, in the order of its flags."""
+
+    model: str  # a preset (llama-7b ...) or a loadable model
+    profile: list[str] = field(default_factory=list)  # profile files
+    rate: list[str] = field(default_factory=list)  # REGION=R[,R...] forecasts
+    forecast: str | None = None  # a JSON file {"region": [rates]}
+    mix: LengthMixFlags = field(default_factory=LengthMixFlags)  # the length mix
+    ttft_slo_ms: float = 1000.0  # TTFT SLO
+    tpot_slo_ms: float = 50.0  # TPOT SLO
+    percentile: float = 90.0  # the SLOs hold at this percentile
+    max_devices: int = LIMITS.max_devices  # devices per region
+    prefill_tp: list[int] = field(default_factory=lambda: list(LIMITS.prefill_tp))  # TP sizes
+    decode_tp: list[int] = field(default_factory=lambda: list(LIMITS.decode_tp))  # TP sizes
+    headroom: float = LIMITS.headroom  # planned load over the forecast (0.3: +30%)
+    spares: int = LIMITS.spares  # spare instances per role (N+1)
+    num_requests: int | None = LIMITS.num_requests  # simulated per candidate (None: enough)
+    max_num_seqs: int = LIMITS.max_num_seqs  # engine option of every instance
+    max_num_batched_tokens: int = LIMITS.max_num_batched_tokens  # engine option, likewise
+    seed: int = 0  # seeds the simulations and the length mix
+    layout: str = "both"  # colocated, disaggregated, or both compared
+    out: str | None = None  # write the plan (JSON, with each region's YAML)
+    jobs: int = field(default_factory=lambda: default_jobs())  # candidates simulated at once
+    analytic: DeviceFlags = field(default_factory=DeviceFlags)  # an analytic profile's flags
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,7 +136,7 @@ def _add_slo_and_limit_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--percentile", type=float, default=90.0, help="the SLOs hold at this percentile"
     )
-    d = PlanLimits()
+    d = LIMITS
     s.add_argument("--max-devices", type=int, default=d.max_devices, help="devices per region")
     s.add_argument("--prefill-tp", type=int, nargs="+", default=list(d.prefill_tp))
     s.add_argument("--decode-tp", type=int, nargs="+", default=list(d.decode_tp))
@@ -119,7 +165,7 @@ def default_jobs() -> int:
     return max(1, min(MAX_DEFAULT_JOBS, cores or 1))
 
 
-def forecast_from(args: argparse.Namespace) -> dict[str, list[float]]:
+def forecast_from(args: PlanFlags) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     if args.forecast:
         try:
@@ -132,10 +178,10 @@ def forecast_from(args: argparse.Namespace) -> dict[str, list[float]]:
             values = rates if isinstance(rates, list) else [rates]
             out[str(name)] = _rates("forecast", f"{args.forecast}: {name!r}", values)
     for item in args.rate:
-        name, sep, values = item.partition("=")
+        name, sep, given = item.partition("=")
         if not sep or not name:
             raise InvalidArgumentError("rate", f"{item!r} is not REGION=RATE[,RATE...]")
-        out[name] = _rates("rate", repr(item), values.split(","))
+        out[name] = _rates("rate", repr(item), given.split(","))
     if not out:
         raise InvalidArgumentError("rate", "give a forecast: --rate REGION=RATE or --forecast FILE")
     return out
@@ -152,7 +198,7 @@ def _rates(field: str, where: str, values: list[Any]) -> list[float]:
     return rates
 
 
-def mix_from(args: argparse.Namespace) -> LengthMix:
+def mix_from(args: LengthMixFlags, seed: int) -> LengthMix:
     if args.trace:
         t = wl.scale_trace(
             wl.read_trace(wl.trace_path(args.trace)),
@@ -168,7 +214,7 @@ def mix_from(args: argparse.Namespace) -> LengthMix:
         args.prompt_len,
         args.prompt_len_std,
         high=args.max_prompt_len,
-        seed=args.seed,
+        seed=seed,
         name="prompt_len",
     )
     output = wl.sample_lengths(
@@ -176,13 +222,18 @@ def mix_from(args: argparse.Namespace) -> LengthMix:
         args.output_len,
         args.output_len_std,
         high=args.max_output_len,
-        seed=args.seed + 1,
+        seed=seed + 1,
         name="output_len",
     )
     return LengthMix(prompt, output)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    return plan_command(options_from(PlanFlags, args))
+
+
+def plan_command(args: PlanFlags) -> int:
+    """The cheapest plan of each region, printed (and written with ``--out``)."""
     from pdserve.sim.analytic import DEVICES, model_shape
     from pdserve.sim.build import ProfileBook
     from pdserve.sim.flags import assumptions_from
@@ -194,7 +245,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if profiles and args.model == profiles[0].model.name
         else model_shape(args.model)
     )
-    book = ProfileBook(shape, profiles, args.device, assumptions_from(args))
+    analytic = args.analytic
+    book = ProfileBook(shape, profiles, analytic.device, assumptions_from(analytic, args.model))
     slo = PlanSlo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.percentile)
     limits = PlanLimits(
         args.max_devices,
@@ -207,9 +259,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.max_num_batched_tokens,
         seed=args.seed,
     )
-    device = args.device or (profiles[0].device if profiles else "cpu")
+    device = analytic.device or (profiles[0].device if profiles else "cpu")
     peak_bw = DEVICES[device].mem_bw if device in DEVICES else float("nan")
-    mix = mix_from(args)
+    mix = mix_from(args.mix, args.seed)
     mix.check_context(shape.max_position_embeddings)
     peaks = {region: max(rates) for region, rates in forecast_from(args).items()}
     layouts = layouts_from(args.layout)

@@ -5,14 +5,40 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.flags import file_stem
 from pdserve.bench.report import Slo
+from pdserve.core.options import options_from
 from pdserve.sim.cluster import SimRun
+from pdserve.sim.flags import DeviceFlags
 from pdserve.sim.replay import POLICIES, compare, outcome, phased_workload
 from pdserve.sim.replay_report import comparison_table, plot_policies, write_trace
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannersFlags:
+    """``pdserve sim-planners``' options, in the order of its flags."""
+
+    config: str  # the cluster YAML
+    profile: list[str] = field(default_factory=list)  # profile files
+    traces: list[str] = field(default_factory=lambda: ["azure-conv", "azure-code"])  # in turn
+    rate: float  # mean req/s of every phase
+    phase_s: float = 600.0  # seconds of each trace
+    policies: list[str] = field(default_factory=lambda: list(POLICIES))  # planner policies
+    startup_s: float = 30.0  # seconds to start an instance
+    max_prompt_len: int = 4000  # clamp prompt lengths
+    max_output_len: int = 2000  # clamp output lengths
+    write_trace: str | None = None  # also save the workload as a trace CSV
+    live: bool = False  # each policy on a local cluster instead of simulated
+    num_cpus: int = 4  # live: the local Ray's CPUs
+    out: str = "bench/out/sim"  # output folder
+    name: str = "planners"  # output file stem
+    analytic: DeviceFlags = field(default_factory=DeviceFlags)  # an analytic profile's flags
+    host_cores: float = 0.0  # the instances share a host of this many cores (0: no)
+    prog: str = "pdserve sim-planners"  # the command, for the record
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +77,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_sim_planners(args: argparse.Namespace) -> int:
+    return sim_planners(options_from(PlannersFlags, args))
+
+
+def sim_planners(args: PlannersFlags) -> int:
+    """Each policy replayed, simulated (or live), compared; the results written."""
     from pdserve.cluster.config import load_config
     from pdserve.sim.build import book_for
     from pdserve.sim.flags import assumptions_from
@@ -61,12 +92,11 @@ def cmd_sim_planners(args: argparse.Namespace) -> int:
         args.traces, args.rate, args.phase_s, args.max_prompt_len, args.max_output_len
     )
     if args.live:
-        from pdserve.sim.replay_live import cmd_live
+        from pdserve.sim.replay_live import live_planners
 
-        return cmd_live(args, config, work, starts)
-    book = book_for(
-        config, [load_profile(p) for p in args.profile], args.device, assumptions_from(args)
-    )
+        return live_planners(args, config, work, starts)
+    profiles = [load_profile(p) for p in args.profile]
+    book = book_for(config, profiles, args.analytic.device, assumptions_from(args.analytic, None))
     slo = Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
     runs = compare(config, book, work, args.policies, args.startup_s, args.host_cores)
     results = _policy_results(runs, slo, starts)
@@ -95,7 +125,7 @@ def _policy_results(
 
 
 def _write_planners(
-    args: argparse.Namespace,
+    args: PlannersFlags,
     starts: list[float],
     runs: dict[str, tuple[SimRun, float]],
     results: dict[str, dict[str, Any]],
@@ -106,7 +136,7 @@ def _write_planners(
 
     out = Path(args.out)
     payload = {
-        **header(command_line(args)),
+        **header(command_line(args.prog, args)),
         "config": str(args.config),
         "traces": args.traces,
         "phase_starts_s": starts,

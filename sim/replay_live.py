@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
@@ -43,6 +43,10 @@ from pdserve.sim.replay_report import (
     write_trace,
 )
 from pdserve.sim.workload import SimWorkload
+
+if TYPE_CHECKING:
+    from pdserve.bench.serve import RunFlags
+    from pdserve.sim.replay_cli import PlannersFlags
 
 POLL_S = 1.0  # how often the controller's instance counts are read
 
@@ -138,9 +142,7 @@ def counts_polled(
             take_steps(leaders, 0, steps)
 
 
-def run_policy(
-    text: str, policy: str, profile: str | None, ns: argparse.Namespace, num_cpus: int
-) -> LiveRun:
+def run_policy(text: str, policy: str, profile: str | None, ns: RunFlags, num_cpus: int) -> LiveRun:
     """Replay ``ns``'s trace on a local cluster of ``text`` under ``policy``."""
     import ray
 
@@ -185,7 +187,7 @@ def simulated_beside(
     policy: str,
     run: LiveRun,
     switch_s: float,
-    args: argparse.Namespace,
+    args: PlannersFlags,
 ) -> dict[str, Any]:
     """The live run's policy simulated on the same workload, with each role's steps
     as the live engines ran them while the counts were the first ones (fitted to
@@ -241,9 +243,11 @@ def met_and_arrivals(records: list[RequestRecord], slo: Slo) -> tuple[np.ndarray
     return met, np.array([r.scheduled_s for r in ordered])
 
 
-def replay_flags(work: SimWorkload, trace: Path, slo: Slo) -> argparse.Namespace:
-    """``pdserve bench serve``'s flags that replay ``trace`` as it is (no warm-up)."""
-    from pdserve.bench.serve import add_load_flags, add_workload_flags
+def replay_flags(work: SimWorkload, trace: Path, slo: Slo) -> RunFlags:
+    """``pdserve bench serve``'s flags that replay ``trace`` as it is (no warm-up; the
+    prompts' seed drawn once, for every policy's run)."""
+    from pdserve.bench.serve import RunFlags, add_load_flags, add_workload_flags, with_prompt_seed
+    from pdserve.core.options import options_from
 
     p = argparse.ArgumentParser()
     add_workload_flags(p)
@@ -264,12 +268,11 @@ def replay_flags(work: SimWorkload, trace: Path, slo: Slo) -> argparse.Namespace
             str(tpot),
         ]
     )
-    ns.api_key, ns.model = None, None
-    return ns
+    return with_prompt_seed(options_from(RunFlags, ns))
 
 
-def cmd_live(
-    args: argparse.Namespace, config: ClusterConfig, work: SimWorkload, starts: list[float]
+def live_planners(
+    args: PlannersFlags, config: ClusterConfig, work: SimWorkload, starts: list[float]
 ) -> int:
     """``pdserve sim-planners --live``: each policy on a local cluster of ``args.config``."""
     from pdserve.bench.report import summarize
@@ -281,7 +284,7 @@ def cmd_live(
     profile = args.profile[0] if args.profile else None
     if profile is None:  # the proactive planner's model, and the simulation beside each run
         path = out / f"{args.name}-profile.json"
-        profile = str(measure_profile(config, path, command_line(args)))
+        profile = str(measure_profile(config, path, command_line(args.prog, args)))
     ns = replay_flags(work, trace, slo)
     # the replay's clock starts at the trace's first request
     phases = [s - float(work.arrival_s[0]) for s in starts]
@@ -310,7 +313,7 @@ def cmd_live(
 
 
 def _write_live(
-    args: argparse.Namespace,
+    args: PlannersFlags,
     results: dict[str, dict[str, Any]],
     phases: list[float],
     profile: str,
@@ -324,7 +327,7 @@ def _write_live(
 
     out = Path(args.out)
     payload = {
-        **header(command_line(args)),
+        **header(command_line(args.prog, args)),
         "config": str(args.config),
         "live": True,
         "traces": args.traces,

@@ -35,10 +35,11 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.flags import file_stem
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import options_from
 from pdserve.sim.calibrate import (
     Overhead,
     Runs,
@@ -55,14 +56,18 @@ from pdserve.sim.calibrate import (
 )
 from pdserve.sim.kept import kept_entry, kept_runs, kept_setup, read_kept
 from pdserve.sim.live import Measured, scaled, traced
+from pdserve.sim.validate_options import DEFAULT_POINTS, ValidateOptions
 from pdserve.sim.validate_points import (
-    DEFAULT_POINTS,
     SETUPS,
     Point,
     workload_args,
     written_lines,
 )
 from pdserve.sim.validate_report import TOLERANCE, compare_point, point_row
+
+if TYPE_CHECKING:
+    from pdserve.bench.headline import ClusterSetup
+    from pdserve.bench.serve import RunFlags
 
 
 @contextlib.contextmanager
@@ -82,10 +87,10 @@ def pinned_here(cores: tuple[int, ...]) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def with_noise(overhead: Overhead, args: argparse.Namespace) -> Overhead:
+def with_noise(overhead: Overhead, args: ValidateOptions) -> Overhead:
     """``overhead`` as the points are simulated: with its fitted noise under
     ``--noise-draws``, else without (:meth:`Overhead.quiet`)."""
-    return overhead if getattr(args, "noise_draws", 0) else overhead.quiet()
+    return overhead if args.noise_draws else overhead.quiet()
 
 
 def per_point(measured: list[Measured], points: int) -> list[list[Measured]]:
@@ -93,27 +98,29 @@ def per_point(measured: list[Measured], points: int) -> list[list[Measured]]:
     return [measured[i::points] for i in range(points)]
 
 
-def _config_args(args: argparse.Namespace) -> argparse.Namespace:
-    """What :func:`pdserve.bench.headline.cluster_setup` reads."""
-    return argparse.Namespace(
+def _config_args(args: ValidateOptions) -> ClusterSetup:
+    """The setups' clusters: the model on the cores, SLOs no run misses."""
+    from pdserve.bench.headline import ClusterSetup
+
+    return ClusterSetup(
         model=args.model,
+        cores=args.cores,
         connector="shm",
         max_num_batched_tokens=256,
         prefill_max_num_batched_tokens=2048,
-        cores=args.cores,
         ttft_slo_ms=100000.0,
         tpot_slo_ms=100000.0,
     )
 
 
-def setup_config(setup: str, args: argparse.Namespace) -> tuple[str, dict[str, tuple[int, ...]]]:
+def setup_config(setup: str, args: ValidateOptions) -> tuple[str, dict[str, tuple[int, ...]]]:
     """(cluster YAML, each role's cores) of a setup."""
     from pdserve.bench.headline import cluster_setup
 
     return cluster_setup(setup, _config_args(args))
 
 
-def setup_profiles(setup: str, args: argparse.Namespace) -> tuple[str, Any]:
+def setup_profiles(setup: str, args: ValidateOptions) -> tuple[str, Any]:
     """(cluster YAML, profile book) of a setup: the profile measured on the cores and
     with the threads its ranks get."""
     from pdserve.bench.report import machine_info
@@ -129,7 +136,7 @@ def setup_profiles(setup: str, args: argparse.Namespace) -> tuple[str, Any]:
     return text, book_for(config, [profile], None)
 
 
-def measure(text: str, setup: str, runs: Runs, args: argparse.Namespace) -> list[Measured]:
+def measure(text: str, setup: str, runs: Runs, args: ValidateOptions) -> list[Measured]:
     """Each (workload flags, rate) measured in turn on one local cluster of the setup,
     with every instance's engine steps traced."""
     import ray
@@ -186,7 +193,7 @@ def calibration_row(
 
 
 def validate(
-    points: list[Point], args: argparse.Namespace, kept: dict[str, Any] | None = None
+    points: list[Point], args: ValidateOptions, kept: dict[str, Any] | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Rows per point, each setup's calibrated overheads, and what was measured (per
     setup: the cluster YAML, the profile and every run with its traced steps). With
@@ -201,9 +208,9 @@ def validate(
         flags = [workload_args(p, args) for p in mine]
         start = time.perf_counter()
         rounds = list(zip(flags, [p.rate for p in mine], strict=True)) * args.repeat
-        if getattr(args, "host_check", False):  # a short check run before each
+        if args.host_check:  # a short check run before each
             rounds = [run for r in rounds for run in (host_check_args(args), r)]
-        after = cal if getattr(args, "calibrate_around", False) else []  # again, after the points
+        after = cal if args.calibrate_around else []  # again, after the points
         text, book = kept_setup(kept, setup) if kept is not None else setup_profiles(setup, args)
         runs = [*cal, *rounds, *after]
         real = (
@@ -221,7 +228,7 @@ def validate(
             per_role=args.role_fit,
         )
         calibrations[setup] = calibration_row(overhead, book, fitted, start)  # noise fitted
-        if getattr(args, "write_profiles", False):
+        if args.write_profiles:
             calibrations[setup]["written"] = write_calibrated(setup, text, book, overhead, args)
         overhead = with_noise(overhead, args)
         calibrations[setup]["around"] = bool(after)
@@ -232,7 +239,7 @@ def validate(
 
 
 def write_calibrated(
-    setup: str, text: str, book: Any, overhead: Overhead, args: argparse.Namespace
+    setup: str, text: str, book: Any, overhead: Overhead, args: ValidateOptions
 ) -> dict[str, str]:
     """Write the setup's cluster YAML and its calibrated profile (noise included:
     :func:`~pdserve.sim.calibrate.calibrated_profile`) under ``--out``, for ``pdserve
@@ -244,21 +251,21 @@ def write_calibrated(
     config = stem.with_name(f"{stem.name}.yaml")
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(text)
-    profile = calibrated_profile(book, overhead, command_line(args))
+    profile = calibrated_profile(book, overhead, command_line(args.prog, args))
     path = save_profile(profile, stem.with_name(f"{stem.name}-profile.json"))
     return {"config": str(config), "profile": str(path)}
 
 
 def point_rows(
     mine: list[Point],
-    flags: list[argparse.Namespace],
+    flags: list[RunFlags],
     text: str,
     book: Any,
     overhead: Overhead,
     real: list[Measured],
     cal: Runs,
     baselines: list[Measured],
-    args: argparse.Namespace,
+    args: ValidateOptions,
 ) -> list[dict[str, Any]]:
     """One setup's rows: each point simulated with the calibration (``overhead``), with
     the steps its first run ran, and with ``--host-check`` with the steps scaled by
@@ -268,8 +275,8 @@ def point_rows(
     live_model = scaled(book.profiles[0].step, overhead.live)
     role_models = {r: scaled(book.profiles[0].step, f) for r, f in overhead.role_live.items()}
     points_real, checks = real[len(cal) :], None
-    draws = max(1, getattr(args, "noise_draws", 0))
-    if getattr(args, "host_check", False):
+    draws = max(1, args.noise_draws)
+    if args.host_check:
         points_real, checks = points_real[1::2], per_point(points_real[0::2], len(mine))
     rows = []
     for k, (point, ns, repeats) in enumerate(
@@ -390,7 +397,7 @@ def _add_trace_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def checked_points(args: argparse.Namespace) -> list[Point]:
+def checked_points(args: ValidateOptions) -> list[Point]:
     """The points, once every flag is checked: a bad one is an error now, not after
     the better part of an hour of calibration."""
     from pdserve.bench.headline import check_cores
@@ -403,9 +410,9 @@ def checked_points(args: argparse.Namespace) -> list[Point]:
     ):
         if value < 1:
             raise InvalidArgumentError(flag, f"must be at least 1, got {value}")
-    if getattr(args, "noise_draws", 0) < 0:
+    if args.noise_draws < 0:
         raise InvalidArgumentError("--noise-draws", f"must be at least 0, got {args.noise_draws}")
-    if not getattr(args, "from_traces", None):  # measuring: the cores of both setups
+    if not args.from_traces:  # measuring: the cores of both setups
         check_cores(args.cores, sorted({p.setup for p in points}))
     for point in points:
         workload_from_args(workload_args(point, args), point.rate, [1.0])
@@ -413,10 +420,15 @@ def checked_points(args: argparse.Namespace) -> list[Point]:
 
 
 def cmd_sim_validate(args: argparse.Namespace) -> int:
+    return sim_validate(options_from(ValidateOptions, args))
+
+
+def sim_validate(args: ValidateOptions) -> int:
+    """The points checked, measured (or read back), simulated; the results written."""
     from pdserve.models.builtin import resolve_model
 
     points = checked_points(args)
-    kept = read_kept(Path(args.from_traces)) if getattr(args, "from_traces", None) else None
+    kept = read_kept(Path(args.from_traces)) if args.from_traces else None
     if kept is None:
         resolve_model(args.model)
     rows, calibrations, measured = validate(points, args, kept)
@@ -427,7 +439,7 @@ def cmd_sim_validate(args: argparse.Namespace) -> int:
 
 
 def _write_results(
-    args: argparse.Namespace,
+    args: ValidateOptions,
     rows: list[dict[str, Any]],
     calibrations: dict[str, Any],
     measured: dict[str, Any],
@@ -440,7 +452,7 @@ def _write_results(
 
     apart = mean_abs_error([run for r in rows for run in r.get("compare_runs", [])])
     payload = {
-        **header(command_line(args)),
+        **header(command_line(args.prog, args)),
         "tolerance": TOLERANCE,
         "points": rows,
         "calibration": calibrations,
@@ -448,17 +460,17 @@ def _write_results(
         "runs_mean_abs_difference": apart,
     }
     path = write_json(Path(args.out) / f"{args.name}.json", payload)
-    if getattr(args, "keep_traces", False):
+    if args.keep_traces:
         traces = write_json(
             Path(args.out) / f"{args.name}-traces.json",
-            {**header(command_line(args)), "setups": measured},
+            {**header(command_line(args.prog, args)), "setups": measured},
         )
         print(f"wrote {traces}")
     return path, payload
 
 
 def _print_results(
-    args: argparse.Namespace,
+    args: ValidateOptions,
     points: list[Point],
     rows: list[dict[str, Any]],
     calibrations: dict[str, Any],
@@ -479,7 +491,7 @@ def _print_results(
         print(repeat_table(rows))
     print("\nThe same, simulated with each role's steps as they ran (the first run):")
     print(table(rows, "compare_own_steps"))
-    if getattr(args, "host_check", False):
+    if args.host_check:
         print("\nThe same, simulated with each role's steps scaled by the host checks:")
         print("\n".join(host_check_lines(rows)))
     print(

@@ -15,14 +15,17 @@ requests are in flight (``--max-concurrency N``, :mod:`pdserve.sim.gate`), and
 
 from __future__ import annotations
 
-import argparse
 import math
 import shlex
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.calibrate import bench_flags
+from pdserve.sim.validate_options import ValidateOptions
+
+if TYPE_CHECKING:
+    from pdserve.bench.serve import RunFlags
 
 WORKLOADS: dict[str, list[str]] = {
     "conv": ["--trace", "azure-conv", "--max-prompt-len", "1024", "--max-output-len", "128"],
@@ -30,16 +33,6 @@ WORKLOADS: dict[str, list[str]] = {
     "long": ["--prompt-len", "1024", "--output-len", "32"],
 }
 SETUPS = ("colocated", "disaggregated")
-# (setup, workload, rate req/s) of the default run: each workload at a low rate and
-# near saturation on builtin:small, two cores
-DEFAULT_POINTS = (
-    "colocated:conv:0.3",
-    "colocated:conv:1.2",
-    "disaggregated:code:0.3",
-    "disaggregated:code:1.0",
-    "disaggregated:long:0.2",
-    "colocated:long:0.8",
-)
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,7 @@ class Point:
         return f"{self.setup}:{self.workload}:{self.rate:g}{closed}{timeout}"
 
 
-def workload_flags(point: Point, args: argparse.Namespace) -> list[str]:
+def workload_flags(point: Point, args: ValidateOptions) -> list[str]:
     """The point's ``pdserve bench serve`` workload and load-limit flags."""
     flags = list(WORKLOADS[point.workload])
     if point.workload in ("conv", "code"):
@@ -101,11 +94,11 @@ def workload_flags(point: Point, args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def workload_args(point: Point, args: argparse.Namespace) -> argparse.Namespace:
+def workload_args(point: Point, args: ValidateOptions) -> RunFlags:
     return bench_flags(workload_flags(point, args), args)
 
 
-def sim_command(point: Point, args: argparse.Namespace, written: dict[str, str]) -> str:
+def sim_command(point: Point, args: ValidateOptions, written: dict[str, str]) -> str:
     """The ``pdserve sim`` command that simulates ``point`` with its setup's calibrated
     profile and cluster (``written``: their files, ``--write-profiles``)."""
     return shlex.join(
@@ -131,7 +124,7 @@ def sim_command(point: Point, args: argparse.Namespace, written: dict[str, str])
 
 
 def written_lines(
-    points: list[Point], args: argparse.Namespace, calibrations: dict[str, Any]
+    points: list[Point], args: ValidateOptions, calibrations: dict[str, Any]
 ) -> list[str]:
     """With ``--write-profiles``: the files written and, per point, the ``pdserve sim``
     command that simulates it with them (as many draws of the noise as here)."""

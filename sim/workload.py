@@ -15,7 +15,6 @@ synthetic prompts share a cached block, as with random ids.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +67,7 @@ def assign_homes(n: int, shares: list[float], seed: int) -> np.ndarray:
 
 
 def workload_from_args(
-    args: argparse.Namespace, rate: float | None, shares: list[float]
+    args: wl.WorkloadFlags, rate: float | None, shares: list[float]
 ) -> SimWorkload:
     """The measured requests ``pdserve bench serve`` would send with these flags at ``rate``."""
     prompts: tuple[tuple[int, ...], ...] | None = None

@@ -1,8 +1,10 @@
 """The house rules: no function over 50 lines, ruff format owns the layout, no object
-reaches into another one's private members, and an object its owner hands itself to
-(the controller's health checks, membership, planning, warm pool and status; the
-simulated cluster's scaling; a decode server's peer fills; the router's observer) sees the owner through a Protocol of what it may touch,
-never the owner's class (:data:`NARROW_VIEWS`).
+reaches into another one's private members, an object its owner hands itself to (the
+controller's health checks, membership, planning, warm pool and status; the simulated
+cluster's scaling; a decode server's peer fills; the router's observer) sees the owner
+through a Protocol of what it may touch, never the owner's class
+(:data:`NARROW_VIEWS`), and argparse's namespace stops at a command's handler (below
+it, a command's options are a frozen dataclass).
 
 Short functions keep each step of the request path readable in one screen. Every
 function and method of the source folders (read from pyproject's package map) is
@@ -260,3 +262,93 @@ def test_the_narrow_view_rule_sees_an_owner_imported(tmp_path: Path) -> None:
     assert got == ["imports pdserve.cluster.controller"]
     got = narrow_view_faults(tmp_path / "m.py", "Other", "pdserve.cluster.controller")
     assert got[-1] == "defines no Protocol Other"
+
+
+# argparse's namespace stops at a command's handler (the function a parser's
+# ``set_defaults(func=...)``, or an ``add_*`` parser builder, registers): below it a
+# command's options are a frozen dataclass (``pdserve.core.options.options_from``).
+# Other functions that may take or return a namespace, "path:function" -> why.
+NAMESPACE_KEPT: dict[str, str] = {
+    "core/options.py:options_from": "the conversion itself, from a handler's namespace",
+}
+
+
+def _is_namespace(annotation: ast.expr | None) -> bool:
+    if annotation is None:
+        return False
+    text = ast.unparse(annotation).strip("'\"")
+    return text in ("argparse.Namespace", "Namespace")
+
+
+def registered_handlers(tree: ast.AST) -> set[str]:
+    """Names of the functions a module registers as command handlers."""
+    names = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if callee == "set_defaults" or callee.startswith("add_"):
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                if isinstance(arg, ast.Name):
+                    names.add(arg.id)
+                elif isinstance(arg, ast.Attribute):
+                    names.add(arg.attr)
+    return names
+
+
+def namespace_uses(paths: list[Path], root: Path = ROOT) -> tuple[list[str], set[str]]:
+    """Functions other than handlers that take or return a namespace, and calls that
+    build one by hand; and the NAMESPACE_KEPT entries met."""
+    found, kept = [], set()
+    for path in paths:
+        tree = ast.parse(path.read_text(), str(path))
+        handlers = registered_handlers(tree)
+        rel = path.relative_to(root) if path.is_relative_to(root) else Path(path.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                "argparse.Namespace",
+                "Namespace",
+            ):
+                found.append(f"{rel}:{node.lineno}: builds a namespace by hand")
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+            typed = [p.annotation for p in params if p is not None]
+            if not any(map(_is_namespace, [*typed, node.returns])) or node.name in handlers:
+                continue
+            key = f"{rel}:{node.name}"
+            if key in NAMESPACE_KEPT:
+                kept.add(key)
+            else:
+                found.append(f"{rel}:{node.lineno}: {node.name}")
+    return found, kept
+
+
+def test_the_namespace_stops_at_the_command_line_handlers() -> None:
+    paths = [p for p in python_files(source_folders()) if not generated(p.relative_to(ROOT))]
+    found, kept = namespace_uses(paths)
+    assert not found, (
+        f"{len(found)} function(s) below a command's handler take or return "
+        "argparse.Namespace (or build one); give them the command's options as a frozen "
+        "dataclass (pdserve.core.options.options_from, in the handler):\n" + "\n".join(found)
+    )
+    assert kept == set(NAMESPACE_KEPT), f"stale NAMESPACE_KEPT: {set(NAMESPACE_KEPT) - kept}"
+
+
+def test_the_namespace_rule_sees_a_function_below_the_handler(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "import argparse\n"
+        "def add_arguments(p: argparse.ArgumentParser) -> None:\n"
+        "    p.set_defaults(func=run)\n"
+        "def run(args: argparse.Namespace) -> int:\n"
+        "    return helper(args)\n"
+        "def helper(args: 'argparse.Namespace') -> int:\n"
+        "    return 0\n"
+        "def fake() -> Namespace:\n"
+        "    return argparse.Namespace(x=1)\n"
+    )
+    found, _ = namespace_uses([tmp_path / "m.py"], tmp_path)
+    got = sorted(line.split(": ", 1)[1] for line in found)
+    assert got == ["builds a namespace by hand", "fake", "helper"]

@@ -6,16 +6,19 @@ import os
 
 import pytest
 
-from pdserve.bench.headline import MODES, check_cores, cluster_setup
+from pdserve.bench.headline import MODES, ClusterSetup, check_cores, cluster_setup
 from pdserve.cluster.config import parse_config
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import options_from
 from pdserve.deploy.cli import build_parser
 
 
 @pytest.mark.parametrize("command", ["disagg-vs-colocated", "peer"])
 @pytest.mark.parametrize("mode", MODES)
 def test_each_setup_is_a_valid_cluster(command: str, mode: str) -> None:
-    args = build_parser().parse_args(["bench", command, "--cores", "0", "1"])
+    args = options_from(
+        ClusterSetup, build_parser().parse_args(["bench", command, "--cores", "0", "1"])
+    )
     text, pins = cluster_setup(mode, args)
     config = parse_config(text, f"{command}-{mode}")
     (region,) = config.regions

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.bench.soak import add_arguments, api_key_for, check_args, log_errors
+from pdserve.bench.soak import SoakOptions, add_arguments, api_key_for, check_args, log_errors
 from pdserve.bench.soak_outcomes import (
     Attempt,
     RssSample,
@@ -23,6 +23,7 @@ from pdserve.bench.soak_outcomes import (
 )
 from pdserve.cluster.config import parse_config
 from pdserve.core.errors import InvalidArgumentError
+from pdserve.core.options import options_from
 
 REF = [10, 11, 12, 13, 14, 15, 16, 17]
 MIB = 1 << 20
@@ -226,10 +227,10 @@ def test_log_errors_are_collected_with_their_traceback(tmp_path: Path) -> None:
     assert log_errors(None) == []
 
 
-def _args(*argv: str) -> argparse.Namespace:
+def _args(*argv: str) -> SoakOptions:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return options_from(SoakOptions, parser.parse_args(list(argv)))
 
 
 def test_the_defaults_are_valid_and_bad_flags_are_refused() -> None:

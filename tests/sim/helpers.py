@@ -13,6 +13,7 @@ from pdserve.core.messages import StepRecord
 from pdserve.sim.build import ProfileBook
 from pdserve.sim.live import LiveFit
 from pdserve.sim.profile import ModelShape, Profile, StepFeatures, StepModel, TransferModel
+from pdserve.sim.validate_options import ValidateOptions
 from pdserve.sim.workload import SimWorkload
 
 TOY = ModelShape("toy", 2, 64, 4, 2, 16, 128, 256, 4096)
@@ -109,7 +110,14 @@ TINY_STEP = StepModel(
 )
 
 
-def tiny_setup(setup: str, args: argparse.Namespace) -> tuple[str, ProfileBook]:
+def typed(args: argparse.Namespace) -> ValidateOptions:
+    """``pdserve sim-validate``'s parsed flags as its handler types them."""
+    from pdserve.core.options import options_from
+
+    return options_from(ValidateOptions, args)
+
+
+def tiny_setup(setup: str, args: ValidateOptions) -> tuple[str, ProfileBook]:
     """``setup_profiles(setup, args)`` with :data:`TINY_STEP` in place of a measurement."""
     from pdserve.sim.analytic import model_shape
     from pdserve.sim.build import book_for

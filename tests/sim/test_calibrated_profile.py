@@ -20,7 +20,7 @@ from pdserve.sim.calibrate import (
 from pdserve.sim.live import LiveFit, Measured, shared_flags
 from pdserve.sim.profile import load_profile, profile_from_json, save_profile
 from pdserve.sim.validate import Point, cmd_sim_validate, workload_args
-from tests.sim.helpers import keep_file, step_timeline, tiny_setup
+from tests.sim.helpers import keep_file, step_timeline, tiny_setup, typed
 
 
 def noisy(records: list[StepRecord]) -> list[StepRecord]:
@@ -74,10 +74,10 @@ def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(t
         ]
     )
     point = Point.parse(args.points[0])
-    text, book = tiny_setup(point.setup, args)
+    text, book = tiny_setup(point.setup, typed(args))
     model = book.profiles[0].step
-    cal = calibration_args(args, point.setup)
-    runs = [*cal, (workload_args(point, args), point.rate)]
+    cal = calibration_args(typed(args), point.setup)
+    runs = [*cal, (workload_args(point, typed(args)), point.rate)]
     # the live system: 30 ms a request and 2 ms a step beyond the profiled steps
     live = Overhead(request_s=0.03, step_s=0.002)
     real = [Measured(simulate(text, book, ns, rate, live), {}) for ns, rate in runs]
@@ -98,7 +98,7 @@ def test_pdserve_sim_with_the_written_profile_gives_the_validations_simulation(t
     # the printed command, as a user runs it, simulates the point as the validation did
     from pdserve.sim.validate_points import sim_command
 
-    command = shlex.split(sim_command(point, args, written))[1:]
+    command = shlex.split(sim_command(point, typed(args), written))[1:]
     sim = build_parser().parse_args(
         [*command, "--out", str(tmp_path), "--name", "again", "--no-plots"]
     )

@@ -19,7 +19,7 @@ from pdserve.sim.calibrate import (
 )
 from pdserve.sim.live import LiveFit, Measured
 from pdserve.sim.validate import Point, cmd_sim_validate, workload_args
-from tests.sim.helpers import keep_file, step_timeline, tiny_setup
+from tests.sim.helpers import keep_file, step_timeline, tiny_setup, typed
 
 
 def sim_args(out, repeat: int = 1, around: bool = False):  # type: ignore[no-untyped-def]
@@ -51,7 +51,7 @@ def sim_args(out, repeat: int = 1, around: bool = False):  # type: ignore[no-unt
 @pytest.fixture(scope="module")
 def profiles(tmp_path_factory):  # type: ignore[no-untyped-def]
     """The disaggregated setup's cluster and its fixed profile (TINY_STEP), once for the module."""
-    return tiny_setup("disaggregated", sim_args(tmp_path_factory.mktemp("profiles")))
+    return tiny_setup("disaggregated", typed(sim_args(tmp_path_factory.mktemp("profiles"))))
 
 
 def checked_row(tmp_path, checks: list[tuple[float, float]], profiles, after=None):  # type: ignore[no-untyped-def]
@@ -66,8 +66,10 @@ def checked_row(tmp_path, checks: list[tuple[float, float]], profiles, after=Non
     point = Point.parse(args.points[0])
     text, book = profiles
     model = book.profiles[0].step
-    cal = calibration_args(args, point.setup)
-    rounds = [host_check_args(args), (workload_args(point, args), point.rate)] * len(checks)
+    cal = calibration_args(typed(args), point.setup)
+    rounds = [host_check_args(typed(args)), (workload_args(point, typed(args)), point.rate)] * len(
+        checks
+    )
     runs = [*cal, *rounds, *(cal if after is not None else [])]
     real = [Measured(simulate(text, book, ns, rate, Overhead()), {}) for ns, rate in runs]
 

@@ -4,7 +4,6 @@ stay deterministic."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
@@ -19,6 +18,7 @@ from pdserve.sim.cluster import SimCluster, SimOptions
 from pdserve.sim.jitter import Jitter, fit_jitter
 from pdserve.sim.live import LiveFit, live_fit, scaled
 from pdserve.sim.profile import StepFeatures, StepModel, profile_from_json
+from pdserve.sim.validate_options import ValidateOptions
 from tests.sim.helpers import TOY_YAML, book, toy_config, toy_profile, workload
 
 STEP = StepModel(overhead_s=0.010)  # every step 10 ms
@@ -139,7 +139,7 @@ def test_noise_is_a_profile_field_and_the_calibration_can_leave_it_out() -> None
 
 
 def test_a_point_with_noise_is_the_mean_of_its_draws() -> None:
-    args = argparse.Namespace(num_requests=40, seed=0)
+    args = ValidateOptions(num_requests=40, seed=0)
     ns = bench_flags(["--prompt-len", "200", "--output-len", "16", "--arrival", "poisson"], args)
     noisy = Overhead(LiveFit(jitter=0.2, jitter_s=0.05), request_s=0.02)
     bk = book(toy_profile(STEP))

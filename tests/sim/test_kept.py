@@ -14,7 +14,7 @@ import pytest
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.calibrate import Overhead, calibration_args, simulate
 from pdserve.sim.validate import Measured, Point, cmd_sim_validate, workload_args
-from tests.sim.helpers import keep_file, tiny_setup
+from tests.sim.helpers import keep_file, tiny_setup, typed
 
 
 def _validate_args(out: Path, name: str, flag: str) -> argparse.Namespace:
@@ -32,9 +32,12 @@ def test_kept_runs_are_calibrated_and_simulated_again_without_measuring(tmp_path
     # again from the kept file, the overheads come back and the point matches.
     args = _validate_args(tmp_path, "again", "--keep-traces")
     point = Point.parse(args.points[0])
-    text, book = tiny_setup(point.setup, args)
+    text, book = tiny_setup(point.setup, typed(args))
     truth = Overhead(step_s=0.002, seq_s=0.0003, handoff_s=0.015, request_s=0.030)
-    runs = [*calibration_args(args, point.setup), (workload_args(point, args), point.rate)]
+    runs = [
+        *calibration_args(typed(args), point.setup),
+        (workload_args(point, typed(args)), point.rate),
+    ]
     real = [Measured(simulate(text, book, ns, rate, truth), {}) for ns, rate in runs]
     setups = keep_file(args, tmp_path, point.setup, text, book, runs, real)
     assert cmd_sim_validate(args) == 0
@@ -69,9 +72,9 @@ def test_calibrating_around_the_points_fits_the_runs_before_and_after_them(tmp_p
     # between the two
     args = _validate_args(tmp_path, "around", "--calibrate-around")
     point = Point.parse(args.points[0])
-    text, book = tiny_setup(point.setup, args)
-    cal = calibration_args(args, point.setup)
-    runs = [*cal, (workload_args(point, args), point.rate), *cal]
+    text, book = tiny_setup(point.setup, typed(args))
+    cal = calibration_args(typed(args), point.setup)
+    runs = [*cal, (workload_args(point, typed(args)), point.rate), *cal]
     slow, fast = Overhead(step_s=0.006, request_s=0.03), Overhead(step_s=0.002, request_s=0.05)
     truth = [slow] * len(cal) + [fast] * (1 + len(cal))
     real = [

@@ -57,6 +57,7 @@ from pdserve.sim.validate import (
     setup_profiles,
     workload_args,
 )
+from pdserve.sim.validate_options import ValidateOptions
 from pdserve.sim.validate_report import (
     compare_point,
     failed_lines,
@@ -72,10 +73,10 @@ from tests.sim.helpers import step_timeline, tiny_setup
 TOLERANCE = 0.50
 
 
-def _tiny_args() -> argparse.Namespace:
-    """The flags of a small validation of the tiny model: 8 requests a point after
+def _tiny_args() -> ValidateOptions:
+    """The options of a small validation of the tiny model: 8 requests a point after
     calibration runs of 4, on cores 0 and 1."""
-    return argparse.Namespace(
+    return ValidateOptions(
         model="builtin:tiny",
         cores=[0, 1],
         num_requests=8,
