@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pdserve.core.messages import StepRecord
+from pdserve.sim.figures import mean_figures
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import LiveFit, Measured, live_fit, scaled
 from pdserve.sim.profile import Profile, StepModel
 from pdserve.sim.validate_options import ValidateOptions
-from pdserve.sim.validate_report import mean_figures
 
 if TYPE_CHECKING:
     from pdserve.bench.serve import RunFlags

@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.core.errors import InvalidArgumentError, PdserveError
-from pdserve.sim.calibrate import Overhead, calibrate, calibrated_profile, calibration_args
-from pdserve.sim.live import Measured, traced
+from pdserve.sim.calibrate import Overhead, Runs, calibrate, calibrated_profile, calibration_args
+from pdserve.sim.live import Measured
 from pdserve.sim.profile import Profile
+from pdserve.sim.validate_measure import traced_runs
 from pdserve.sim.validate_options import ValidateOptions
 
 
@@ -126,10 +127,7 @@ def serving(text: str, config: Any, address: str | None) -> Iterator[tuple[str, 
     import ray
 
     from pdserve.cluster.connect import connect, find_controller
-
-    def leaders(controller: Any) -> list[tuple[str, Any]]:
-        handles = ray.get(controller.instance_handles.remote())
-        return [(f"{role}{i}", leader) for i, (role, leader) in enumerate(handles)]
+    from pdserve.sim.validate_measure import instance_leaders
 
     if address is not None:
         connect(address, start_local=False)
@@ -137,7 +135,7 @@ def serving(text: str, config: Any, address: str | None) -> Iterator[tuple[str, 
         endpoints = ray.get(controller.status.remote()).endpoints
         if endpoints is None:
             raise InvalidArgumentError("ray_address", "the cluster there has no front door yet")
-        yield f"grpc://{endpoints.grpc_address}", leaders(controller)
+        yield f"grpc://{endpoints.grpc_address}", instance_leaders(controller)
         return
     from pdserve.bench.local import local_cluster
     from pdserve.cluster.connect import CONTROLLER, NAMESPACE
@@ -145,12 +143,11 @@ def serving(text: str, config: Any, address: str | None) -> Iterator[tuple[str, 
     cpus = config.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(config.needs()["CPU"]))
     with local_cluster(text, cpus) as (endpoints, _):
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-        yield f"grpc://{endpoints.grpc_address}", leaders(controller)
+        yield f"grpc://{endpoints.grpc_address}", instance_leaders(controller)
 
 
 def calibrate_cluster(opts: ClusterCalibration, command: str) -> Calibrated:
     """Time the steps, load the cluster with the calibration runs and fit (module doc)."""
-    from pdserve.bench.serve import serve_rates
     from pdserve.bench.soak import api_key_for
     from pdserve.cluster.config import parse_config
 
@@ -175,26 +172,26 @@ def calibrate_cluster(opts: ClusterCalibration, command: str) -> Calibrated:
     book = book_for(config, [step_profile(config, command)], None)
     measured = []
     with serving(text, config, opts.ray_address) as (target, leaders):
-        for i, (ns, rate) in enumerate(runs):
-            with traced(leaders) as steps:
-                result = serve_rates(
-                    ns, target, [rate], label="calibration", first_run=i, client_as=(key, None)
-                )[0]
-            measured.append(Measured(result.summary, steps))
-            failed = result.summary["num_failed"]
-            if failed:  # a fit to what failed would be a fit to the errors' timing
-                raise PdserveError(
-                    f"calibration run {i + 1} of {len(runs)} ({ns.prompt_len}-token prompts, "
-                    f"{ns.output_len} tokens out, {rate:g} req/s): {failed} of "
-                    f"{result.summary['num_requests']} requests failed: "
-                    f"{result.summary['errors']}"
-                )
+        for run in traced_runs(target, leaders, runs, "calibration", (key, None)):
+            measured.append(run)
+            if run.summary["num_failed"]:  # a fit to failures would fit the errors' timing
+                raise PdserveError(failed_run(runs, len(measured) - 1, run.summary))
     summaries = [m.summary for m in measured]
     overhead = calibrate(
         text, book, summaries, runs, Measured.role_traces(measured), per_role=opts.per_role
     )
     profile = calibrated_profile(book, overhead, command)
     return Calibrated(profile, overhead, setup, summaries, time.perf_counter() - start)
+
+
+def failed_run(runs: Runs, i: int, summary: dict[str, Any]) -> str:
+    """Why a calibration stopped at run ``i``: what it ran and how its requests failed."""
+    flags, rate = runs[i]
+    return (
+        f"calibration run {i + 1} of {len(runs)} ({flags.prompt_len}-token prompts, "
+        f"{flags.output_len} tokens out, {rate:g} req/s): {summary['num_failed']} of "
+        f"{summary['num_requests']} requests failed: {summary['errors']}"
+    )
 
 
 def describe_calibration(c: Calibrated) -> str:

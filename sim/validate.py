@@ -23,173 +23,32 @@ the profile, every run's workload, summary and engines' traced steps), and
 measuring anything, so a change to the calibration or the step model can be
 tried on runs that took the better part of an hour to measure.
 
-The points: :mod:`pdserve.sim.validate_points`.
+Its parts, by job: the points (:mod:`pdserve.sim.validate_points`), measuring them
+(:mod:`~pdserve.sim.validate_measure`), the fit (:mod:`~pdserve.sim.calibrate`,
+:mod:`~pdserve.sim.validate_fit`), comparing (:mod:`~pdserve.sim.validate_compare`)
+and the report (:mod:`~pdserve.sim.validate_report`); this module runs them in
+order and holds the command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.bench.flags import file_stem
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.options import options_from
-from pdserve.sim.calibrate import (
-    Overhead,
-    Runs,
-    calibrate,
-    calibrated_profile,
-    calibration_args,
-    host_check_args,
-    host_check_baseline,
-    host_factors,
-    own_steps,
-    rescaled,
-    simulate,
-    simulate_each,
-)
+from pdserve.sim.calibrate import calibrate, calibration_args, host_check_args, host_check_baseline
 from pdserve.sim.kept import kept_entry, kept_runs, kept_setup, read_kept
-from pdserve.sim.live import Measured, scaled, traced
+from pdserve.sim.live import Measured
+from pdserve.sim.validate_compare import point_rows
+from pdserve.sim.validate_fit import calibration_row, with_noise, write_calibrated
+from pdserve.sim.validate_measure import measure, setup_profiles
 from pdserve.sim.validate_options import DEFAULT_POINTS, ValidateOptions
-from pdserve.sim.validate_points import (
-    SETUPS,
-    Point,
-    workload_args,
-    written_lines,
-)
-from pdserve.sim.validate_report import TOLERANCE, compare_point, point_row
-
-if TYPE_CHECKING:
-    from pdserve.bench.headline import ClusterSetup
-    from pdserve.bench.serve import RunFlags
-
-
-@contextlib.contextmanager
-def pinned_here(cores: tuple[int, ...]) -> Iterator[None]:
-    """This process on ``cores`` with as many torch threads, as a rank would be."""
-    import torch
-
-    from pdserve.bench.local import claim_cores
-
-    before, threads = claim_cores(set(cores)), torch.get_num_threads()
-    os.sched_setaffinity(0, set(cores))
-    torch.set_num_threads(len(cores))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-        torch.set_num_threads(threads)
-
-
-def with_noise(overhead: Overhead, args: ValidateOptions) -> Overhead:
-    """``overhead`` as the points are simulated: with its fitted noise under
-    ``--noise-draws``, else without (:meth:`Overhead.quiet`)."""
-    return overhead if args.noise_draws else overhead.quiet()
-
-
-def per_point(measured: list[Measured], points: int) -> list[list[Measured]]:
-    """Runs of ``points`` points measured in rounds (each in turn), grouped by point."""
-    return [measured[i::points] for i in range(points)]
-
-
-def _config_args(args: ValidateOptions) -> ClusterSetup:
-    """The setups' clusters: the model on the cores, SLOs no run misses."""
-    from pdserve.bench.headline import ClusterSetup
-
-    return ClusterSetup(
-        model=args.model,
-        cores=args.cores,
-        connector="shm",
-        max_num_batched_tokens=256,
-        prefill_max_num_batched_tokens=2048,
-        ttft_slo_ms=100000.0,
-        tpot_slo_ms=100000.0,
-    )
-
-
-def setup_config(setup: str, args: ValidateOptions) -> tuple[str, dict[str, tuple[int, ...]]]:
-    """(cluster YAML, each role's cores) of a setup."""
-    from pdserve.bench.headline import cluster_setup
-
-    return cluster_setup(setup, _config_args(args))
-
-
-def setup_profiles(setup: str, args: ValidateOptions) -> tuple[str, Any]:
-    """(cluster YAML, profile book) of a setup: the profile measured on the cores and
-    with the threads its ranks get."""
-    from pdserve.bench.report import machine_info
-    from pdserve.cluster.config import parse_config
-    from pdserve.sim.build import book_for
-    from pdserve.sim.measure import MeasureGrid, measured_profile
-
-    text, pins = setup_config(setup, args)
-    config = parse_config(text, f"<{setup}>")
-    engine = config.engine_config("decode", config.regions[0])
-    with pinned_here(pins["decode"]):
-        profile = measured_profile(engine, MeasureGrid(), f"sim-validate {setup}", machine_info())
-    return text, book_for(config, [profile], None)
-
-
-def measure(text: str, setup: str, runs: Runs, args: ValidateOptions) -> list[Measured]:
-    """Each (workload flags, rate) measured in turn on one local cluster of the setup,
-    with every instance's engine steps traced."""
-    import ray
-
-    from pdserve.bench.headline import cluster_setup
-    from pdserve.bench.local import local_cluster
-    from pdserve.bench.serve import serve_rates
-    from pdserve.cluster.connect import CONTROLLER, NAMESPACE
-
-    _, pins = cluster_setup(setup, _config_args(args))
-    out = []
-    with local_cluster(text, len(args.cores), pins) as (endpoints, _):
-        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-        leaders = [
-            (f"{role}{i}", leader)
-            for i, (role, leader) in enumerate(ray.get(controller.instance_handles.remote()))
-        ]
-        target = f"grpc://{endpoints.grpc_address}"
-        for i, (ns, rate) in enumerate(runs):
-            with traced(leaders) as steps:
-                result = serve_rates(ns, target, [rate], label=setup, first_run=i)[0]
-            out.append(Measured(result.summary, steps))
-    return out
-
-
-def calibration_row(
-    overhead: Overhead, book: Any, runs: list[Measured], start: float
-) -> dict[str, Any]:
-    """What a setup's calibration found: the live step model's scales, the per-step,
-    per-sequence, per-handoff and per-request overheads, the calibration runs, and their
-    steps by kind against the calibrated model (:meth:`Measured.kinds`)."""
-    step = book.profiles[0].step
-    roles = {role: scaled(step, fit) for role, fit in overhead.role_live.items()}
-    return {
-        "compute_scale": round(overhead.live.compute_scale, 4),
-        "memory_scale": round(overhead.live.memory_scale, 4),
-        "step_offset_ms": round(overhead.live.offset_s * 1e3, 3),
-        "cold_compute": round(overhead.live.cold_compute, 4),
-        "cold_factor": round(overhead.live.cold_factor, 4),
-        "shared_compute": round(overhead.live.shared_compute, 4),
-        "shared_factor": round(overhead.live.shared_factor, 4),
-        "traced_steps": overhead.live.steps,
-        "jitter": round(overhead.live.jitter, 4),
-        "jitter_s": round(overhead.live.jitter_s, 4),
-        "step_overhead_ms": round(overhead.step_s * 1e3, 3),
-        "seq_overhead_ms": round(overhead.seq_s * 1e3, 3),
-        "handoff_overhead_ms": round(overhead.handoff_s * 1e3, 3),
-        "request_overhead_ms": round(overhead.request_s * 1e3, 3),
-        "role_fits": {role: dataclasses.asdict(fit) for role, fit in overhead.role_live.items()},
-        "calibration": [m.summary for m in runs],
-        "steps_by_kind": Measured.kinds(runs, roles, scaled(step, overhead.live)),
-        "wall_s": round(time.perf_counter() - start, 1),
-    }
+from pdserve.sim.validate_points import SETUPS, Point, workload_args
+from pdserve.sim.validate_report import print_results, write_results
 
 
 def validate(
@@ -236,69 +95,6 @@ def validate(
         baselines = [real[base], *([real[ends + base]] if after else [])]
         rows += point_rows(mine, flags, text, book, overhead, real[:ends], cal, baselines, args)
     return rows, calibrations, measured
-
-
-def write_calibrated(
-    setup: str, text: str, book: Any, overhead: Overhead, args: ValidateOptions
-) -> dict[str, str]:
-    """Write the setup's cluster YAML and its calibrated profile (noise included:
-    :func:`~pdserve.sim.calibrate.calibrated_profile`) under ``--out``, for ``pdserve
-    sim``; their paths."""
-    from pdserve.bench.serve import command_line
-    from pdserve.sim.profile import save_profile
-
-    stem = Path(args.out) / f"{args.name}-{setup}"
-    config = stem.with_name(f"{stem.name}.yaml")
-    config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(text)
-    profile = calibrated_profile(book, overhead, command_line(args.prog, args))
-    path = save_profile(profile, stem.with_name(f"{stem.name}-profile.json"))
-    return {"config": str(config), "profile": str(path)}
-
-
-def point_rows(
-    mine: list[Point],
-    flags: list[RunFlags],
-    text: str,
-    book: Any,
-    overhead: Overhead,
-    real: list[Measured],
-    cal: Runs,
-    baselines: list[Measured],
-    args: ValidateOptions,
-) -> list[dict[str, Any]]:
-    """One setup's rows: each point simulated with the calibration (``overhead``), with
-    the steps its first run ran, and with ``--host-check`` with the steps scaled by
-    the checks measured before its runs (``real``: calibration runs, then the rounds)
-    against the same requests in the calibration (``baselines``: before the points,
-    and after them with ``--calibrate-around``, as the fit took both)."""
-    live_model = scaled(book.profiles[0].step, overhead.live)
-    role_models = {r: scaled(book.profiles[0].step, f) for r, f in overhead.role_live.items()}
-    points_real, checks = real[len(cal) :], None
-    draws = max(1, args.noise_draws)
-    if args.host_check:
-        points_real, checks = points_real[1::2], per_point(points_real[0::2], len(mine))
-    rows = []
-    for k, (point, ns, repeats) in enumerate(
-        zip(mine, flags, per_point(points_real, len(mine)), strict=True)
-    ):
-        sim = simulate(text, book, ns, point.rate, overhead, draws)
-        row = point_row(point.name, sim, repeats, live_model, role_models)
-        own_fit = with_noise(own_steps(overhead, book, repeats[0]), args)
-        own = simulate(text, book, ns, point.rate, own_fit, draws)
-        row.update(sim_own_steps=own, compare_own_steps=compare_point(repeats[0].summary, own))
-        if checks is not None:
-            factors = host_factors(role_models, live_model, baselines, checks[k])
-            checked = simulate_each(
-                text, book, ns, point.rate, [rescaled(overhead, f) for f in factors], draws
-            )
-            row.update(
-                host_factors=factors,
-                sim_host_checked=checked,
-                compare_host_checked=compare_point(row.get("real_mean", row["real"]), checked),
-            )
-        rows.append(row)
-    return rows
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -432,74 +228,7 @@ def sim_validate(args: ValidateOptions) -> int:
     if kept is None:
         resolve_model(args.model)
     rows, calibrations, measured = validate(points, args, kept)
-    path, payload = _write_results(args, rows, calibrations, measured)
-    _print_results(args, points, rows, calibrations, payload)
+    path, payload = write_results(args, rows, calibrations, measured)
+    print_results(args, points, rows, calibrations, payload)
     print(f"wrote {path}")
     return 0
-
-
-def _write_results(
-    args: ValidateOptions,
-    rows: list[dict[str, Any]],
-    calibrations: dict[str, Any],
-    measured: dict[str, Any],
-) -> tuple[Path, dict[str, Any]]:
-    """The validation's JSON (and, with --keep-traces, the runs' traces): its path and
-    what it holds."""
-    from pdserve.bench.report import header, write_json
-    from pdserve.bench.serve import command_line
-    from pdserve.sim.validate_report import mean_abs_error
-
-    apart = mean_abs_error([run for r in rows for run in r.get("compare_runs", [])])
-    payload = {
-        **header(command_line(args.prog, args)),
-        "tolerance": TOLERANCE,
-        "points": rows,
-        "calibration": calibrations,
-        "mean_abs_error": mean_abs_error([r["compare"] for r in rows]),
-        "runs_mean_abs_difference": apart,
-    }
-    path = write_json(Path(args.out) / f"{args.name}.json", payload)
-    if args.keep_traces:
-        traces = write_json(
-            Path(args.out) / f"{args.name}-traces.json",
-            {**header(command_line(args.prog, args)), "setups": measured},
-        )
-        print(f"wrote {traces}")
-    return path, payload
-
-
-def _print_results(
-    args: ValidateOptions,
-    points: list[Point],
-    rows: list[dict[str, Any]],
-    calibrations: dict[str, Any],
-    payload: dict[str, Any],
-) -> None:
-    from pdserve.sim.validate_report import (
-        calibration_lines,
-        failed_lines,
-        host_check_lines,
-        repeat_table,
-        table,
-    )
-
-    print(table(rows))
-    for line in failed_lines(rows):
-        print(line)
-    if args.repeat > 1:
-        print(repeat_table(rows))
-    print("\nThe same, simulated with each role's steps as they ran (the first run):")
-    print(table(rows, "compare_own_steps"))
-    if args.host_check:
-        print("\nThe same, simulated with each role's steps scaled by the host checks:")
-        print("\n".join(host_check_lines(rows)))
-    print(
-        "\n".join(
-            [*calibration_lines(rows, calibrations), *written_lines(points, args, calibrations)]
-        )
-    )
-    print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
-    apart = payload["runs_mean_abs_difference"]
-    if apart is not None:
-        print(f"later runs against the first: mean |difference| {apart}")

@@ -1,17 +1,19 @@
-"""What ``pdserve sim-validate`` prints: the side-by-side table, then how far the
-live steps were from the calibrated step model at each point and what each setup's
-calibration found."""
+"""What ``pdserve sim-validate`` writes and prints: the JSON of its points and
+calibrations, the side-by-side table, then how far the live steps were from the
+calibrated step model at each point and what each setup's calibration found."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from pdserve.sim.figures import FIGURES, KEYS, figure, mean_figures
 from pdserve.sim.live import Measured
 from pdserve.sim.profile import StepModel
+from pdserve.sim.validate_options import ValidateOptions
+from pdserve.sim.validate_points import Point, written_lines
 
-TOLERANCE = {"p50": 0.10, "p90": 0.15}  # the issue's bar: relative error of sim vs real
-FIGURES = [(metric, q) for metric in ("ttft_ms", "tpot_ms") for q in ("p50", "p90")]
-KEYS = tuple(f"{metric[:4]}_{q}" for metric, q in FIGURES)  # ttft_p50, ttft_p90, ...
+TOLERANCE = {"p50": 0.10, "p90": 0.15}  # the goal: relative error of sim vs real
 
 
 def table(rows: list[dict[str, Any]], key: str = "compare", run: int | None = None) -> str:
@@ -48,15 +50,6 @@ def repeat_table(rows: list[dict[str, Any]]) -> str:
     ]
     parts += [table(rows, "compare_runs", run) for run in range(repeats)]
     return "\n".join(parts)
-
-
-def mean_figures(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """TTFT and TPOT p50 and p90, each the mean over ``summaries`` (runs of one point)."""
-    out: dict[str, Any] = {}
-    for metric, q in FIGURES:
-        values = [v for v in (_pct(s, metric, q) for s in summaries) if v is not None]
-        out.setdefault(metric, {})[q] = sum(values) / len(values) if values else None
-    return out
 
 
 def _fit_text(f: dict[str, Any], offset_ms: float, steps: int) -> str:
@@ -147,16 +140,11 @@ def _calibrated_line(setup: str, c: dict[str, Any]) -> str:
     )
 
 
-def _pct(summary: dict[str, Any], metric: str, q: str) -> float | None:
-    value = summary.get(metric, {}).get(q)
-    return None if value is None else float(value)
-
-
 def compare_point(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     """Per metric and percentile: real ms, simulated ms, relative error, within tolerance."""
     out: dict[str, Any] = {}
     for (metric, q), key in zip(FIGURES, KEYS, strict=True):
-        r, s = _pct(real, metric, q), _pct(sim, metric, q)
+        r, s = figure(real, metric, q), figure(sim, metric, q)
         err = None if not r or s is None else (s - r) / r
         out[key] = {
             "real": r,
@@ -214,3 +202,61 @@ def host_check_lines(rows: list[dict[str, Any]]) -> list[str]:
         )
         lines.append(f"{row['point']}: host checks against the calibration, run by run: {factors}")
     return lines
+
+
+def write_results(
+    args: ValidateOptions,
+    rows: list[dict[str, Any]],
+    calibrations: dict[str, Any],
+    measured: dict[str, Any],
+) -> tuple[Path, dict[str, Any]]:
+    """The validation's JSON (and, with --keep-traces, the runs' traces): its path and
+    what it holds."""
+    from pdserve.bench.report import header, write_json
+    from pdserve.bench.serve import command_line
+
+    apart = mean_abs_error([run for r in rows for run in r.get("compare_runs", [])])
+    payload = {
+        **header(command_line(args.prog, args)),
+        "tolerance": TOLERANCE,
+        "points": rows,
+        "calibration": calibrations,
+        "mean_abs_error": mean_abs_error([r["compare"] for r in rows]),
+        "runs_mean_abs_difference": apart,
+    }
+    path = write_json(Path(args.out) / f"{args.name}.json", payload)
+    if args.keep_traces:
+        traces = write_json(
+            Path(args.out) / f"{args.name}-traces.json",
+            {**header(command_line(args.prog, args)), "setups": measured},
+        )
+        print(f"wrote {traces}")
+    return path, payload
+
+
+def print_results(
+    args: ValidateOptions,
+    points: list[Point],
+    rows: list[dict[str, Any]],
+    calibrations: dict[str, Any],
+    payload: dict[str, Any],
+) -> None:
+    print(table(rows))
+    for line in failed_lines(rows):
+        print(line)
+    if args.repeat > 1:
+        print(repeat_table(rows))
+    print("\nThe same, simulated with each role's steps as they ran (the first run):")
+    print(table(rows, "compare_own_steps"))
+    if args.host_check:
+        print("\nThe same, simulated with each role's steps scaled by the host checks:")
+        print("\n".join(host_check_lines(rows)))
+    print(
+        "\n".join(
+            [*calibration_lines(rows, calibrations), *written_lines(points, args, calibrations)]
+        )
+    )
+    print(f"mean |error| {payload['mean_abs_error']}; * outside the tolerance {TOLERANCE}")
+    apart = payload["runs_mean_abs_difference"]
+    if apart is not None:
+        print(f"later runs against the first: mean |difference| {apart}")

@@ -121,7 +121,7 @@ def tiny_setup(setup: str, args: ValidateOptions) -> tuple[str, ProfileBook]:
     """``setup_profiles(setup, args)`` with :data:`TINY_STEP` in place of a measurement."""
     from pdserve.sim.analytic import model_shape
     from pdserve.sim.build import book_for
-    from pdserve.sim.validate import setup_config
+    from pdserve.sim.validate_measure import setup_config
 
     text, _ = setup_config(setup, args)
     link = TransferModel(0.0, 3.5e9)

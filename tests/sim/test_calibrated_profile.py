@@ -19,7 +19,8 @@ from pdserve.sim.calibrate import (
 )
 from pdserve.sim.live import LiveFit, Measured, shared_flags
 from pdserve.sim.profile import load_profile, profile_from_json, save_profile
-from pdserve.sim.validate import Point, cmd_sim_validate, workload_args
+from pdserve.sim.validate import cmd_sim_validate
+from pdserve.sim.validate_points import Point, workload_args
 from tests.sim.helpers import keep_file, step_timeline, tiny_setup, typed
 
 

@@ -18,7 +18,8 @@ from pdserve.sim.calibrate import (
     simulate,
 )
 from pdserve.sim.live import LiveFit, Measured
-from pdserve.sim.validate import Point, cmd_sim_validate, workload_args
+from pdserve.sim.validate import cmd_sim_validate
+from pdserve.sim.validate_points import Point, workload_args
 from tests.sim.helpers import keep_file, step_timeline, tiny_setup, typed
 
 

@@ -13,7 +13,9 @@ import pytest
 
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.calibrate import Overhead, calibration_args, simulate
-from pdserve.sim.validate import Measured, Point, cmd_sim_validate, workload_args
+from pdserve.sim.live import Measured
+from pdserve.sim.validate import cmd_sim_validate
+from pdserve.sim.validate_points import Point, workload_args
 from tests.sim.helpers import keep_file, tiny_setup, typed
 
 

@@ -34,9 +34,11 @@ from pdserve.sim.calibrate import (
     role_fits,
     simulate,
 )
+from pdserve.sim.figures import mean_figures
 from pdserve.sim.fit import nonnegative_lstsq
 from pdserve.sim.live import (
     LiveFit,
+    Measured,
     cold_flags,
     kind_ratios,
     live_fit,
@@ -48,20 +50,14 @@ from pdserve.sim.live import (
     step_kinds,
 )
 from pdserve.sim.profile import MAX_FACTOR, StepModel
-from pdserve.sim.validate import (
-    Measured,
-    Point,
-    cmd_sim_validate,
-    measure,
-    per_point,
-    setup_profiles,
-    workload_args,
-)
+from pdserve.sim.validate import cmd_sim_validate
+from pdserve.sim.validate_compare import per_point
+from pdserve.sim.validate_measure import measure, setup_profiles
 from pdserve.sim.validate_options import ValidateOptions
+from pdserve.sim.validate_points import Point, workload_args
 from pdserve.sim.validate_report import (
     compare_point,
     failed_lines,
-    mean_figures,
     point_row,
     repeat_table,
 )
