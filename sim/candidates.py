@@ -27,6 +27,7 @@ from pdserve.cluster.config import parse_config
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.sim.build import ProfileBook
 from pdserve.sim.cluster import SimCluster, SimOptions
+from pdserve.sim.options import calibrated_options
 from pdserve.sim.workload import SimWorkload
 
 if TYPE_CHECKING:  # the planner's types; pdserve.sim.plan imports this module
@@ -204,7 +205,12 @@ class Candidates:
 def simulate_candidate(text: str, book: ProfileBook, work: SimWorkload, slo: PlanSlo) -> Outcome:
     """One candidate's percentiles, failures and goodput (a pool worker runs it too)."""
     config = parse_config(text, "<plan>")
-    sim = SimCluster(config, book, work, SimOptions(fast=True, keep_itl=False, planner=False))
+    # a calibrated profile's per-request cost, its noise and the shared host count here
+    # as in pdserve sim: the plan promises what a served request meets
+    options = SimOptions(
+        fast=True, keep_itl=False, planner=False, **calibrated_options(book.profiles)
+    )
+    sim = SimCluster(config, book, work, options)
     rec = sim.run().recorder
     ok = rec.error == 0
     ttft = rec.first[ok] - rec.arrival[ok]

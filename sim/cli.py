@@ -26,6 +26,7 @@ from pdserve.bench.serve import RunFlags
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.options import options_from
 from pdserve.sim.flags import DeviceFlags, add_device_flags, add_host_flag, assumptions_from
+from pdserve.sim.options import calibrated_options
 
 if TYPE_CHECKING:
     from pdserve.bench.report import Slo
@@ -366,16 +367,6 @@ def _write_sim_outputs(
         )
     )
     return paths
-
-
-def calibrated_options(profiles: list[Any]) -> dict[str, Any]:
-    """What calibrated profiles (``pdserve sim-validate --write-profiles``) add to a
-    run: a request's overhead and its noise, and every instance on one host."""
-    return {
-        "request_overhead_s": max((p.request_overhead_s for p in profiles), default=0.0),
-        "request_jitter": max((p.request_jitter for p in profiles), default=0.0),
-        "one_host": any(p.one_host for p in profiles),
-    }
 
 
 def quiet(profile: Any) -> Any:

@@ -106,3 +106,13 @@ def long_lived_heap() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def calibrated_options(profiles: list[Any]) -> dict[str, Any]:
+    """What calibrated profiles (``pdserve profile --config``, ``pdserve sim-validate --write-profiles``) add to a
+    run: a request's overhead and its noise, and every instance on one host."""
+    return {
+        "request_overhead_s": max((p.request_overhead_s for p in profiles), default=0.0),
+        "request_jitter": max((p.request_jitter for p in profiles), default=0.0),
+        "one_host": any(p.one_host for p in profiles),
+    }

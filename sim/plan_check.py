@@ -17,11 +17,14 @@ beyond its steps).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from pdserve.core.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from pdserve.sim.plan_cli import PlanFlags
 
 PROMISE_MARGIN = 0.05  # attainment points a served plan may fall short of its promise
 
@@ -69,14 +72,63 @@ class PlanCheck:
         )
 
 
-def checkable(plan: dict[str, Any], device: str | None) -> dict[str, Any]:
+def checkable(plan: dict[str, Any], analytic: str | None, profiles: list[Any]) -> dict[str, Any]:
     """The one region of ``plan`` (``pdserve plan --out``'s JSON) a check serves; an
-    error when it cannot be served here."""
-    if device is not None:
+    error when it cannot be served here: the plan is not for this machine's CPUs (an
+    analytic ``--device``, or a profile measured elsewhere) or covers several regions."""
+    where = analytic or next((p.device for p in profiles if p.device != "cpu"), None)
+    if where is not None:
         raise InvalidArgumentError(
-            "check", f"a plan for {device} devices cannot be served on this machine's CPUs"
+            "check", f"a plan for {where} devices cannot be served on this machine's CPUs"
+        )
+    if not profiles:
+        raise InvalidArgumentError(
+            "check", "needs a profile of this machine (pdserve profile --config CONFIG)"
         )
     regions = plan["regions"]
     if len(regions) != 1:
         raise InvalidArgumentError("check", f"checks a one-region plan, not {len(regions)}")
     return dict(regions[0])
+
+
+def check_plan(entry: dict[str, Any], args: PlanFlags, dtype: str) -> PlanCheck:
+    """Serve the plan of one region (``entry``: its JSON, as ``--out`` writes it) as a
+    local cluster here and load it at the forecast's peak with the plan's length mix,
+    ``args.check_requests`` requests arriving as a Poisson process."""
+    import math
+    import os
+
+    from pdserve.bench.local import local_cluster
+    from pdserve.bench.serve import RunFlags, serve_rates
+
+    text = local_yaml(entry["cluster_yaml"], dtype)
+    mix = args.mix
+    flags = RunFlags(
+        trace=mix.trace,
+        length_scale=mix.length_scale,
+        prompt_len=mix.prompt_len,
+        prompt_len_std=mix.prompt_len_std,
+        output_len=mix.output_len,
+        output_len_std=mix.output_len_std,
+        max_prompt_len=mix.max_prompt_len,
+        max_output_len=mix.max_output_len,
+        num_requests=args.check_requests,
+        seed=args.seed,
+        ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
+        no_progress=True,
+    )
+    devices = int(entry["devices"])
+    cpus = max(os.cpu_count() or 1, math.ceil(devices))
+    with local_cluster(text, cpus) as (endpoints, _):
+        target = f"grpc://{endpoints.grpc_address}"
+        result = serve_rates(flags, target, [float(entry["rate"])], label="plan check")[0]
+    promised = float(entry["at_forecast"]["attainment"])
+    return PlanCheck(
+        entry["region"],
+        entry.get("layout", "disaggregated"),
+        float(entry["rate"]),
+        promised,
+        float(result.summary["attainment"]),
+        result.summary,
+    )

@@ -78,6 +78,8 @@ class PlanFlags:
     out: str | None = None  # write the plan (JSON, with each region's YAML)
     jobs: int = field(default_factory=lambda: default_jobs())  # candidates simulated at once
     analytic: DeviceFlags = field(default_factory=DeviceFlags)  # an analytic profile's flags
+    check: bool = False  # serve the recommended plan here and measure its attainment
+    check_requests: int = 100  # requests the check sends
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -112,6 +114,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "machine's cores, at most 8); the plan is the same for any count",
     )
     add_device_flags(p)
+    c = p.add_argument_group("the plan served here (pdserve.sim.plan_check)")
+    c.add_argument(
+        "--check",
+        action="store_true",
+        help="serve the recommended plan of a one-region forecast on this machine, load it "
+        "at the forecast with the length mix, and print its SLO attainment beside the "
+        "promised one (needs a profile of this machine: pdserve profile --config)",
+    )
+    c.add_argument("--check-requests", type=int, default=100, help="requests the check sends")
     p.set_defaults(func=cmd_plan, prog="pdserve plan")
 
 
@@ -271,15 +282,32 @@ def plan_command(args: PlanFlags) -> int:
         if len(choice.plans) > 1:
             print(describe_choice(choice, slo))
         print(describe_plan(choice.chosen, slo, mix))
+    payload: dict[str, Any] = {
+        "model": shape.name,
+        "device": device,
+        "regions": [choice_json(c, shape.name, limits, slo) for c in choices],
+    }
+    if args.check:
+        payload["check"] = served_check(payload, args, profiles)
     if args.out:
-        payload = {
-            "model": shape.name,
-            "device": device,
-            "regions": [choice_json(c, shape.name, limits, slo) for c in choices],
-        }
         Path(args.out).write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.out}")
     return 0
+
+
+def served_check(payload: dict[str, Any], args: PlanFlags, profiles: list[Any]) -> dict[str, Any]:
+    """``--check``: the recommended plan served here against its promise, printed; as JSON."""
+    from pdserve.sim.plan_check import check_plan, checkable
+
+    entry = checkable(payload, args.analytic.device, profiles)
+    checked = check_plan(entry, args, profiles[0].dtype if profiles else "float32")
+    print(checked.line())
+    return {
+        "promised": checked.promised,
+        "measured": checked.measured,
+        "kept": checked.kept,
+        "summary": checked.summary,
+    }
 
 
 def describe_choice(c: LayoutChoice, slo: PlanSlo) -> str:
