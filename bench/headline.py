@@ -83,6 +83,20 @@ class ClusterSetup:
     ttft_slo_ms: float | None = 2000.0  # the cluster's TTFT SLO
     tpot_slo_ms: float | None = 200.0  # the cluster's TPOT SLO
 
+    @staticmethod
+    def of(options: Any) -> ClusterSetup:
+        """The setup of a command's options that name the model, the cores, the connector,
+        both token budgets and the load flags' SLOs (``run``)."""
+        return ClusterSetup(
+            options.model,
+            options.cores,
+            options.connector,
+            options.max_num_batched_tokens,
+            options.prefill_max_num_batched_tokens,
+            options.run.ttft_slo_ms,
+            options.run.tpot_slo_ms,
+        )
+
 
 @dataclass(frozen=True)
 class HeadlineOptions:
@@ -106,15 +120,7 @@ class HeadlineOptions:
 
     @property
     def setup(self) -> ClusterSetup:
-        return ClusterSetup(
-            self.model,
-            self.cores,
-            self.connector,
-            self.max_num_batched_tokens,
-            self.prefill_max_num_batched_tokens,
-            self.run.ttft_slo_ms,
-            self.run.tpot_slo_ms,
-        )
+        return ClusterSetup.of(self)
 
 
 def add_cores_flag(p: argparse.ArgumentParser, what: str) -> None:

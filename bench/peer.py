@@ -85,15 +85,7 @@ class PeerOptions:
 
     @property
     def setup(self) -> ClusterSetup:
-        return ClusterSetup(
-            self.model,
-            self.cores,
-            self.connector,
-            self.max_num_batched_tokens,
-            self.prefill_max_num_batched_tokens,
-            self.run.ttft_slo_ms,
-            self.run.tpot_slo_ms,
-        )
+        return ClusterSetup.of(self)
 
 
 class TransformersClient:
