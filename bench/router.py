@@ -45,6 +45,7 @@ class RouterOptions:
     """``pdserve bench router``'s options, in the order of its flags."""
 
     rounds: int = 2000  # timed decisions per case
+    decisions_only: bool = False  # the in-process rows alone: no cluster, no load runs
     load: LoadFlags = field(default_factory=LoadFlags)  # the front door's load runs
     out: str = "bench/out/router.json"  # the result file ("": none)
 
@@ -161,12 +162,14 @@ def benchmark(args: RouterOptions) -> int:
         print(json.dumps(row))
     validation = validation_cost(args.rounds)
     print(json.dumps(validation))
-    load = under_load(args.load)
+    load = None if args.decisions_only else under_load(args.load)
     if args.out:
         flags = args.load
         cmd = (
-            f"pdserve bench router --concurrency {flags.concurrency} --requests {flags.requests}"
-            f" --tokens {flags.tokens} --repeat {flags.repeat}"
+            f"pdserve bench router --decisions-only --rounds {args.rounds}"
+            if args.decisions_only
+            else f"pdserve bench router --concurrency {flags.concurrency} --requests "
+            f"{flags.requests} --tokens {flags.tokens} --repeat {flags.repeat}"
             + ("" if flags.router_cpu is None else f" --router-cpu {flags.router_cpu}")
             + ("" if flags.protocol == "grpc" else f" --protocol {flags.protocol}")
             + ("" if flags.baseline is None else f" --baseline {flags.baseline}")
@@ -178,6 +181,11 @@ def benchmark(args: RouterOptions) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=count, default=2000)
+    p.add_argument(
+        "--decisions-only",
+        action="store_true",
+        help="the decision and validation rows alone, in process: no cluster, no load runs",
+    )
     p.add_argument("--concurrency", type=count, default=32)
     p.add_argument("--requests", type=count, default=4, help="per concurrent client")
     p.add_argument("--tokens", type=count, default=32)

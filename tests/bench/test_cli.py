@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.cli import KINDS, named_kind
+from pdserve.deploy.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,3 +116,14 @@ def test_workload_flags_are_named_before_the_target_is_dialled(
             server.accept()  # nobody connected
     assert rc == 2 and why in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_router_benchmark_times_decisions_alone_without_a_cluster(tmp_path: Path) -> None:
+    out = tmp_path / "router.json"
+    assert main(["bench", "router", "--decisions-only", "--rounds", "20", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"] == "pdserve bench router --decisions-only --rounds 20"
+    assert result["load"] is None  # no cluster was started
+    rows = result["decisions"]
+    assert len(rows) == 2 * 3 * 3  # holders (4, all) x instances (10, 100, 1000) x policies
+    assert all(0 < row["p50_us"] <= row["p99_us"] for row in rows)
