@@ -106,6 +106,15 @@ def pin_instances(controller: Any, cores_by_role: dict[str, tuple[int, ...]]) ->
     return pinned
 
 
+def local_cpus(config: Any) -> int:
+    """The CPUs an embedded Ray instance offers a cluster of ``config`` here: the config's
+    ``ray.num_cpus``, else this machine's, or more if its ranks ask for more."""
+    import math
+
+    needs = math.ceil(config.needs()["CPU"])
+    return int(config.ray_num_cpus or max(os.cpu_count() or 1, needs))
+
+
 @contextlib.contextmanager
 def local_cluster(
     config_yaml: str,

@@ -26,8 +26,6 @@ else meanwhile: other traffic would be fitted as the cluster's own cost.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -137,11 +135,10 @@ def serving(text: str, config: Any, address: str | None) -> Iterator[tuple[str, 
             raise InvalidArgumentError("ray_address", "the cluster there has no front door yet")
         yield f"grpc://{endpoints.grpc_address}", instance_leaders(controller)
         return
-    from pdserve.bench.local import local_cluster
+    from pdserve.bench.local import local_cluster, local_cpus
     from pdserve.cluster.connect import CONTROLLER, NAMESPACE
 
-    cpus = config.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(config.needs()["CPU"]))
-    with local_cluster(text, cpus) as (endpoints, _):
+    with local_cluster(text, local_cpus(config)) as (endpoints, _):
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         yield f"grpc://{endpoints.grpc_address}", instance_leaders(controller)
 

@@ -95,11 +95,9 @@ def check_plan(entry: dict[str, Any], args: PlanFlags, dtype: str) -> PlanCheck:
     """Serve the plan of one region (``entry``: its JSON, as ``--out`` writes it) as a
     local cluster here and load it at the forecast's peak with the plan's length mix,
     ``args.check_requests`` requests arriving as a Poisson process."""
-    import math
-    import os
-
-    from pdserve.bench.local import local_cluster
+    from pdserve.bench.local import local_cluster, local_cpus
     from pdserve.bench.serve import RunFlags, serve_rates
+    from pdserve.cluster.config import parse_config
 
     text = local_yaml(entry["cluster_yaml"], dtype)
     mix = args.mix
@@ -118,15 +116,13 @@ def check_plan(entry: dict[str, Any], args: PlanFlags, dtype: str) -> PlanCheck:
         tpot_slo_ms=args.tpot_slo_ms,
         no_progress=True,
     )
-    devices = int(entry["devices"])
-    cpus = max(os.cpu_count() or 1, math.ceil(devices))
-    with local_cluster(text, cpus) as (endpoints, _):
+    with local_cluster(text, local_cpus(parse_config(text, "<plan check>"))) as (endpoints, _):
         target = f"grpc://{endpoints.grpc_address}"
         result = serve_rates(flags, target, [float(entry["rate"])], label="plan check")[0]
     promised = float(entry["at_forecast"]["attainment"])
     return PlanCheck(
         entry["region"],
-        entry.get("layout", "disaggregated"),
+        entry["layout"],
         float(entry["rate"]),
         promised,
         float(result.summary["attainment"]),
