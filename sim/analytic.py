@@ -87,6 +87,11 @@ MODELS = {
     "llama3-8b": ModelShape("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8192),
     "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 40, 128, 13824, 32000, 4096),
     "llama3-70b": ModelShape("llama3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 8192),
+    # OPT (Zhang et al. 2022, Table 1 of "OPT: Open Pre-trained Transformer Language
+    # Models"): learned positions, a two-matrix MLP; the models DistServe evaluates
+    "opt-13b": ModelShape("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, 2048, mlp_matrices=2),
+    "opt-66b": ModelShape("opt-66b", 64, 9216, 72, 72, 128, 36864, 50272, 2048, mlp_matrices=2),
+    "opt-175b": ModelShape("opt-175b", 96, 12288, 96, 96, 128, 49152, 50272, 2048, mlp_matrices=2),
 }
 
 
@@ -195,6 +200,7 @@ def analytic_profile(
             "object_store": link,
             "shm": node,
             "cuda_ipc": node,
+            "nccl": node,  # device to device between the GPUs of one node
         },
         efficiency={"mfu": a.mfu, "mbu": a.mbu},
         command=command,

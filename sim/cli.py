@@ -84,12 +84,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     from pdserve.sim.afd import add_parser as add_afd_parser
     from pdserve.sim.plan_cli import add_plan_parser
     from pdserve.sim.replay_cli import add_parser as add_replay_parser
+    from pdserve.sim.reproduce import add_parser as add_reproduce_parser
     from pdserve.sim.validate import add_parser as add_validate_parser
 
     add_plan_parser(sub)
     add_replay_parser(sub)
     add_validate_parser(sub)
     add_afd_parser(sub)
+    add_reproduce_parser(sub)
 
 
 # -- pdserve profile --------------------------------------------------------------------

@@ -287,6 +287,7 @@ class ModelShape:
     max_position_embeddings: int = 4096
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    mlp_matrices: int = 3  # 3: a gated MLP (gate, up, down); 2: OPT's and GPT's fc1, fc2
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -297,6 +298,7 @@ class ModelShape:
         check_int("model.num_experts", self.num_experts, MAX_DIM, 0)
         lo = 1 if self.num_experts else 0
         check_int("model.num_experts_per_tok", self.num_experts_per_tok, self.num_experts, lo)
+        check_int("model.mlp_matrices", self.mlp_matrices, 3, 2)
 
     @property
     def architecture(self) -> str:  # what a layout check names (core/layout.py)
@@ -310,7 +312,8 @@ class ModelShape:
     def params(self) -> int:
         """Weights read per token (active experts only)."""
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size * max(1, self.num_experts_per_tok)
+        mlp = self.mlp_matrices * self.hidden_size * self.intermediate_size
+        mlp *= max(1, self.num_experts_per_tok)
         return self.num_layers * (attn + mlp) + 2 * self.vocab_size * self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
