@@ -164,7 +164,8 @@ def live_fit(
     count only as neighbours), each step's
     error relative to its own time, so short decode steps weigh as much as long
     prefills. Steps of one kind only (no compute part to tell apart): one scale for
-    both parts. Without steps: no change."""
+    both parts; steps whose times do not grow with their shape at all: one scale, the
+    ratio of their times to the model's. Without steps: no change."""
     kept = [loop_periods(t) for t in traces if t]
     records = [r for trace in kept for r in trace]
     if not records:
@@ -198,8 +199,12 @@ def live_fit(
                 [None, None, MAX_FACTOR, MAX_FACTOR],
             )
             m, kc, sc = c, kr, sr
-        if c <= 0:  # steps unrelated to their shape: keep the profile's proportions
-            return LiveFit(1.0, 1.0, float(np.median(live - model)), steps=n)
+        if c <= 0:  # steps unrelated to their shape: one scale, their mean ratio (a
+            # scale, not an offset: a larger batch than the traced ones still costs
+            # more), with the steps' noise about it
+            r = model * w
+            k = float(r.sum() / (r * r).sum())
+            return _with_noise(LiveFit(k, k, steps=n), step, kept, cold, shared)
         warm_c, warm_r = c * compute, m * rest + offset
     return _with_noise(LiveFit(c, m, offset, kc, kr, sc, sr, n), step, kept, cold, shared)
 

@@ -152,6 +152,17 @@ def test_live_fit_recovers_the_scales_and_offset_of_slower_steps() -> None:
     one = live_fit(flat, [same])
     assert (one.compute_scale, one.memory_scale) == pytest.approx((1.3, 1.3))
     assert live_fit(model, []) == LiveFit()
+    # steps whose times fall as their batches grow (a loaded host): one scale, their
+    # mean ratio to the model, and their noise about it, not the profile unchanged
+    decodes = [StepRecord(0.0, 0.0, (1,) * b, (256,) * b) for b in (1, 4, 16, 64) * 4]
+    falling = [
+        dataclasses.replace(r, start_s=0.05 * i, seconds=0.02 - 2e-4 * len(r.new_tokens))
+        for i, r in enumerate(decodes)
+    ]
+    odd = live_fit(model, [falling])
+    ratio = np.array([r.seconds for r in falling]) / predicted(model, falling)
+    assert odd.compute_scale == odd.memory_scale > 1.0 and odd.offset_s == 0.0
+    assert ratio.min() < odd.compute_scale < ratio.max() and odd.jitter > 0
 
 
 def test_a_loop_turn_is_a_step_and_the_gap_after_it() -> None:
