@@ -163,9 +163,8 @@ def live_fit(
     overlapped are seen to; ``others``: more instances' steps on that clock, which
     count only as neighbours), each step's
     error relative to its own time, so short decode steps weigh as much as long
-    prefills. Steps of one kind only (no compute part to tell apart): one scale for
-    both parts; steps whose times do not grow with their shape at all: one scale, the
-    ratio of their times to the model's. Without steps: no change."""
+    prefills. Steps of one kind only, or not growing with their shape: one scale for
+    both parts (:func:`_mean_ratio` for the latter). Without steps: no change."""
     kept = [loop_periods(t) for t in traces if t]
     records = [r for trace in kept for r in trace]
     if not records:
@@ -199,14 +198,19 @@ def live_fit(
                 [None, None, MAX_FACTOR, MAX_FACTOR],
             )
             m, kc, sc = c, kr, sr
-        if c <= 0:  # steps unrelated to their shape: one scale, their mean ratio (a
-            # scale, not an offset: a larger batch than the traced ones still costs
-            # more), with the steps' noise about it
-            r = model * w
-            k = float(r.sum() / (r * r).sum())
-            return _with_noise(LiveFit(k, k, steps=n), step, kept, cold, shared)
+        if c <= 0:  # steps unrelated to their shape: one scale and the noise about it
+            return _with_noise(_mean_ratio(model, w, n), step, kept, cold, shared)
         warm_c, warm_r = c * compute, m * rest + offset
     return _with_noise(LiveFit(c, m, offset, kc, kr, sc, sr, n), step, kept, cold, shared)
+
+
+def _mean_ratio(model: np.ndarray, w: np.ndarray, n: int) -> LiveFit:
+    """One scale for both parts, no offset: the traced steps' times over the model's
+    (least squares of the relative errors). A scale, not an offset, so that a batch
+    larger than the traced ones still costs more."""
+    r = model * w
+    k = float(r.sum() / (r * r).sum())
+    return LiveFit(k, k, steps=n)
 
 
 def _with_noise(
