@@ -75,7 +75,7 @@ def _ms(run: SimRun) -> dict[str, np.ndarray]:
 
 
 def test_where_nothing_crosses_shards_every_record_is_the_one_process_runs() -> None:
-    one, sharded = _both(_regions(500, (3, 7), (3, 7)), _work(2000, 60, [1, 1]), 2)
+    one, sharded = _both(_regions(500, (3, 7), (3, 7)), _work(1500, 60, [1, 1]), 2)
     a, b = one.recorder, sharded.recorder
     assert (a.region == a.home).all()  # nothing crossed
     for name in ("first", "end", "tokens", "error", "region", "done"):
@@ -87,7 +87,7 @@ def test_where_nothing_crosses_shards_every_record_is_the_one_process_runs() -> 
 
 
 def test_spill_over_between_shards_stays_within_the_tolerance() -> None:
-    one, sharded = _both(_regions(50, (1, 2), (4, 10)), _work(2000, 40, [3, 1]), 2)
+    one, sharded = _both(_regions(50, (1, 2), (4, 10)), _work(1500, 40, [3, 1]), 2)
     spilled = [int((r.recorder.region != r.recorder.home).sum()) for r in (one, sharded)]
     assert min(spilled) > 100  # many requests crossed in both runs
     _within(_ms(one), _ms(sharded))
@@ -96,7 +96,7 @@ def test_spill_over_between_shards_stays_within_the_tolerance() -> None:
 
 def test_a_region_split_into_groups_stays_within_the_tolerance() -> None:
     config = parse_config(_regions(500, (8, 18), (1, 1)))
-    work = _work(3000, 120, [1, 0])
+    work = _work(2000, 120, [1, 0])
     assert [len(s.cells) for s in plan_shards(config, work, 3)] == [1, 1, 1]  # a: 2 groups
     one, sharded = _both(_regions(500, (8, 18), (1, 1)), work, 3)
     _within(_ms(one), _ms(sharded))
