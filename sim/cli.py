@@ -74,6 +74,7 @@ class SimFlags:
     noise_draws: int = 1  # draws of a calibrated profile's noise (0: none)
     analytic: DeviceFlags = field(default_factory=DeviceFlags)  # an analytic profile's flags
     host_cores: float = 0.0  # the instances share a host of this many cores (0: no)
+    workers: int = 1  # worker processes the fleet is sharded over (1: this process)
     run: RunFlags = field(default_factory=RunFlags)  # bench serve's workload and load flags
     prog: str = "pdserve sim"  # the command, for the record
 
@@ -321,11 +322,23 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         "mean, the rest of a rate's figures and its records the first draw's "
         "(0: no noise, the model's mean times)",
     )
+    _add_workers_flag(p)
     add_device_flags(p)
     add_host_flag(p)
     add_workload_flags(p)
     add_load_flags(p)
     p.set_defaults(func=cmd_sim, prog="pdserve sim")
+
+
+def _add_workers_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the fleet over N worker processes (by region, large regions by "
+        "instance group; pdserve.sim.sharded); 1: simulate in this process",
+    )
 
 
 def region_shares(names: list[str], given: list[str] | None) -> list[float]:
@@ -344,9 +357,38 @@ def region_shares(names: list[str], given: list[str] | None) -> list[float]:
 
 
 def _max_rss_mib() -> float:
+    """The peak resident memory of this process or of its largest worker, MiB."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its ended workers."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def check_workers(args: SimFlags) -> None:
+    """``--workers``: at least 1, and only with what a sharded run can split."""
+    if args.workers < 1:
+        raise InvalidArgumentError("workers", f"--workers must be at least 1, got {args.workers}")
+    if args.workers == 1:
+        return
+    shared = {
+        "max_concurrency": args.run.max_concurrency is not None,
+        "host_cores": args.host_cores > 0,
+    }
+    for name, given in shared.items():
+        if given:
+            raise InvalidArgumentError(
+                "workers",
+                f"a sharded run (--workers {args.workers}) does not take --"
+                f"{name.replace('_', '-')}: simulate it with --workers 1",
+            )
 
 
 def _write_sim_outputs(
@@ -399,6 +441,23 @@ def noise_draws(args: SimFlags, profiles: list[Any]) -> int:
     return max(1, args.noise_draws)
 
 
+def _run(args: SimFlags, config: Any, book: Any, work: Any, options: Any, seed: int) -> Any:
+    """One draw's run: in this process, or sharded over ``--workers`` processes."""
+    import dataclasses
+
+    from pdserve.sim.cluster import SimCluster
+    from pdserve.sim.sharded import run_sharded
+
+    seeded = dataclasses.replace(options, noise_seed=seed)
+    if args.workers == 1:
+        return SimCluster(config, book, work, seeded).run()
+    if options.one_host:
+        raise InvalidArgumentError(
+            "workers", "calibrated profiles put every instance on one host: use --workers 1"
+        )
+    return run_sharded(config, book, work, seeded, args.workers)
+
+
 def _simulate_rate(
     args: SimFlags,
     config: Any,
@@ -411,11 +470,10 @@ def _simulate_rate(
 ) -> tuple[dict[str, Any], RunResult]:
     """One rate's JSON entry and result: ``draws`` runs, one per draw of the
     noise, TTFT and TPOT p50 and p90 their mean, the rest the first draw's."""
-    import dataclasses
 
     from pdserve.bench.serve import RunResult
     from pdserve.sim.calibrate import averaged
-    from pdserve.sim.cluster import SimCluster, SimOptions
+    from pdserve.sim.cluster import SimOptions
     from pdserve.sim.report import run_json
     from pdserve.sim.workload import workload_from_args
 
@@ -429,12 +487,9 @@ def _simulate_rate(
         request_timeout_s=args.run.request_timeout,
         **calibrated_options(profiles),
     )
-    start, cpu = time.perf_counter(), time.process_time()
-    runs = [
-        SimCluster(config, book, work, dataclasses.replace(options, noise_seed=seed)).run()
-        for seed in range(draws)
-    ]
-    wall, cpu, rss = time.perf_counter() - start, time.process_time() - cpu, _max_rss_mib()
+    start, cpu = time.perf_counter(), _cpu_s()
+    runs = [_run(args, config, book, work, options, seed) for seed in range(draws)]
+    wall, cpu, rss = time.perf_counter() - start, _cpu_s() - cpu, _max_rss_mib()
     records = runs[0].recorder.records() if len(work) <= RECORDS_LIMIT else []
     entry = run_json(runs[0], rate, slo, wall, "full" if args.full else "fast", records)
     if len(runs) > 1:
@@ -442,6 +497,20 @@ def _simulate_rate(
         entry["summary"] = {**averaged(summaries), "noise_draws": len(runs)}
     entry["sim"].update(cpu_s=round(cpu, 3), max_rss_mib=round(rss, 1), draws=len(runs))
     return entry, RunResult(rate, records, entry["summary"])
+
+
+def describe_shards(shards: dict[str, Any]) -> str:
+    """A sharded run's workers, their CPU seconds, and its critical path."""
+    cpu = ", ".join(
+        f"{'+'.join(w['cells'])} {w['arrivals']} arrivals {w['cpu_s']:.1f} s"
+        for w in shards["workers"]
+    )
+    window = "" if shards["window_s"] is None else f" of {shards['window_s'] * 1e3:g} ms"
+    return (
+        f"workers: {cpu}; {shards['windows']} windows{window}, "
+        f"coordinator {shards['coordinator_cpu_s']:.1f} s CPU; critical path "
+        f"{shards['critical_path_cpu_s']:.1f} CPU-s (the wall time with a core per worker)"
+    )
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -463,6 +532,7 @@ def sim_command(args: SimFlags) -> int:
     from pdserve.sim.profile import load_profile
 
     check_load_flags(args.run)
+    check_workers(args)
     if args.noise_draws < 0:
         raise InvalidArgumentError("noise_draws", f"must be at least 0, got {args.noise_draws}")
     config = load_config(args.config)
@@ -493,5 +563,7 @@ def sim_command(args: SimFlags) -> int:
             f"{s['wall_s']:.2f} s wall, {s['cpu_s']:.2f} s CPU ({s['mode']} mode, "
             f"{s['events']} events{drawn}, peak RSS {s['max_rss_mib']:.0f} MiB)"
         )
+        if "shards" in s:
+            print(describe_shards(s["shards"]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

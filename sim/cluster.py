@@ -22,6 +22,13 @@ read from the workload arrays as time reaches them, never queued in bulk)::
                 (plan and ready: :class:`~pdserve.sim.scaling.SimScaling`)
     send     -> an arrival a limit on requests in flight held (:mod:`~pdserve.sim.gate`)
 
+With a :class:`~pdserve.sim.shards.ShardSpec` the cluster is one shard of a fleet
+(``pdserve sim --workers``, :mod:`~pdserve.sim.sharded`): it holds the instances of
+its cells and takes its cells' arrivals; its router sees other shards' regions as
+they last reported (:class:`~pdserve.sim.shards.RemoteLoads`) and hands a request
+it routes there to their shard (``exports``), which launches it (``import``);
+:meth:`SimCluster.advance` runs it a window of virtual time at a time.
+
 A request still in flight ``request_timeout_s`` after it was sent is aborted where
 it is (:mod:`~pdserve.sim.timeouts`; its deadlines are a queue of their own).
 
@@ -67,6 +74,17 @@ from pdserve.sim.profile import MAX_SECONDS, Profile
 from pdserve.sim.reserve import decode_order, prefills_locally, reserve
 from pdserve.sim.results import Recorder, refusal
 from pdserve.sim.scaling import SimScaling
+from pdserve.sim.shards import (
+    ROLES,
+    Handoff,
+    RegionLoad,
+    RemoteLoads,
+    ShardChooser,
+    ShardReport,
+    ShardSpec,
+    instance_names,
+    load_rows,
+)
 from pdserve.sim.timeouts import Deadlines
 from pdserve.sim.workload import SimWorkload
 
@@ -108,6 +126,13 @@ def _default_planner(config: ClusterConfig, book: ProfileBook) -> PlannerPolicy:
     return make_planner(config.planner, r.ttft_slo_s, r.tpot_slo_s, regions, capacity)
 
 
+def _arrivals(work: SimWorkload, shard: ShardSpec | None) -> tuple[range | list[int], Any]:
+    """The arrivals a cluster takes (workload indices: a shard's, else all) and their times."""
+    if shard is None:
+        return range(len(work)), work.arrival_s
+    return shard.arrivals.tolist(), work.arrival_s[shard.arrivals]
+
+
 class SimCluster:
     def __init__(
         self,
@@ -116,8 +141,11 @@ class SimCluster:
         workload: SimWorkload,
         options: SimOptions | None = None,
         planner: PlannerPolicy | None = None,
+        shard: ShardSpec | None = None,
     ) -> None:
         self.config, self.book, self.work = config, book, workload
+        self.shard = shard
+        self.local = None if shard is None else shard.regions  # a shard's regions
         self.options = options or SimOptions()
         self.clock, self.queue = VirtualClock(), EventQueue()
         self.view = ClusterView()
@@ -132,9 +160,9 @@ class SimCluster:
         self.all: list[SimInstance] = []
         self.inflight = dict.fromkeys(self.regions, 0)
         self.prefixes = PrefixIndex()
-        self.chooser = RegionChooser(
-            r, self.view, self.prefixes, self.policy, self.admission, self.inflight
-        )
+        # other shards' regions
+        self.remote = RemoteLoads(self.view, self.inflight, self.local or frozenset())
+        self.chooser = self._chooser()
         self._no_hashes = _no_hashes(config)
         self.starting: Counter[tuple[str, str]] = Counter()  # (region, role): asked, not ready
         span = PLANNER_WINDOWS * config.planner.interval_s  # as the controller asks the router
@@ -148,21 +176,49 @@ class SimCluster:
         seed = self.options.noise_seed
         self.request_noise = Jitter(self.options.request_jitter, 0.0, f"requests/{seed}")
         self._serial, self.max_model_len = 0, 1 << 62
-        self.next_arrival = 0  # the next arrival's index
+        self.own, self.own_arrival_s = _arrivals(workload, shard)
+        self.next_arrival = 0  # the next of those to arrive
+        self.launching = 0  # requests on their way to their region (a "launch" or "import")
+        self.exports: list[Handoff] = []  # requests routed to other shards' regions
+        self.idle_at: float | None = None  # a shard: since when it holds no work
+        self._reported: dict[str, tuple[str, ...]] = {}  # a shard's regions' last members
         self.scaling = SimScaling(self)
-        for g in config.regions:
-            for role in ("prefill", "decode"):
-                for _ in range(g.role(role).count):
-                    self.join(self.new_instance(g.name, role))
+        self._build()
+
+    def _build(self) -> None:
+        """The config's instances (a shard's: its cells'), named as one process names them."""
+        names = instance_names(self.config)
+        held = None if self.shard is None else self.shard.instance_ids
+        for g in self.config.regions:
+            for role in ROLES:
+                for name in names[(g.name, role)]:
+                    if held is None or name in held:
+                        self.join(self.new_instance(g.name, role, name))
+        self._serial = sum(len(v) for v in names.values())
+
+    def _chooser(self) -> RegionChooser:
+        """The router's region and instance chooser (a shard's reads other shards' loads)."""
+        r = self.config.router
+        args = (r, self.view, self.prefixes, self.policy, self.admission, self.inflight)
+        if self.shard is None:
+            return RegionChooser(*args)
+        chooser = ShardChooser(*args)
+        chooser.remote = self.remote
+        return chooser
+
+    @property
+    def arrivals_left(self) -> bool:
+        return self.next_arrival < len(self.own)
 
     # -- instances -------------------------------------------------------------------
 
-    def new_instance(self, region: str, role: str) -> SimInstance:
-        self._serial += 1
+    def new_instance(self, region: str, role: str, name: str | None = None) -> SimInstance:
+        if name is None:  # one the planner adds (in a shard: named after its group)
+            self._serial += 1
+            suffix = "" if self.shard is None else self.shard.suffix(region)
+            name = f"{region}-{role}-{self._serial}{suffix}"
         g = next(x for x in self.config.regions if x.name == region)
-        inst, profile = make_instance(
-            self.config, self.book, g, role, f"{region}-{role}-{self._serial}", self.clock.now
-        )
+        inst, profile = make_instance(self.config, self.book, g, role, name, self.clock.now)
         self.profiles[inst.instance_id] = profile
         if self.options.noise_seed:  # seed 0: the draws the instance was built with
             inst.seed_noise(self.options.noise_seed)
@@ -214,47 +270,68 @@ class SimCluster:
     # -- the loop --------------------------------------------------------------------
 
     def run(self) -> SimRun:
+        self.start()
+        with long_lived_heap():
+            self._loop()
+        return self.stop()
+
+    def start(self) -> None:
         if self.options.planner and self.config.planner.mode != "off":
             self.queue.push(self.config.planner.interval_s, "plan")
         self.scaling.count("start")
-        with long_lived_heap():
-            self._loop()
-        self.run_info.end_s = self.clock.now()
+
+    def stop(self) -> SimRun:
+        self.run_info.end_s = self.clock.now() if self.idle_at is None else self.idle_at
         self.scaling.count("end")
         return self.run_info
 
-    def _loop(self) -> None:
-        arrivals, n = self.work.arrival_s, len(self.work)
+    def advance(self, until: float) -> None:
+        """A shard: run every event and arrival before virtual time ``until``."""
+        self._loop(until)
+
+    def _loop(self, until: float = math.inf) -> None:
+        own, arrivals, n = self.own, self.own_arrival_s, len(self.own)
         handlers: dict[str, Callable[[Any], None]] = {
             "step": self._on_step,
             "handoff": self._on_handoff,
             "plan": self.scaling.on_plan,
             "ready": self.scaling.on_ready,
-            "launch": self._launch,
+            "launch": self._launch_now,
+            "import": self._import,
             "kick": self._on_kick,
             "send": self._arrive,
         }
         done, deadlines = self.run_info.recorder.done, self.deadlines
         while True:
             t_next, due = self.queue.peek_time(), deadlines.next_at(done)
-            i = self.next_arrival
-            if i < n and arrivals[i] <= min(t_next, due):
-                self.clock.advance_to(float(arrivals[i]))
+            k = self.next_arrival
+            if k < n and arrivals[k] <= min(t_next, due):
+                if arrivals[k] >= until:
+                    return
+                self.clock.advance_to(float(arrivals[k]))
                 self.next_arrival += 1
+                i = own[k]
                 if self.gate.admit(i):
                     self._arrive(i)
                 continue
             if due < t_next:  # an event at the deadline itself (a finish) goes first
+                if due >= until:
+                    return
                 self.clock.advance_to(due)
                 deadlines.expire(self)
                 continue
-            idle = (
-                i >= n
-                and not self.gate.in_flight
-                and not any(x.busy for x in self.instances.values())
-            )
-            if not len(self.queue) or idle:
-                break  # nothing left, or only the planner's events
+            if self.shard is not None:  # a shard runs on: other shards may send it work
+                self._note_idle()
+                if not len(self.queue) or t_next >= until:
+                    return
+            else:
+                idle = (
+                    k >= n
+                    and not self.gate.in_flight
+                    and not any(x.busy for x in self.instances.values())
+                )
+                if not len(self.queue) or idle:
+                    break  # nothing left, or only the planner's events
             at, kind, payload = self.queue.pop()
             self.clock.advance_to(at)
             self.run_info.events += 1
@@ -284,17 +361,27 @@ class SimCluster:
             rec.fail(i, refused, now)
             return
         region = choice.region
-        rec.region[i] = self.regions.index(region)
-        self.deadlines.sent(i, now)
         self.retries.on_request()
-        self.inflight[region] += 1
         # each request's overhead drawn apart from the others' (no correlation)
         overhead = self.options.request_overhead_s * self.request_noise.factor(math.inf)
         lat = self.config.router.latency(home, region) + overhead
+        if self.local is not None and region not in self.local:
+            picked = None if choice.prefill is None else choice.prefill.instance_id
+            # its region's shard launches it on the instances picked here
+            self.exports.append(Handoff(i, region, now + lat, picked, choice.decode.instance_id))
+            return
+        rec.region[i] = self.regions.index(region)
+        self.deadlines.sent(i, now)
+        self.inflight[region] += 1
         if lat > 0:  # the router waits out the emulated distance before it launches
+            self.launching += 1
             self.queue.push(now + lat, "launch", (i, inp, choice))
         else:
             self._launch((i, inp, choice))
+
+    def _launch_now(self, payload: tuple[int, CompletionInput, Choice]) -> None:
+        self.launching -= 1
+        self._launch(payload)
 
     def _launch(self, payload: tuple[int, CompletionInput, Choice]) -> None:
         i, inp, choice = payload
@@ -419,3 +506,73 @@ class SimCluster:
         n = int(rec.tokens[i])
         tpot = (at - float(rec.first[i])) / (n - 1) if n > 1 else None
         self.windows[track.region].add(at, ttft, tpot, n)
+
+    # -- one shard of a fleet (sim/sharded.py) ---------------------------------------------
+
+    def quiet(self) -> bool:
+        """No arrival to come, none on its way, none in flight (a shard's own work)."""
+        return self.next_arrival >= len(self.own) and not self.launching and not self.tracks
+
+    def _note_idle(self) -> None:
+        if not self.quiet():
+            self.idle_at = None
+        elif self.idle_at is None:
+            self.idle_at = self.clock.now()
+
+    def region_loads(self) -> list[RegionLoad]:
+        """Its regions' load now, as other shards' routers read it (their instances'
+        views only when they changed since the last report)."""
+        assert self.shard is not None
+        out = []
+        for region in sorted(self.shard.regions):
+            views = [x.view for x in self.instances.values() if x.region == region]
+            ids = tuple(v.instance_id for v in views)
+            changed = self._reported.get(region) != ids
+            self._reported[region] = ids
+            rows = load_rows(views)
+            load = RegionLoad(self.shard.index, region, views if changed else None, rows, 0)
+            load.inflight = self.inflight[region]
+            out.append(load)
+        return out
+
+    def receive(self, report: ShardReport) -> None:
+        """Another shard's report: its regions as the router sees them from now on
+        (another group of a region it holds stays out of sight: its router chooses
+        within its own group)."""
+        for v in self.remote.receive(report):
+            if v.role == "decode":
+                self.max_model_len = min(self.max_model_len, v.max_model_len)
+
+    def take_imports(self, imports: list[Handoff]) -> None:
+        """Requests other shards' routers sent to its regions: each launches at its time."""
+        rec = self.run_info.recorder
+        for h in imports:
+            self.launching += 1
+            self.idle_at = None
+            rec.region[h.index] = self.regions.index(h.region)
+            self.deadlines.sent(h.index, float(self.work.arrival_s[h.index]))
+            self.inflight[h.region] += 1
+            self.queue.push(max(h.at, self.clock.now()), "import", h)
+
+    def take_exports(self) -> list[Handoff]:
+        out, self.exports = self.exports, []
+        return out
+
+    def _import(self, h: Handoff) -> None:
+        """A request another shard's router sent here, launched on the instances it
+        picked (a decode instance gone since: another of the region's, as ``_launch``
+        does; a prefill instance gone: the decode instance prefills it)."""
+        self.launching -= 1
+        i, rec = h.index, self.run_info.recorder
+        if rec.done[i]:  # it timed out on its way
+            return
+        home = self.regions[int(self.work.home[i])]
+        params = SamplingParams(max_tokens=int(self.work.output_len[i]), ignore_eos=True)
+        inp = CompletionInput(f"r{i}", self.work.prompt(i), params, home)
+        hashes = {} if self._no_hashes is None else dict(self._no_hashes)
+        decode = (
+            self.instances.get(h.decode) or self.instances[decode_order(self.view, h.region)[0]]
+        )
+        prefill = None if h.prefill is None else self.instances.get(h.prefill)
+        picked = Choice(h.region, None if prefill is None else prefill.view, decode.view, hashes)
+        self._launch((i, inp, picked))

@@ -94,6 +94,8 @@ class SimRun:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     end_s: float = 0.0
     events: int = 0
+    tallies: list[Any] | None = None  # a merged run's instance tallies (sim/sharded.py)
+    shards: dict[str, Any] | None = None  # a merged run's shards and their costs
 
 
 @contextmanager

@@ -9,6 +9,7 @@ simulator sees: per-region and per-role figures and instance counts over time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,33 @@ from pdserve.sim.cluster import SimRun
 from pdserve.sim.instance import SimInstance
 
 
-def per_role(instances: list[SimInstance], span_s: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class InstanceTally:
+    """What one instance did in a run, as :func:`per_role` adds it up."""
+
+    region: str
+    role: str
+    steps: int
+    busy_s: float
+    batch_sum: int
+    tokens: int
+    preemptions: int
+    runs: int
+
+
+def tally(inst: SimInstance) -> InstanceTally:
+    s = inst.stats
+    n = inst.scheduler.num_preemptions
+    return InstanceTally(
+        inst.region, inst.role, s.steps, s.busy_s, s.batch_sum, s.tokens, n, s.runs
+    )
+
+
+def per_role(instances: list[InstanceTally], span_s: float) -> dict[str, Any]:
     """Per region and role: instances, steps, utilisation, mean batch, preemptions."""
     out: dict[str, Any] = {}
-    for inst in instances:
-        key = f"{inst.region}.{inst.role}"
+    for s in instances:
+        key = f"{s.region}.{s.role}"
         row = out.setdefault(
             key,
             {
@@ -34,13 +57,12 @@ def per_role(instances: list[SimInstance], span_s: float) -> dict[str, Any]:
                 "schedule_calls": 0,
             },
         )
-        s = inst.stats
         row["instances"] += 1
         row["steps"] += s.steps
         row["busy_s"] += s.busy_s
         row["batch_sum"] += s.batch_sum
         row["tokens"] += s.tokens
-        row["preemptions"] += inst.scheduler.num_preemptions
+        row["preemptions"] += s.preemptions
         row["schedule_calls"] += s.runs
     for row in out.values():
         row["utilisation"] = (
@@ -50,6 +72,11 @@ def per_role(instances: list[SimInstance], span_s: float) -> dict[str, Any]:
         row["busy_s"] = round(row.pop("busy_s"), 3)
         row.pop("batch_sum")
     return out
+
+
+def run_tallies(run: SimRun) -> list[InstanceTally]:
+    """Every instance's tally: a merged run's (sim/sharded.py) as its shards sent them."""
+    return run.tallies if run.tallies is not None else [tally(x) for x in run.instances]
 
 
 def run_json(
@@ -69,7 +96,7 @@ def run_json(
         "summary": rec.summary(slo),
         "requests": records_json(records),
         "per_region": per_region,
-        "per_role": per_role(run.instances, run.end_s),
+        "per_role": per_role(run_tallies(run), run.end_s),
         "instances_over_time": run.counts,
         "planner_decisions": run.decisions,
         "sim": {
@@ -78,7 +105,8 @@ def run_json(
             "virtual_s": round(run.end_s, 3),
             "mode": mode,
             "requests": n,
-        },
+        }
+        | ({} if run.shards is None else {"shards": run.shards}),
     }
 
 

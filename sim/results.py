@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -50,6 +51,19 @@ def refusal(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
 
 def slo_of(config: ClusterConfig) -> Slo:
     return Slo(config.router.ttft_slo_s, config.router.tpot_slo_s)
+
+
+@dataclass
+class RecordedRows:
+    """Some requests' rows of a :class:`Recorder` (one shard's), by workload index."""
+
+    index: np.ndarray  # [k] int64
+    region: np.ndarray
+    first: np.ndarray
+    end: np.ndarray
+    tokens: np.ndarray
+    error: np.ndarray
+    itl: dict[int, array[float]] | None
 
 
 class Recorder:
@@ -142,6 +156,30 @@ class Recorder:
         self.done[i] = True
         if self.on_end is not None:
             self.on_end()
+
+    # -- a shard's rows ----------------------------------------------------------------------
+
+    def take(self) -> RecordedRows:
+        """The rows of the requests that ended here (a shard's, to merge)."""
+        idx = np.flatnonzero(self.done)
+        itl = None if self.itl is None else {int(i): self.itl[int(i)] for i in idx if i in self.itl}
+        return RecordedRows(
+            idx,
+            self.region[idx],
+            self.first[idx],
+            self.end[idx],
+            self.tokens[idx],
+            self.error[idx],
+            itl,
+        )
+
+    def put(self, rows: RecordedRows) -> None:
+        """Another recorder's rows (a shard's) as this run's."""
+        i = rows.index
+        self.region[i], self.first[i], self.end[i] = rows.region, rows.first, rows.end
+        self.tokens[i], self.error[i], self.done[i] = rows.tokens, rows.error, True
+        if self.itl is not None and rows.itl is not None:
+            self.itl.update(rows.itl)
 
     # -- summaries -------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from pdserve.sim.clock import EventQueue, VirtualClock
     from pdserve.sim.metrics import RegionWindow
     from pdserve.sim.options import SimOptions, SimRun
-    from pdserve.sim.workload import SimWorkload
 
 
 class ScalingHost(Protocol):
@@ -59,9 +58,7 @@ class ScalingHost(Protocol):
     @property
     def tracks(self) -> dict[str, Any]: ...
     @property
-    def next_arrival(self) -> int: ...
-    @property
-    def work(self) -> SimWorkload: ...
+    def arrivals_left(self) -> bool: ...
     @property
     def run_info(self) -> SimRun: ...
     def new_instance(self, region: str, role: str) -> SimInstance: ...
@@ -87,7 +84,7 @@ class SimScaling:
             decision = c.planner.decide(m, now)
             if decision is not None:
                 self.apply(decision, now)
-        if c.tracks or c.next_arrival < len(c.work) or c.queue.peek_time() < math.inf:
+        if c.tracks or c.arrivals_left or c.queue.peek_time() < math.inf:
             c.queue.push(now + c.config.planner.interval_s, "plan")
 
     def apply(self, d: PlannerDecision, now: float) -> None:
