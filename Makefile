@@ -42,10 +42,10 @@ test: lint
 	$(BIN)/python -m tests.lanes --typecheck $(TYPED) -q --durations=25
 
 # The inner loop between commits: every test that starts no Ray and no cluster (unit,
-# engine, router, transfer, sim; README's examples left out), a pytest worker per core,
-# stopping at the first failure.
+# engine, router, transfer, sim; README's examples left out), a pytest worker per core
+# (each with one torch thread), stopping at the first failure.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not cluster and not readme" -q -x -n auto --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not cluster and not readme" -q -x -n auto --durations=10
 
 # Every example of README.md and the docs pages a user can run here, the long ones too
 # (tests/test_readme.py).

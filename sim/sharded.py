@@ -89,16 +89,12 @@ class _Router:
     index)."""
 
     def __init__(self, specs: list[ShardSpec]) -> None:
-        self.cells: dict[str, list[tuple[int, int]]] = {}  # region: (shard, size) by group
+        groups: dict[str, list[tuple[int, int, int]]] = {}  # region: (group, shard, size)
         for spec in specs:
             for c in spec.cells:
-                self.cells.setdefault(c.region, []).append((c.group, spec.index))
-        self.sizes = {
-            r: np.array([len(c.instance_ids) for s in specs for c in s.cells if c.region == r])
-            for r in self.cells
-        }
-        for r in self.cells:
-            self.cells[r].sort()
+                groups.setdefault(c.region, []).append((c.group, spec.index, len(c.instance_ids)))
+        self.cells = {r: [(g, k) for g, k, _ in sorted(v)] for r, v in groups.items()}
+        self.sizes = {r: np.array([n for _, _, n in sorted(v)]) for r, v in groups.items()}
 
     def shard(self, region: str, i: int) -> int:
         groups = self.cells[region]

@@ -11,12 +11,6 @@ import pytest
 # Built-in models are generated into a cache private to this test session.
 os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# OpenMP threads waiting for work sleep instead of spinning (read when torch loads
-# libgomp, so before any test imports torch; Ray's ranks and the commands the tests
-# start inherit it). With two lanes, their Ray ranks and the tests' own torch threads
-# on two cores, a spinning thread burns the core another process waits for: the engine
-# and kernel tests took 84-239 CPU-seconds spinning and 38-44 passive.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # `make test` runs the tests that start Ray or a whole cluster one after another in a
