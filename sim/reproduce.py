@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -283,12 +282,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             ],
             "ratio": {"paper": study.ratio[2], "pdserve": ratio(study, rows)},
         }
-        Path(opts.out).write_text(json.dumps(out, indent=1, default=_finite))
+        Path(opts.out).write_text(json.dumps(out, indent=1))
     return 0
-
-
-def _finite(x: object) -> object:
-    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
