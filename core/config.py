@@ -35,7 +35,8 @@ class CacheConfig:
         block_size: tokens per KV block (page).
         num_blocks: blocks in the pool; None sizes the pool from ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for K and V of all layers on one rank; None
-            takes 256 MiB on CPU and 85% of the free memory on a GPU.
+            takes 85% of the free memory on a GPU and 256 MiB on CPU
+            (``$PDSERVE_CPU_KV_CACHE_BYTES`` sets another CPU default).
         enable_prefix_caching: reuse full blocks whose chained token hash matches.
         eviction: the device pool's eviction policy: lru, idle or priority.
         host_tier_bytes: host memory per rank that keeps prefix blocks below the

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from pdserve.core.config import EngineConfig
+from pdserve.core.env import env_bytes
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.step import StepPlan, StepResult
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_ENV = "PDSERVE_CPU_KV_CACHE_BYTES"  # another default pool for CPU ranks
 _CPU_KV_BYTES = 256 << 20
 _CUDA_KV_FRACTION = 0.85
 
@@ -258,7 +260,7 @@ class ModelRunner:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * _CUDA_KV_FRACTION)
             else:
-                budget = _CPU_KV_BYTES
+                budget = env_bytes(CPU_KV_ENV, _CPU_KV_BYTES)
         return max(1, budget // (self.bytes_per_block() + extra_bytes_per_block))
 
     def prepare(self, plan: StepPlan) -> PreparedBatch:

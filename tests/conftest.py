@@ -11,6 +11,10 @@ import pytest
 # Built-in models are generated into a cache private to this test session.
 os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each CPU rank a test starts zeroes its KV pool up front: 256 MiB by default, ~0.45
+# CPU-s on a 2-core VM, for tests whose requests fill a few pages of it. A test that
+# needs a pool of a given size names it in its config (which wins over this).
+os.environ.setdefault("PDSERVE_CPU_KV_CACHE_BYTES", str(32 << 20))
 
 
 # `make test` runs the tests that start Ray or a whole cluster one after another in a

@@ -46,3 +46,32 @@ def test_every_switch_takes_the_same_words(monkeypatch, name: str) -> None:
     finally:
         logging.getLogger("pdserve.core.env").removeHandler(seen)
     assert f"${name}='of' is not one of 1/true/yes/on/0/false/no/off: on" in seen.messages
+
+
+def test_a_cpu_rank_sizes_its_default_kv_pool_from_the_environment(monkeypatch, tiny_path) -> None:
+    """``$PDSERVE_CPU_KV_CACHE_BYTES`` sets the pool of a CPU rank whose config names
+    none; a config that names one wins; a value that is not a byte count keeps 256 MiB."""
+    from pdserve.core.config import build_engine_config
+    from pdserve.core.model_config import ModelConfig
+    from pdserve.parallel.model_runner import CPU_KV_ENV, ModelRunner
+
+    def blocks(**options: object) -> int:
+        config = build_engine_config(str(tiny_path), device="cpu", **options)
+        return ModelRunner(ModelConfig.from_dir(tiny_path), config).max_num_blocks()
+
+    monkeypatch.delenv(CPU_KV_ENV, raising=False)
+    per_block = (256 << 20) // blocks()
+    monkeypatch.setenv(CPU_KV_ENV, str(32 << 20))
+    assert blocks() == (32 << 20) // per_block
+    assert blocks(kv_cache_memory_bytes=64 << 20) == (64 << 20) // per_block
+    seen = Records()
+    logging.getLogger("pdserve.core.env").addHandler(seen)
+    try:
+        for bad in ("32MiB", "0", "-5"):
+            monkeypatch.setenv(CPU_KV_ENV, bad)
+            assert blocks() == (256 << 20) // per_block, bad
+    finally:
+        logging.getLogger("pdserve.core.env").removeHandler(seen)
+    assert f"${CPU_KV_ENV}='32MiB' is not a whole number of bytes above 0: 268435456 bytes" in (
+        seen.messages
+    )
