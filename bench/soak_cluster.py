@@ -102,9 +102,9 @@ class SoakClient:
 # -- the cluster -------------------------------------------------------------------------------
 
 
-def _whoami(worker: Any) -> tuple[int, str, str]:
+def _whoami(actor: Any) -> tuple[int, str, str]:
     """Runs inside a rank actor: (pid, instance id, role)."""
-    return os.getpid(), worker.instance.instance_id, worker.instance.role
+    return os.getpid(), actor.worker.instance.instance_id, actor.worker.instance.role
 
 
 def _pid(_actor: Any) -> int:
@@ -267,7 +267,7 @@ class RssSampler(threading.Thread):
 def _process_kind(p: Any) -> str:
     """A Ray process by its title (``ray::IDLE``), a binary or a Python script by name."""
     name = str(p.name())
-    if name == "ray::InstanceWorker":
+    if name == "ray::InstanceActor":
         return "rank (not serving yet)"  # started since the ranks were last asked
     if name.startswith("python"):
         script = next((a for a in p.cmdline()[1:] if a.endswith(".py")), name)

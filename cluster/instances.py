@@ -13,7 +13,8 @@ from typing import Any
 
 import ray
 
-from pdserve.cluster.worker import InstanceSpec, InstanceWorker, Role
+from pdserve.cluster.instance_actor import InstanceActor
+from pdserve.cluster.worker import InstanceSpec, Role
 from pdserve.core.config import DisaggregationConfig, EngineConfig
 from pdserve.core.model_config import ModelConfig
 from pdserve.parallel.instance import RankGroup, RankResources, release
@@ -53,7 +54,7 @@ def start_instance(
     instance_id = instance_id or f"{role}-{uuid.uuid4().hex[:6]}"
     spec = InstanceSpec(instance_id, role, connector, disaggregation or DisaggregationConfig())
     group = RankGroup.start(
-        model, engine, resources, InstanceWorker, (spec,), name=f"pdserve-{instance_id}"
+        model, engine, resources, InstanceActor, (spec,), name=f"pdserve-{instance_id}"
     )
     return Instance(instance_id, role, group)
 

@@ -43,7 +43,7 @@ from pdserve.decode.actor import DecodeSurface
 from pdserve.decode.elastic import republish
 from pdserve.decode.server import DecodeServer
 from pdserve.engine.role import COLOCATED
-from pdserve.parallel.instance import CONTROL, HEALTH
+from pdserve.parallel.calls import CONTROL, HEALTH
 from pdserve.parallel.model_runner import resolve_device
 from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
 from pdserve.prefill.actor import PrefillSurface

@@ -28,14 +28,10 @@ from pdserve.core.errors import InstanceFailedError, InvalidArgumentError, Pdser
 from pdserve.core.layout import Layout, check_fits, plan_layout
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
+from pdserve.parallel.calls import CONTROL, HEALTH
 from pdserve.parallel.worker import EngineInfo, GenerateItem, RankSpec, RankWorker
 
 logger = logging.getLogger(__name__)
-
-
-# Ray concurrency groups of a rank's calls besides the data path (the default group):
-HEALTH = "health"  # ping and health, which never touch the engine loop
-CONTROL = "control"  # short control calls that go through the engine loop
 
 
 @dataclass(frozen=True)
@@ -80,7 +76,7 @@ class RankGroup:
         model: ModelConfig,
         engine: EngineConfig,
         resources: RankResources | None = None,
-        worker_cls: type[RankWorker] = RankWorker,
+        worker_cls: type = RankWorker,
         worker_args: tuple[Any, ...] = (),
         name: str = "pdserve",
     ) -> RankGroup:
@@ -176,7 +172,7 @@ def release(workers: list[Any], pg: Any, timeout_s: float = 10.0) -> None:
 
 
 def _spawn(
-    worker_cls: type[RankWorker],
+    worker_cls: type,
     worker_args: tuple[Any, ...],
     specs: list[RankSpec],
     res: RankResources,

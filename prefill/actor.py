@@ -16,7 +16,7 @@ import ray
 
 from pdserve.core.layout import Layout
 from pdserve.core.messages import FirstToken, PeerExport, PrefillRequest
-from pdserve.parallel.instance import CONTROL
+from pdserve.parallel.calls import CONTROL
 from pdserve.prefill.server import PrefillServer
 
 

@@ -109,8 +109,8 @@ def _break_engine_loop(leader, how: str, seconds: float = 0.0) -> None:
     def stall(engine) -> None:
         time.sleep(seconds)
 
-    def inject(worker) -> None:
-        worker.server.loop.call(die if how == "die" else stall)
+    def inject(actor) -> None:
+        actor.worker.server.loop.call(die if how == "die" else stall)
 
     ray.get(leader.__ray_call__.remote(inject))
 

@@ -599,10 +599,11 @@ def test_every_table_returns_to_rest_after_mixed_traffic_with_cancels(cluster, d
 def test_a_failed_kv_transfer_is_recomputed_and_the_prefill_stays(cluster, doors) -> None:
     from pdserve import LLM, SamplingParams
 
-    def break_next_flush(worker) -> None:  # runs inside the prefill rank's actor
+    def break_next_flush(actor) -> None:  # runs inside the prefill rank's actor
         from pdserve.core.errors import TransferError
 
-        sender, original = worker.transfer.sender, worker.transfer.sender.flush
+        sender = actor.worker.transfer.sender
+        original = sender.flush
         broken = [True]
 
         def flush() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import urllib.error
@@ -65,6 +66,19 @@ def test_grpc_stream_and_unary_match_the_engine(cluster, doors, reference) -> No
     assert list(whole.token_ids) == reference.token_ids and whole.text == reference.text
     assert whole.usage.prompt_tokens == len(LLM_TOKENIZER().encode(PROMPT))
     cluster.assert_idle()
+
+
+def test_the_router_serves_through_instance_handles_without_the_ranks_code(cluster, doors) -> None:
+    """Ray loads an actor's class wherever a handle to it is unpickled: the router holds
+    the instances' handles, yet imports neither torch nor the rank's code."""
+    assert len(list(stub(doors).Generate(request(), metadata=AUTH))) > 0
+    router = cluster._bootstrap[0]
+    heavy = ray.get(
+        router.__ray_call__.remote(
+            lambda _: sorted(m for m in sys.modules if m in ("torch", "pdserve.cluster.worker"))
+        )
+    )
+    assert heavy == []
 
 
 def LLM_TOKENIZER():

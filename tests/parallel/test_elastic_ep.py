@@ -127,7 +127,7 @@ def test_disaggregated_decode_loses_a_rank_and_prefill_routes_follow(
     )
     prefill, decode = llm.backend.prefill, llm.backend.decode
     routes = prefill.leader.__ray_call__.remote(
-        lambda w: [(r.src_rank, r.dst_rank) for r in w.transfer.routes[decode.instance_id]]
+        lambda a: [(r.src_rank, r.dst_rank) for r in a.worker.transfer.routes[decode.instance_id]]
     )
     try:
         assert ray_session.get(routes) == [(0, 0), (0, 1)]
@@ -147,7 +147,9 @@ def test_disaggregated_decode_loses_a_rank_and_prefill_routes_follow(
         assert status.members == (0,) and status.recoveries[0].dead == (1,)
         # The prefill rank re-planned from the decode's new layout: one route, to rank 0.
         routes = prefill.leader.__ray_call__.remote(
-            lambda w: [(r.src_rank, r.dst_rank) for r in w.transfer.routes[decode.instance_id]]
+            lambda a: [
+                (r.src_rank, r.dst_rank) for r in a.worker.transfer.routes[decode.instance_id]
+            ]
         )
         assert ray_session.get(routes) == [(0, 0)]
         assert ray_session.get(decode.leader.kv_spec.remote()).layout.world_size == 1
