@@ -71,7 +71,7 @@ class InstanceBackend:
     def generate(
         self, work: list[Work], on_finished: Callable[[RequestOutput], None]
     ) -> list[RequestOutput]:
-        from pdserve.parallel.worker import GenerateItem
+        from pdserve.parallel.rank_spec import GenerateItem
 
         outputs = list(self.instance.generate([GenerateItem(*w) for w in work]))
         for out in outputs:

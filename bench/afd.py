@@ -43,7 +43,8 @@ from pdserve.core.model_config import ModelConfig
 from pdserve.core.options import flat_options, options_from
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.parallel.instance import RankGroup, RankResources
-from pdserve.parallel.worker import GenerateItem, RankWorker
+from pdserve.parallel.rank_spec import GenerateItem
+from pdserve.parallel.worker import RankWorker
 
 
 class TimedWorker(RankWorker):

@@ -38,8 +38,8 @@ import torch
 from pdserve.bench.flags import count
 from pdserve.bench.report import write_json
 from pdserve.core.options import options_from
-from pdserve.distributed.shm_comm import ENV_SWITCH
 from pdserve.parallel.executor import StepTimes
+from pdserve.parallel.rank_spec import SHM_COLLECTIVES_ENV as ENV_SWITCH
 
 # name -> (tp, pp, collectives): "-" is the one-rank baseline, always run first.
 LAYOUTS = {

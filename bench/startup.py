@@ -30,7 +30,7 @@ from pdserve.bench.report import write_with_args
 from pdserve.core.options import options_from
 
 if TYPE_CHECKING:
-    from pdserve.cluster.worker import Role
+    from pdserve.cluster.instance_spec import Role
 
 
 @dataclass(frozen=True)

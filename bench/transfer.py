@@ -46,7 +46,7 @@ from pdserve.bench.report import write_json
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.options import options_from
 from pdserve.transfer import connector_classes
-from pdserve.transfer.connector import PeerEndpoint
+from pdserve.transfer.handshake import PeerEndpoint
 from pdserve.transfer.object_store import ObjectStoreReceiver
 from pdserve.transfer.pairs import PairReceiver
 from pdserve.transfer.wire import PageHeader, PageRun, PageSource

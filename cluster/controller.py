@@ -49,6 +49,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.fleet import Fleet
 from pdserve.cluster.health import HealthChecks
+from pdserve.cluster.instance_spec import Role
 from pdserve.cluster.instances import CALL_TIMEOUT_S, Instance, best_effort
 from pdserve.cluster.membership import Membership, in_parallel
 from pdserve.cluster.planning import Planning
@@ -64,7 +65,6 @@ from pdserve.cluster.status import (
     region_status,
 )
 from pdserve.cluster.topology import RegionInstances, launch_router
-from pdserve.cluster.worker import Role
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.layout import check_fits
 from pdserve.core.logs import setup_logging

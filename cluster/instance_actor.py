@@ -1,9 +1,9 @@
 """The Ray actor class of an instance's ranks, light to import.
 
 Ray loads an actor's class in every process that unpickles a handle to it. The router
-holds a handle to each instance's leader, so with the rank's own class it imported
-the rank's code, torch and the model with it, only to hold handles: ~1.3 CPU-s and
-~300 MiB a router process. :class:`InstanceActor` is the class Ray sees instead. Its
+and the controller hold handles to the ranks, so with the rank's own class each
+imported the rank's code, torch and the model with it, only to hold handles: ~1.3
+CPU-s and ~200 MiB a process. :class:`InstanceActor` is the class Ray sees instead. Its
 ``__init__`` builds the rank's :class:`~pdserve.cluster.worker.InstanceWorker` in the
 actor's own process, and each of its methods, listed in :data:`CALLS` with the
 concurrency group it runs on, calls the worker's method of that name.
@@ -21,7 +21,9 @@ from typing import Any
 
 import ray
 
+from pdserve.cluster.instance_spec import InstanceSpec
 from pdserve.parallel.calls import CONTROL, HEALTH
+from pdserve.parallel.rank_spec import RankSpec
 
 # Every public method of InstanceWorker and the concurrency group it runs on (None:
 # the data path, Ray's default group).
@@ -88,7 +90,7 @@ CALLS: dict[str, str | None] = {
 class InstanceActor:
     """One rank of a prefill or decode instance, as Ray sees it (see the module's text)."""
 
-    def __init__(self, spec: Any, instance: Any) -> None:
+    def __init__(self, spec: RankSpec, instance: InstanceSpec) -> None:
         from pdserve.cluster.worker import InstanceWorker  # the rank's code: torch, the model
 
         self.worker = InstanceWorker(spec, instance)

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from pdserve.cluster.instance_actor import InstanceActor
-from pdserve.cluster.worker import InstanceSpec, Role
+from pdserve.cluster.instance_spec import InstanceSpec, Role
 from pdserve.core.config import DisaggregationConfig, EngineConfig
 from pdserve.core.model_config import ModelConfig
 from pdserve.parallel.instance import RankGroup, RankResources, release

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import ray
 
 from pdserve.cluster.config import RegionConfig
+from pdserve.cluster.instance_spec import Role
 from pdserve.cluster.instances import (
     CALL_TIMEOUT_S,
     Instance,
@@ -43,7 +44,6 @@ from pdserve.cluster.instances import (
 )
 from pdserve.cluster.status import RetryState
 from pdserve.cluster.topology import register
-from pdserve.cluster.worker import Role
 from pdserve.core.errors import InstanceFailedError
 from pdserve.parallel.instance import RankResources
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
+from pdserve.cluster.instance_spec import Role
 from pdserve.cluster.planner import PlannerDecision, RegionMetrics
-from pdserve.cluster.worker import Role
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
+from pdserve.cluster.instance_spec import Role
 from pdserve.cluster.instances import CALL_TIMEOUT_S, Instance, first_line
-from pdserve.cluster.worker import Role
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

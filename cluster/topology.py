@@ -14,8 +14,8 @@ from typing import Any
 
 import ray
 
+from pdserve.cluster.instance_spec import Role
 from pdserve.cluster.instances import Instance, pair_in_region, start_instance
-from pdserve.cluster.worker import Role
 from pdserve.core.config import DisaggregationConfig, EngineConfig
 from pdserve.core.model_config import ModelConfig
 from pdserve.parallel.instance import RankResources

@@ -24,13 +24,12 @@ never delays the controller's health check.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import ray
 
-from pdserve.core.config import DisaggregationConfig
+from pdserve.cluster.instance_spec import InstanceSpec, InstanceStats, Role
 from pdserve.core.errors import InstanceFailedError
 from pdserve.core.layout import Layout
 from pdserve.core.logs import setup_logging
@@ -38,52 +37,21 @@ from pdserve.core.messages import (
     LoadReport,
     StepRecord,
 )
-from pdserve.core.snapshot import KVTierCounters, SpeculationCounters
 from pdserve.decode.actor import DecodeSurface
 from pdserve.decode.elastic import republish
 from pdserve.decode.server import DecodeServer
 from pdserve.engine.role import COLOCATED
 from pdserve.parallel.calls import CONTROL, HEALTH
 from pdserve.parallel.model_runner import resolve_device
-from pdserve.parallel.worker import EngineInfo, RankSpec, RankWorker
+from pdserve.parallel.rank_spec import EngineInfo, RankSpec
+from pdserve.parallel.worker import RankWorker
 from pdserve.prefill.actor import PrefillSurface
 from pdserve.prefill.server import PrefillServer
 from pdserve.transfer import across_nodes, resolve_connector
-from pdserve.transfer.connector import PeerEndpoint
-from pdserve.transfer.handshake import KVSpec, adapter_fingerprints, model_fingerprint
+from pdserve.transfer.handshake import KVSpec, PeerEndpoint, adapter_fingerprints, model_fingerprint
 from pdserve.transfer.pairs import PairReceiver
 from pdserve.transfer.rank import RankTransfer
 from pdserve.transfer.wire import dtype_name
-
-Role = Literal["prefill", "decode"]
-
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    """What kind of instance a rank belongs to."""
-
-    instance_id: str
-    role: Role
-    connector: str = "auto"  # pdserve.transfer.resolve_connector
-    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
-
-
-@dataclass(frozen=True)
-class InstanceStats:
-    instance_id: str
-    role: str
-    leases: dict[str, int]
-    sent: dict[str, Any]
-    received: dict[str, Any]
-    free_blocks: int
-    num_blocks: int
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    kv_tiers: KVTierCounters | None = None
-    speculation: SpeculationCounters | None = None
-    across_nodes: tuple[dict[str, Any], ...] = ()  # ``auto``'s connector between nodes
-    node_id: str = ""  # the Ray node the leader runs on
-    node_ip: str = ""
 
 
 class InstanceWorker(RankWorker, PrefillSurface, DecodeSurface):

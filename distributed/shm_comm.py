@@ -60,7 +60,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pdserve.core.env import env_switch
 from pdserve.core.private_files import open_private
 from pdserve.distributed.futex import FUTEX_WAIT, FUTEX_WAKE, Timespec, futex, process_alive
 
@@ -72,18 +71,12 @@ SPIN_S = 50e-6  # spin this long before sleeping on the futex (1 ms measured slo
 PATIENT_SPIN_S = 1e-3  # a follower waiting for the next plan: the leader's between-step work
 PARTS_CACHED = 64  # (dtype, length, phase) slot views kept for the one-slot path
 LIVENESS_PERIOD_S = 0.05  # longest futex sleep: how often a waiter checks its peers
-ENV_SWITCH = "PDSERVE_SHM_COLLECTIVES"  # "0" keeps every group on gloo
 SHM_DIR = Path("/dev/shm")
 _PATTERN = re.compile(r"pdserve-coll-(\d+)-[0-9a-f]+$")
 
 
 class ShmCollectiveError(RuntimeError):
     """A shared-memory collective could not complete: a peer died or timed out."""
-
-
-def shm_enabled_by_env() -> bool:
-    """False when ``PDSERVE_SHM_COLLECTIVES`` is ``0``, ``false``, ``no`` or ``off``."""
-    return env_switch(ENV_SWITCH)
 
 
 def shm_supported() -> tuple[bool, str]:

@@ -29,7 +29,7 @@ from pdserve.core.layout import Layout, check_fits, plan_layout
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
 from pdserve.parallel.calls import CONTROL, HEALTH
-from pdserve.parallel.worker import EngineInfo, GenerateItem, RankSpec, RankWorker
+from pdserve.parallel.rank_spec import EngineInfo, GenerateItem, RankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +76,14 @@ class RankGroup:
         model: ModelConfig,
         engine: EngineConfig,
         resources: RankResources | None = None,
-        worker_cls: type = RankWorker,
+        worker_cls: type | None = None,
         worker_args: tuple[Any, ...] = (),
         name: str = "pdserve",
     ) -> RankGroup:
-        """Start every rank; ``worker_cls(spec, *worker_args)`` is each rank's actor; the
-        ranks' placement group is ``name`` and a unique suffix (as `ray status` shows it)."""
+        """Start every rank; ``worker_cls(spec, *worker_args)`` is each rank's actor
+        (:class:`~pdserve.parallel.worker.RankWorker` by default); the ranks' placement
+        group is ``name`` and a unique suffix (as `ray status` shows it)."""
+        worker_cls = worker_cls or _rank_worker()
         res = resources or RankResources()
         layout = plan_layout(model, engine.parallel)  # refuse before any actor starts
         clock = PhaseClock()
@@ -169,6 +171,12 @@ def release(workers: list[Any], pg: Any, timeout_s: float = 10.0) -> None:
             ray.get(w.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
     with contextlib.suppress(Exception):  # already removed
         remove_placement_group(pg)
+
+
+def _rank_worker() -> type:
+    from pdserve.parallel.worker import RankWorker  # the rank's code: torch, the model
+
+    return RankWorker
 
 
 def _spawn(

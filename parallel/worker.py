@@ -22,22 +22,16 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InstanceFailedError
-from pdserve.core.layout import Layout
-from pdserve.core.model_config import ModelConfig
 from pdserve.core.request import RequestOutput
-from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.step import StepPlan, StepResult
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.distributed.context import CommStats
-from pdserve.distributed.shm_comm import shm_enabled_by_env
 from pdserve.engine.engine import EngineCore
 from pdserve.engine.executor import Executor
 from pdserve.models.moe import expert_load, expert_rows
@@ -67,37 +61,9 @@ from pdserve.parallel.groups import (
 from pdserve.parallel.lora_control import apply_lora, encode_lora, is_lora
 from pdserve.parallel.model_runner import KVAllocator, ModelRunner, resolve_device
 from pdserve.parallel.pipeline import StageExecutor, StepHooks
+from pdserve.parallel.rank_spec import EngineInfo, GenerateItem, RankSpec
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """Everything one rank is built from."""
-
-    rank: int
-    layout: Layout
-    model: ModelConfig
-    engine: EngineConfig
-    collective_timeout_s: float = 60.0
-    torch_threads: int = 1
-    # Shared-memory collectives for groups on one host; read from
-    # PDSERVE_SHM_COLLECTIVES where the spec is built (the driver).
-    shm_collectives: bool = field(default_factory=shm_enabled_by_env)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    num_kv_blocks: int
-    max_model_len: int
-    block_size: int
-
-
-@dataclass(frozen=True)
-class GenerateItem:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
 
 
 class GroupExecutor(Executor):

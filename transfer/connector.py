@@ -26,28 +26,14 @@ from __future__ import annotations
 
 import abc
 import threading
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from pdserve.core.errors import TransferError
+from pdserve.transfer.handshake import PeerEndpoint
 from pdserve.transfer.stats import TransferStats
 from pdserve.transfer.wire import PageHeader, PageRun, block_runs
-
-
-@dataclass(frozen=True)
-class PeerEndpoint:
-    """How to reach one decode rank's KV cache with one connector."""
-
-    connector: str
-    instance_id: str
-    rank: int
-    kv_shape: tuple[int, ...]  # [local layers, 2, blocks, block_size, local heads, head_dim]
-    dtype: str
-    address: Any  # connector-specific: a file path, an actor handle, a store address
-    node_id: str = ""  # the Ray node the rank runs on ("" unknown: taken as the sender's)
-    actor: Any = None  # the rank's actor: object-store messages reach any rank through it
 
 
 class KVReceiver(abc.ABC):

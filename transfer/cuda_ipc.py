@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from pdserve.core.errors import TransferError
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
+from pdserve.transfer.connector import KVReceiver, KVSender, register
+from pdserve.transfer.handshake import PeerEndpoint
 from pdserve.transfer.wire import PageHeader, PageRun, PageSource, dtype_name, torch_dtype
 
 # Where the device index sits in the arguments of torch's rebuild_cuda_tensor

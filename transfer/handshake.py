@@ -8,7 +8,10 @@ its adapter on the prefill side and extended under the same name on the decode
 side) and the page
 size agree; parallel layouts may differ (the transfer layer re-shards heads and
 layers). A mismatch is refused with both sides' values, before any page moves:
-never wrong output.
+never wrong output. Once they agree, each decode rank tells the prefill ranks how to
+reach its cache (a :class:`PeerEndpoint`).
+
+Light on purpose (no torch): the controller that pairs instances reads both.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pdserve.core.adapters import adapter_fingerprint
 from pdserve.core.errors import PdserveError
@@ -103,3 +107,17 @@ def check_compatible(prefill: KVSpec, decode: KVSpec) -> None:
     problems += _adapter_problems(prefill, decode)
     if problems:
         raise IncompatibleInstancesError("cannot transfer KV pages; " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class PeerEndpoint:
+    """How to reach one decode rank's KV cache with one connector."""
+
+    connector: str
+    instance_id: str
+    rank: int
+    kv_shape: tuple[int, ...]  # [local layers, 2, blocks, block_size, local heads, head_dim]
+    dtype: str
+    address: Any  # connector-specific: a file path, an actor handle, a store address
+    node_id: str = ""  # the Ray node the rank runs on ("" unknown: taken as the sender's)
+    actor: Any = None  # the rank's actor: object-store messages reach any rank through it

@@ -22,7 +22,8 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.core.errors import TransferError
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
+from pdserve.transfer.connector import KVReceiver, KVSender, register
+from pdserve.transfer.handshake import PeerEndpoint
 from pdserve.transfer.stats import TransferStats
 from pdserve.transfer.wire import (
     PageRun,

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from pdserve.core.errors import TransferError
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint
+from pdserve.transfer.connector import KVReceiver, KVSender
+from pdserve.transfer.handshake import PeerEndpoint
 from pdserve.transfer.wire import dtype_name
 
 STORE_TIMEOUT = timedelta(seconds=60)  # how long a pair's rendezvous may take

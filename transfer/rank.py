@@ -36,7 +36,8 @@ from pdserve.core.errors import TransferError
 from pdserve.core.layout import Layout
 from pdserve.core.step import KVSend, StepPlan
 from pdserve.transfer import connector_classes
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint
+from pdserve.transfer.connector import KVReceiver, KVSender
+from pdserve.transfer.handshake import PeerEndpoint
 from pdserve.transfer.routes import Route, plan_routes
 from pdserve.transfer.stats import TransferStats
 from pdserve.transfer.wire import PageHeader, PageRun, PageSource, dtype_name

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from pdserve.core.errors import TransferError
-from pdserve.transfer.connector import KVReceiver, KVSender, PeerEndpoint, register
+from pdserve.transfer.connector import KVReceiver, KVSender, register
+from pdserve.transfer.handshake import PeerEndpoint
 from pdserve.transfer.host_memory import populate, reserve_file
 from pdserve.transfer.page_copy import LayerPages, copy_runs
 from pdserve.transfer.wire import PageRun, dtype_name, torch_dtype

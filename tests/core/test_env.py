@@ -10,9 +10,9 @@ import pytest
 from torch import nn
 
 from pdserve.core.env import OFF, ON
-from pdserve.distributed import shm_comm
 from pdserve.kernels import cpu_gemv
 from pdserve.models.shared_weights import shareable
+from pdserve.parallel import rank_spec
 from tests.core.log_records import Records
 
 
@@ -21,7 +21,7 @@ def _readers() -> dict[str, object]:
     model = nn.Linear(2, 2)
     return {
         "PDSERVE_SHARE_WEIGHTS": lambda: shareable(model),
-        "PDSERVE_SHM_COLLECTIVES": shm_comm.shm_enabled_by_env,
+        "PDSERVE_SHM_COLLECTIVES": rank_spec.shm_enabled_by_env,
         # False where this host cannot build the kernel; then only "off" is checked
         cpu_gemv.ENV_SWITCH: cpu_gemv.available,
     }

@@ -158,7 +158,7 @@ def test_ranks_on_different_hosts_stay_on_gloo(tmp_path: Path) -> None:
 
 
 def test_the_switch_is_read_where_the_spec_is_built(monkeypatch) -> None:
-    from pdserve.parallel.worker import RankSpec
+    from pdserve.parallel.rank_spec import RankSpec
 
     fields = dict(rank=0, layout=None, model=None, engine=None)
     monkeypatch.setenv("PDSERVE_SHM_COLLECTIVES", "0")

@@ -57,8 +57,18 @@ def test_scale_up_and_down_under_load_fails_nothing(ray_session) -> None:
         events = "\n".join(c.status().events)
         assert "removed" in events and "after draining" in events
         c.assert_idle()
+        # It started, paired, drained and stopped instances, and read their stats,
+        # without importing torch or the rank's code (pdserve.cluster.instance_actor).
+        assert ray.get(c.controller.__ray_call__.remote(heavy_modules)) == []
     finally:
         c.stop()
+
+
+def heavy_modules(_actor: object) -> list[str]:
+    """Runs inside an actor: the modules of a rank's code it has imported."""
+    import sys
+
+    return sorted(m for m in sys.modules if m in ("torch", "pdserve.cluster.worker"))
 
 
 def test_status_answers_while_an_instance_drains(ray_session) -> None:

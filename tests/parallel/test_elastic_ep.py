@@ -17,7 +17,7 @@ from pdserve.core.errors import InvalidArgumentError, TransferError
 from pdserve.core.layout import Layout
 from pdserve.core.step import KVArrival, StepPlan
 from pdserve.models.eplb import Placement, shrink, static_placement
-from pdserve.parallel.worker import GenerateItem
+from pdserve.parallel.rank_spec import GenerateItem
 from pdserve.transfer.rank import RankTransfer
 from tests.reference import MAX_NEW_TOKENS
 

@@ -120,7 +120,7 @@ def test_ranks_the_cluster_cannot_place_fail_with_what_they_asked(ray_session) -
 
 def test_dead_rank_fails_the_instance_quickly(ray_session) -> None:
     from pdserve.parallel.instance import _get
-    from pdserve.parallel.worker import GenerateItem
+    from pdserve.parallel.rank_spec import GenerateItem
 
     llm = LLM("builtin:tiny", tensor_parallel_size=2, num_cpus_per_rank=0.5)
     try:
@@ -145,7 +145,7 @@ def test_a_follower_whose_loop_fails_leaves_its_groups_so_the_leader_fails_fast(
     """A follower that stops serving but stays alive (its step raised) must not leave the
     leader waiting out the collective timeout (60 s) for its half of an all-reduce."""
     from pdserve.parallel.instance import _get
-    from pdserve.parallel.worker import GenerateItem
+    from pdserve.parallel.rank_spec import GenerateItem
 
     def broken(worker) -> None:  # type: ignore[no-untyped-def]
         def run(plan) -> None:  # type: ignore[no-untyped-def]

@@ -29,7 +29,7 @@ from pdserve.transfer import (
     pairs,
     shm,
 )
-from pdserve.transfer.connector import PeerEndpoint
+from pdserve.transfer.handshake import PeerEndpoint
 from pdserve.transfer.wire import PageHeader, PageSource
 from tests.fakes import FAKE_RAY, FakeActor
 
