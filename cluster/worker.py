@@ -12,8 +12,10 @@ each fails naming the role it needs). This module keeps what every rank does
 the role flip, which swaps the server and the engine's
 :class:`~pdserve.engine.role.RolePolicy` together.
 
-Calls reach a rank on three Ray concurrency groups (declared in
-:mod:`pdserve.parallel.instance`): the default group serves the data path
+Calls reach a rank on three Ray concurrency groups (named in
+:mod:`pdserve.parallel.calls`, declared by :mod:`pdserve.parallel.instance`; Ray sees
+each call on :class:`~pdserve.cluster.instance_actor.InstanceActor`, which forwards it
+here): the default group serves the data path
 (``prefill`` holds a thread until the first token, ``wait`` until a request
 ends); ``control`` serves short calls that go through the engine loop
 (``stats``, ``drop``, ``check_idle``); ``health`` serves ``ping`` and
