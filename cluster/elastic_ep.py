@@ -18,7 +18,7 @@ import ray
 
 if TYPE_CHECKING:  # the rank side brings torch; the controller reads its statuses only
     from pdserve.cluster.instances import Instance
-    from pdserve.parallel.elastic import ElasticStatus
+    from pdserve.parallel.elastic_status import ElasticStatus
 
 logger = logging.getLogger(__name__)
 

@@ -55,6 +55,7 @@ from pdserve.core.layout import Layout
 from pdserve.distributed.context import ParallelContext
 from pdserve.models.eplb import shrink
 from pdserve.models.moe import SparseMoE
+from pdserve.parallel.elastic_status import ElasticStatus, Recovery
 from pdserve.parallel.expert_slots import moe_layers, reload_slots
 from pdserve.parallel.groups import (
     InstanceGroups,
@@ -92,30 +93,6 @@ class Regrouped:
     copied_slots: int  # slots filled from another local slot
     loaded_slots: int  # slots read from the checkpoint
     redundant_experts: int  # slots over the experts in the new placement
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """One lost rank recovered from; times are wall-clock (``time.time()``) or seconds."""
-
-    dead: tuple[int, ...]  # the ranks lost (as numbered at start)
-    members: tuple[int, ...]  # the ranks serving after (as numbered at start)
-    failed_at: float  # when the leader's collective raised
-    identify_s: float
-    regroup_s: float  # every survivor in its new groups (the slowest)
-    reload_s: float  # every survivor's experts placed (the slowest)
-    resumed_at: float = 0.0  # when the failed step's re-run returned its tokens
-    copied_slots: int = 0
-    loaded_slots: int = 0
-
-
-@dataclass(frozen=True)
-class ElasticStatus:
-    """What the leader's ``elastic_status`` answers."""
-
-    members: tuple[int, ...]  # ranks serving (as numbered at start)
-    steps: int  # steps the leader ran
-    recoveries: tuple[Recovery, ...]
 
 
 def shrunk_layout(layout: Layout, survivors: int) -> Layout:
