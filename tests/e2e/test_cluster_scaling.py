@@ -22,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from pdserve.cluster.connect import CONTROLLER, NAMESPACE
 from pdserve.core.errors import InvalidArgumentError
+from tests.e2e.imported import imported
 from tests.e2e.local_cluster import Running, event_log, generate, start_streams
 
 
@@ -59,16 +60,9 @@ def test_scale_up_and_down_under_load_fails_nothing(ray_session) -> None:
         c.assert_idle()
         # It started, paired, drained and stopped instances, and read their stats,
         # without importing torch or the rank's code (pdserve.cluster.instance_actor).
-        assert ray.get(c.controller.__ray_call__.remote(heavy_modules)) == []
+        assert imported(c.controller, ("torch", "pdserve.cluster.worker")) == []
     finally:
         c.stop()
-
-
-def heavy_modules(_actor: object) -> list[str]:
-    """Runs inside an actor: the modules of a rank's code it has imported."""
-    import sys
-
-    return sorted(m for m in sys.modules if m in ("torch", "pdserve.cluster.worker"))
 
 
 def test_status_answers_while_an_instance_drains(ray_session) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import urllib.error
@@ -19,6 +18,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.models.builtin import resolve_model
 from pdserve.router.config import RegionSpec, RouterConfig
 from pdserve.router.frontdoor.proto.gen import completion_pb2 as pb
+from tests.e2e.imported import imported
 from tests.e2e.tiny_cluster import AUTH, KEY, Cluster, stub
 
 PROMPT = "Hello there, how are you doing today? Tell me about the weather."
@@ -68,17 +68,22 @@ def test_grpc_stream_and_unary_match_the_engine(cluster, doors, reference) -> No
     cluster.assert_idle()
 
 
-def test_the_router_serves_through_instance_handles_without_the_ranks_code(cluster, doors) -> None:
+def test_router_and_ranks_load_only_their_own_code_through_the_handles_they_hold(
+    cluster, doors
+) -> None:
     """Ray loads an actor's class wherever a handle to it is unpickled: the router holds
-    the instances' handles, yet imports neither torch nor the rank's code."""
+    the instances' handles, yet imports neither torch nor the rank's code; a CPU rank
+    holds the router's, yet imports neither the router nor its front doors, nor Triton."""
     assert len(list(stub(doors).Generate(request(), metadata=AUTH))) > 0
     router = cluster._bootstrap[0]
-    heavy = ray.get(
-        router.__ray_call__.remote(
-            lambda _: sorted(m for m in sys.modules if m in ("torch", "pdserve.cluster.worker"))
-        )
-    )
-    assert heavy == []
+    assert imported(router, ("torch", "pdserve.cluster.worker")) == []
+    router_code = ("pdserve.router.router", "aiohttp", "triton")
+    for instance in cluster.instances():
+        assert imported(instance.leader, ("torch", "pdserve.cluster.worker")) == [
+            "pdserve.cluster.worker",
+            "torch",
+        ]
+        assert imported(instance.leader, router_code) == []
 
 
 def LLM_TOKENIZER():
