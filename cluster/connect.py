@@ -9,10 +9,12 @@ torch, is ``pdserve.cluster.serve``'s.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +27,18 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
 PROBE_TIMEOUT_S = 3.0  # a Ray address that does not accept a connection in this has no cluster
+RAY_STARTED = "ray_current_cluster"  # in Ray's temp folder: the cluster `ray start` started
+EMBEDDED = "pdserve_current_cluster"  # beside it: the embedded Ray of a running pdserve serve
 
 
 def connect(address: str, num_cpus: int | None = None, start_local: bool = True) -> None:
     """``address``: "local" (embedded), "auto" (found, else embedded) or a Ray address.
 
-    With ``start_local=False`` (status, scale: there must be a cluster to ask)
-    "auto" finding nothing is an error, not a new empty Ray instance.
+    "auto" is ``RAY_ADDRESS``, else the cluster a local ``ray start`` or a running
+    embedded ``pdserve serve`` announced in Ray's temp folder (:func:`found_address`),
+    never any Ray found running on the machine: another program's embedded Ray lives
+    and dies with that program. With ``start_local=False`` (status, scale: there must
+    be a cluster to ask) "auto" finding nothing is an error, not a new empty Ray instance.
     """
     if ray.is_initialized():
         return
@@ -39,14 +46,18 @@ def connect(address: str, num_cpus: int | None = None, start_local: bool = True)
         _start_local(num_cpus)
         return
     use_ray_token()
+    source = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "--ray-address"
     named = os.environ.get("RAY_ADDRESS") or address  # what ray.init will dial
-    check_ray_address(named, "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "--ray-address")
+    check_ray_address(named, source)
+    dial = found_address() if named == "auto" else named
     try:
-        if named != "auto" and not listening(named):  # Ray itself would retry for minutes
-            raise ConnectionError(f"nothing listens at {named}")
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        if dial is None:
+            raise ConnectionError(f"none announced in {ray_temp_dir()}")
+        if not listening(dial):  # Ray itself would retry for minutes
+            raise ConnectionError(f"nothing listens at {dial}")
+        ray.init(address=dial, namespace=NAMESPACE, log_to_driver=False)
     except ConnectionError as e:
-        if address != "auto" or not start_local:
+        if named != "auto" or not start_local:
             where = "on this machine" if named == "auto" else f"at {named}"
             raise InstanceFailedError(
                 f"no Ray cluster {where} ({first_line(e)}): start one with pdserve serve "
@@ -54,6 +65,29 @@ def connect(address: str, num_cpus: int | None = None, start_local: bool = True)
             ) from None
         logger.info("no Ray cluster found: starting an embedded local one")
         _start_local(num_cpus)
+
+
+def ray_temp_dir() -> Path:
+    """Ray's temp folder on this machine, as Ray picks it: where ``ray start`` leaves the
+    address of the cluster it started."""
+    if "RAY_TMPDIR" in os.environ:
+        return Path(os.environ["RAY_TMPDIR"]) / "ray"
+    if sys.platform.startswith("linux") and "TMPDIR" in os.environ:
+        return Path(os.environ["TMPDIR"]) / "ray"
+    return Path("/tmp") / "ray"
+
+
+def found_address() -> str | None:
+    """The local cluster "auto" joins: the one a ``ray start`` announced (Ray's own file),
+    else a running embedded ``pdserve serve``'s; None when neither listens."""
+    for name in (RAY_STARTED, EMBEDDED):
+        try:
+            address = (ray_temp_dir() / name).read_text().strip()
+        except OSError:
+            continue
+        if address and is_host_port(address) and listening(address):
+            return address
+    return None
 
 
 def check_ray_address(address: str, source: str = "--ray-address") -> None:
@@ -84,15 +118,41 @@ def is_host_port(address: str) -> bool:
 
 
 def _start_local(num_cpus: int | None) -> None:
+    """Start an embedded Ray instance (never join one: "local" says so) and announce it
+    to "auto" (:func:`found_address`) until this process exits."""
     try:
         ray.init(
-            num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False
+            address="local",
+            num_cpus=num_cpus,
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=False,
         )
     except Exception as e:  # Ray raises a bare Exception when its processes do not come up
         raise InstanceFailedError(
             f"could not start an embedded Ray instance ({first_line(e)}): try again once the "
             "machine is less busy, or start Ray with ray start and pass --ray-address"
         ) from None
+    announce(ray.get_runtime_context().gcs_address)
+
+
+def announce(address: str) -> None:
+    """Leave ``address`` where "auto" looks (:data:`EMBEDDED`), removed at exit if it is
+    still this process's (a later embedded Ray may have taken the file)."""
+    path = ray_temp_dir() / EMBEDDED
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(address)
+    except OSError as e:
+        logger.warning("could not write %s (%s): pass --ray-address to status", path, e)
+        return
+
+    def withdraw() -> None:
+        with contextlib.suppress(OSError):
+            if path.read_text().strip() == address:
+                path.unlink()
+
+    atexit.register(withdraw)
 
 
 def listening(address: str) -> bool:

@@ -18,7 +18,7 @@ os.environ.setdefault("PDSERVE_CPU_KV_CACHE_BYTES", str(32 << 20))
 
 
 # `make test` runs the tests that start Ray or a whole cluster one after another in a
-# lane, the rest beside them, and the solo tests last, alone (tests/lanes.py).
+# lane, the rest beside them (tests/lanes.py).
 def starts_a_cluster(item: pytest.Item) -> bool:
     return "ray_session" in getattr(item, "fixturenames", ()) or "e2e" in item.path.parts
 
@@ -28,8 +28,6 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.cluster)
     if item.path.name == "test_readme.py":
         item.add_marker(pytest.mark.readme)
-        if item.get_closest_marker("cluster"):  # `pdserve serve` joins any Ray it finds
-            item.add_marker(pytest.mark.solo)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The lanes of `make test` (tests/lanes.py): mypy heads the rest lane, the second-lane
-cluster files run in the rest lane only, the solo tests after both lanes."""
+cluster files run in the rest lane only."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from tests.lanes import (
     REPORTS,
     REST,
     SECOND_LANE,
-    SOLO,
     cpu_line,
     cpu_times,
     lane_commands,
@@ -32,7 +31,7 @@ def test_typecheck_heads_the_rest_lane_and_pytest_gets_the_other_arguments() -> 
     assert rest == [*PYTEST, "-m", REST, _report("rest"), "-q", "-x"]
     assert second == [*PYTEST, "-m", CLUSTER, _report("second"), "-q", "-x", *SECOND_LANE]
     assert multinode == [*PYTEST, "-m", MULTINODE, _report("multinode"), "-q", "-x"]
-    assert lanes["solo"] == [[*PYTEST, "-m", SOLO, _report("solo"), "-q", "-x"]]
+    assert set(lanes) == {"cluster", "rest"}
     assert lane_commands(["-q"])["rest"][0] == [*PYTEST, "-m", REST, _report("rest"), "-q"]
 
 

@@ -220,8 +220,8 @@ def test_readme_block_runs_as_written(block: Block, scratch: Path) -> None:
     run_block(block, scratch)
 
 
-# `pdserve serve` joins any Ray it finds on the machine (Ray's "auto" address): make
-# test runs these once the cluster lane's own Ray is gone (tests/lanes.py).
+# `pdserve serve` finds no Ray the suite started: the blocks get a Ray temp folder of
+# their own (no_ray_around), and "auto" joins only a cluster announced there.
 @pytest.mark.cluster
 @pytest.mark.timeout(BLOCK_LIMIT_S * 3)
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.mark == "server"], ids=ids)

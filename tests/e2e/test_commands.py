@@ -103,7 +103,6 @@ def one_line_error(result: subprocess.CompletedProcess[str], command: str) -> st
     return errors[0]
 
 
-@pytest.mark.solo  # `pdserve serve` joins any Ray it finds on the machine
 def test_serve_status_scale_and_stop(tmp_path) -> None:
     config, grpc_port = config_with_ports(tmp_path)
     proc = subprocess.Popen(
