@@ -13,6 +13,10 @@ The tests marked ``multinode`` (tests/e2e/test_multinode.py: a Ray cluster of th
 nodes on this machine, to which their process connects) end the rest lane in a
 pytest process of their own, since a process holds one Ray connection.
 
+The rest lane's mypy and unit tests run at a lower CPU priority (``nice``): the cluster
+lane's tests have deadlines and timings, and tests/conftest.py runs its timed ones
+(simulator against a real cluster) first, while those steps run.
+
 ``pdserve serve``'s "auto" joins only the Ray cluster announced in its Ray temp
 folder (``pdserve.cluster.connect.found_address``), never the lanes' own: the
 commands and README's serving examples run in the lanes like any cluster test.
@@ -62,16 +66,27 @@ SECOND_LANE = (
     "tests/e2e/test_tenants.py",
     "tests/sim/test_profile.py",
 )
+# mypy and the unit tests yield the CPU to the cluster lane's tests, whose deadlines and
+# timings count (tests/conftest.py runs the timed ones then); they need none of it.
+NICE = 5
 NO_TESTS = 5  # pytest's exit status when a step selected nothing
 REPORTS = "test-artifacts/lanes"  # each step's JUnit report (tests/durations.py reads them)
 
 
 def _run_lane(
-    name: str, commands: list[list[str]], codes: list[int], started: float, env: dict | None
+    name: str,
+    commands: list[list[str]],
+    codes: list[int],
+    started: float,
+    env: dict | None,
+    niced: int = 0,
 ) -> None:
-    for cmd in commands:
+    """Run ``commands`` one after another, the first ``niced`` of them at a lower CPU
+    priority (:data:`NICE`)."""
+    for i, cmd in enumerate(commands):
+        niceness = ["nice", "-n", str(NICE)] if i < niced else []
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            [*niceness, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -124,12 +139,16 @@ def main(args: list[str]) -> int:
     # the rest lane's Ray writes its address in a temp folder of its own (short: sockets)
     own_ray = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
     codes: dict[str, list[int]] = {name: [] for name in commands}
+    # the rest lane's typecheck (when asked) and unit tests: the steps before its cluster ones
+    unit_steps = len(commands["rest"]) - 2
     threads = [
         threading.Thread(
+            target=_run_lane, args=("cluster", commands["cluster"], codes["cluster"], started, None)
+        ),
+        threading.Thread(
             target=_run_lane,
-            args=(name, commands[name], codes[name], started, own_ray if name == "rest" else None),
-        )
-        for name in ("cluster", "rest")
+            args=("rest", commands["rest"], codes["rest"], started, own_ray, unit_steps),
+        ),
     ]
     for thread in threads:
         thread.start()
