@@ -50,7 +50,7 @@ MULTINODE = "multinode"
 # 77 s, since cut to 37 s; the cold-start tests, 32 s, moved here then. Later, 3cc05a9:
 # cluster lane 737 s, rest lane 818 s; the cluster calibration, 36 s, moved back.
 # 98a5ba0: cluster 789 s, rest 811 s; then the solo tests, 41 s, joined the cluster
-# lane and the tenants' file, 12 s, came here. ee633f5: cluster 608 s, rest 654 s; the
+# lane and the tenants' file, 12 s, came here. 32f04c4: cluster 608 s, rest 654 s; the
 # cold-start tests, ~20 s, moved back).
 SECOND_LANE = (
     "tests/bench",
