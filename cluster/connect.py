@@ -53,7 +53,7 @@ def connect(address: str, num_cpus: int | None = None, start_local: bool = True)
     try:
         if dial is None:
             raise ConnectionError(f"none announced in {ray_temp_dir()}")
-        if not listening(dial):  # Ray itself would retry for minutes
+        if named != "auto" and not listening(dial):  # Ray would retry for minutes
             raise ConnectionError(f"nothing listens at {dial}")
         ray.init(address=dial, namespace=NAMESPACE, log_to_driver=False)
     except ConnectionError as e:

@@ -23,15 +23,14 @@ import functools
 import torch
 
 from pdserve.core.errors import InvalidArgumentError
-from pdserve.kernels.ops import KERNEL_OPS, KernelOps, register_kernels
+from pdserve.kernels.ops import KERNEL_OPS, KernelOps, register_kernels, triton_may_be_chosen
 from pdserve.kernels.torch_ops import TorchKernels
 
 
 def _import_implementations(name: str, device: torch.device) -> None:
     from pdserve.kernels import cpu_ops  # noqa: F401
 
-    # Triton only where it can be chosen: importing it costs a CPU rank 0.27 CPU-s.
-    if device.type == "cuda" or name not in ("auto", *KERNEL_OPS):
+    if triton_may_be_chosen(name, device, KERNEL_OPS):
         with contextlib.suppress(ImportError):  # without Triton the torch ops serve
             from pdserve.kernels import triton_ops  # noqa: F401
 

@@ -8,6 +8,7 @@ imports them and picks one.
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection
 from typing import ClassVar
 
 import torch
@@ -50,3 +51,11 @@ KERNEL_OPS: dict[str, type[KernelOps]] = {}
 def register_kernels(cls: type[KernelOps]) -> type[KernelOps]:
     KERNEL_OPS[cls.name] = cls
     return cls
+
+
+def triton_may_be_chosen(name: str, device: torch.device, known: Collection[str]) -> bool:
+    """Whether selecting ``name`` on ``device`` may pick a Triton implementation, so it
+    must be imported to register: on CUDA, or for a name not among ``known`` (it may be
+    "triton"; an unknown name's error lists every one). On a CPU, "auto" never picks
+    Triton, and importing it costs a rank 0.27 CPU-s of its start (py-spy)."""
+    return device.type == "cuda" or (name != "auto" and name not in known)

@@ -34,8 +34,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 # pytest process. In `make test`'s cluster lane that is while the rest lane runs mypy and
 # the unit tests (one steady core, at a lower priority: tests/lanes.py) rather than its
 # bursts of rank and node start-ups: a calibration run of a few requests that met such a
-# burst set a per-request overhead of 99 ms (12-16 ms alone), and its point's TTFT p50
-# was simulated 85% high.
+# burst set a per-request overhead of 99 ms, and its point's TTFT p50 was simulated 85%
+# high (test_calibrate_cluster.py's cluster, calibrated alone three times: 12-16 ms).
 TIMED = (
     "test_validation.py",
     "test_calibrate_cluster.py",

@@ -79,12 +79,11 @@ def _run_lane(
     codes: list[int],
     started: float,
     env: dict | None,
-    niced: int = 0,
 ) -> None:
-    """Run ``commands`` one after another, the first ``niced`` of them at a lower CPU
+    """Run ``commands`` one after another, mypy's and the unit tests' at a lower CPU
     priority (:data:`NICE`)."""
-    for i, cmd in enumerate(commands):
-        niceness = ["nice", "-n", str(NICE)] if i < niced else []
+    for cmd in commands:
+        niceness = ["nice", "-n", str(NICE)] if yields_cpu(cmd) else []
         proc = subprocess.Popen(
             [*niceness, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
@@ -94,6 +93,11 @@ def _run_lane(
             sys.stdout.flush()
         codes.append(proc.wait())
     print(f"lanes: {name} ended ({codes}) after {time.monotonic() - started:.0f} s", flush=True)
+
+
+def yields_cpu(cmd: list[str]) -> bool:
+    """mypy and the unit tests: the steps without deadlines or timings."""
+    return "tests.typecheck" in cmd or REST in cmd
 
 
 def lane_commands(args: list[str]) -> dict[str, list[list[str]]]:
@@ -139,16 +143,12 @@ def main(args: list[str]) -> int:
     # the rest lane's Ray writes its address in a temp folder of its own (short: sockets)
     own_ray = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
     codes: dict[str, list[int]] = {name: [] for name in commands}
-    # the rest lane's typecheck (when asked) and unit tests: the steps before its cluster ones
-    unit_steps = len(commands["rest"]) - 2
     threads = [
         threading.Thread(
-            target=_run_lane, args=("cluster", commands["cluster"], codes["cluster"], started, None)
-        ),
-        threading.Thread(
             target=_run_lane,
-            args=("rest", commands["rest"], codes["rest"], started, own_ray, unit_steps),
-        ),
+            args=(name, commands[name], codes[name], started, own_ray if name == "rest" else None),
+        )
+        for name in ("cluster", "rest")
     ]
     for thread in threads:
         thread.start()

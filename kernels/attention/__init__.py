@@ -16,15 +16,16 @@ from pdserve.kernels.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
 )
+from pdserve.kernels.ops import triton_may_be_chosen
 
 
 def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     """The backend called ``name``, or the device's default for "auto"."""
-    # Import the implementations so they register themselves. Triton's only where it
-    # can be chosen: importing it costs a CPU rank 0.27 CPU-s of its start (py-spy).
+    # Import the implementations so they register themselves (Triton's only where it
+    # may be chosen).
     from pdserve.kernels.attention import cpu, torch_ref  # noqa: F401
 
-    if device.type == "cuda" or name not in ("auto", *ATTENTION_BACKENDS):
+    if triton_may_be_chosen(name, device, ATTENTION_BACKENDS):
         with contextlib.suppress(ImportError):  # without Triton the others still serve
             from pdserve.kernels.attention import triton  # noqa: F401
 
